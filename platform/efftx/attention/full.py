@@ -1,0 +1,39 @@
+"""Full softmax attention through torch SDPA: the reference every other backend is tested against."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from efftx.attention import register
+from efftx.attention.base import AttentionBackend
+from efftx.attention.cache import KVCache
+
+
+def causal_offset_mask(t_q: int, t_k: int, device: torch.device) -> torch.Tensor:
+    """(t_q, t_k) bool mask, True = may attend; query i sits at absolute position t_k - t_q + i."""
+    q_pos = torch.arange(t_k - t_q, t_k, device=device)[:, None]
+    k_pos = torch.arange(t_k, device=device)[None, :]
+    return k_pos <= q_pos
+
+
+@register("full")
+class FullAttention(AttentionBackend):
+    def forward(self, q, k, v, *, cache: KVCache | None = None, x=None):
+        # q: (B, T, H, D); k, v: (B, T, Hkv, D)
+        t_q = q.shape[1]
+        if cache is not None:
+            k, v = cache.append(k, v)  # (B, L, Hkv, D), L = tokens so far
+        t_k = k.shape[1]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        dropout = self.spec.dropout if self.training else 0.0
+        gqa = q.shape[1] != k.shape[1]
+        if not self.spec.causal or t_q == 1:
+            mask, is_causal = None, False  # one new token may see every cached one
+        elif t_q == t_k:
+            mask, is_causal = None, True
+        else:
+            mask, is_causal = causal_offset_mask(t_q, t_k, q.device), False
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                             is_causal=is_causal, enable_gqa=gqa)
+        return out.transpose(1, 2)  # (B, T, H, D)

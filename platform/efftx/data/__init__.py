@@ -1,0 +1,1 @@
+"""Datasets: byte corpora (bytes.py); images come with the DALL-E family."""

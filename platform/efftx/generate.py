@@ -1,0 +1,60 @@
+"""Generate text from an exported model (model.safetensors + config.json) with a KV cache.
+
+    python -m efftx.generate --model PATH --prompt TEXT --max-new-tokens N [--temperature T]
+                             [--top-k K] [--top-p P] [--seed S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from efftx.errors import EfftxError, ExportError
+from efftx.generation.decode import decode_bytes, encode_text, generate
+
+
+def sample_text(model_path: str, prompt: str, max_new_tokens: int, *, temperature: float = 1.0,
+                top_k: int = 0, top_p: float = 1.0, seed: int | None = None, device: str = "cpu") -> str:
+    from efftx.train.checkpoint import load_export
+
+    if not prompt:
+        raise ExportError("the prompt is empty")
+    if max_new_tokens < 1:
+        raise ExportError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+        raise ExportError("temperature must be >= 0, top_k >= 0 and top_p in (0, 1]")
+    model, cfg, _ = load_export(model_path, device)
+    tokens = encode_text(prompt)
+    if len(tokens) + max_new_tokens > model.max_seq_len:
+        raise ExportError(f"prompt ({len(tokens)} bytes) + max_new_tokens ({max_new_tokens}) exceeds the "
+                          f"model's max_seq_len={model.max_seq_len}")
+    prompt_t = torch.tensor([tokens], dtype=torch.long, device=device)
+    out = generate(model, prompt_t, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    return decode_bytes(out[0].tolist())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    p.add_argument("--model", required=True, help="export folder (model.safetensors + config.json)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = no top-k filter")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args(argv)
+    try:
+        text = sample_text(args.model, args.prompt, args.max_new_tokens, temperature=args.temperature,
+                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, device=args.device)
+    except EfftxError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(args.prompt + text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

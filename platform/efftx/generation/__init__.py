@@ -1,0 +1,1 @@
+"""Generation as small functions: sampling (sampling.py) and prefill/decode (decode.py)."""

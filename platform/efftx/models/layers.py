@@ -1,0 +1,117 @@
+"""Shared building blocks: norms, rotary positions, MLP, the outer attention module, Block.
+
+The outer :class:`Attention` owns the projections, rotary and GQA head layout; the inner math is
+an :mod:`efftx.attention` backend chosen by name.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from efftx import attention
+from efftx.attention.base import AttentionSpec
+from efftx.errors import ConfigError
+
+
+class ScaleNorm(nn.Module):
+    """x * g / ||x|| with a single learned gain (Nguyen & Salazar, 2019)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.g = nn.Parameter(torch.tensor(math.sqrt(dim)))
+        self.eps = eps
+
+    def forward(self, x):
+        return x * (self.g / x.norm(dim=-1, keepdim=True).clamp(min=self.eps))
+
+
+NORMS = {
+    "rmsnorm": lambda dim: nn.RMSNorm(dim, eps=1e-6),
+    "layernorm": nn.LayerNorm,
+    "scalenorm": ScaleNorm,
+}
+
+
+def make_norm(name: str, dim: int) -> nn.Module:
+    if name not in NORMS:
+        raise ConfigError(f"model.norm={name!r} is unknown; choose from {', '.join(sorted(NORMS))}")
+    return NORMS[name](dim)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding applied to (B, T, H, D) tensors at absolute positions."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, base: float = 10000.0):
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)  # (T, D/2)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        t = x.shape[1]
+        if offset + t > self.cos.shape[0]:
+            raise ValueError(f"position {offset + t} beyond model.max_seq_len={self.cos.shape[0]}")
+        cos = self.cos[offset:offset + t, None, :]  # (T, 1, D/2)
+        sin = self.sin[offset:offset + t, None, :]
+        x1, x2 = x.float().chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return out.to(x.dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, mult: float, dropout: float = 0.0):
+        super().__init__()
+        hidden = int(dim * mult)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return self.drop(self.down(F.gelu(self.up(x))))
+
+
+class Attention(nn.Module):
+    """Projections + rotary + GQA around an inner attention backend."""
+
+    def __init__(self, spec: AttentionSpec, rotary: Rotary | None, dropout: float = 0.0):
+        super().__init__()
+        self.spec = spec
+        h, hkv, d = spec.heads, spec.kv_heads, spec.head_dim
+        self.q = nn.Linear(spec.dim, h * d, bias=False)
+        self.kv = nn.Linear(spec.dim, 2 * hkv * d, bias=False)
+        self.out = nn.Linear(h * d, spec.dim, bias=False)
+        self.inner = attention.build(spec)
+        self.rotary = rotary
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x, cache=None):
+        b, t, _ = x.shape
+        s = self.spec
+        q = self.q(x).view(b, t, s.heads, s.head_dim)  # (B, T, H, D)
+        k, v = self.kv(x).view(b, t, 2, s.kv_heads, s.head_dim).unbind(2)  # (B, T, Hkv, D)
+        if self.rotary is not None:
+            offset = cache.length if cache is not None else 0
+            q, k = self.rotary(q, offset), self.rotary(k, offset)
+        y = self.inner(q, k, v, cache=cache, x=x)  # (B, T, H, D)
+        return self.drop(self.out(y.reshape(b, t, s.heads * s.head_dim)))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)); x + mlp(norm(x))."""
+
+    def __init__(self, spec: AttentionSpec, norm: str, mlp_mult: float, rotary: Rotary | None,
+                 dropout: float = 0.0):
+        super().__init__()
+        self.norm1 = make_norm(norm, spec.dim)
+        self.attn = Attention(spec, rotary, dropout)
+        self.norm2 = make_norm(norm, spec.dim)
+        self.mlp = MLP(spec.dim, mlp_mult, dropout)
+
+    def forward(self, x, cache=None):
+        x = x + self.attn(self.norm1(x), cache)
+        return x + self.mlp(self.norm2(x))

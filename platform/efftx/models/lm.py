@@ -1,0 +1,75 @@
+"""Decoder-only language model over bytes (or any token vocabulary).
+
+    tokens (B, T) -> embed -> depth x Block -> norm -> logits (B, T, vocab)
+
+``forward(tokens, cache=None)``: with a cache (from ``new_cache``) the tokens continue the cached
+sequence, which is how prefill and one-token decoding work for every attention backend.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from efftx.attention.base import AttentionSpec
+from efftx.attention.cache import ModelCache
+from efftx.models.layers import Block, Rotary, make_norm
+
+
+class LM(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        m = cfg.model
+        self.vocab_size = m.vocab_size
+        self.max_seq_len = m.max_seq_len
+        spec0 = AttentionSpec.from_config(cfg)
+        self.embed = nn.Embedding(m.vocab_size, m.dim)
+        self.rotary = Rotary(spec0.head_dim, m.max_seq_len, m.rotary_base) if m.rotary else None
+        self.pos = None if m.rotary else nn.Embedding(m.max_seq_len, m.dim)
+        self.blocks = nn.ModuleList(
+            Block(AttentionSpec.from_config(cfg, layer_index=i), m.norm, m.mlp_mult, self.rotary, m.dropout)
+            for i in range(m.depth)
+        )
+        self.norm = make_norm(m.norm, m.dim)
+        self.head = None if m.tie_embeddings else nn.Linear(m.dim, m.vocab_size, bias=False)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def new_cache(self, batch_size: int, max_len: int | None = None) -> ModelCache:
+        p = self.embed.weight
+        max_len = max_len or self.max_seq_len
+        return ModelCache([blk.attn.inner.new_cache(batch_size, max_len, p.device, p.dtype) for blk in self.blocks])
+
+    def forward(self, tokens: torch.Tensor, cache: ModelCache | None = None) -> torch.Tensor:
+        b, t = tokens.shape
+        offset = cache.length if cache is not None else 0
+        if offset + t > self.max_seq_len:
+            raise ValueError(f"sequence of {offset + t} tokens exceeds model.max_seq_len={self.max_seq_len}")
+        x = self.embed(tokens)  # (B, T, dim)
+        if self.pos is not None:
+            x = x + self.pos(torch.arange(offset, offset + t, device=tokens.device))
+        for i, blk in enumerate(self.blocks):
+            x = blk(x, cache.layers[i] if cache is not None else None)
+        x = self.norm(x)
+        weight = self.embed.weight if self.head is None else self.head.weight
+        return F.linear(x, weight)  # (B, T, vocab)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 x matmul weights + 12·L·H·D·T for attention (PaLM, appendix B).
+
+        Embedding lookups are not matmuls; the output projection is (tied or not).
+        """
+        lookups = (self.pos.weight.numel() if self.pos is not None else 0)
+        lookups += self.embed.weight.numel() if self.head is not None else 0
+        spec = self.blocks[0].attn.spec
+        return 6 * (self.num_params() - lookups) + 12 * len(self.blocks) * spec.heads * spec.head_dim * seq_len

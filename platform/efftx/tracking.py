@@ -1,0 +1,107 @@
+"""MLflow records of a run, written by rank 0 only.
+
+* params: the flattened run config, with the same dotted keys as ``--set`` (plus ``data.sha256``);
+* metrics: per step (train loss, lr, tokens/s, MFU) and per evaluation (val loss, bits-per-byte);
+* artifacts: text samples under ``samples/``, the exported model under ``export/``;
+* the model registry: each export registered under the recipe name (``tracking.model_name``).
+
+The default tracking URI is a sqlite file in the efftx home (``.efftx/mlflow.db`` in a checkout);
+``MLFLOW_TRACKING_URI`` or ``tracking.uri`` override it. With a sqlite store, artifacts go next to
+the database in ``mlartifacts/``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from efftx.errors import ConfigError
+
+
+def artifact_root_for(uri: str) -> str | None:
+    if uri.startswith("sqlite:///"):
+        return (Path(uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri()
+    return None  # a tracking server decides
+
+
+def client_for(uri: str):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def experiment_id(client, name: str, uri: str) -> str:
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    try:
+        return client.create_experiment(name, artifact_location=artifact_root_for(uri))
+    except Exception:  # another process created it first
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
+class Tracker:
+    """An MLflow run. ``run_id`` given = continue that run (after a resume)."""
+
+    def __init__(self, cfg, run_id: str | None = None, extra_params: dict[str, Any] | None = None,
+                 parent_run_id: str | None = None):
+        from mlflow.entities import Param
+
+        self.uri = cfg.tracking.uri
+        if not self.uri:
+            raise ConfigError("tracking.uri is empty: launch resolves it before training starts")
+        self.client = client_for(self.uri)
+        self.cfg = cfg
+        if run_id is None:
+            tags = {"efftx.recipe": cfg.recipe, "efftx.run_name": cfg.name}
+            if parent_run_id:
+                tags["mlflow.parentRunId"] = parent_run_id
+            exp_id = experiment_id(self.client, cfg.tracking.experiment, self.uri)
+            run = self.client.create_run(exp_id, run_name=cfg.name, tags=tags)
+            self.run_id = run.info.run_id
+            params = {**cfg.flat(), **(extra_params or {})}
+            self.client.log_batch(self.run_id, params=[Param(k, str(v)) for k, v in params.items()])
+        else:
+            self.run_id = run_id
+            self.client.update_run(run_id, status="RUNNING")
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if isinstance(v, (int, float))]
+        if batch:
+            self.client.log_batch(self.run_id, metrics=batch)
+
+    def log_text(self, text: str, path: str) -> None:
+        self.client.log_text(self.run_id, text, path)
+
+    def log_artifacts(self, local_dir: str, path: str) -> None:
+        self.client.log_artifacts(self.run_id, local_dir, path)
+
+    def register(self, artifact_path: str) -> str | None:
+        """Register the logged artifact folder as a new version of ``tracking.model_name``."""
+        if not self.cfg.tracking.register_model:
+            return None
+        name = self.cfg.tracking.model_name or self.cfg.recipe
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.create_registered_model(name)
+        except MlflowException:
+            pass  # already registered
+        source = f"{self.client.get_run(self.run_id).info.artifact_uri}/{artifact_path}"
+        version = self.client.create_model_version(name, source=source, run_id=self.run_id,
+                                                   tags={"efftx.run_name": self.cfg.name})
+        return f"models:/{name}/{version.version}"
+
+    def finish(self, status: str = "FINISHED") -> None:
+        self.client.set_terminated(self.run_id, status=status)
+
+
+def ui_command(uri: str) -> str:
+    return f".venv/bin/mlflow ui --backend-store-uri {uri} --port 5000   # then open http://127.0.0.1:5000"

@@ -1,0 +1,112 @@
+"""Ray Train checkpoints (resume) and exports (safetensors + config.json, for generation and Serve).
+
+A checkpoint is one Ray Train checkpoint directory into which every rank writes its DeepSpeed
+files (Ray merges the ranks' files); rank 0 adds ``efftx_state.json``: the loop state and the full
+run config, so a checkpoint alone is enough to rebuild its model.
+
+An export is ``model.safetensors`` (fp32 weights, no pickle) + ``config.json`` (the run config and
+metadata). :func:`load_export` rebuilds the model from those two files only.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from efftx.config import Config
+from efftx.errors import ExportError
+
+STATE_FILE = "efftx_state.json"
+DS_TAG = "deepspeed"
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+
+
+def save(engine, state: dict[str, Any], metrics: dict[str, Any], rank: int) -> None:
+    """Collective: every rank saves its DeepSpeed shard and reports the directory to Ray Train."""
+    import ray.train
+
+    with tempfile.TemporaryDirectory(prefix="efftx-ckpt-") as tmp:
+        engine.save_checkpoint(tmp, tag=DS_TAG)
+        if rank == 0:
+            Path(tmp, STATE_FILE).write_text(json.dumps(state, indent=2))
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+
+
+def restore(engine) -> dict[str, Any] | None:
+    """Load the latest Ray Train checkpoint of this run into ``engine``; return its loop state."""
+    import ray.train
+
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as path:
+        state = json.loads(Path(path, STATE_FILE).read_text())
+        load_path, _ = engine.load_checkpoint(path, tag=DS_TAG, load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+        if load_path is None:
+            raise RuntimeError(f"DeepSpeed found no checkpoint under {path}")
+    return state
+
+
+@contextmanager
+def full_parameters(engine):
+    """Make every parameter whole on every rank (ZeRO-3 partitions them); a no-op below stage 3."""
+    if engine.zero_optimization_stage() != 3:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+        yield
+
+
+def export(model: torch.nn.Module, cfg: Config, out_dir: str | Path, meta: dict[str, Any]) -> Path:
+    """Write model.safetensors + config.json into ``out_dir`` (replacing an older export)."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype).contiguous()
+               for k, v in model.state_dict().items()}
+    tmp = out / (WEIGHTS_FILE + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt", "efftx.recipe": cfg.recipe})
+    tmp.replace(out / WEIGHTS_FILE)
+    (out / CONFIG_FILE).write_text(json.dumps({"config": cfg.to_dict(), "meta": meta}, indent=2))
+    return out
+
+
+def read_export_config(path: str | Path) -> tuple[Config, dict[str, Any]]:
+    path = Path(path)
+    cfg_file = path / CONFIG_FILE
+    if not path.is_dir() or not cfg_file.is_file() or not (path / WEIGHTS_FILE).is_file():
+        raise ExportError(f"{path} is not an efftx export (expected a folder with {WEIGHTS_FILE} and {CONFIG_FILE})")
+    try:
+        blob = json.loads(cfg_file.read_text())
+        return Config.from_dict(blob["config"]), blob.get("meta", {})
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ExportError(f"{cfg_file} is not a valid efftx export config: {exc}") from None
+
+
+def load_export(path: str | Path, device: str | torch.device = "cpu") -> tuple[torch.nn.Module, Config, dict]:
+    """Rebuild the model of an export from its config and load its weights (strictly)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from efftx.train.tasks import get as get_task
+
+    cfg, meta = read_export_config(path)
+    model = get_task(cfg.model.family).build_model(cfg)
+    try:
+        state = load_file(str(Path(path) / WEIGHTS_FILE), device=str(device))
+    except (SafetensorError, OSError) as exc:
+        raise ExportError(f"cannot read {Path(path) / WEIGHTS_FILE}: {exc}") from None
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ExportError(f"weights in {path} do not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return model.to(device).eval(), cfg, meta

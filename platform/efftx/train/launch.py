@@ -1,0 +1,177 @@
+"""Driver side of a run: resolve the config, prepare data, check the cluster, run the TorchTrainer.
+
+    launch(cfg) -> summary dict
+
+The same function runs a job script (``python jobs/train_lm.py``, local Ray started in-process),
+a job on a cluster (``ray job submit``: ``ray.init()`` joins the cluster) and each Tune trial.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from efftx import paths
+from efftx.config import Config
+from efftx.errors import ConfigError, EfftxError, LaunchError
+from efftx.train.tasks import get as get_task
+
+RUN_FILE = "efftx_run.json"  # in the Ray run folder: MLflow run id and the config of the first attempt
+
+# Keys that may differ when a run is resumed (everything else must match the original run).
+RESUMABLE_CHANGES = re.compile(
+    r"^(name|train\.(steps|log_every|eval_every|eval_batches|sample_.*|checkpoint_every|keep_checkpoints|"
+    r"max_failures|fail_at_step|fail_mode)|tracking\..*|scaling\.(cpus_per_worker|storage_path|device)|data\.cache_dir)$")
+
+
+def default_run_name(recipe: str) -> str:
+    return f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def resolve(cfg: Config) -> Config:
+    """Fill machine-dependent defaults (paths, URIs, run name) and validate. Returns a copy."""
+    cfg = cfg.copy()
+    cfg.name = cfg.name or default_run_name(cfg.recipe)
+    cfg.tracking.uri = cfg.tracking.uri or paths.default_tracking_uri()
+    cfg.scaling.storage_path = str(Path(cfg.scaling.storage_path or paths.default_storage_path()).expanduser().resolve())
+    cfg.data.cache_dir = cfg.data.cache_dir or paths.default_data_dir()
+    return cfg.validate()
+
+
+def run_dir(cfg: Config) -> Path:
+    return Path(cfg.scaling.storage_path) / cfg.name
+
+
+def export_dir(cfg: Config) -> Path:
+    return run_dir(cfg) / "export"
+
+
+def _check_resume_compatible(cfg: Config, previous: dict[str, Any]) -> None:
+    old = Config.from_dict(previous).flat()
+    new = cfg.flat()
+    changed = [f"{k}: {old[k]!r} -> {new[k]!r}" for k in new if old.get(k) != new[k] and not RESUMABLE_CHANGES.match(k)]
+    if changed:
+        raise ConfigError(f"run '{cfg.name}' already exists with a different config, so it cannot be resumed "
+                          f"({'; '.join(changed[:6])}). Use a new --run-name, or the original settings.")
+
+
+def _mlflow_run(cfg: Config, prepared: dict[str, Any], parent_run_id: str | None) -> str:
+    """The MLflow run of this Ray run: created on the first attempt, continued on resume."""
+    from efftx.tracking import Tracker
+
+    record_file = run_dir(cfg) / RUN_FILE
+    if record_file.is_file():
+        record = json.loads(record_file.read_text())
+        _check_resume_compatible(cfg, record["config"])
+        if record.get("tracking_uri") == cfg.tracking.uri:
+            return Tracker(cfg, run_id=record["mlflow_run_id"]).run_id
+    extra = {"data.sha256": prepared.get("corpus", {}).get("sha256", "")}
+    tracker = Tracker(cfg, extra_params=extra, parent_run_id=parent_run_id)
+    record_file.parent.mkdir(parents=True, exist_ok=True)
+    record_file.write_text(json.dumps({"mlflow_run_id": tracker.run_id, "tracking_uri": cfg.tracking.uri,
+                                       "config": cfg.to_dict()}, indent=2))
+    return tracker.run_id
+
+
+def ensure_ray() -> None:
+    """Join the cluster named by RAY_ADDRESS (set inside ``ray job submit``), else start one in-process."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True)
+
+
+def check_resources(cfg: Config, use_gpu: bool) -> None:
+    import ray
+
+    total = ray.cluster_resources()
+    s = cfg.scaling
+    need_cpu = s.num_workers * s.cpus_per_worker
+    if need_cpu > total.get("CPU", 0) + 1e-9:
+        raise LaunchError(f"the run needs {need_cpu:g} CPUs (scaling.num_workers={s.num_workers} x "
+                          f"scaling.cpus_per_worker={s.cpus_per_worker:g}) but the Ray cluster has "
+                          f"{total.get('CPU', 0):g}; lower one of them (e.g. --set scaling.cpus_per_worker=0.5)")
+    if use_gpu and s.num_workers > total.get("GPU", 0):
+        raise LaunchError(f"scaling.device=cuda with {s.num_workers} workers needs {s.num_workers} GPUs; "
+                          f"the Ray cluster has {total.get('GPU', 0):g}")
+
+
+def _worker_error(exc: BaseException) -> str:
+    """The user-facing message of a failed run: an EfftxError's text, else the worker's error line."""
+    failures = getattr(exc, "worker_failures", None) or {}
+    candidates = list(failures.values()) or [getattr(exc, "controller_failure", exc)]
+    for failure in candidates:
+        seen = failure
+        while seen is not None:
+            if isinstance(seen, EfftxError):
+                return seen.args[0] if seen.args else str(seen)
+            seen = getattr(seen, "cause", None) or seen.__cause__
+    first = candidates[0]
+    lines = [ln for ln in str(first).strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else repr(first)
+
+
+def launch(cfg: Config, *, parent_run_id: str | None = None) -> dict[str, Any]:
+    """Train ``cfg`` with Ray Train + DeepSpeed; return the run summary."""
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    cfg = resolve(cfg)
+    task = get_task(cfg.model.family)
+    prepared = task.prepare(cfg)  # clear data errors here, before any worker starts
+    ensure_ray()
+    import ray
+
+    gpus = ray.cluster_resources().get("GPU", 0)
+    use_gpu = cfg.scaling.device == "cuda" or (cfg.scaling.device == "auto" and gpus > 0)
+    if cfg.engine.precision == "fp16" and not use_gpu:
+        raise ConfigError("engine.precision=fp16 needs CUDA GPUs; use bf16 or fp32 on CPU")
+    check_resources(cfg, use_gpu)
+    if cfg.scaling.device == "auto":
+        cfg.scaling.device = "cuda" if use_gpu else "cpu"
+    mlflow_run_id = _mlflow_run(cfg, prepared, parent_run_id)
+
+    payload = {"config": cfg.to_dict(), "prepared": prepared, "mlflow_run_id": mlflow_run_id,
+               "export_dir": str(export_dir(cfg))}
+    resources = {"CPU": cfg.scaling.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
+    from efftx.train.loop import train_loop_per_worker
+
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=payload,
+        scaling_config=ray.train.ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=use_gpu,
+                                               resources_per_worker=resources),
+        run_config=ray.train.RunConfig(
+            name=cfg.name,
+            storage_path=cfg.scaling.storage_path,
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
+            failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures),
+        ),
+    )
+    from efftx.tracking import client_for
+
+    try:
+        result = trainer.fit()
+    except ray.train.TrainingFailedError as exc:
+        client_for(cfg.tracking.uri).set_terminated(mlflow_run_id, status="FAILED")
+        raise LaunchError(f"run '{cfg.name}' failed: {_worker_error(exc)} "
+                          f"(re-run the same command to resume from its last checkpoint)") from None
+    client_for(cfg.tracking.uri).set_terminated(mlflow_run_id, status="FINISHED")
+    m = result.metrics or {}
+    return {
+        "run_name": cfg.name,
+        "recipe": cfg.recipe,
+        "final_step": m.get("step"),
+        "val_loss": m.get("val_loss"),
+        "val_bpb": m.get("val_bpb"),
+        "tokens_per_s": m.get("tokens_per_s"),
+        "mlflow_run_id": mlflow_run_id,
+        "tracking_uri": cfg.tracking.uri,
+        "registered_model": m.get("registered_model") or None,
+        "export_path": m.get("export_path"),
+        "checkpoint": result.checkpoint.path if result.checkpoint else None,
+    }

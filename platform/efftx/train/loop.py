@@ -1,0 +1,190 @@
+"""The one per-worker train loop, run by Ray Train's TorchTrainer on every worker.
+
+Per optimizer step: ``grad_accum`` micro batches through the DeepSpeed engine; every
+``log_every`` steps loss / lr / tokens/s / MFU; every ``eval_every`` the fixed validation set;
+every ``sample_every`` a sample; every ``checkpoint_every`` (and at the end) a Ray checkpoint.
+At the end the model is exported (safetensors + config.json) and logged to MLflow.
+
+Resume is exact: the data of (step, micro batch, rank) and the dropout RNG are functions of the
+seed and those coordinates, and the DeepSpeed checkpoint restores weights, optimizer and LR
+schedule; so the first step after a resume computes what an uninterrupted run computes there.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from efftx.config import Config
+from efftx.errors import NonFiniteLossError
+from efftx.flops import peak_flops
+from efftx.train import checkpoint
+from efftx.train import engine as engine_lib
+from efftx.train.tasks import batch_rng, get as get_task
+
+
+def log(rank: int, message: str) -> None:
+    """Progress lines from rank 0 (written to stdout directly: Ray Train re-routes print to logging)."""
+    if rank == 0:
+        sys.stdout.write(f"[efftx] {message}\n")
+        sys.stdout.flush()
+
+
+def all_mean(values: list[float], weight: float = 1.0) -> list[float]:
+    """Weighted mean over ranks of each value (weights summed across ranks)."""
+    t = torch.tensor([v * weight for v in values] + [weight], dtype=torch.float64)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t)
+    total = t[-1].item()
+    return [x / total if total else 0.0 for x in t[:-1].tolist()]
+
+
+def _seed_step(cfg: Config, rank: int, step: int, micro: int) -> None:
+    """Dropout & co draw from a generator seeded by (seed, rank, step, micro): resume-exact."""
+    torch.manual_seed(int(batch_rng(cfg.train.seed, rank, step, micro).integers(2**62)))
+
+
+def _inject_failure(cfg: Config, step: int, rank: int, world: int, resumed: bool) -> None:
+    t = cfg.train
+    if t.fail_at_step != step or resumed or rank != world - 1:
+        return
+    message = f"injected failure at step {step} (train.fail_at_step={t.fail_at_step}) on rank {rank}"
+    if t.fail_mode == "exit":
+        sys.stdout.write(f"[efftx] {message}: the worker process exits now\n")
+        sys.stdout.flush()
+        os._exit(17)
+    raise RuntimeError(message)
+
+
+def train_loop_per_worker(payload: dict[str, Any]) -> None:
+    import ray.train
+
+    cfg = Config.from_dict(payload["config"])
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = engine_lib.select_device(cfg)
+    engine_lib.set_accelerator_env(device)
+    if device == "cpu":
+        torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))
+
+    task = get_task(cfg.model.family)(cfg, payload["prepared"])
+    torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
+    model = task.build_model(cfg)
+    engine, _, scheduler = engine_lib.initialize(model, cfg)
+    dev = engine.device
+
+    state = checkpoint.restore(engine)
+    resumed = state is not None
+    start = state["step"] if resumed else 0
+    tokens_seen = state["tokens_seen"] if resumed else 0
+    last_eval: dict[str, float] = state.get("last_eval", {}) if resumed else {}
+    tracker = None
+    if rank == 0:
+        from efftx.tracking import Tracker
+
+        tracker = Tracker(cfg, run_id=payload["mlflow_run_id"])
+    log(rank, f"{'resumed at' if resumed else 'starting'} step {start}/{cfg.train.steps} "
+              f"({model.num_params():,} parameters, {world} workers, {device}, {cfg.engine.precision}, "
+              f"ZeRO-{cfg.engine.zero_stage})")
+
+    t = cfg.train
+    tokens_per_step = world * t.grad_accum * task.tokens_per_micro_batch
+    flops_per_token = engine.module.flops_per_token(cfg.data.seq_len)
+    peak = peak_flops(device, cfg.engine.precision)
+    eval_set = task.eval_batches(rank, world)
+
+    def evaluate(step: int) -> dict[str, float]:
+        engine.eval()
+        metrics, weight = task.evaluate(engine.module, [b.to(dev) for b in eval_set])
+        engine.train()
+        names = sorted(metrics)
+        metrics = dict(zip(names, all_mean([metrics[k] for k in names], weight)))
+        if tracker:
+            tracker.log_metrics(metrics, step)
+        log(rank, f"eval step {step}: " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        return metrics
+
+    def sample(step: int) -> None:
+        engine.eval()
+        artifacts = task.sample(engine.module, step)  # every rank runs it: ZeRO-3 gathers weights collectively
+        engine.train()
+        for name, text in artifacts.items():
+            if tracker:
+                tracker.log_text(text, name)
+            log(rank, f"sample at step {step}:\n{text}")
+
+    def save(step: int, metrics: dict[str, Any]) -> None:
+        state = {"step": step, "tokens_seen": tokens_seen, "config": cfg.to_dict(),
+                 "mlflow_run_id": payload["mlflow_run_id"], "last_eval": last_eval}
+        checkpoint.save(engine, state, metrics, rank)
+
+    if not resumed:
+        last_eval = evaluate(0)
+
+    engine.train()
+    interval_time, interval_steps, run_time, run_tokens = 0.0, 0, 0.0, 0
+    step = start
+    while step < t.steps:
+        _inject_failure(cfg, step + 1, rank, world, resumed)
+        t0 = time.perf_counter()
+        loss_sum = torch.zeros((), device=dev)
+        for micro in range(t.grad_accum):
+            batch = task.train_batch(step, micro, rank).to(dev)
+            _seed_step(cfg, rank, step, micro)
+            loss, _ = task.loss(engine, batch)
+            engine.backward(loss)
+            engine.step()
+            loss_sum += loss.detach().float()
+        (loss_value,) = all_mean([loss_sum.item() / t.grad_accum])
+        if device == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        step += 1
+        tokens_seen += tokens_per_step
+        interval_time, interval_steps = interval_time + dt, interval_steps + 1
+        run_time, run_tokens = run_time + dt, run_tokens + tokens_per_step
+        if not torch.isfinite(torch.tensor(loss_value)):
+            raise NonFiniteLossError(f"non-finite training loss ({loss_value}) at step {step}: lower train.lr, "
+                                     f"raise train.warmup_steps, or use engine.precision=fp32/bf16")
+
+        if step % t.log_every == 0 or step == t.steps:
+            tok_s = interval_steps * tokens_per_step / interval_time
+            metrics = {"loss": loss_value, "lr": scheduler.get_last_lr()[0], "tokens_per_s": tok_s,
+                       "mfu": flops_per_token * tok_s / (peak * world), "tokens_seen": tokens_seen}
+            if tracker:
+                tracker.log_metrics(metrics, step)
+            log(rank, f"step {step}/{t.steps} loss {loss_value:.4f} lr {metrics['lr']:.2e} "
+                      f"tok/s {tok_s:,.0f} mfu {metrics['mfu']:.2%}")
+            interval_time, interval_steps = 0.0, 0
+        else:
+            # still logged to MLflow every step: the resume test reads the loss of any step
+            if tracker:
+                tracker.log_metrics({"loss": loss_value}, step)
+
+        if step % t.eval_every == 0 or step == t.steps:
+            last_eval = evaluate(step)
+        if (t.sample_every and step % t.sample_every == 0) or step == t.steps:
+            sample(step)
+        if step % t.checkpoint_every == 0 and step < t.steps:  # the last one is saved after the export
+            save(step, {"step": step, "loss": loss_value, **last_eval})
+
+    # ------------------------------------------------------------------ export and final report
+    export_dir = payload["export_dir"]
+    model_uri = None
+    with checkpoint.full_parameters(engine):
+        if rank == 0:
+            meta = {"step": step, "tokens_seen": tokens_seen, "num_params": engine.module.num_params(),
+                    "mlflow_run_id": payload["mlflow_run_id"], **last_eval}
+            checkpoint.export(engine.module, cfg, export_dir, meta)
+    if tracker:
+        tracker.log_artifacts(export_dir, "export")
+        model_uri = tracker.register("export")
+        log(rank, f"exported to {export_dir}" + (f", registered as {model_uri}" if model_uri else ""))
+    # The last checkpoint carries the run's final metrics (Ray's Result.metrics are the latest checkpoint's).
+    save(step, {"step": step, "tokens_per_s": run_tokens / run_time if run_time else 0.0,
+                "export_path": export_dir, "registered_model": model_uri or "", **last_eval})
