@@ -150,6 +150,7 @@ def launch(cfg: Config, *, parent_run_id: str | None = None) -> dict[str, Any]:
             storage_path=cfg.scaling.storage_path,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
             failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures),
+            logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # our own progress lines instead
         ),
     )
     from efftx.tracking import client_for

@@ -53,6 +53,11 @@ def _inject_failure(cfg: Config, step: int, rank: int, world: int, resumed: bool
     t = cfg.train
     if t.fail_at_step != step or resumed or rank != world - 1:
         return
+    import ray.train
+
+    # Fail only once the controller has committed the last checkpoint: Ray Train learns of reports by
+    # polling, and a worker that dies before the poll takes its unacknowledged report with it.
+    ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
     message = f"injected failure at step {step} (train.fail_at_step={t.fail_at_step}) on rank {rank}"
     if t.fail_mode == "exit":
         sys.stdout.write(f"[efftx] {message}: the worker process exits now\n")

@@ -1,0 +1,42 @@
+# The README's two commands are `make demo` and `make test`; both create the environment first.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+BIN    := $(CURDIR)/$(VENV)/bin
+STAMP  := $(VENV)/.efftx-installed
+
+# The venv's bin first: DeepSpeed builds its CPU ops with the venv's ninja (another one forces rebuilds),
+# and `ray`, `python`, `mlflow` in recipes below are the venv's.
+export PATH := $(BIN):$(PATH)
+
+.PHONY: setup demo test test-fast bench cluster-up cluster-down submit-example clean-runs
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup                       ## the main job on the embedded default (local Ray, sqlite MLflow, bundled corpus)
+	$(BIN)/python jobs/train_lm.py $(ARGS)
+
+test: setup                       ## the whole test suite, slow end-to-end tests included
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: setup
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+bench: setup
+	$(BIN)/python bench/train_throughput.py
+
+cluster-up: setup                 ## a real local Ray cluster running from the venv
+	$(BIN)/ray start --head --num-cpus 2
+
+cluster-down:
+	$(BIN)/ray stop
+
+submit-example: setup             ## submit the debug job to the cluster started by `make cluster-up`
+	RAY_AUTH_MODE=token $(BIN)/ray job submit --working-dir . -- python jobs/train_lm.py --recipe lm_debug
+
+clean-runs:                       ## forget every local run (checkpoints, exports, MLflow db, corpus cache)
+	rm -rf .efftx

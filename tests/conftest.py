@@ -1,0 +1,29 @@
+"""Test fixtures: an isolated efftx home, and one local Ray cluster per test session."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+# Before anything imports efftx: all runs, MLflow records and corpus caches go to a throwaway home.
+os.environ["EFFTX_HOME"] = tempfile.mkdtemp(prefix="efftx-test-home-")
+os.environ.pop("MLFLOW_TRACKING_URI", None)
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One in-process Ray cluster for the session (Ray 2.60 has no local_mode)."""
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=True, log_to_driver=True)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def efftx_home() -> str:
+    return os.environ["EFFTX_HOME"]

@@ -1,0 +1,123 @@
+"""Contract tests every registered attention backend must pass (run over the whole registry)."""
+
+import math
+
+import pytest
+import torch
+
+from efftx import attention, recipes
+from efftx.attention.base import AttentionSpec
+from efftx.models.lm import LM
+
+BACKENDS = attention.names()
+
+
+def tiny_lm(kind: str, seed: int = 0) -> LM:
+    cfg = recipes.get("lm_debug").override({"attention.kind": kind, "model.max_seq_len": 64})
+    torch.manual_seed(seed)
+    return LM(cfg).eval()
+
+
+def tokens(b=2, t=24, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (b, t), generator=g)
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_backend_shapes_with_gqa(kind):
+    spec = AttentionSpec(kind=kind, dim=32, heads=4, kv_heads=2, head_dim=8, max_seq_len=64)
+    backend = attention.build(spec)
+    q = torch.randn(3, 10, 4, 8)
+    k, v = torch.randn(3, 10, 2, 8), torch.randn(3, 10, 2, 8)
+    out = backend(q, k, v, x=torch.randn(3, 10, 32))
+    assert out.shape == (3, 10, 4, 8)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_causality(kind):
+    model = tiny_lm(kind)
+    x = tokens()
+    base = model(x)
+    for j in (5, 17, 23):
+        y = x.clone()
+        y[:, j] = (y[:, j] + 1) % 256
+        out = model(y)
+        torch.testing.assert_close(out[:, :j], base[:, :j], rtol=0, atol=1e-6)
+        assert not torch.allclose(out[:, j:], base[:, j:])
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+@pytest.mark.parametrize("prefill", [1, 7, 16])
+def test_cached_decoding_equals_full_forward(kind, prefill):
+    model = tiny_lm(kind)
+    x = tokens()
+    full = model(x)
+    cache = model.new_cache(x.shape[0], 64)
+    parts = [model(x[:, :prefill], cache=cache)]
+    for i in range(prefill, x.shape[1]):
+        parts.append(model(x[:, i:i + 1], cache=cache))
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-4, atol=1e-5)
+    assert cache.length == x.shape[1]
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_chunked_prefill_equals_full_forward(kind):
+    model = tiny_lm(kind)
+    x = tokens(t=30)
+    cache = model.new_cache(2, 64)
+    parts = [model(x[:, a:a + 10], cache=cache) for a in (0, 10, 20)]
+    torch.testing.assert_close(torch.cat(parts, 1), model(x), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_rewind_forgets_tokens(kind):
+    model = tiny_lm(kind)
+    x = tokens(t=20)
+    cache = model.new_cache(2, 64)
+    model(x[:, :12], cache=cache)
+    model(torch.randint(0, 256, (2, 5)), cache=cache)  # tokens that will be rejected
+    cache.rewind(5)
+    assert cache.length == 12
+    rest = model(x[:, 12:], cache=cache)
+    torch.testing.assert_close(rest, model(x)[:, 12:], rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError):
+        cache.rewind(cache.length + 1)
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_gradients_are_finite_and_reach_every_parameter(kind):
+    model = tiny_lm(kind).train()
+    x = tokens()
+    logits = model(x[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), x[:, 1:].reshape(-1))
+    loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        assert torch.isfinite(p.grad).all(), name
+        assert p.grad.abs().sum() > 0, name
+
+
+def naive_attention(q, k, v, causal=True):
+    """Textbook softmax attention with GQA, in float64: the oracle for the SDPA backend."""
+    b, t, h, d = q.shape
+    rep = h // k.shape[2]
+    k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) / math.sqrt(d)
+    if causal:
+        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v.double())
+
+
+def test_full_backend_matches_naive_softmax_attention():
+    spec = AttentionSpec(kind="full", dim=48, heads=6, kv_heads=2, head_dim=8, max_seq_len=32)
+    backend = attention.build(spec)
+    q, k, v = torch.randn(2, 13, 6, 8), torch.randn(2, 13, 2, 8), torch.randn(2, 13, 2, 8)
+    torch.testing.assert_close(backend(q, k, v).double(), naive_attention(q, k, v), rtol=1e-5, atol=1e-6)
+
+
+def test_registry_rejects_unknown_backend():
+    from efftx.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="not a registered backend; choose from .*full"):
+        attention.get("flashy")

@@ -1,0 +1,121 @@
+import gzip
+import zipfile
+
+import numpy as np
+import pytest
+
+from efftx.data.bytes import ByteData, prepare, split_sizes
+from efftx.errors import DataError
+from efftx.train.tasks import batch_rng
+
+SEQ = 16
+
+
+@pytest.fixture
+def payload() -> bytes:
+    rng = np.random.default_rng(0)
+    return bytes(rng.integers(32, 127, size=5000, dtype=np.uint8))
+
+
+def _check(info, payload):
+    data = ByteData(info)
+    assert info.size == len(payload)
+    n_train, n_val = split_sizes(len(payload))
+    assert (info.train_bytes, info.val_bytes) == (n_train, n_val) == (4500, 250)
+    assert bytes(data.train) == payload[:n_train]
+    assert bytes(data.val) == payload[n_train:n_train + n_val]
+    assert isinstance(data.train.base, np.memmap) or isinstance(data.train, np.memmap)
+    return data
+
+
+def test_raw_file(tmp_path, payload):
+    src = tmp_path / "corpus.txt"
+    src.write_bytes(payload)
+    info = prepare(str(src), tmp_path / "cache", SEQ)
+    assert info.path == str(src)  # raw files are memory-mapped in place, not copied
+    _check(info, payload)
+
+
+def test_gzip(tmp_path, payload):
+    src = tmp_path / "enwik8.gz"
+    src.write_bytes(gzip.compress(payload))
+    _check(prepare(str(src), tmp_path / "cache", SEQ), payload)
+
+
+def test_zip_as_distributed(tmp_path, payload):
+    src = tmp_path / "enwik8.zip"
+    with zipfile.ZipFile(src, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("enwik8", payload)
+    info = prepare(str(src), tmp_path / "cache", SEQ)
+    _check(info, payload)
+    # cached: a second prepare reuses the decompressed file and its checksum
+    assert prepare(str(src), tmp_path / "cache", SEQ) == info
+
+
+def test_folder(tmp_path, payload):
+    folder = tmp_path / "texts"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "b.txt").write_bytes(payload[2000:])
+    (folder / "a.txt").write_bytes(payload[:2000])
+    (folder / ".hidden").write_bytes(b"skip me")
+    info = prepare(str(folder), tmp_path / "cache", SEQ)
+    data = ByteData(info)
+    whole = payload[:2000] + b"\n" + payload[2000:] + b"\n"
+    assert info.size == len(whole)
+    assert bytes(data.train) == whole[:info.train_bytes]
+
+
+def test_full_enwik8_split_matches_the_seeds():
+    assert split_sizes(100_000_000) == (90_000_000, 5_000_000)
+
+
+def test_windows_reproducible_and_different_per_rank(tmp_path, payload):
+    src = tmp_path / "c.txt"
+    src.write_bytes(payload)
+    data = ByteData(prepare(str(src), tmp_path / "cache", SEQ))
+    a = data.train_batch(4, SEQ, batch_rng(0, 0, 5, 0))
+    b = data.train_batch(4, SEQ, batch_rng(0, 0, 5, 0))
+    c = data.train_batch(4, SEQ, batch_rng(0, 1, 5, 0))
+    assert a.shape == (4, SEQ + 1) and a.dtype.is_floating_point is False
+    assert (a == b).all() and not (a == c).all()
+    for row in a:  # each window is a contiguous slice of the train split
+        text = bytes(row.tolist())
+        assert text in payload[:data.info.train_bytes]
+    val = data.val_windows(6, SEQ)
+    assert (val == data.val_windows(6, SEQ)).all() and val.shape == (6, SEQ + 1)
+
+
+def test_bundled_corpus_builds_offline_and_is_cached(tmp_path):
+    info = prepare("bundled", tmp_path, 256)
+    assert info.size > 1_000_000 and len(info.sha256) == 64
+    again = prepare("bundled", tmp_path, 256)
+    assert again.sha256 == info.sha256 and again.path == info.path
+    assert b"def " in bytes(ByteData(info).train[:200_000])
+
+
+def test_missing_corpus(tmp_path):
+    with pytest.raises(DataError, match="corpus not found: .*nope.gz"):
+        prepare(str(tmp_path / "nope.gz"), tmp_path / "cache", SEQ)
+
+
+def test_empty_corpus(tmp_path):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    with pytest.raises(DataError, match="is empty"):
+        prepare(str(tmp_path / "empty.txt"), tmp_path / "cache", SEQ)
+
+
+def test_too_short_corpus_names_sizes(tmp_path):
+    (tmp_path / "short.txt").write_bytes(b"x" * 300)
+    with pytest.raises(DataError, match=r"data.seq_len \+ 2 = 18"):
+        prepare(str(tmp_path / "short.txt"), tmp_path / "cache", SEQ)
+
+
+def test_corrupt_archives(tmp_path):
+    (tmp_path / "bad.gz").write_bytes(b"not gzip at all")
+    with pytest.raises(DataError, match="not a readable gzip"):
+        prepare(str(tmp_path / "bad.gz"), tmp_path / "cache", SEQ)
+    (tmp_path / "bad.zip").write_bytes(b"not zip at all")
+    with pytest.raises(DataError, match="not a readable zip"):
+        prepare(str(tmp_path / "bad.zip"), tmp_path / "cache", SEQ)
+    # nothing half-written is left in the cache
+    assert not any(p.name.endswith(".tmp") for p in (tmp_path / "cache").iterdir())

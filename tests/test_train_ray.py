@@ -1,0 +1,152 @@
+"""End to end through the real path: Ray Train TorchTrainer, 2 workers, DeepSpeed on CPU, MLflow."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from efftx import recipes
+from efftx.errors import ConfigError, LaunchError
+from efftx.train.launch import launch
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+
+
+def debug_cfg(name: str, **overrides):
+    return recipes.get("lm_debug").override({"name": name, "train.checkpoint_every": 10, **overrides})
+
+
+def mlflow_client(summary):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=summary["tracking_uri"], registry_uri=summary["tracking_uri"])
+
+
+def history(summary, key="loss") -> dict[int, list[float]]:
+    out: dict[int, list[float]] = {}
+    for m in mlflow_client(summary).get_metric_history(summary["mlflow_run_id"], key):
+        out.setdefault(m.step, []).append(m.value)
+    return out
+
+
+@pytest.fixture(scope="module")
+def baseline(ray_cluster):
+    return launch(debug_cfg("baseline"))
+
+
+def test_two_worker_run_validation_loss_falls(baseline):
+    assert baseline["final_step"] == 40
+    val = history(baseline, "val_bpb")
+    assert sorted(val) == [0, 20, 40]
+    assert val[0][0] > 7.0  # untrained: close to 8 bits per byte
+    assert val[40][-1] < 0.75 * val[0][0]
+    assert val[40][-1] < val[20][-1] < val[0][0]
+    assert baseline["val_bpb"] == pytest.approx(val[40][-1])
+    assert baseline["tokens_per_s"] > 0
+
+
+def test_mlflow_records_read_back(baseline):
+    client = mlflow_client(baseline)
+    run = client.get_run(baseline["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    params = run.data.params
+    assert params["model.dim"] == "64" and params["attention.kind"] == "full" and params["recipe"] == "lm_debug"
+    assert len(params["data.sha256"]) == 64
+    assert sorted(history(baseline)) == list(range(1, 41))  # loss at every step
+    for key in ("lr", "tokens_per_s", "mfu", "val_loss"):
+        assert key in run.data.metrics
+    names = {a.path for a in client.list_artifacts(run.info.run_id, "export")}
+    assert {"export/model.safetensors", "export/config.json"} <= names
+    samples = [a.path for a in client.list_artifacts(run.info.run_id, "samples")]
+    assert "samples/step_000040.txt" in samples
+    versions = client.search_model_versions("name='lm_debug'")
+    assert any(v.run_id == run.info.run_id for v in versions)
+    assert baseline["registered_model"].startswith("models:/lm_debug/")
+
+
+def test_export_round_trip_and_generate_cli(baseline):
+    from efftx.generate import sample_text
+    from efftx.train.checkpoint import load_export
+
+    export = Path(baseline["export_path"])
+    assert (export / "model.safetensors").is_file()
+    model, cfg, meta = load_export(export)
+    assert cfg.model.dim == 64 and meta["step"] == 40
+    x = torch.randint(0, 256, (1, 16))
+    assert torch.isfinite(model(x)).all()
+    cmd = [sys.executable, "-m", "efftx.generate", "--model", str(export), "--prompt", "def ",
+           "--max-new-tokens", "24", "--temperature", "0.9", "--top-k", "16", "--seed", "5"]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    second = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == second.stdout and first.stdout.startswith("def ")
+    expected = sample_text(str(export), "def ", 24, temperature=0.9, top_k=16, seed=5)
+    assert first.stdout == "def " + expected + "\n"
+    bad = subprocess.run([sys.executable, "-m", "efftx.generate", "--model", "/no/such/export", "--prompt", "x"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "not an efftx export" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_resume_after_interruption_matches_uninterrupted_run(baseline):
+    cfg = debug_cfg("interrupted", **{"train.fail_at_step": 15, "train.max_failures": 0})
+    with pytest.raises(LaunchError, match="injected failure at step 15"):
+        launch(cfg)
+    resumed = launch(cfg)  # the same command again: continues from the step-10 checkpoint
+    assert resumed["mlflow_run_id"] != baseline["mlflow_run_id"]
+    assert resumed["final_step"] == 40
+    ref, got = history(baseline), history(resumed)
+    assert got[11] == [ref[11][0], ref[11][0]]  # first step after resume: logged by both attempts, equal
+    for step in range(11, 41):
+        assert set(got[step]) == {ref[step][0]}, step
+    assert resumed["val_bpb"] == baseline["val_bpb"]
+    status = mlflow_client(resumed).get_run(resumed["mlflow_run_id"]).info.status
+    assert status == "FINISHED"
+
+
+def test_dead_worker_is_restarted_from_checkpoint(baseline):
+    summary = launch(debug_cfg("crash", **{"train.fail_at_step": 15, "train.fail_mode": "exit",
+                                           "train.max_failures": 1}))
+    assert summary["final_step"] == 40
+    ref, got = history(baseline), history(summary)
+    assert len(got[12]) == 2  # steps 11-14 ran twice: before the crash and after the restart
+    for step in range(1, 41):
+        assert set(got[step]) == {ref[step][0]}, step
+
+
+def test_resuming_with_another_model_is_refused(baseline):
+    with pytest.raises(ConfigError, match="already exists with a different config.*model.dim"):
+        launch(debug_cfg("baseline", **{"model.dim": 32}))
+
+
+def test_cluster_too_small_is_a_clear_error(ray_cluster):
+    with pytest.raises(LaunchError, match=r"needs 200 CPUs .* Ray cluster has 4"):
+        launch(debug_cfg("too-big", **{"scaling.cpus_per_worker": 100}))
+
+
+def test_non_finite_loss_stops_with_clear_error(ray_cluster):
+    cfg = debug_cfg("diverge", **{"train.lr": 1e30, "train.warmup_steps": 0, "train.grad_clip": 0,
+                                  "train.max_failures": 0})
+    with pytest.raises(LaunchError, match="non-finite training loss"):
+        launch(cfg)
+
+
+def test_job_script_prints_json_summary_last(ray_cluster, tmp_path):
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster}
+    cmd = [sys.executable, "jobs/train_lm.py", "--recipe", "lm_debug", "--run-name", "job-script",
+           "--workers", "2", "--set", "train.steps=10", "--set", "train.eval_every=5"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    summary = json.loads(lines[-1])
+    assert summary["run_name"] == "job-script" and summary["final_step"] == 10
+    for key in ("val_bpb", "tokens_per_s", "mlflow_run_id", "export_path"):
+        assert summary[key], key
+    assert Path(summary["export_path"], "model.safetensors").is_file()
+    assert "sample from the exported model" in proc.stdout and "mlflow ui" in proc.stdout
