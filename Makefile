@@ -12,7 +12,8 @@ export PATH := $(BIN):$(PATH)
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -c constraints.txt -e '.[dev]'
+	@echo "installing efftx and its pinned dependencies into $(VENV) (about 4 minutes the first time)..."
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -150,3 +150,23 @@ def test_job_script_prints_json_summary_last(ray_cluster, tmp_path):
         assert summary[key], key
     assert Path(summary["export_path"], "model.safetensors").is_file()
     assert "sample from the exported model" in proc.stdout and "mlflow ui" in proc.stdout
+
+
+def test_zero3_bf16_run_samples_and_exports_whole_weights(ray_cluster):
+    summary = launch(debug_cfg("zero3-bf16", **{"engine.zero_stage": 3, "engine.precision": "bf16",
+                                                "train.steps": 10, "train.eval_every": 10,
+                                                "train.sample_every": 5}))
+    from efftx.train.checkpoint import load_export
+
+    model, cfg, _ = load_export(summary["export_path"])
+    assert cfg.engine.zero_stage == 3
+    assert model.embed.weight.shape == (256, 64) and model.embed.weight.dtype == torch.float32
+    val = history(summary, "val_bpb")
+    assert val[10][-1] < val[0][0]
+    samples = [a.path for a in mlflow_client(summary).list_artifacts(summary["mlflow_run_id"], "samples")]
+    assert samples == ["samples/step_000005.txt", "samples/step_000010.txt"]
+
+
+def test_fp16_without_gpu_is_a_clear_error(ray_cluster):
+    with pytest.raises(ConfigError, match="fp16 needs CUDA"):
+        launch(debug_cfg("fp16-cpu", **{"engine.precision": "fp16"}))

@@ -12,6 +12,7 @@ schedule; so the first step after a resume computes what an uninterrupted run co
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -33,6 +34,14 @@ def log(rank: int, message: str) -> None:
     if rank == 0:
         sys.stdout.write(f"[efftx] {message}\n")
         sys.stdout.flush()
+
+
+def quiet_ray_train_logs() -> None:
+    """Drop Ray Train's per-report INFO lines on workers (one logger is named by its file path, so
+    LoggingConfig's level misses it); warnings and errors still show."""
+    for name in list(logging.root.manager.loggerDict):
+        if "ray/train" in name or name.startswith("ray.train"):
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def all_mean(values: list[float], weight: float = 1.0) -> list[float]:
@@ -70,6 +79,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     import ray.train
 
     cfg = Config.from_dict(payload["config"])
+    quiet_ray_train_logs()
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = engine_lib.select_device(cfg)
