@@ -14,6 +14,11 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 import pytest  # noqa: E402
 
 
+def pytest_collection_modifyitems(items):
+    """Tests that start their own Ray cluster run first, before the session's cluster exists."""
+    items.sort(key=lambda item: 0 if item.get_closest_marker("own_cluster") else 1)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One in-process Ray cluster for the session (Ray 2.60 has no local_mode)."""
