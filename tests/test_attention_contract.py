@@ -11,9 +11,17 @@ from efftx.models.lm import LM
 
 BACKENDS = attention.names()
 
+# Per-backend options that make the tiny test model exercise the backend's structure (several buckets,
+# several chunks) at the short lengths used here.
+CONTRACT_OVERRIDES = {
+    "sinkhorn": {"attention.sinkhorn.bucket_size": 8, "attention.sinkhorn.n_local_attn_heads": 2},
+    "performer": {"attention.performer.nb_features": 32, "attention.performer.chunk_size": 8},
+}
+
 
 def tiny_lm(kind: str, seed: int = 0) -> LM:
-    cfg = recipes.get("lm_debug").override({"attention.kind": kind, "model.max_seq_len": 64})
+    cfg = recipes.get("lm_debug").override({"attention.kind": kind, "model.max_seq_len": 64,
+                                            **CONTRACT_OVERRIDES.get(kind, {})})
     torch.manual_seed(seed)
     return LM(cfg).eval()
 
@@ -25,12 +33,14 @@ def tokens(b=2, t=24, seed=1):
 
 @pytest.mark.parametrize("kind", BACKENDS)
 def test_backend_shapes_with_gqa(kind):
-    spec = AttentionSpec(kind=kind, dim=32, heads=4, kv_heads=2, head_dim=8, max_seq_len=64)
+    spec = AttentionSpec.from_config(tiny_lm(kind).cfg, kind=kind)
     backend = attention.build(spec)
-    q = torch.randn(3, 10, 4, 8)
-    k, v = torch.randn(3, 10, 2, 8), torch.randn(3, 10, 2, 8)
-    out = backend(q, k, v, x=torch.randn(3, 10, 32))
-    assert out.shape == (3, 10, 4, 8)
+    h, hkv, d = spec.heads, spec.kv_heads, spec.head_dim
+    assert hkv < h
+    q = torch.randn(3, 10, h, d)
+    k, v = torch.randn(3, 10, hkv, d), torch.randn(3, 10, hkv, d)
+    out = backend(q, k, v, x=torch.randn(3, 10, spec.dim))
+    assert out.shape == (3, 10, h, d)
     assert torch.isfinite(out).all()
 
 

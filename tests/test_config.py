@@ -53,7 +53,7 @@ def test_from_dict_is_strict():
         Config.from_dict({"train": {"bogus": 1}})
     with pytest.raises(ConfigError, match="train.steps expects an integer"):
         Config.from_dict({"train": {"steps": "many"}})
-    with pytest.raises(ConfigError, match="section 'model' must be an object"):
+    with pytest.raises(ConfigError, match="'model' is a config section"):
         Config.from_dict({"model": 3})
 
 

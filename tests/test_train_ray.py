@@ -71,6 +71,16 @@ def test_mlflow_records_read_back(baseline):
     assert baseline["registered_model"].startswith("models:/lm_debug/")
 
 
+def test_checkpoints_hold_config_and_only_the_last_n_are_kept(baseline):
+    run = Path(baseline["checkpoint"]).parent
+    kept = sorted(run.glob("checkpoint_*"))
+    assert len(kept) == 2  # lm_debug keeps 2 (train.keep_checkpoints)
+    state = json.loads(Path(baseline["checkpoint"], "efftx_state.json").read_text())
+    assert state["step"] == 40 and state["mlflow_run_id"] == baseline["mlflow_run_id"]
+    assert state["config"]["model"]["dim"] == 64 and state["config"]["name"] == "baseline"
+    assert Path(baseline["checkpoint"], "deepspeed", "mp_rank_00_model_states.pt").is_file()
+
+
 def test_export_round_trip_and_generate_cli(baseline):
     from efftx.generate import sample_text
     from efftx.train.checkpoint import load_export

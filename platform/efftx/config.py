@@ -44,9 +44,30 @@ class ModelConfig:
 
 
 @dataclass
+class SinkhornOptions:
+    """attention.kind=sinkhorn: learned bucket sorting (Tay et al., 2020)."""
+
+    bucket_size: int = 64  # tokens per bucket; sequences are padded to a multiple inside the backend
+    n_local_attn_heads: int = 0  # heads doing local (windowed) attention instead of sorted-bucket attention
+    sinkhorn_iters: int = 8  # row/column normalisation rounds
+    temperature: float = 0.75  # of the sort scores before Sinkhorn normalisation
+
+
+@dataclass
+class PerformerOptions:
+    """attention.kind=performer: FAVOR+ positive orthogonal random features (Choromanski et al., 2021)."""
+
+    nb_features: int = 256  # random features per head
+    feature_redraw_interval: int = 1000  # training forward passes between feature redraws; 0 = never
+    chunk_size: int = 128  # causal prefix sums are computed chunk by chunk (memory linear in T)
+
+
+@dataclass
 class AttentionConfig:
     kind: str = "full"  # efftx.attention registry name
     dropout: float = 0.0  # dropout on attention probabilities (training only)
+    sinkhorn: SinkhornOptions = field(default_factory=SinkhornOptions)
+    performer: PerformerOptions = field(default_factory=PerformerOptions)
 
 
 @dataclass
@@ -110,19 +131,6 @@ class ScalingConfig:
     storage_path: str = ""  # Ray Train storage (checkpoints, exports); "" = <efftx home>/runs
 
 
-SECTIONS: dict[str, type] = {
-    "model": ModelConfig,
-    "attention": AttentionConfig,
-    "data": DataConfig,
-    "train": TrainConfig,
-    "engine": EngineConfig,
-    "tracking": TrackingConfig,
-    "scaling": ScalingConfig,
-}
-
-TOP_LEVEL = ("recipe", "name")
-
-
 @dataclass
 class Config:
     recipe: str = "custom"
@@ -145,14 +153,8 @@ class Config:
         if not isinstance(data, dict):
             raise ConfigError(f"a config must be a JSON object, got {type(data).__name__}")
         cfg = cls()
-        for key, value in data.items():
-            if key in SECTIONS:
-                if not isinstance(value, dict):
-                    raise ConfigError(f"config section '{key}' must be an object, got {value!r}")
-                for sub, v in value.items():
-                    cfg.set(f"{key}.{sub}", v)
-            else:
-                cfg.set(key, value)
+        for key, value in _flatten_dict(data).items():
+            cfg.set(key, value)
         return cfg
 
     def to_json(self) -> str:
@@ -160,11 +162,7 @@ class Config:
 
     def flat(self) -> dict[str, Any]:
         """Dotted key -> value, the form used for MLflow params and Tune spaces."""
-        out: dict[str, Any] = {k: getattr(self, k) for k in TOP_LEVEL}
-        for section in SECTIONS:
-            for f in dataclasses.fields(getattr(self, section)):
-                out[f"{section}.{f.name}"] = getattr(getattr(self, section), f.name)
-        return out
+        return _flatten_dict(self.to_dict())
 
     def copy(self) -> "Config":
         return Config.from_dict(self.to_dict())
@@ -187,14 +185,20 @@ class Config:
         return self
 
     def _resolve(self, key: str) -> tuple[Any, str, Any]:
-        parts = key.split(".")
-        if len(parts) == 1 and key in TOP_LEVEL:
-            return self, key, _field_types(Config)[key]
-        if len(parts) == 2 and parts[0] in SECTIONS:
-            section = getattr(self, parts[0])
-            types_ = _field_types(SECTIONS[parts[0]])
-            if parts[1] in types_:
-                return section, parts[1], types_[parts[1]]
+        """(object holding the field, field name, field type) of a dotted key, at any depth."""
+        obj, parts = self, key.split(".")
+        for i, part in enumerate(parts):
+            types_ = _field_types(type(obj))
+            if part not in types_:
+                break
+            if i == len(parts) - 1:
+                if dataclasses.is_dataclass(types_[part]):
+                    raise ConfigError(f"'{key}' is a config section, not a key; set one of its keys "
+                                      f"({', '.join(k for k in all_keys() if k.startswith(key + '.'))})")
+                return obj, part, types_[part]
+            obj = getattr(obj, part)
+            if not dataclasses.is_dataclass(obj):
+                break
         close = difflib.get_close_matches(key, all_keys(), n=3, cutoff=0.6)
         hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
         raise ConfigError(f"unknown config key '{key}'{hint}")
@@ -257,16 +261,30 @@ def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ConfigError(f"{key} must be one of {', '.join(allowed)}; got {value!r}")
 
 
-def all_keys() -> list[str]:
-    keys = list(TOP_LEVEL)
-    for section, cls in SECTIONS.items():
-        keys += [f"{section}.{f.name}" for f in dataclasses.fields(cls)]
+def all_keys(cls: type = None, prefix: str = "") -> list[str]:
+    """Every dotted key of the config, sections descended into."""
+    keys = []
+    for name, typ in _field_types(cls or Config).items():
+        if dataclasses.is_dataclass(typ):
+            keys += all_keys(typ, f"{prefix}{name}.")
+        else:
+            keys.append(prefix + name)
     return keys
 
 
 def _field_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _flatten_dict(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(_flatten_dict(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
 
 
 def _split_assignment(text: str) -> tuple[str, str]:

@@ -22,12 +22,15 @@ class AttentionSpec:
     causal: bool = True
     dropout: float = 0.0
     layer_index: int = 0
+    options: Any = None  # the backend's own section of the config (cfg.attention.<kind>), if it has one
+    seed: int = 0  # train.seed: backends that draw random numbers (Performer features) derive them from it
 
     @classmethod
     def from_config(cls, cfg: Any, layer_index: int = 0, kind: str | None = None) -> "AttentionSpec":
         m = cfg.model
+        kind = kind or cfg.attention.kind
         return cls(
-            kind=kind or cfg.attention.kind,
+            kind=kind,
             dim=m.dim,
             heads=m.heads,
             kv_heads=m.kv_heads or m.heads,
@@ -35,6 +38,8 @@ class AttentionSpec:
             max_seq_len=m.max_seq_len,
             dropout=cfg.attention.dropout,
             layer_index=layer_index,
+            options=getattr(cfg.attention, kind, None),
+            seed=cfg.train.seed,
         )
 
 

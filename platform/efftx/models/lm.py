@@ -21,6 +21,7 @@ class LM(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         m = cfg.model
+        self.cfg = cfg
         self.vocab_size = m.vocab_size
         self.max_seq_len = m.max_seq_len
         spec0 = AttentionSpec.from_config(cfg)

@@ -1,0 +1,1 @@
+"""The performer attention backend (being written)."""

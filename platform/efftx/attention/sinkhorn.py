@@ -1,0 +1,1 @@
+"""The sinkhorn attention backend (being written)."""
