@@ -41,6 +41,9 @@ class ModelConfig:
     rotary_base: float = 10000.0
     dropout: float = 0.0  # residual / MLP dropout
     tie_embeddings: bool = True
+    emb_dim: int = 0  # 0 = dim; smaller = factorised token embedding (vocab x emb_dim, then emb_dim -> dim)
+    reversible: bool = False  # reversible blocks: activation memory independent of depth
+    ff_chunks: int = 1  # feed-forward applied to this many sequence chunks in turn (lower peak memory)
 
 
 @dataclass
@@ -215,7 +218,7 @@ class Config:
             "train.eval_every": t.eval_every, "train.eval_batches": t.eval_batches,
             "train.checkpoint_every": t.checkpoint_every, "train.keep_checkpoints": t.keep_checkpoints,
             "scaling.num_workers": s.num_workers, "train.lr": t.lr,
-            "scaling.cpus_per_worker": s.cpus_per_worker,
+            "scaling.cpus_per_worker": s.cpus_per_worker, "model.ff_chunks": m.ff_chunks,
         }
         for key, value in positive.items():
             if not value > 0:
@@ -226,7 +229,7 @@ class Config:
             "train.sample_every": t.sample_every, "train.sample_length": t.sample_length,
             "train.sample_temperature": t.sample_temperature, "train.sample_top_k": t.sample_top_k,
             "train.max_failures": t.max_failures, "train.fail_at_step": t.fail_at_step,
-            "model.dropout": m.dropout, "attention.dropout": self.attention.dropout,
+            "model.dropout": m.dropout, "attention.dropout": self.attention.dropout, "model.emb_dim": m.emb_dim,
         }
         for key, value in non_negative.items():
             if value < 0:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
 from typing import Any
 
@@ -9,6 +11,24 @@ import torch
 from torch import nn
 
 from efftx.attention.cache import KVCache
+
+
+_RECOMPUTING = contextvars.ContextVar("efftx_recomputing", default=False)
+
+
+@contextlib.contextmanager
+def recomputing():
+    """Marks a forward pass that recomputes an earlier one (reversible backward, checkpointing):
+    backends must not advance internal state (counters, redraws) during it."""
+    token = _RECOMPUTING.set(True)
+    try:
+        yield
+    finally:
+        _RECOMPUTING.reset(token)
+
+
+def is_recomputing() -> bool:
+    return _RECOMPUTING.get()
 
 
 @dataclass(frozen=True)

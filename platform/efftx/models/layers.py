@@ -64,15 +64,35 @@ class Rotary(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, dim: int, mult: float, dropout: float = 0.0):
+    """GELU feed-forward; with ``chunks`` > 1 the sequence is processed in that many pieces, so the
+    (T, mult x dim) hidden activation is never materialised whole (lower peak memory)."""
+
+    def __init__(self, dim: int, mult: float, dropout: float = 0.0, chunks: int = 1):
         super().__init__()
         hidden = int(dim * mult)
         self.up = nn.Linear(dim, hidden)
         self.down = nn.Linear(hidden, dim)
         self.drop = nn.Dropout(dropout)
+        self.chunks = chunks
+
+    def _ff(self, x):
+        return self.drop(self.down(F.gelu(self.up(x))))
 
     def forward(self, x):
-        return self.drop(self.down(F.gelu(self.up(x))))
+        if self.chunks <= 1 or x.shape[1] < self.chunks:
+            return self._ff(x)
+        return torch.cat([self._ff(c) for c in x.chunk(self.chunks, dim=1)], dim=1)
+
+
+class PreNorm(nn.Module):
+    """A residual branch: fn(norm(x), ...)."""
+
+    def __init__(self, norm: nn.Module, fn: nn.Module):
+        super().__init__()
+        self.norm, self.fn = norm, fn
+
+    def forward(self, x, *args):
+        return self.fn(self.norm(x), *args)
 
 
 class Attention(nn.Module):
@@ -102,16 +122,21 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)); x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)); x + mlp(norm(x)).
+
+    ``attn`` and ``mlp`` are the two residual branches; a reversible stack uses them as f and g.
+    """
 
     def __init__(self, spec: AttentionSpec, norm: str, mlp_mult: float, rotary: Rotary | None,
-                 dropout: float = 0.0):
+                 dropout: float = 0.0, ff_chunks: int = 1):
         super().__init__()
-        self.norm1 = make_norm(norm, spec.dim)
-        self.attn = Attention(spec, rotary, dropout)
-        self.norm2 = make_norm(norm, spec.dim)
-        self.mlp = MLP(spec.dim, mlp_mult, dropout)
+        self.attn = PreNorm(make_norm(norm, spec.dim), Attention(spec, rotary, dropout))
+        self.mlp = PreNorm(make_norm(norm, spec.dim), MLP(spec.dim, mlp_mult, dropout, ff_chunks))
+
+    @property
+    def attention(self) -> Attention:
+        return self.attn.fn
 
     def forward(self, x, cache=None):
-        x = x + self.attn(self.norm1(x), cache)
-        return x + self.mlp(self.norm2(x))
+        x = x + self.attn(x, cache)
+        return x + self.mlp(x)

@@ -1,6 +1,6 @@
 """Decoder-only language model over bytes (or any token vocabulary).
 
-    tokens (B, T) -> embed -> depth x Block -> norm -> logits (B, T, vocab)
+    tokens (B, T) -> embed [-> emb_dim to dim] -> depth x Block (plain or reversible) -> norm -> logits (B, T, vocab)
 
 ``forward(tokens, cache=None)``: with a cache (from ``new_cache``) the tokens continue the cached
 sequence, which is how prefill and one-token decoding work for every attention backend.
@@ -15,6 +15,7 @@ from torch import nn
 from efftx.attention.base import AttentionSpec
 from efftx.attention.cache import ModelCache
 from efftx.models.layers import Block, Rotary, make_norm
+from efftx.models.reversible import ReversibleStack
 
 
 class LM(nn.Module):
@@ -24,16 +25,22 @@ class LM(nn.Module):
         self.cfg = cfg
         self.vocab_size = m.vocab_size
         self.max_seq_len = m.max_seq_len
+        emb_dim = m.emb_dim or m.dim
         spec0 = AttentionSpec.from_config(cfg)
-        self.embed = nn.Embedding(m.vocab_size, m.dim)
+        self.embed = nn.Embedding(m.vocab_size, emb_dim)
+        # factorised embedding: a small table, projected up to the model width (and back for the logits)
+        self.emb_in = nn.Linear(emb_dim, m.dim, bias=False) if emb_dim != m.dim else None
+        self.emb_out = nn.Linear(m.dim, emb_dim, bias=False) if emb_dim != m.dim else None
         self.rotary = Rotary(spec0.head_dim, m.max_seq_len, m.rotary_base) if m.rotary else None
         self.pos = None if m.rotary else nn.Embedding(m.max_seq_len, m.dim)
         self.blocks = nn.ModuleList(
-            Block(AttentionSpec.from_config(cfg, layer_index=i), m.norm, m.mlp_mult, self.rotary, m.dropout)
+            Block(AttentionSpec.from_config(cfg, layer_index=i), m.norm, m.mlp_mult, self.rotary, m.dropout,
+                  m.ff_chunks)
             for i in range(m.depth)
         )
+        self.reversible = ReversibleStack(list(self.blocks)) if m.reversible else None
         self.norm = make_norm(m.norm, m.dim)
-        self.head = None if m.tie_embeddings else nn.Linear(m.dim, m.vocab_size, bias=False)
+        self.head = None if m.tie_embeddings else nn.Linear(emb_dim, m.vocab_size, bias=False)
         self.apply(self._init)
 
     @staticmethod
@@ -46,19 +53,28 @@ class LM(nn.Module):
     def new_cache(self, batch_size: int, max_len: int | None = None) -> ModelCache:
         p = self.embed.weight
         max_len = max_len or self.max_seq_len
-        return ModelCache([blk.attn.inner.new_cache(batch_size, max_len, p.device, p.dtype) for blk in self.blocks])
+        return ModelCache([blk.attention.inner.new_cache(batch_size, max_len, p.device, p.dtype)
+                           for blk in self.blocks])
 
     def forward(self, tokens: torch.Tensor, cache: ModelCache | None = None) -> torch.Tensor:
         b, t = tokens.shape
         offset = cache.length if cache is not None else 0
         if offset + t > self.max_seq_len:
             raise ValueError(f"sequence of {offset + t} tokens exceeds model.max_seq_len={self.max_seq_len}")
-        x = self.embed(tokens)  # (B, T, dim)
+        x = self.embed(tokens)  # (B, T, emb_dim)
+        if self.emb_in is not None:
+            x = self.emb_in(x)  # (B, T, dim)
         if self.pos is not None:
             x = x + self.pos(torch.arange(offset, offset + t, device=tokens.device))
-        for i, blk in enumerate(self.blocks):
-            x = blk(x, cache.layers[i] if cache is not None else None)
+        caches = cache.layers if cache is not None else None
+        if self.reversible is not None:
+            x = self.reversible(x, caches)
+        else:
+            for i, blk in enumerate(self.blocks):
+                x = blk(x, caches[i] if caches is not None else None)
         x = self.norm(x)
+        if self.emb_out is not None:
+            x = self.emb_out(x)  # (B, T, emb_dim)
         weight = self.embed.weight if self.head is None else self.head.weight
         return F.linear(x, weight)  # (B, T, vocab)
 
@@ -68,9 +84,10 @@ class LM(nn.Module):
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 x matmul weights + 12·L·H·D·T for attention (PaLM, appendix B).
 
-        Embedding lookups are not matmuls; the output projection is (tied or not).
+        Embedding lookups are not matmuls; the output projection is (tied or not). Reversible blocks
+        recompute their forward in the backward pass: that extra work is not counted (MFU convention).
         """
         lookups = (self.pos.weight.numel() if self.pos is not None else 0)
         lookups += self.embed.weight.numel() if self.head is not None else 0
-        spec = self.blocks[0].attn.spec
+        spec = self.blocks[0].attention.spec
         return 6 * (self.num_params() - lookups) + 12 * len(self.blocks) * spec.heads * spec.head_dim * seq_len

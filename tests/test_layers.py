@@ -1,0 +1,94 @@
+"""Shared layer options the seeds use: reversible blocks, chunked feed-forward, ScaleNorm, factorised embedding."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from efftx import recipes
+from efftx.models.layers import MLP, ScaleNorm
+from efftx.models.lm import LM
+
+
+def build(**overrides):
+    cfg = recipes.get("lm_debug").override(overrides)
+    torch.manual_seed(0)
+    return LM(cfg)
+
+
+def loss_and_grads(model, x):
+    model.zero_grad()
+    logits = model(x[:, :-1])
+    loss = F.cross_entropy(logits.reshape(-1, 256), x[:, 1:].reshape(-1))
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_reversible_gradients_equal_plain_autograd(dropout):
+    model = build(**{"model.reversible": True, "model.depth": 3, "model.dropout": dropout}).train()
+    x = torch.randint(0, 256, (2, 33))
+    torch.manual_seed(1)
+    loss_rev, grads_rev = loss_and_grads(model, x)
+    stack = model.reversible
+    model.reversible = lambda h, caches: stack(h, caches, memory_saving=False)  # same maths, autograd stores all
+    torch.manual_seed(1)
+    loss_plain, grads_plain = loss_and_grads(model, x)
+    torch.testing.assert_close(loss_rev, loss_plain)
+    for name in grads_plain:
+        torch.testing.assert_close(grads_rev[name], grads_plain[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def saved_bytes(model, x) -> int:
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    return total
+
+
+def test_reversible_activation_memory_does_not_grow_with_depth():
+    x = torch.randint(0, 256, (2, 64))
+    plain = [saved_bytes(build(**{"model.depth": d}).train(), x) for d in (2, 6)]
+    rev = [saved_bytes(build(**{"model.depth": d, "model.reversible": True}).train(), x) for d in (2, 6)]
+    assert plain[1] > 2 * plain[0]
+    assert rev[1] == rev[0]
+    assert rev[1] < plain[1] / 3
+
+
+def test_reversible_model_decodes_with_cache_like_full_forward():
+    model = build(**{"model.reversible": True}).eval()
+    x = torch.randint(0, 256, (2, 20))
+    cache = model.new_cache(2, 64)
+    parts = [model(x[:, :8], cache=cache)] + [model(x[:, i:i + 1], cache=cache) for i in range(8, 20)]
+    torch.testing.assert_close(torch.cat(parts, 1), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_chunked_feed_forward_equals_unchunked():
+    torch.manual_seed(0)
+    mlp = MLP(16, 4.0, chunks=1)
+    chunked = MLP(16, 4.0, chunks=5)
+    chunked.load_state_dict(mlp.state_dict())
+    x = torch.randn(2, 23, 16)
+    torch.testing.assert_close(chunked(x), mlp(x))
+
+
+def test_scalenorm_rescales_to_learned_gain():
+    norm = ScaleNorm(8)
+    x = torch.randn(3, 5, 8) * 7
+    out = norm(x)
+    torch.testing.assert_close(out.norm(dim=-1), torch.full((3, 5), 8 ** 0.5))
+
+
+def test_factorised_embedding_is_smaller_and_trains():
+    full = build(**{"model.dim": 64})
+    factorised = build(**{"model.dim": 64, "model.emb_dim": 16})
+    assert factorised.embed.weight.shape == (256, 16)
+    assert factorised.num_params() < full.num_params()
+    x = torch.randint(0, 256, (2, 17))
+    _, grads = loss_and_grads(factorised.train(), x)
+    assert all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads.values())
