@@ -113,7 +113,7 @@ class TrainConfig:
 @dataclass
 class EngineConfig:
     zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3
-    precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 needs CUDA; it uses dynamic loss scaling)
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (CUDA only; dynamic loss scaling) | auto (fp16 on CUDA, else fp32)
     initial_scale_power: int = 16  # fp16 only: initial loss scale 2**power
     loss_scale_window: int = 1000  # fp16 only
 
@@ -247,7 +247,7 @@ class Config:
             raise ConfigError(f"train.warmup_steps={t.warmup_steps} exceeds train.steps={t.steps}")
         if e.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"engine.zero_stage must be 0, 1, 2 or 3, got {e.zero_stage}")
-        _choice("engine.precision", e.precision, ("fp32", "bf16", "fp16"))
+        _choice("engine.precision", e.precision, ("fp32", "bf16", "fp16", "auto"))
         _choice("scaling.device", s.device, ("auto", "cpu", "cuda"))
         _choice("train.fail_mode", t.fail_mode, ("raise", "exit"))
         if not self.name:

@@ -33,41 +33,127 @@ def get(name: str) -> Config:
     return cfg
 
 
+# Training settings shared by every *_debug recipe: a 2-worker run of 40 steps, seconds on a CPU.
+_DEBUG_TRAIN = {
+    "model.max_seq_len": 128, "data.seq_len": 64,
+    "train.steps": 40, "train.micro_batch_size": 4, "train.grad_accum": 2, "train.lr": 3e-3,
+    "train.warmup_steps": 5, "train.log_every": 5, "train.eval_every": 20, "train.eval_batches": 4,
+    "train.sample_every": 0, "train.sample_prompt_len": 32, "train.sample_length": 48,
+    "train.checkpoint_every": 20,
+    "scaling.cpus_per_worker": 0.5,
+}
+
+# Settings shared by the *_small recipes: a few minutes on a 2-core CPU, on the bundled corpus.
+_SMALL_TRAIN = {
+    "data.seq_len": 128,
+    "train.steps": 300, "train.micro_batch_size": 16, "train.grad_accum": 1, "train.lr": 2e-3,
+    "train.warmup_steps": 30, "train.log_every": 20, "train.eval_every": 50, "train.eval_batches": 8,
+    "train.sample_every": 150, "train.sample_prompt_len": 64, "train.sample_length": 128,
+    "train.checkpoint_every": 100,
+}
+
+# The seeds' enwik8 scripts: validate every 100 steps, sample every 500, 100k steps, Adam 2e-4 with
+# warmup, clipping 0.5. Their DeepSpeed JSON is not in the seeds: the batch is the scripts' argparse
+# default (32 sequences per optimizer step) with accumulation 4 (their printed loss is loss x 4),
+# i.e. 4 per worker x 4 micro batches x 2 workers.
+_ENWIK8_TRAIN = {
+    "data.corpus": "data/enwik8.gz",
+    "train.steps": 100_000, "train.micro_batch_size": 4, "train.grad_accum": 4, "train.lr": 2e-4,
+    "train.warmup_steps": 1000, "train.grad_clip": 0.5, "train.log_every": 10, "train.eval_every": 100,
+    "train.eval_batches": 16, "train.sample_every": 500, "train.sample_prompt_len": 128,
+    "train.checkpoint_every": 1000, "engine.precision": "auto",
+}
+
+
 @recipe
 def lm_debug() -> Config:
     """2-layer byte LM with GQA: a full 2-worker DeepSpeed run in well under a minute on CPU."""
     return Config().override({
-        "model.dim": 64, "model.depth": 2, "model.heads": 4, "model.kv_heads": 2, "model.max_seq_len": 128,
-        "data.seq_len": 64,
-        "train.steps": 40, "train.micro_batch_size": 4, "train.grad_accum": 2, "train.lr": 3e-3,
-        "train.warmup_steps": 5, "train.log_every": 5, "train.eval_every": 20, "train.eval_batches": 4,
-        "train.sample_every": 0, "train.sample_prompt_len": 32, "train.sample_length": 48,
-        "train.checkpoint_every": 20,
-        "scaling.cpus_per_worker": 0.5,
+        "model.dim": 64, "model.depth": 2, "model.heads": 4, "model.kv_heads": 2, **_DEBUG_TRAIN,
     })
 
 
 @recipe
 def lm_small() -> Config:
-    """The demo: a 4-layer byte LM on the bundled corpus, a few minutes on a 2-core CPU."""
+    """A 4-layer byte LM with full attention on the bundled corpus."""
     return Config().override({
         "model.dim": 192, "model.depth": 4, "model.heads": 6, "model.kv_heads": 2, "model.max_seq_len": 256,
-        "data.seq_len": 128,
-        "train.steps": 300, "train.micro_batch_size": 16, "train.grad_accum": 1, "train.lr": 2e-3,
-        "train.warmup_steps": 30, "train.log_every": 20, "train.eval_every": 50, "train.eval_batches": 8,
-        "train.sample_every": 150, "train.sample_prompt_len": 64, "train.sample_length": 128,
-        "train.checkpoint_every": 100,
+        **_SMALL_TRAIN,
     })
 
 
 @recipe
 def lm_enwik8() -> Config:
-    """A 8-layer, 512-wide byte LM on enwik8 (give the file: --set data.corpus=PATH/enwik8.gz)."""
+    """An 8-layer, 512-wide byte LM with full attention on enwik8 (--set data.corpus=PATH/enwik8.gz)."""
     return Config().override({
         "model.dim": 512, "model.depth": 8, "model.heads": 8, "model.max_seq_len": 1024,
-        "data.corpus": "data/enwik8.gz", "data.seq_len": 1024,
-        "train.steps": 100_000, "train.micro_batch_size": 4, "train.grad_accum": 4, "train.lr": 2e-4,
-        "train.warmup_steps": 1000, "train.grad_clip": 0.5, "train.log_every": 10, "train.eval_every": 100,
-        "train.eval_batches": 16, "train.sample_every": 500, "train.sample_prompt_len": 128,
-        "train.sample_length": 512, "train.checkpoint_every": 1000, "engine.precision": "bf16",
+        "data.seq_len": 1024, **_ENWIK8_TRAIN, "train.sample_length": 512,
+    })
+
+
+# ------------------------------------------------------------------------------------------ Sinkhorn
+
+_SINKHORN_MODEL = {  # the seed: SinkhornTransformerLM(emb_dim=128, dim=512, depth=8, heads=8, ...)
+    "model.dim": 512, "model.emb_dim": 128, "model.depth": 8, "model.heads": 8, "model.reversible": True,
+    "model.ff_chunks": 10, "attention.kind": "sinkhorn", "attention.dropout": 0.1,
+    "attention.sinkhorn.bucket_size": 128, "attention.sinkhorn.n_local_attn_heads": 4,
+}
+
+
+@recipe
+def sinkhorn_enwik8() -> Config:
+    """The Sinkhorn seed on enwik8: 8 layers, 512 wide, 4096 tokens, buckets of 128, 4 local heads."""
+    return Config().override({**_SINKHORN_MODEL, "model.max_seq_len": 4096, "data.seq_len": 4096,
+                              **_ENWIK8_TRAIN, "train.sample_length": 1024})
+
+
+@recipe
+def sinkhorn_small() -> Config:
+    """The Sinkhorn architecture, shrunk to train in minutes on a CPU on the bundled corpus."""
+    return Config().override({
+        **_SINKHORN_MODEL, "model.dim": 192, "model.emb_dim": 64, "model.depth": 4, "model.heads": 6,
+        "model.max_seq_len": 256, "model.ff_chunks": 2, "attention.sinkhorn.bucket_size": 32,
+        "attention.sinkhorn.n_local_attn_heads": 2, **_SMALL_TRAIN,
+    })
+
+
+@recipe
+def sinkhorn_debug() -> Config:
+    return Config().override({
+        **_SINKHORN_MODEL, "model.dim": 64, "model.emb_dim": 32, "model.depth": 2, "model.heads": 4,
+        "model.ff_chunks": 2, "attention.sinkhorn.bucket_size": 16, "attention.sinkhorn.n_local_attn_heads": 2,
+        **_DEBUG_TRAIN,
+    })
+
+
+# ------------------------------------------------------------------------------------------ Performer
+
+_PERFORMER_MODEL = {  # the seed: PerformerLM(dim=512, depth=6, heads=8, nb_features=256, reversible, scalenorm)
+    "model.dim": 512, "model.depth": 6, "model.heads": 8, "model.reversible": True, "model.norm": "scalenorm",
+    "attention.kind": "performer", "attention.performer.nb_features": 256,
+}
+
+
+@recipe
+def performer_enwik8() -> Config:
+    """The Performer seed on enwik8: 6 layers, 512 wide, 1024 tokens, 256 random features."""
+    return Config().override({**_PERFORMER_MODEL, "model.max_seq_len": 1024, "data.seq_len": 1024,
+                              **_ENWIK8_TRAIN, "train.sample_length": 512})
+
+
+@recipe
+def performer_small() -> Config:
+    """The Performer architecture, shrunk to train in minutes on a CPU on the bundled corpus."""
+    return Config().override({
+        **_PERFORMER_MODEL, "model.dim": 192, "model.depth": 4, "model.heads": 6, "model.max_seq_len": 256,
+        "attention.performer.nb_features": 64, "attention.performer.chunk_size": 32, **_SMALL_TRAIN,
+    })
+
+
+@recipe
+def performer_debug() -> Config:
+    return Config().override({
+        **_PERFORMER_MODEL, "model.dim": 64, "model.depth": 2, "model.heads": 4,
+        "attention.performer.nb_features": 32, "attention.performer.chunk_size": 16,
+        "attention.performer.feature_redraw_interval": 10, **_DEBUG_TRAIN,
     })

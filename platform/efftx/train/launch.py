@@ -115,8 +115,12 @@ def _worker_error(exc: BaseException) -> str:
     return lines[-1] if lines else repr(first)
 
 
-def launch(cfg: Config, *, parent_run_id: str | None = None) -> dict[str, Any]:
-    """Train ``cfg`` with Ray Train + DeepSpeed; return the run summary."""
+def launch(cfg: Config, *, parent_run_id: str | None = None, callbacks: list | None = None) -> dict[str, Any]:
+    """Train ``cfg`` with Ray Train + DeepSpeed; return the run summary.
+
+    ``parent_run_id``: make the MLflow run a child (Tune trials of a sweep). ``callbacks``: Ray Train
+    callbacks, e.g. Tune's ``TuneReportCallback`` when this runs inside a Tune trial.
+    """
     import ray.train
     from ray.train.torch import TorchTrainer
 
@@ -128,6 +132,8 @@ def launch(cfg: Config, *, parent_run_id: str | None = None) -> dict[str, Any]:
 
     gpus = ray.cluster_resources().get("GPU", 0)
     use_gpu = cfg.scaling.device == "cuda" or (cfg.scaling.device == "auto" and gpus > 0)
+    if cfg.engine.precision == "auto":  # the seeds train in fp16 on GPUs; CPUs have no fast fp16
+        cfg.engine.precision = "fp16" if use_gpu else "fp32"
     if cfg.engine.precision == "fp16" and not use_gpu:
         raise ConfigError("engine.precision=fp16 needs CUDA GPUs; use bf16 or fp32 on CPU")
     check_resources(cfg, use_gpu)
@@ -151,6 +157,7 @@ def launch(cfg: Config, *, parent_run_id: str | None = None) -> dict[str, Any]:
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
             failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures),
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # our own progress lines instead
+            callbacks=callbacks,
         ),
     )
     from efftx.tracking import client_for

@@ -181,12 +181,15 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
             if tracker:
                 tracker.log_metrics({"loss": loss_value}, step)
 
-        if step % t.eval_every == 0 or step == t.steps:
+        evaluated = step % t.eval_every == 0 or step == t.steps
+        if evaluated:
             last_eval = evaluate(step)
         if (t.sample_every and step % t.sample_every == 0) or step == t.steps:
             sample(step)
         if step % t.checkpoint_every == 0 and step < t.steps:  # the last one is saved after the export
-            save(step, {"step": step, "loss": loss_value, **last_eval})
+            save(step, {"step": step, "loss": loss_value, "tokens_per_s": run_tokens / run_time, **last_eval})
+        elif evaluated and step < t.steps:  # Tune schedulers (ASHA) see every evaluation
+            ray.train.report({"step": step, "loss": loss_value, "tokens_per_s": run_tokens / run_time, **last_eval})
 
     # ------------------------------------------------------------------ export and final report
     export_dir = payload["export_dir"]

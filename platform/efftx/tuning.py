@@ -1,0 +1,274 @@
+"""Ray Tune sweeps over dotted config keys.
+
+A search space is data (:class:`Space`): a grid over config keys plus constraints that remove invalid
+combinations before any trial starts. Each trial is the same launch as a training job: a TorchTrainer
+(DeepSpeed, N workers) run inside a Tune function trainable, its reports forwarded to Tune by
+``TuneReportCallback`` (the Ray 2.60 pattern: ``Tuner(TorchTrainer)`` no longer works). ASHA stops
+bad trials early on validation bits-per-byte. Every trial is an MLflow run, child of the sweep's
+parent run, which gets the results table, the best config and a plot.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import operator
+import random
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from efftx import paths, recipes
+from efftx.config import Config
+from efftx.errors import ConfigError, LaunchError
+
+METRIC = "val_bpb"
+
+# Relations a constraint may use: (relation, key_a, key_b) keeps points where relation(a, b) holds.
+# Keys name swept keys or any key of the base config.
+RELATIONS = {
+    "<=": operator.le,
+    "<": operator.lt,
+    "divides": lambda a, b: a != 0 and b % a == 0,
+    "multiple_of": lambda a, b: b != 0 and a % b == 0,
+}
+
+
+@dataclass(frozen=True)
+class Space:
+    description: str
+    recipe: str  # default base recipe
+    grid: dict[str, list]  # dotted key -> values
+    constraints: tuple[tuple[str, str, str], ...] = field(default_factory=tuple)
+
+
+SPACES: dict[str, Space] = {
+    "sinkhorn_blocks": Space(
+        description="Sinkhorn bucket size x number of local-attention heads",
+        recipe="sinkhorn_debug",
+        grid={"attention.sinkhorn.bucket_size": [8, 16, 32], "attention.sinkhorn.n_local_attn_heads": [0, 2]},
+        constraints=(("<=", "attention.sinkhorn.n_local_attn_heads", "model.heads"),
+                     ("<=", "attention.sinkhorn.bucket_size", "data.seq_len")),
+    ),
+    "performer_features": Space(
+        description="Performer random features x feature redraw interval",
+        recipe="performer_debug",
+        grid={"attention.performer.nb_features": [16, 64, 256],
+              "attention.performer.feature_redraw_interval": [0, 10]},
+    ),
+}
+
+
+def get_space(name: str) -> Space:
+    if name not in SPACES:
+        raise ConfigError(f"unknown search space {name!r}; available: {', '.join(sorted(SPACES))}")
+    return SPACES[name]
+
+
+def points(space: Space, base: Config) -> list[dict[str, Any]]:
+    """Every grid point that satisfies the space's constraints, each checked against the config."""
+    keys = list(space.grid)
+    for key in keys:
+        base.get(key)  # unknown key -> ConfigError naming it
+    for relation, a, b in space.constraints:
+        if relation not in RELATIONS:
+            raise ConfigError(f"constraint relation {relation!r} is unknown; use one of {', '.join(RELATIONS)}")
+    out = []
+    for values in itertools.product(*(space.grid[k] for k in keys)):
+        point = dict(zip(keys, values))
+        cfg = base.copy().override(point)
+
+        def value(key):
+            return point[key] if key in point else cfg.get(key)
+
+        if all(RELATIONS[rel](value(a), value(b)) for rel, a, b in space.constraints):
+            cfg.name = cfg.name or "check"
+            cfg.validate()  # a point the constraints let through must be a valid run
+            out.append(point)
+    if not out:
+        raise ConfigError("the search space has no valid point under its constraints")
+    return out
+
+
+def choose(all_points: list[dict], samples: int, seed: int) -> list[dict]:
+    """All points (samples <= 0 or >= their number), else ``samples`` of them drawn without replacement."""
+    if samples <= 0 or samples >= len(all_points):
+        return all_points
+    return random.Random(seed).sample(all_points, samples)
+
+
+def _trial(config: dict[str, Any]) -> None:
+    """A Tune function trainable: one training run through the normal launch."""
+    from ray import tune
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from efftx.train.launch import launch
+
+    cfg = Config.from_dict(config["base"]).override(config["overrides"])
+    cfg.name = f"{config['sweep']}-{tune.get_context().get_trial_id()}"
+    launch(cfg, parent_run_id=config["parent_run_id"], callbacks=[TuneReportCallback()])
+
+
+def sweep(space_name: str, *, recipe: str | None = None, samples: int = 0, max_concurrent: int = 2,
+          overrides: list[str] | None = None, name: str | None = None) -> dict[str, Any]:
+    """Run a sweep; returns a summary with the best config, the table and the plot path."""
+    import ray
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+
+    from efftx.tracking import Tracker
+    from efftx.train.launch import check_resources, ensure_ray, resolve
+
+    space = get_space(space_name)
+    if max_concurrent < 1:
+        raise ConfigError(f"--max-concurrent must be >= 1, got {max_concurrent}")
+    base = recipes.get(recipe or space.recipe).override(overrides or [])
+    sweep_name = name or f"{space_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    base.name = sweep_name
+    base = resolve(base)
+    chosen = choose(points(space, base), samples, base.train.seed)
+
+    ensure_ray()
+    use_gpu = base.scaling.device == "cuda" or (base.scaling.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+    check_resources(base, use_gpu)
+    per_trial = base.scaling.num_workers * base.scaling.cpus_per_worker
+    total = ray.cluster_resources().get("CPU", 0)
+    concurrent = min(max_concurrent, len(chosen))
+    if concurrent * per_trial > total + 1e-9:
+        raise LaunchError(f"--max-concurrent {concurrent} trials x {per_trial:g} CPUs each "
+                          f"(scaling.num_workers x scaling.cpus_per_worker) = {concurrent * per_trial:g} CPUs, "
+                          f"but the Ray cluster has {total:g}; lower --max-concurrent or the per-trial CPUs")
+
+    parent = Tracker(base, extra_params={"sweep.space": space_name, "sweep.points": len(chosen),
+                                         "sweep.grid": json.dumps(space.grid)})
+    parent.client.set_tag(parent.run_id, "efftx.sweep", space_name)
+    print(f"[efftx] sweep {sweep_name}: {len(chosen)} trials of {base.recipe} over "
+          f"{', '.join(space.grid)}; MLflow parent run {parent.run_id}", flush=True)
+
+    t = base.train
+    scheduler = ASHAScheduler(time_attr="step", max_t=t.steps, grace_period=min(t.eval_every, t.steps),
+                              reduction_factor=2)
+    tuner = tune.Tuner(
+        tune.with_resources(_trial, {"cpu": 0.01}),  # the trial only waits on its TorchTrainer's workers
+        param_space={"base": base.to_dict(), "sweep": sweep_name, "parent_run_id": parent.run_id,
+                     "overrides": tune.grid_search(chosen)},
+        tune_config=tune.TuneConfig(metric=METRIC, mode="min", scheduler=scheduler, max_concurrent_trials=concurrent),
+        run_config=tune.RunConfig(name=sweep_name, storage_path=str(paths.home() / "tune"), verbose=0),
+    )
+    grid = tuner.fit()
+
+    rows = []
+    for result in grid:
+        m = result.metrics or {}
+        status = "error" if result.error else "complete" if m.get("step") == t.steps else "stopped early"
+        rows.append({**result.config["overrides"], METRIC: m.get(METRIC), "tokens_per_s": m.get("tokens_per_s"),
+                     "step": m.get("step"), "status": status,
+                     "error": str(result.error).strip().splitlines()[-1][:200] if result.error else ""})
+        _close_trial_run(base, f"{sweep_name}-{m.get('trial_id')}", status)
+    finished = [r for r in rows if r[METRIC] is not None and not r["error"]]
+    if not finished:
+        parent.finish("FAILED")
+        raise LaunchError(f"sweep {sweep_name}: no trial finished; first error: {rows[0]['error'] if rows else 'none'}")
+    best = min(finished, key=lambda r: r[METRIC])
+    keys = list(space.grid)
+    table = format_table(rows, keys)
+    print(table, flush=True)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        plot = Path(tmp) / f"{space_name}.png"
+        plot_results(rows, keys, plot, title=f"{space_name} ({base.recipe})")
+        (Path(tmp) / "results.json").write_text(json.dumps(rows, indent=2))
+        parent.log_artifacts(tmp, "sweep")
+    parent.log_text(table, "sweep/results.txt")
+    parent.log_metrics({f"best_{METRIC}": best[METRIC]}, step=0)
+    parent.client.log_param(parent.run_id, "sweep.best", json.dumps({k: best[k] for k in keys}))
+    parent.finish("FINISHED")
+    return {"sweep": sweep_name, "space": space_name, "trials": len(rows), "finished": len(finished),
+            "best": {k: best[k] for k in keys}, f"best_{METRIC}": best[METRIC],
+            "mlflow_parent_run_id": parent.run_id, "tracking_uri": base.tracking.uri,
+            "plot_artifact": f"sweep/{space_name}.png"}
+
+
+def _close_trial_run(base: Config, run_name: str, status: str) -> None:
+    """ASHA kills stopped trials before their driver can close their MLflow run: close it here."""
+    from efftx.tracking import client_for
+    from efftx.train.launch import RUN_FILE
+
+    record = Path(base.scaling.storage_path) / run_name / RUN_FILE
+    if not record.is_file():
+        return
+    run_id = json.loads(record.read_text())["mlflow_run_id"]
+    client = client_for(base.tracking.uri)
+    if client.get_run(run_id).info.status == "RUNNING":
+        client.set_terminated(run_id, status="KILLED" if status == "stopped early" else "FAILED")
+
+
+def format_table(rows: list[dict], keys: list[str]) -> str:
+    cols = keys + [METRIC, "tokens_per_s", "step", "status", "error"]
+    short = {k: k.split(".")[-1] for k in cols}
+
+    def cell(v):
+        if isinstance(v, float):
+            return f"{v:,.4f}" if abs(v) < 100 else f"{v:,.0f}"
+        return "" if v is None else str(v)[:40]
+
+    body = [[cell(r.get(c)) for c in cols] for r in sorted(rows, key=lambda r: (r[METRIC] is None, r[METRIC] or 0))]
+    widths = [max(len(short[c]), *(len(b[i]) for b in body)) for i, c in enumerate(cols)]
+    lines = ["  ".join(short[c].ljust(w) for c, w in zip(cols, widths))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(b, widths)) for b in body]
+    return "\n".join(lines)
+
+
+def plot_results(rows: list[dict], keys: list[str], out: Path, title: str) -> None:
+    """Metric against the first swept key, one line per combination of the other keys."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x_key, other = keys[0], keys[1:]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    groups: dict[tuple, list[tuple]] = {}
+    for r in rows:
+        if r[METRIC] is not None and not math.isnan(r[METRIC]):
+            groups.setdefault(tuple(r[k] for k in other), []).append((r[x_key], r[METRIC]))
+    for group, pts in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        pts.sort()
+        label = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in zip(other, group)) or METRIC
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    ax.set_xlabel(x_key)
+    ax.set_ylabel(f"validation {METRIC} (last report)")
+    ax.set_title(title)
+    if all(isinstance(r[x_key], (int, float)) and r[x_key] > 0 for r in rows):
+        ax.set_xscale("log", base=2)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def sweep_main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    from efftx.errors import EfftxError
+
+    p = argparse.ArgumentParser(description="Sweep dotted config keys with Ray Tune (ASHA) over the efftx train loop.")
+    p.add_argument("--space", required=True, help=f"named search space: {', '.join(sorted(SPACES))}")
+    p.add_argument("--recipe", help="base recipe (default: the space's own)")
+    p.add_argument("--samples", type=int, default=0, help="trials to draw from the grid (0 = the whole grid)")
+    p.add_argument("--max-concurrent", type=int, default=2)
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--name", help="sweep name (Tune experiment and MLflow parent run)")
+    args = p.parse_args(argv)
+    try:
+        summary = sweep(args.space, recipe=args.recipe, samples=args.samples, max_concurrent=args.max_concurrent,
+                        overrides=args.overrides, name=args.name)
+    except EfftxError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary), flush=True)
+    return 0
