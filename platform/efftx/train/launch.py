@@ -177,6 +177,7 @@ def launch(cfg: Config, *, parent_run_id: str | None = None, callbacks: list | N
         "val_loss": m.get("val_loss"),
         "val_bpb": m.get("val_bpb"),
         "tokens_per_s": m.get("tokens_per_s"),
+        "peak_memory_mb": m.get("peak_memory_mb"),
         "mlflow_run_id": mlflow_run_id,
         "tracking_uri": cfg.tracking.uri,
         "registered_model": m.get("registered_model") or None,

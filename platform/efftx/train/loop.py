@@ -36,6 +36,15 @@ def log(rank: int, message: str) -> None:
         sys.stdout.flush()
 
 
+def peak_memory_mb(device: str) -> float:
+    """Peak memory of this worker: CUDA allocator peak on GPU, the process's peak RSS on CPU."""
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
 def quiet_ray_train_logs() -> None:
     """Drop Ray Train's per-report INFO lines on workers (one logger is named by its file path, so
     LoggingConfig's level misses it); warnings and errors still show."""
@@ -205,4 +214,5 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         log(rank, f"exported to {export_dir}" + (f", registered as {model_uri}" if model_uri else ""))
     # The last checkpoint carries the run's final metrics (Ray's Result.metrics are the latest checkpoint's).
     save(step, {"step": step, "tokens_per_s": run_tokens / run_time if run_time else 0.0,
+                "peak_memory_mb": peak_memory_mb(device),
                 "export_path": export_dir, "registered_model": model_uri or "", **last_eval})
