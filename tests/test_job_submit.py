@@ -51,7 +51,7 @@ def test_ray_job_submit_to_ray_start_head(efftx_home):
         proc = subprocess.run(start, env=env, capture_output=True, text=True, timeout=180)
         assert proc.returncode == 0, proc.stderr[-2000:]
         submit = [str(BIN / "ray"), "job", "submit", "--address", f"http://127.0.0.1:{dash}", "--working-dir", ".",
-                  "--", "python", "jobs/train_lm.py", "--recipe", "lm_debug", "--run-name", "submitted",
+                  "--", "python", "jobs/train_sinkhorn.py", "--recipe", "sinkhorn_debug", "--run-name", "submitted",
                   "--set", "train.steps=10", "--set", "train.eval_every=5"]
         job = subprocess.run(submit, cwd=REPO, env={**env, "RAY_AUTH_MODE": "token"}, capture_output=True,
                              text=True, timeout=600)

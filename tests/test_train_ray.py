@@ -147,15 +147,16 @@ def test_non_finite_loss_stops_with_clear_error(ray_cluster):
         launch(cfg)
 
 
-def test_job_script_prints_json_summary_last(ray_cluster, tmp_path):
+@pytest.mark.parametrize("script, recipe", [("train_lm.py", "lm_debug"), ("train_performer.py", "performer_debug")])
+def test_job_script_prints_json_summary_last(ray_cluster, script, recipe):
     env = {**os.environ, "RAY_ADDRESS": ray_cluster}
-    cmd = [sys.executable, "jobs/train_lm.py", "--recipe", "lm_debug", "--run-name", "job-script",
+    cmd = [sys.executable, f"jobs/{script}", "--recipe", recipe, "--run-name", f"job-{recipe}",
            "--workers", "2", "--set", "train.steps=10", "--set", "train.eval_every=5"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     summary = json.loads(lines[-1])
-    assert summary["run_name"] == "job-script" and summary["final_step"] == 10
+    assert summary["run_name"] == f"job-{recipe}" and summary["final_step"] == 10
     for key in ("val_bpb", "tokens_per_s", "mlflow_run_id", "export_path"):
         assert summary[key], key
     assert Path(summary["export_path"], "model.safetensors").is_file()
@@ -180,3 +181,16 @@ def test_zero3_bf16_run_samples_and_exports_whole_weights(ray_cluster):
 def test_fp16_without_gpu_is_a_clear_error(ray_cluster):
     with pytest.raises(ConfigError, match="fp16 needs CUDA"):
         launch(debug_cfg("fp16-cpu", **{"engine.precision": "fp16"}))
+
+
+@pytest.mark.parametrize("recipe, kind", [("sinkhorn_debug", "sinkhorn"), ("performer_debug", "performer")])
+def test_efficient_attention_recipes_train_with_falling_validation_loss(ray_cluster, recipe, kind):
+    from efftx.generate import sample_text
+    from efftx.train.checkpoint import load_export
+
+    summary = launch(recipes.get(recipe).override({"name": f"{recipe}-run"}))
+    val = history(summary, "val_bpb")
+    assert val[40][-1] < 0.8 * val[0][0], val
+    _, cfg, _ = load_export(summary["export_path"])
+    assert cfg.attention.kind == kind and cfg.model.reversible
+    assert len(sample_text(summary["export_path"], "def ", 20, temperature=0)) > 0

@@ -1,1 +1,261 @@
-"""The performer attention backend (being written)."""
+"""Performer attention: FAVOR+ positive orthogonal random features (Choromanski et al., 2021).
+
+Softmax attention weighs key j for query i by ``exp(q_i·k_j / sqrt(D))``. FAVOR+ writes that kernel
+as an expectation over random vectors w ~ N(0, I_D):
+
+    exp(q·k / sqrt(D)) = E_w[ phi_w(q) phi_w(k) ],   phi_w(x) = exp(w·x̂ - |x̂|²/2),  x̂ = x · D^-0.25
+
+and estimates it with ``m = nb_features`` fixed draws stacked in a projection W (m, D):
+``phi(x) = exp(W x̂ - |x̂|²/2) / sqrt(m)``, a positive (m,) feature vector. The rows of W are
+orthogonal within blocks of D (QR of Gaussian matrices) and rescaled by chi-distributed norms, so
+each row is still marginally Gaussian but the estimate has lower variance. Attention then becomes
+
+    out_i = phi(q_i)ᵀ S_i / phi(q_i)ᵀ z_i,
+    S_i = Σ_{j<=i} phi(k_j) v_jᵀ  (m, D),   z_i = Σ_{j<=i} phi(k_j)  (m,)
+
+which costs O(T·m·D) instead of O(T²·D). Causal prefix sums are computed chunk by chunk
+(``chunk_size`` C): a chunk sees the exclusive running sums of all earlier chunks plus its own
+C×C lower-triangular block of ``phi(q)ᵀphi(k)``; no T×T tensor is ever built.
+
+Numerics: features are computed in float32 (float64 for float64 inputs), outside autocast. The
+query features subtract their own row maximum before ``exp``, a per-query factor that cancels
+between numerator and denominator. Keys get no data-dependent stabiliser (one that looked at
+other keys would break causality and cached decoding); instead the key exponent is clamped at a
+fixed ``KEY_EXP_MAX``, which only bites for pathological keys (|k| ≈ D^0.75 aligned with a
+feature) and keeps float32 sums finite. The denominator is clamped at ``EPS``.
+
+Features: W is a buffer (saved in checkpoints) drawn from a ``torch.Generator`` seeded by
+(train.seed, layer index, redraw index), never the global RNG, so every data-parallel rank and
+every resumed run hold the same features. In training mode the buffer ``calls`` counts forward
+passes; the pass numbered n (from 0) uses draw ``n // feature_redraw_interval`` (0 = never
+redraw). The redraw happens at the start of a pass, so a reversible/checkpointed recompute
+(:func:`efftx.attention.base.recomputing`) sees the same features and does not count.
+
+Decoding: :class:`PerformerCache` carries S (B, Hkv, m, D) and z (B, Hkv, m), so a new token
+costs O(m·D) whatever the prompt length. It also keeps each token's phi(k) and v, used only
+by ``rewind(n)``, which recomputes S and z from the first ``length - n`` of them.
+
+Attention dropout (``attention.dropout``) is ignored: the attention probabilities are never
+materialised, so there is nothing to drop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn.functional as F
+
+from efftx.attention import register
+from efftx.attention.base import AttentionBackend, AttentionSpec, is_recomputing
+from efftx.errors import ConfigError
+
+KEY_EXP_MAX = 50.0  # cap on a key feature's exponent: exp(50) * tokens stays far below float32 max
+EPS = 1e-6  # floor of the attention denominator phi(q)·z
+
+
+def draw_seed(seed: int, layer_index: int, redraw: int) -> int:
+    """A 63-bit generator seed from (run seed, layer, redraw index); same on every host."""
+    digest = hashlib.sha256(f"efftx-performer:{seed}:{layer_index}:{redraw}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def orthogonal_features(nb_features: int, dim: int, generator: torch.Generator) -> torch.Tensor:
+    """(nb_features, dim) float32: blocks of dim orthonormal rows, each row scaled by a chi(dim) norm."""
+    blocks = []
+    for _ in range(math.ceil(nb_features / dim)):
+        g = torch.randn(dim, dim, generator=generator, dtype=torch.float64)
+        q, r = torch.linalg.qr(g)
+        q = q * torch.sign(torch.diagonal(r))[None, :]  # unique (Haar-distributed) orthogonal matrix
+        blocks.append(q.T)  # rows orthonormal
+    w = torch.cat(blocks)[:nb_features]  # (m, D)
+    norms = torch.randn(nb_features, dim, generator=generator, dtype=torch.float64).norm(dim=1, keepdim=True)
+    return (w * norms).float()
+
+
+def feature_map(x: torch.Tensor, projection: torch.Tensor, *, is_query: bool) -> torch.Tensor:
+    """phi(x) = exp(W x̂ - |x̂|²/2) / sqrt(m), x̂ = x · D^-0.25: (..., D) -> (..., m).
+
+    Queries subtract their row maximum (cancels in the attention ratio); keys are clamped at
+    ``KEY_EXP_MAX`` (a no-op for all but pathological keys). Computed in ``x``'s dtype.
+    """
+    d = x.shape[-1]
+    m = projection.shape[0]
+    x = x * d ** -0.25
+    logits = x @ projection.to(x.dtype).T - (x * x).sum(-1, keepdim=True) / 2  # (..., m)
+    if is_query:
+        logits = logits - logits.amax(-1, keepdim=True).detach()
+    else:
+        logits = logits.clamp(max=KEY_EXP_MAX)
+    return torch.exp(logits) / math.sqrt(m)
+
+
+def causal_linear_attention(qf: torch.Tensor, kf: torch.Tensor, v: torch.Tensor, chunk_size: int,
+                            s0: torch.Tensor | None = None, z0: torch.Tensor | None = None):
+    """Causal FAVOR+ over chunks.
+
+    qf: (B, T, Hkv, R, m) query features (R query heads per kv head); kf: (B, T, Hkv, m);
+    v: (B, T, Hkv, D); s0 (B, Hkv, m, D), z0 (B, Hkv, m): sums of earlier tokens, or None.
+    Returns out (B, T, Hkv, R, D) and the sums after the last token, s (B, Hkv, m, D), z (B, Hkv, m).
+    """
+    b, t, hkv, r, m = qf.shape
+    d = v.shape[-1]
+    c = max(1, min(chunk_size, t))
+    n = math.ceil(t / c)
+    pad = n * c - t
+    if pad:  # zero key features and values add nothing; padded queries are dropped at the end
+        qf = F.pad(qf, (0, 0, 0, 0, 0, 0, 0, pad))
+        kf = F.pad(kf, (0, 0, 0, 0, 0, pad))
+        v = F.pad(v, (0, 0, 0, 0, 0, pad))
+    qc = qf.reshape(b, n, c, hkv, r, m)
+    kc = kf.reshape(b, n, c, hkv, m)
+    vc = v.reshape(b, n, c, hkv, d)
+
+    # inter-chunk: exclusive prefix sums over whole chunks (shift, not subtract: exactly causal)
+    s_incl = torch.einsum("bnchm,bnchd->bnhmd", kc, vc).cumsum(1)  # (B, n, Hkv, m, D)
+    z_incl = kc.sum(2).cumsum(1)  # (B, n, Hkv, m)
+    s_prev = torch.cat((torch.zeros_like(s_incl[:, :1]), s_incl[:, :-1]), 1)
+    z_prev = torch.cat((torch.zeros_like(z_incl[:, :1]), z_incl[:, :-1]), 1)
+    if s0 is not None:
+        s_prev, s_incl = s_prev + s0[:, None], s_incl + s0[:, None]
+        z_prev, z_incl = z_prev + z0[:, None], z_incl + z0[:, None]
+    num = torch.einsum("bnchrm,bnhmd->bnchrd", qc, s_prev)  # (B, n, C, Hkv, R, D)
+    den = torch.einsum("bnchrm,bnhm->bnchr", qc, z_prev)  # (B, n, C, Hkv, R)
+
+    # intra-chunk: C x C lower-triangular block of phi(q)·phi(k)
+    scores = torch.einsum("bnihrm,bnjhm->bnhrij", qc, kc)  # (B, n, Hkv, R, C, C)
+    future = torch.ones(c, c, dtype=torch.bool, device=qf.device).triu(1)
+    scores = scores.masked_fill(future, 0.0)
+    num = num + torch.einsum("bnhrij,bnjhd->bnihrd", scores, vc)
+    den = den + scores.sum(-1).permute(0, 1, 4, 2, 3)  # (B, n, C, Hkv, R)
+
+    out = num / den.clamp_min(EPS)[..., None]
+    out = out.reshape(b, n * c, hkv, r, d)[:, :t]
+    return out, s_incl[:, -1], z_incl[:, -1]
+
+
+def global_linear_attention(qf: torch.Tensor, kf: torch.Tensor, v: torch.Tensor,
+                            s0: torch.Tensor | None = None, z0: torch.Tensor | None = None):
+    """Non-causal FAVOR+: every query sees every key (and the cached ones). Shapes as above."""
+    s = torch.einsum("bthm,bthd->bhmd", kf, v)  # (B, Hkv, m, D)
+    z = kf.sum(1)  # (B, Hkv, m)
+    if s0 is not None:
+        s, z = s + s0, z + z0
+    num = torch.einsum("bthrm,bhmd->bthrd", qf, s)
+    den = torch.einsum("bthrm,bhm->bthr", qf, z)
+    return num / den.clamp_min(EPS)[..., None], s, z
+
+
+class PerformerCache:
+    """Decoding state of one Performer layer.
+
+    ``s`` (B, Hkv, m, D) = Σ phi(k) vᵀ and ``z`` (B, Hkv, m) = Σ phi(k) over the ``length`` tokens
+    seen; a decode step reads and replaces only these. ``phi_k`` (B, max_len, Hkv, m) and ``v``
+    (B, max_len, Hkv, D) keep each token's contribution so that ``rewind`` can rebuild the sums.
+    """
+
+    def __init__(self, batch_size: int, max_len: int, kv_heads: int, head_dim: int, nb_features: int, *,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        dtype = torch.promote_types(dtype, torch.float32)  # sums are kept in at least float32
+        self.s = torch.zeros(batch_size, kv_heads, nb_features, head_dim, device=device, dtype=dtype)
+        self.z = torch.zeros(batch_size, kv_heads, nb_features, device=device, dtype=dtype)
+        self.phi_k = torch.zeros(batch_size, max_len, kv_heads, nb_features, device=device, dtype=dtype)
+        self.v = torch.zeros(batch_size, max_len, kv_heads, head_dim, device=device, dtype=dtype)
+        self.length = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.phi_k.shape[1]
+
+    def append(self, phi_k: torch.Tensor, v: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> None:
+        """Record T new tokens' (B, T, Hkv, m) key features and (B, T, Hkv, D) values; new sums s, z."""
+        end = self.length + phi_k.shape[1]
+        if end > self.max_len:
+            raise ValueError(f"performer cache overflow: {end} positions > capacity {self.max_len}")
+        self.phi_k[:, self.length:end] = phi_k.detach()
+        self.v[:, self.length:end] = v.detach()
+        self.s = s.detach().to(self.s.dtype)
+        self.z = z.detach().to(self.z.dtype)
+        self.length = end
+
+    def rewind(self, n: int) -> None:
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot rewind {n} tokens from a cache holding {self.length}")
+        if n == 0:
+            return
+        self.length -= n
+        kept_k, kept_v = self.phi_k[:, :self.length], self.v[:, :self.length]
+        self.s = torch.einsum("bthm,bthd->bhmd", kept_k, kept_v)
+        self.z = kept_k.sum(1)
+
+
+@register("performer")
+class PerformerAttention(AttentionBackend):
+    """FAVOR+ linear attention; see the module docstring."""
+
+    def __init__(self, spec: AttentionSpec):
+        super().__init__(spec)
+        opts = spec.options
+        self.nb_features = int(getattr(opts, "nb_features", 256))
+        self.redraw_interval = int(getattr(opts, "feature_redraw_interval", 1000))
+        self.chunk_size = int(getattr(opts, "chunk_size", 128))
+        if self.nb_features < 1:
+            raise ConfigError(f"attention.performer.nb_features={self.nb_features} must be >= 1")
+        if self.chunk_size < 1:
+            raise ConfigError(f"attention.performer.chunk_size={self.chunk_size} must be >= 1")
+        if self.redraw_interval < 0:
+            raise ConfigError(f"attention.performer.feature_redraw_interval={self.redraw_interval} must be >= 0")
+        if spec.heads % spec.kv_heads:
+            raise ConfigError(f"heads={spec.heads} is not a multiple of kv_heads={spec.kv_heads}")
+        self.register_buffer("projection", self.draw(0))  # (m, D)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))  # training forward passes
+        self._calls = 0  # host mirror of ``calls``: reading a GPU buffer every pass would sync
+
+    def draw(self, redraw: int) -> torch.Tensor:
+        """The features of redraw number ``redraw`` (0 = the initial draw), float32 on the CPU."""
+        g = torch.Generator().manual_seed(draw_seed(self.spec.seed, self.spec.layer_index, redraw))
+        return orthogonal_features(self.nb_features, self.spec.head_dim, g)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._calls = int(self.calls)
+
+    def _count_training_pass(self) -> None:
+        """Redraw if this pass starts a new interval, then count it. Replaces (never mutates) the
+        projection buffer, so graphs of earlier passes keep the features they used."""
+        every = self.redraw_interval
+        if every > 0 and self._calls > 0 and self._calls % every == 0:
+            p = self.projection
+            self.projection = self.draw(self._calls // every).to(device=p.device, dtype=p.dtype)
+        self._calls += 1
+        self.calls.fill_(self._calls)
+
+    def forward(self, q, k, v, *, cache: PerformerCache | None = None, x=None):
+        # q: (B, T, H, D); k, v: (B, T, Hkv, D)
+        if self.training and not is_recomputing():
+            self._count_training_pass()
+        b, t, h, d = q.shape
+        hkv = k.shape[2]
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        with torch.autocast(q.device.type, enabled=False):
+            w = self.projection.to(dtype)
+            qf = feature_map(q.to(dtype), w, is_query=True)  # (B, T, H, m)
+            kf = feature_map(k.to(dtype), w, is_query=False)  # (B, T, Hkv, m)
+            qf = qf.view(b, t, hkv, h // hkv, -1)  # (B, T, Hkv, R, m): head h reads kv head h // R
+            v32 = v.to(dtype)
+            s0 = z0 = None
+            if cache is not None and cache.length:
+                s0, z0 = cache.s.to(dtype), cache.z.to(dtype)
+            if self.spec.causal:
+                out, s, z = causal_linear_attention(qf, kf, v32, self.chunk_size, s0, z0)
+            else:
+                out, s, z = global_linear_attention(qf, kf, v32, s0, z0)
+        if cache is not None:
+            cache.append(kf, v32, s, z)
+        return out.reshape(b, t, h, d).to(q.dtype)  # (B, T, H, D)
+
+    def new_cache(self, batch_size: int, max_len: int, device: torch.device, dtype: torch.dtype) -> PerformerCache:
+        s = self.spec
+        return PerformerCache(batch_size, max_len, s.kv_heads, s.head_dim, self.nb_features,
+                              device=device, dtype=dtype)

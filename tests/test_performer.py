@@ -1,0 +1,239 @@
+"""The Performer (FAVOR+) backend: chunked maths, softmax approximation, features, cache, GQA."""
+
+import math
+
+import pytest
+import torch
+
+from efftx.attention.base import AttentionSpec, recomputing
+from efftx.attention.performer import PerformerAttention, PerformerCache, feature_map
+from efftx.config import PerformerOptions
+
+
+def make(heads=4, kv_heads=2, head_dim=8, nb_features=16, chunk_size=4, redraw=0, causal=True,
+         layer_index=0, seed=0) -> PerformerAttention:
+    spec = AttentionSpec(kind="performer", dim=heads * head_dim, heads=heads, kv_heads=kv_heads,
+                         head_dim=head_dim, max_seq_len=128, causal=causal, layer_index=layer_index,
+                         options=PerformerOptions(nb_features=nb_features, feature_redraw_interval=redraw,
+                                                  chunk_size=chunk_size),
+                         seed=seed)
+    return PerformerAttention(spec).eval()
+
+
+def qkv(b=2, t=13, h=4, hkv=2, d=8, scale=1.0, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, t, h, d, generator=g, dtype=dtype) * scale
+    k = torch.randn(b, t, hkv, d, generator=g, dtype=dtype) * scale
+    v = torch.randn(b, t, hkv, d, generator=g, dtype=dtype)
+    return q, k, v
+
+
+def naive_favor(q, k, v, w, causal=True):
+    """Quadratic reference in float64: the explicit T x T matrix phi(q) phi(k)ᵀ, masked, no stabiliser."""
+    d, m = q.shape[-1], w.shape[0]
+    rep = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(rep, dim=2).double(), v.repeat_interleave(rep, dim=2).double()
+    w = w.double()
+
+    def phi(x):
+        x = x.double() * d ** -0.25
+        return torch.exp(x @ w.T - (x * x).sum(-1, keepdim=True) / 2) / math.sqrt(m)
+
+    a = torch.einsum("bihm,bjhm->bhij", phi(q), phi(k))  # (B, H, T, T)
+    if causal:
+        t = q.shape[1]
+        a = a * torch.ones(t, t, dtype=torch.float64).tril()
+    return torch.einsum("bhij,bjhd->bihd", a, v) / a.sum(-1).transpose(1, 2)[..., None]
+
+
+def softmax_attention(q, k, v):
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) / math.sqrt(q.shape[-1])
+    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v.double())
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 4, 5, 13, 64])
+def test_causal_chunked_matches_naive_quadratic_reference(chunk_size):
+    backend = make(chunk_size=chunk_size)
+    q, k, v = qkv(t=13, dtype=torch.float64)
+    out = backend(q, k, v)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, naive_favor(q, k, v, backend.projection), rtol=1e-9, atol=1e-10)
+
+
+def test_non_causal_matches_naive_reference():
+    backend = make(causal=False)
+    q, k, v = qkv(t=11, dtype=torch.float64)
+    torch.testing.assert_close(backend(q, k, v), naive_favor(q, k, v, backend.projection, causal=False),
+                               rtol=1e-9, atol=1e-10)
+
+
+def test_result_does_not_depend_on_chunk_size():
+    q, k, v = qkv(t=29)
+    outs = [make(chunk_size=c)(q, k, v) for c in (1, 4, 7, 29, 128)]
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], rtol=1e-5, atol=1e-6)
+
+
+def test_favor_approximates_softmax_and_improves_with_more_features():
+    q, k, v = qkv(b=2, t=32, h=2, hkv=2, d=16, scale=0.5, seed=3)
+    exact = softmax_attention(q, k, v)
+
+    def error(m):  # mean over three feature draws (seeds), non-causal
+        errs = [(make(heads=2, kv_heads=2, head_dim=16, nb_features=m, causal=False, seed=s)(q, k, v).double()
+                 - exact).abs().mean() for s in range(3)]
+        return float(sum(errs) / len(errs))
+
+    coarse, fine = error(16), error(1024)
+    assert fine < coarse / 2
+    assert fine < 0.025  # outputs are O(0.15) here
+    assert fine / float(exact.abs().mean()) < 0.15
+
+
+def test_large_inputs_stay_finite():
+    backend = make()
+    q, k, v = qkv(t=20, scale=30.0)
+    assert torch.isfinite(backend(q, k, v)).all()
+    # The worst key for head_dim 256: aligned with the longest feature row, where exp(w·k̂ - |k̂|²/2)
+    # peaks at exp(|w|²/2) ~ exp(128), beyond float32; the key exponent cap keeps it finite.
+    backend = make(heads=1, kv_heads=1, head_dim=256, nb_features=32)
+    w = backend.projection
+    worst = w[w.norm(dim=1).argmax()] * 256 ** 0.25
+    k = worst.expand(1, 16, 1, 256).contiguous()
+    q, v = torch.randn(1, 16, 1, 256), torch.randn(1, 16, 1, 256)
+    assert torch.isfinite(feature_map(k, w, is_query=False)).all()
+    assert torch.isfinite(backend(q, k, v)).all()
+
+
+def test_bfloat16_inputs_give_bfloat16_output():
+    q, k, v = qkv(dtype=torch.bfloat16)
+    out = make()(q, k, v)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), make()(q.float(), k.float(), v.float()), rtol=0.05, atol=0.05)
+
+
+# --- features ------------------------------------------------------------------------------------
+
+
+def test_features_are_deterministic_per_layer_and_seed():
+    a, b = make(nb_features=24), make(nb_features=24)
+    assert torch.equal(a.projection, b.projection)
+    assert not torch.allclose(a.projection, make(nb_features=24, layer_index=1).projection)
+    assert not torch.allclose(a.projection, make(nb_features=24, seed=1).projection)
+
+
+def test_features_are_orthogonal_within_blocks():
+    w = make(head_dim=8, nb_features=20).projection.double()  # blocks of 8, 8, 4 rows
+    assert w.shape == (20, 8)
+    for block in (w[:8], w[8:16], w[16:]):
+        gram = block @ block.T
+        off_diag = gram - torch.diag(torch.diagonal(gram))
+        assert off_diag.abs().max() < 1e-4 * gram.diagonal().max()
+
+
+def test_redraw_after_interval_training_passes_only():
+    backend = make(redraw=3)
+    q, k, v = qkv(b=1, t=5)
+    first = backend.projection.clone()
+    for _ in range(5):  # eval passes neither count nor redraw
+        backend(q, k, v)
+    assert torch.equal(backend.projection, first) and int(backend.calls) == 0
+    backend.train()
+    for _ in range(3):
+        backend(q, k, v)
+    assert torch.equal(backend.projection, first) and int(backend.calls) == 3
+    with recomputing():  # a reversible/checkpoint recompute neither counts nor redraws
+        backend(q, k, v)
+    assert torch.equal(backend.projection, first) and int(backend.calls) == 3
+    backend(q, k, v)  # pass number 3 (from 0) starts interval 1: fresh features
+    assert int(backend.calls) == 4
+    assert not torch.allclose(backend.projection, first)
+    assert torch.equal(backend.projection, backend.draw(1))
+    backend.eval()
+    second = backend.projection.clone()
+    for _ in range(4):
+        backend(q, k, v)
+    assert torch.equal(backend.projection, second)
+
+
+def test_no_redraw_when_interval_is_zero():
+    backend = make(redraw=0).train()
+    first = backend.projection.clone()
+    q, k, v = qkv(b=1, t=5)
+    for _ in range(4):
+        backend(q, k, v)
+    assert torch.equal(backend.projection, first)
+
+
+def test_features_and_counter_survive_state_dict_and_resume_on_schedule():
+    trained = make(redraw=2).train()
+    q, k, v = qkv(b=1, t=5)
+    for _ in range(4):  # passes 0..3: redraw 1 happened at pass 2; pass 4 will redraw again
+        trained(q, k, v)
+    state = trained.state_dict()
+    assert {"projection", "calls"} <= set(state)
+
+    resumed = make(redraw=2).train()  # a fresh instance holds draw 0; the checkpoint holds draw 1
+    assert not torch.equal(resumed.projection, trained.projection)
+    resumed.load_state_dict(state)
+    assert torch.equal(resumed.projection, trained.projection)
+    assert int(resumed.calls) == 4
+    resumed.eval()
+    torch.testing.assert_close(resumed(q, k, v), trained.eval()(q, k, v), rtol=0, atol=0)
+    resumed.train(), trained.train()
+    resumed(q, k, v), trained(q, k, v)  # pass 4: both redraw to draw 2 of the same seed
+    assert int(resumed.calls) == 5
+    assert torch.equal(resumed.projection, trained.projection)
+
+
+# --- cache ---------------------------------------------------------------------------------------
+
+
+def test_decode_step_uses_only_running_sums():
+    backend = make(chunk_size=4)
+    q, k, v = qkv(b=2, t=20)
+    full = backend(q, k, v)
+    cache = backend.new_cache(2, 32, torch.device("cpu"), torch.float32)
+    assert isinstance(cache, PerformerCache)
+    parts = [backend(q[:, :9], k[:, :9], v[:, :9], cache=cache)]
+    s_shape, z_shape = cache.s.shape, cache.z.shape
+    assert s_shape == (2, 2, 16, 8) and z_shape == (2, 2, 16)
+    for i in range(9, 20):
+        cache.phi_k[:, :i] = float("nan")  # a decode step must not read the per-token history
+        cache.v[:, :i] = float("nan")
+        parts.append(backend(q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], cache=cache))
+        assert cache.s.shape == s_shape and cache.z.shape == z_shape
+    assert cache.length == 20
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-4, atol=1e-5)
+
+
+def test_cache_sums_are_the_feature_sums_and_rewind_restores_them():
+    backend = make()
+    q, k, v = qkv(b=2, t=12)
+    cache = backend.new_cache(2, 16, torch.device("cpu"), torch.float32)
+    backend(q[:, :7], k[:, :7], v[:, :7], cache=cache)
+    s7, z7 = cache.s.clone(), cache.z.clone()
+    torch.testing.assert_close(cache.z, cache.phi_k[:, :7].sum(1))
+    backend(q[:, 7:], k[:, 7:], v[:, 7:], cache=cache)
+    assert cache.length == 12
+    cache.rewind(5)
+    assert cache.length == 7
+    torch.testing.assert_close(cache.s, s7, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(cache.z, z7, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError):
+        cache.rewind(8)
+    with pytest.raises(ValueError):
+        cache.rewind(-1)
+    with pytest.raises(ValueError):  # capacity 16: 7 + 12 overflows
+        backend(q, k, v, cache=cache)
+
+
+# --- GQA -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_gqa_equals_repeated_kv_heads(causal):
+    q, k, v = qkv(b=2, t=11, h=4, hkv=2)
+    grouped = make(heads=4, kv_heads=2, causal=causal)(q, k, v)
+    repeated = make(heads=4, kv_heads=4, causal=causal)(q, k.repeat_interleave(2, dim=2),
+                                                         v.repeat_interleave(2, dim=2))
+    torch.testing.assert_close(grouped, repeated, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,194 @@
+"""The Sinkhorn attention backend: sort matrix, padding, causality, sorted and local heads, GQA, gradients."""
+
+import pytest
+import torch
+
+from efftx import attention
+from efftx.attention.base import AttentionSpec
+from efftx.attention.sinkhorn import SinkhornAttention, sinkhorn, sort_mask
+from efftx.config import SinkhornOptions
+from efftx.errors import ConfigError
+
+N = 4  # bucket size used throughout
+
+
+def make(heads=4, kv_heads=2, head_dim=8, causal=True, n_local=1, iters=8, dropout=0.0, seed=0):
+    spec = AttentionSpec(kind="sinkhorn", dim=heads * head_dim, heads=heads, kv_heads=kv_heads,
+                         head_dim=head_dim, max_seq_len=64, causal=causal, dropout=dropout,
+                         options=SinkhornOptions(bucket_size=N, n_local_attn_heads=n_local,
+                                                 sinkhorn_iters=iters))
+    torch.manual_seed(seed)
+    backend = attention.build(spec).eval()
+    if backend.sort_net is not None:
+        with torch.no_grad():  # random sort weights, so that buckets are scored differently
+            backend.sort_net.weight.normal_(0, 1)
+    return backend
+
+
+def qkv(t, heads=4, kv_heads=2, head_dim=8, b=2, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, t, heads, head_dim, generator=g),
+            torch.randn(b, t, kv_heads, head_dim, generator=g),
+            torch.randn(b, t, kv_heads, head_dim, generator=g))
+
+
+def test_registered():
+    assert attention.get("sinkhorn") is SinkhornAttention
+
+
+def test_noncausal_sinkhorn_is_doubly_stochastic():
+    logits = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(0)) / 0.75
+    for iters, atol in ((30, 1e-5), (8, 5e-3)):
+        p = sinkhorn(logits, iters, causal=False)
+        assert torch.isfinite(p).all() and (p >= 0).all()
+        torch.testing.assert_close(p.sum(-1), torch.ones(2, 3, 6), rtol=0, atol=1e-5)
+        torch.testing.assert_close(p.sum(-2), torch.ones(2, 3, 6), rtol=0, atol=atol)
+    # without column rounds only the rows are normalised: the columns are far from 1
+    assert (sinkhorn(logits, 0, causal=False).sum(-2) - 1).abs().max() > 0.1
+
+
+def test_causal_sinkhorn_is_row_stochastic_over_past_buckets():
+    logits = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    p = sinkhorn(logits, 8, causal=True)
+    assert torch.isfinite(p).all() and (p >= 0).all()
+    assert (p[..., 0, :] == 0).all()  # bucket 0 has no past bucket
+    assert (p.masked_select(~sort_mask(6, causal=True)) == 0).all()  # never the own or a future bucket
+    torch.testing.assert_close(p[..., 1:, :].sum(-1), torch.ones(2, 3, 5), rtol=0, atol=1e-6)
+    (p * torch.randn_like(p)).sum().backward()  # entirely masked row 0 and column 5: no NaN gradient
+    assert torch.isfinite(logits.grad).all() and logits.grad.abs().sum() > 0
+
+
+def test_causal_sort_row_ignores_later_rows():
+    logits = torch.randn(1, 1, 6, 6, generator=torch.Generator().manual_seed(0))
+    changed = logits.clone()
+    changed[..., 4:, :] += torch.randn(1, 1, 2, 6) * 3  # rows 4 and 5 read buckets 3 and 4
+    a, b = sinkhorn(logits, 8, causal=True), sinkhorn(changed, 8, causal=True)
+    torch.testing.assert_close(a[..., :4, :], b[..., :4, :], rtol=0, atol=0)
+
+
+def test_backend_sort_matrix_rows_sum_to_one():
+    k = qkv(22)[1]  # 6 buckets, the last one partial
+    for causal in (True, False):
+        p = make(causal=causal).sort_matrix(k)
+        assert p.shape == (2, 3, 6, 6)  # 3 sorting heads (one local)
+        rows = p[..., 1:, :] if causal else p
+        torch.testing.assert_close(rows.sum(-1), torch.ones_like(rows.sum(-1)), rtol=0, atol=1e-5)
+
+
+def test_padding_matches_running_the_padded_length():
+    backend = make()
+    q, k, v = qkv(16)
+    full = backend(q, k, v)  # 16 = 4 whole buckets
+    for t in (13, 14, 15):
+        torch.testing.assert_close(backend(q[:, :t], k[:, :t], v[:, :t]), full[:, :t], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n_local", [0, 1, 4])
+def test_perturbing_position_j_leaves_earlier_outputs_unchanged(n_local):
+    backend = make(n_local=n_local)
+    q, k, v = qkv(20)
+    base = backend(q, k, v)
+    # j mid-bucket: bucket 2's summary (which later sort rows use) changes, but queries of bucket 2
+    # before j must not see it; j at a bucket start; j late
+    for j in (9, 10, 12, 17):
+        q2, k2, v2 = q.clone(), k.clone(), v.clone()
+        q2[:, j:] += 1.0
+        k2[:, j] += 2.0
+        v2[:, j] -= 2.0
+        out = backend(q2, k2, v2)
+        torch.testing.assert_close(out[:, :j], base[:, :j], rtol=0, atol=1e-6)
+        assert not torch.allclose(out[:, j], base[:, j])
+
+
+def test_sorted_bucket_brings_in_an_earlier_bucket():
+    backend = make(n_local=1)  # head 0 local, heads 1..3 sorting
+    q, k, v = qkv(20)
+    base = backend(q, k, v)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :N] += 1.0  # bucket 0: outside every window of bucket 3 (own bucket + previous bucket)
+    v2[:, :N] += 1.0
+    out = backend(q, k2, v2)
+    bucket3 = slice(3 * N, 4 * N)
+    assert (out[:, bucket3, 1:] - base[:, bucket3, 1:]).abs().amax() > 1e-3  # sorting heads see it
+    torch.testing.assert_close(out[:, bucket3, :1], base[:, bucket3, :1], rtol=0, atol=0)  # the local one not
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_local_heads_see_only_the_neighbouring_buckets(causal):
+    backend = make(n_local=2, causal=causal)  # heads 0, 1 local (kv head 0), heads 2, 3 sorting (kv head 1)
+    q, k, v = qkv(24)
+    base = backend(q, k, v)
+    p = 3 * N + 1  # a query in bucket 3
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :2 * N] += 3.0  # buckets 0 and 1: earlier than the previous bucket
+    v2[:, :2 * N] += 3.0
+    if not causal:
+        k2[:, 5 * N:] += 3.0  # bucket 5: later than the next bucket
+        v2[:, 5 * N:] += 3.0
+    out = backend(q, k2, v2)
+    torch.testing.assert_close(out[:, p, :2], base[:, p, :2], rtol=0, atol=0)
+    # ... while the previous bucket (and, non-causal, the next one) is seen
+    k3 = k.clone()
+    k3[:, 2 * N:3 * N] += 3.0
+    if not causal:
+        k3[:, 4 * N:5 * N] += 3.0
+    assert (backend(q, k3, v)[:, p, :2] - base[:, p, :2]).abs().amax() > 1e-3
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("n_local", [0, 1, 2])
+def test_gqa_equals_kv_repeated_to_every_head(causal, n_local):
+    gqa = make(kv_heads=2, causal=causal, n_local=n_local)
+    mha = make(kv_heads=4, causal=causal, n_local=n_local)
+    mha.load_state_dict(gqa.state_dict())
+    q, k, v = qkv(18)
+    expected = mha(q, k.repeat_interleave(2, dim=2), v.repeat_interleave(2, dim=2))
+    torch.testing.assert_close(gqa(q, k, v), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_cached_decoding_equals_full_forward():
+    backend = make(n_local=1)  # the local/sorting split falls inside kv group 0
+    q, k, v = qkv(19)
+    full = backend(q, k, v)
+    cache = backend.new_cache(2, 32, torch.device("cpu"), torch.float32)
+    parts, a = [], 0
+    for step in (5, 1, 1, 4, 3, 1, 1, 1, 2):
+        parts.append(backend(q[:, a:a + step], k[:, a:a + step], v[:, a:a + step], cache=cache))
+        a += step
+    assert cache.length == a == 19
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-5, atol=1e-6)
+
+
+def test_noncausal_short_and_padded_inputs_are_finite():
+    backend = make(causal=False)
+    for t in (1, 3, 9):  # a single partial bucket, and a partial last bucket
+        out = backend(*qkv(t))
+        assert out.shape == (2, t, 4, 8) and torch.isfinite(out).all()
+
+
+def test_gradients_reach_the_sort_net():
+    for causal in (True, False):
+        backend = make(causal=causal).train()
+        q, k, v = (t.requires_grad_() for t in qkv(15))
+        backend(q, k, v).square().sum().backward()
+        grad = backend.sort_net.weight.grad
+        assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+        for t in (q, k, v):
+            assert torch.isfinite(t.grad).all()
+
+
+def test_attention_dropout_only_in_training():
+    backend = make(dropout=0.5)
+    q, k, v = qkv(12)
+    torch.testing.assert_close(backend(q, k, v), backend(q, k, v), rtol=0, atol=0)
+    backend.train()
+    assert not torch.allclose(backend(q, k, v), backend.eval()(q, k, v))
+
+
+def test_bad_options_are_config_errors():
+    with pytest.raises(ConfigError, match="n_local_attn_heads"):
+        make(n_local=5)
+    spec = AttentionSpec(kind="sinkhorn", dim=32, heads=4, kv_heads=4, head_dim=8, max_seq_len=64,
+                         options=SinkhornOptions(bucket_size=0))
+    with pytest.raises(ConfigError, match="bucket_size"):
+        attention.build(spec)
