@@ -92,3 +92,13 @@ def test_factorised_embedding_is_smaller_and_trains():
     x = torch.randint(0, 256, (2, 17))
     _, grads = loss_and_grads(factorised.train(), x)
     assert all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads.values())
+
+
+@pytest.mark.parametrize("name", [n for n in recipes.names() if n.endswith(("_debug", "_small"))])
+def test_no_zero_dim_parameters(name):
+    """DeepSpeed broadcasts parameters as byte views, which fails for 0-d tensors."""
+    from efftx.train.tasks import get as get_task
+
+    cfg = recipes.get(name)
+    model = get_task(cfg.model.family).build_model(cfg)
+    assert all(p.ndim >= 1 for p in model.parameters())

@@ -22,7 +22,7 @@ class ScaleNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
-        self.g = nn.Parameter(torch.tensor(math.sqrt(dim)))
+        self.g = nn.Parameter(torch.full((1,), math.sqrt(dim)))  # 1-d: DeepSpeed cannot broadcast 0-d params
         self.eps = eps
 
     def forward(self, x):
