@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 setup: $(STAMP)
 
 demo: setup                       ## the main job on the embedded default (local Ray, sqlite MLflow, bundled corpus)
-	$(BIN)/python jobs/train_lm.py $(ARGS)
+	$(BIN)/python jobs/train_sinkhorn.py $(ARGS)
 
 test: setup                       ## the whole test suite, slow end-to-end tests included
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -167,7 +167,7 @@ def sweep(space_name: str, *, recipe: str | None = None, samples: int = 0, max_c
         rows.append({**result.config["overrides"], METRIC: m.get(METRIC), "tokens_per_s": m.get("tokens_per_s"),
                      "step": m.get("step"), "status": status,
                      "error": str(result.error).strip().splitlines()[-1][:200] if result.error else ""})
-        _close_trial_run(base, f"{sweep_name}-{m.get('trial_id')}", status)
+    _close_trial_runs(parent)
     finished = [r for r in rows if r[METRIC] is not None and not r["error"]]
     if not finished:
         parent.finish("FAILED")
@@ -192,18 +192,14 @@ def sweep(space_name: str, *, recipe: str | None = None, samples: int = 0, max_c
             "plot_artifact": f"sweep/{space_name}.png"}
 
 
-def _close_trial_run(base: Config, run_name: str, status: str) -> None:
-    """ASHA kills stopped trials before their driver can close their MLflow run: close it here."""
-    from efftx.tracking import client_for
-    from efftx.train.launch import RUN_FILE
-
-    record = Path(base.scaling.storage_path) / run_name / RUN_FILE
-    if not record.is_file():
-        return
-    run_id = json.loads(record.read_text())["mlflow_run_id"]
-    client = client_for(base.tracking.uri)
-    if client.get_run(run_id).info.status == "RUNNING":
-        client.set_terminated(run_id, status="KILLED" if status == "stopped early" else "FAILED")
+def _close_trial_runs(parent) -> None:
+    """ASHA kills stopped trials before their driver can close their MLflow run: once the sweep is
+    over, any child run still RUNNING belongs to a stopped trial, so mark it KILLED."""
+    exp = parent.client.get_run(parent.run_id).info.experiment_id
+    children = parent.client.search_runs([exp], filter_string=f"tags.mlflow.parentRunId = '{parent.run_id}'")
+    for child in children:
+        if child.info.status == "RUNNING":
+            parent.client.set_terminated(child.info.run_id, status="KILLED")
 
 
 def format_table(rows: list[dict], keys: list[str]) -> str:
