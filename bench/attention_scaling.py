@@ -3,8 +3,8 @@
     python bench/attention_scaling.py [--lengths 512 1024 2048 4096 8192] [--backends ...] [--device cpu|cuda]
 
 Batch 1, 8 heads, head dim 64, causal, float32 on CPU / bfloat16 on CUDA. Each (backend, T) point runs
-in a fresh subprocess so peak memory is that point's alone: on CUDA the allocator's peak, on CPU the
-growth of the process's peak RSS over what it held before the measured passes. Times are the median of
+in a fresh subprocess so peak memory is that point's alone: on CUDA the allocator's peak over the
+inputs, on CPU the process's peak RSS over its RSS just before the first pass. Times are the median of
 --repeats passes after one warm-up. Ratios are against `full` measured in the same run.
 """
 
@@ -47,12 +47,14 @@ def measure(kind: str, t: int, device: str, repeats: int) -> dict:
         if device == "cuda":
             torch.cuda.synchronize()
 
-    step()  # warm-up (kernels, allocator)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    else:
-        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    else:  # what the process holds now; its peak RSS after the passes includes their transient tensors
+        import psutil
+
+        base = psutil.Process().memory_info().rss
+    step()  # warm-up (kernels, allocator)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
