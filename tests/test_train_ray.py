@@ -73,7 +73,7 @@ def test_mlflow_records_read_back(baseline):
 
 def test_checkpoints_hold_config_and_only_the_last_n_are_kept(baseline):
     run = Path(baseline["checkpoint"]).parent
-    kept = sorted(run.glob("checkpoint_*"))
+    kept = sorted(p for p in run.glob("checkpoint_*") if p.is_dir())
     assert len(kept) == 2  # lm_debug keeps 2 (train.keep_checkpoints)
     state = json.loads(Path(baseline["checkpoint"], "efftx_state.json").read_text())
     assert state["step"] == 40 and state["mlflow_run_id"] == baseline["mlflow_run_id"]
