@@ -116,3 +116,19 @@ def test_bad_arguments():
     other = lm(2, 1, **{"model.vocab_size": 100})
     with pytest.raises(ValueError, match="vocabularies differ"):
         speculative_generate(target, other, [[1]], 4)
+
+
+def test_training_with_a_missing_or_mismatched_draft_is_a_clear_error(tmp_path):
+    from efftx.errors import ConfigError, ExportError
+    from efftx.train.checkpoint import export
+    from efftx.train.tasks import LMTask
+
+    cfg = recipes.get("spec_target_debug").override({"data.cache_dir": str(tmp_path / "cache"),
+                                                     "speculative.draft": str(tmp_path / "nope")})
+    with pytest.raises(ExportError, match="is not an efftx export"):
+        LMTask.prepare(cfg)
+    other = recipes.get("lm_debug").override({"model.vocab_size": 100})
+    export(LM(other), other, tmp_path / "draft", {})
+    cfg.speculative.draft = str(tmp_path / "draft")
+    with pytest.raises(ConfigError, match="vocabulary of 100"):
+        LMTask.prepare(cfg)

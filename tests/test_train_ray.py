@@ -194,3 +194,22 @@ def test_efficient_attention_recipes_train_with_falling_validation_loss(ray_clus
     _, cfg, _ = load_export(summary["export_path"])
     assert cfg.attention.kind == kind and cfg.model.reversible
     assert len(sample_text(summary["export_path"], "def ", 20, temperature=0)) > 0
+
+
+def test_speculative_pair_job_logs_base_vs_speculative(ray_cluster):
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster}
+    cmd = [sys.executable, "jobs/train_speculative.py", "--size", "debug", "--run-name", "pair",
+           "--set", "train.steps=20", "--set", "train.eval_every=10", "--set", "train.sample_every=10"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    both = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(both) == {"draft", "target"}
+    target = both["target"]
+    for key in ("spec_mean_accepted", "decode_base_ms", "decode_spec_ms", "spec_speedup"):
+        assert sorted(history(target, key)) == [10, 20], key
+    assert all(0 <= v <= 5 for vs in history(target, "spec_mean_accepted").values() for v in vs)
+    client = mlflow_client(target)
+    for recipe in ("spec_draft_debug", "spec_target_debug"):
+        assert client.search_model_versions(f"name='{recipe}'"), recipe
+    params = client.get_run(target["mlflow_run_id"]).data.params
+    assert params["speculative.draft"] == both["draft"]["export_path"]

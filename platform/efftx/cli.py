@@ -75,3 +75,35 @@ def _print_epilogue(summary: dict) -> None:
         print(f"registered as:  {summary['registered_model']}")
     print(f"exported model: {export}")
     print(f"generate:       .venv/bin/python -m efftx.generate --model {export} --prompt 'def ' --max-new-tokens 200")
+
+
+def train_speculative_main(argv: list[str] | None = None) -> int:
+    """Train a draft, then a target that measures speculative decoding against it at every sample."""
+    p = argparse.ArgumentParser(description="Train a speculative-decoding pair: the draft, then the target "
+                                            "(base vs speculative decoding timed and logged at every sample).")
+    p.add_argument("--size", default="small", choices=["debug", "small", "enwik8"],
+                   help="recipes spec_draft_<size> and spec_target_<size>")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key of both runs (repeatable)")
+    p.add_argument("--run-name", help="runs <name>-draft and <name>-target; re-using it resumes them")
+    p.add_argument("--workers", type=int)
+    args = p.parse_args(argv)
+    try:
+        from efftx.train.launch import default_run_name, launch
+
+        name = args.run_name or default_run_name(f"spec_{args.size}")
+        summaries = {}
+        for role in ("draft", "target"):
+            cfg = recipes.get(f"spec_{role}_{args.size}").override(args.overrides)
+            cfg.name = f"{name}-{role}"
+            if args.workers is not None:
+                cfg.scaling.num_workers = args.workers
+            if role == "target":
+                cfg.speculative.draft = summaries["draft"]["export_path"]
+            summaries[role] = launch(cfg)
+            _print_epilogue(summaries[role])
+    except EfftxError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(summaries), flush=True)
+    return 0

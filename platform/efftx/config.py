@@ -74,6 +74,14 @@ class AttentionConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """Speculative decoding measured while training a target: base vs speculative at every sample."""
+
+    draft: str = ""  # export folder of a draft model sharing the vocabulary ("" = no measurement)
+    gamma: int = 5  # draft tokens proposed per step
+
+
+@dataclass
 class DataConfig:
     corpus: str = "bundled"  # "bundled", or a path: enwik8(.zip/.gz), any text file, a folder of them
     seq_len: int = 256
@@ -145,6 +153,7 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     # ----------------------------------------------------------------- dict round trip
     def to_dict(self) -> dict[str, Any]:
@@ -219,6 +228,7 @@ class Config:
             "train.checkpoint_every": t.checkpoint_every, "train.keep_checkpoints": t.keep_checkpoints,
             "scaling.num_workers": s.num_workers, "train.lr": t.lr,
             "scaling.cpus_per_worker": s.cpus_per_worker, "model.ff_chunks": m.ff_chunks,
+            "speculative.gamma": self.speculative.gamma,
         }
         for key, value in positive.items():
             if not value > 0:

@@ -157,3 +157,53 @@ def performer_debug() -> Config:
         "attention.performer.nb_features": 32, "attention.performer.chunk_size": 16,
         "attention.performer.feature_redraw_interval": 10, **_DEBUG_TRAIN,
     })
+
+
+# ------------------------------------------------------------------------------------------ speculative pair
+# The speculative-decoding seed: Decoder(num_tokens=256, dim=512, depth=10) as target and depth 2 as draft,
+# batch 4 x accumulation 4, Adam 1e-4, clip 0.5, seq 512, validate every 100, sample every 500 (prime 128,
+# 512 generated), gamma 5. jobs/train_speculative.py trains the draft, then the target with
+# speculative.draft pointing at the draft's export, so every sample compares base and speculative decoding.
+
+_SPEC = {
+    "model.dim": 512, "model.heads": 8, "model.max_seq_len": 1024, "data.seq_len": 512,
+    "data.corpus": "data/enwik8.gz", "train.steps": 100_000, "train.micro_batch_size": 2, "train.grad_accum": 4,
+    "train.lr": 1e-4, "train.warmup_steps": 0, "train.min_lr_ratio": 1.0, "train.grad_clip": 0.5,
+    "train.log_every": 10, "train.eval_every": 100, "train.eval_batches": 16, "train.sample_every": 500,
+    "train.sample_prompt_len": 128, "train.sample_length": 512, "train.checkpoint_every": 1000,
+    "speculative.gamma": 5,
+}
+_SPEC_SMALL = {"model.dim": 192, "model.heads": 6, "model.max_seq_len": 256, **_SMALL_TRAIN,
+               "train.sample_prompt_len": 32, "train.sample_length": 96}
+_SPEC_DEBUG = {"model.dim": 64, "model.heads": 4, "model.kv_heads": 2, **_DEBUG_TRAIN, "train.sample_every": 20,
+               "train.sample_length": 24}
+
+
+@recipe
+def spec_target_enwik8() -> Config:
+    return Config().override({**_SPEC, "model.depth": 10})
+
+
+@recipe
+def spec_draft_enwik8() -> Config:
+    return Config().override({**_SPEC, "model.depth": 2})
+
+
+@recipe
+def spec_target_small() -> Config:
+    return Config().override({**_SPEC_SMALL, "model.depth": 6})
+
+
+@recipe
+def spec_draft_small() -> Config:
+    return Config().override({**_SPEC_SMALL, "model.depth": 1})
+
+
+@recipe
+def spec_target_debug() -> Config:
+    return Config().override({**_SPEC_DEBUG, "model.depth": 3})
+
+
+@recipe
+def spec_draft_debug() -> Config:
+    return Config().override({**_SPEC_DEBUG, "model.depth": 1})

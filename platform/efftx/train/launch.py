@@ -25,7 +25,7 @@ RUN_FILE = "efftx_run.json"  # in the Ray run folder: MLflow run id and the conf
 # Keys that may differ when a run is resumed (everything else must match the original run).
 RESUMABLE_CHANGES = re.compile(
     r"^(name|train\.(steps|log_every|eval_every|eval_batches|sample_.*|checkpoint_every|keep_checkpoints|"
-    r"max_failures|fail_at_step|fail_mode)|tracking\..*|scaling\.(cpus_per_worker|storage_path|device)|data\.cache_dir)$")
+    r"max_failures|fail_at_step|fail_mode)|tracking\..*|speculative\..*|scaling\.(cpus_per_worker|storage_path|device)|data\.cache_dir)$")
 
 
 def default_run_name(recipe: str) -> str:

@@ -135,8 +135,10 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
 
     def sample(step: int) -> None:
         engine.eval()
-        artifacts = task.sample(engine.module, step)  # every rank runs it: ZeRO-3 gathers weights collectively
+        artifacts, metrics = task.sample(engine.module, step)  # every rank: ZeRO-3 gathers weights collectively
         engine.train()
+        if tracker and metrics:
+            tracker.log_metrics(metrics, step)
         for name, text in artifacts.items():
             if tracker:
                 tracker.log_text(text, name)

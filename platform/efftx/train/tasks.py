@@ -10,12 +10,13 @@ into metrics, and a model into samples. The loop knows nothing about text or ima
     loss(model, batch) -> (loss, metrics)
     eval_batches(rank, world) -> [batch]      (this rank's share of the fixed validation set)
     evaluate(model, batches) -> {name: mean}, weight
-    sample(model, step) -> {artifact name: text}
+    sample(model, step) -> ({artifact name: text}, {metric: value})
 """
 
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from efftx.data.bytes import ByteData, CorpusInfo, prepare as prepare_corpus
 from efftx.errors import ConfigError
 from efftx.generation.decode import decode_bytes, generate
+from efftx.generation.speculative import speculative_generate
 
 _TASKS: dict[str, type["Task"]] = {}
 
@@ -69,6 +71,13 @@ class LMTask(Task):
     @classmethod
     def prepare(cls, cfg) -> dict[str, Any]:
         info = prepare_corpus(cfg.data.corpus, cfg.data.cache_dir, cfg.data.seq_len)
+        if cfg.speculative.draft:  # a bad draft is a clear error now, not a crash at the first sample
+            from efftx.train.checkpoint import read_export_config
+
+            draft_cfg, _ = read_export_config(cfg.speculative.draft)
+            if draft_cfg.model.vocab_size != cfg.model.vocab_size:
+                raise ConfigError(f"speculative.draft has a vocabulary of {draft_cfg.model.vocab_size}, "
+                                  f"the target {cfg.model.vocab_size}: they must be the same")
         return {"corpus": info.to_dict()}
 
     def __init__(self, cfg, prepared):
@@ -113,13 +122,41 @@ class LMTask(Task):
         return {"val_loss": mean, "val_bpb": mean / math.log(2)}, n
 
     @torch.no_grad()
-    def sample(self, model, step: int) -> dict[str, str]:
+    def sample(self, model, step: int) -> tuple[dict[str, str], dict[str, float]]:
+        """A sample from a validation prompt; with ``speculative.draft`` set, base vs speculative decoding
+        of the same prompt, timed, with the draft's mean accepted tokens (as the speculative seed logs)."""
         t = self.cfg.train
         prompt_len = min(t.sample_prompt_len, self.seq_len)
-        length = max(1, min(t.sample_length, model.max_seq_len - prompt_len))
+        length = max(1, min(t.sample_length, model.max_seq_len - prompt_len - self.cfg.speculative.gamma - 1))
         prompt = self.data.val_windows(1, prompt_len)[:, :prompt_len]
         device = next(model.parameters()).device
-        out = generate(model, prompt.to(device), length, temperature=t.sample_temperature,
-                       top_k=t.sample_top_k, seed=t.seed + step)
+        sampling = {"temperature": t.sample_temperature, "top_k": t.sample_top_k}
+        t0 = time.perf_counter()
+        out = generate(model, prompt.to(device), length, seed=t.seed + step, **sampling)
+        base_s = time.perf_counter() - t0
         prompt_text, text = decode_bytes(prompt[0]), decode_bytes(out[0])
-        return {f"samples/step_{step:06d}.txt": f"{prompt_text}\n{'-' * 40}\n{text}\n"}
+        report = f"{prompt_text}\n{'-' * 40}\n{text}\n"
+        metrics: dict[str, float] = {}
+        draft = self._draft(device)
+        if draft is not None:
+            gamma = self.cfg.speculative.gamma
+            t0 = time.perf_counter()
+            spec, stats = speculative_generate(model, draft, prompt.to(device), length, gamma=gamma,
+                                               seed=t.seed + step, **sampling)
+            spec_s = time.perf_counter() - t0
+            metrics = {"decode_base_ms": base_s * 1e3, "decode_spec_ms": spec_s * 1e3,
+                       "spec_speedup": base_s / spec_s, "spec_mean_accepted": stats.mean_accepted}
+            report += (f"{'-' * 40} speculative (gamma {gamma}): {stats.mean_accepted:.2f} accepted per step, "
+                       f"{spec_s * 1e3:.0f} ms vs base {base_s * 1e3:.0f} ms\n{decode_bytes(spec[0])}\n")
+        return {f"samples/step_{step:06d}.txt": report}, metrics
+
+    def _draft(self, device):
+        """The draft model of ``speculative.draft``, loaded once per worker."""
+        path = self.cfg.speculative.draft
+        if not path:
+            return None
+        if getattr(self, "_draft_model", None) is None:
+            from efftx.train.checkpoint import load_export
+
+            self._draft_model, _, _ = load_export(path, device)
+        return self._draft_model
