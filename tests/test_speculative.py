@@ -79,7 +79,16 @@ def joint_target(target, prompt, vocab):
     return joint / joint.sum()
 
 
-def test_sampled_tokens_follow_the_target_distribution():
+@pytest.fixture
+def one_thread():
+    """Thousands of tiny forward passes: thread hand-offs would cost more than the maths."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_sampled_tokens_follow_the_target_distribution(one_thread):
     vocab, n = 6, 3000
     target, draft = tiny_pair(vocab)
     prompt = [1, 4, 2]
