@@ -179,31 +179,9 @@ _SPEC_DEBUG = {"model.dim": 64, "model.heads": 4, "model.kv_heads": 2, **_DEBUG_
                "train.sample_length": 24}
 
 
-@recipe
-def spec_target_enwik8() -> Config:
-    return Config().override({**_SPEC, "model.depth": 10})
-
-
-@recipe
-def spec_draft_enwik8() -> Config:
-    return Config().override({**_SPEC, "model.depth": 2})
-
-
-@recipe
-def spec_target_small() -> Config:
-    return Config().override({**_SPEC_SMALL, "model.depth": 6})
-
-
-@recipe
-def spec_draft_small() -> Config:
-    return Config().override({**_SPEC_SMALL, "model.depth": 1})
-
-
-@recipe
-def spec_target_debug() -> Config:
-    return Config().override({**_SPEC_DEBUG, "model.depth": 3})
-
-
-@recipe
-def spec_draft_debug() -> Config:
-    return Config().override({**_SPEC_DEBUG, "model.depth": 1})
+# (size -> settings, target depth, draft depth): recipes spec_target_<size> and spec_draft_<size>
+_SPEC_PAIRS = {"enwik8": (_SPEC, 10, 2), "small": (_SPEC_SMALL, 6, 1), "debug": (_SPEC_DEBUG, 3, 1)}
+for _size, (_settings, _target_depth, _draft_depth) in _SPEC_PAIRS.items():
+    for _role, _depth in (("target", _target_depth), ("draft", _draft_depth)):
+        _RECIPES[f"spec_{_role}_{_size}"] = (
+            lambda settings=_settings, depth=_depth: Config().override({**settings, "model.depth": depth}))
