@@ -50,8 +50,17 @@ def train_main(argv: list[str] | None = None, *, default_recipe: str | None = No
     except EfftxError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    flush_ray_logs()
     print(json.dumps(summary), flush=True)
     return 0
+
+
+def flush_ray_logs() -> None:
+    """Disconnect from Ray so its forwarded worker logs are printed before the final JSON line."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 def _print_epilogue(summary: dict) -> None:
@@ -105,5 +114,6 @@ def train_speculative_main(argv: list[str] | None = None) -> int:
     except EfftxError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    flush_ray_logs()
     print(json.dumps(summaries), flush=True)
     return 0

@@ -266,5 +266,8 @@ def sweep_main(argv: list[str] | None = None) -> int:
     except EfftxError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    from efftx.cli import flush_ray_logs
+
+    flush_ray_logs()
     print(json.dumps(summary), flush=True)
     return 0

@@ -20,9 +20,9 @@ def decode_one(model, token: torch.Tensor, cache) -> torch.Tensor:
 
 
 @torch.no_grad()
-def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-             top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> torch.Tensor:
-    """Sample ``max_new_tokens`` after ``prompt`` (B, T) with a cache; returns (B, max_new_tokens)."""
+def iter_generate(model, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None):
+    """Yield (B,) tokens one step at a time after ``prompt`` (B, T), decoding with a cache."""
     if prompt.ndim != 2 or prompt.shape[1] == 0:
         raise ValueError("prompt must be a non-empty (batch, length) tensor")
     total = prompt.shape[1] + max_new_tokens
@@ -35,12 +35,16 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, temperature: f
         gen.manual_seed(seed)
     cache = model.new_cache(prompt.shape[0], total)
     logits = prefill(model, prompt, cache)
-    out = torch.empty(prompt.shape[0], max_new_tokens, dtype=torch.long, device=prompt.device)
     for i in range(max_new_tokens):
-        out[:, i] = sample(logits, temperature, top_k, top_p, gen)
+        token = sample(logits, temperature, top_k, top_p, gen)
+        yield token
         if i + 1 < max_new_tokens:
-            logits = decode_one(model, out[:, i], cache)
-    return out
+            logits = decode_one(model, token, cache)
+
+
+def generate(model, prompt: torch.Tensor, max_new_tokens: int, **sampling) -> torch.Tensor:
+    """Sample ``max_new_tokens`` after ``prompt`` (B, T) with a cache; returns (B, max_new_tokens)."""
+    return torch.stack(list(iter_generate(model, prompt, max_new_tokens, **sampling)), dim=1)
 
 
 def encode_text(text: str) -> list[int]:

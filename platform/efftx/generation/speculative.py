@@ -111,46 +111,65 @@ def speculative_step(target, draft, pending: torch.Tensor, t_cache, d_cache, gam
     return emitted
 
 
-@torch.no_grad()
-def speculative_generate(target, draft, prompts: list[list[int]] | torch.Tensor, max_new_tokens: int, *,
-                         gamma: int = 5, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                         seed: int | None = None) -> tuple[list[list[int]], SpecStats]:
-    """Generate ``max_new_tokens`` per prompt (prompts may differ in length). Returns tokens and stats."""
+def _check(target, draft, gamma: int) -> None:
     if gamma < 1:
         raise ValueError(f"gamma must be >= 1, got {gamma}")
     if target.vocab_size != draft.vocab_size:
         raise ValueError(f"target and draft vocabularies differ ({target.vocab_size} vs {draft.vocab_size})")
-    rows = prompts.tolist() if isinstance(prompts, torch.Tensor) else [list(p) for p in prompts]
+
+
+@torch.no_grad()
+def iter_speculative(target, draft, prompt: list[int], max_new_tokens: int, *, gamma: int = 5,
+                     temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                     stats: SpecStats | None = None):
+    """Yield the tokens of each speculative step (a list of 1..gamma+1) for one prompt, up to max_new_tokens."""
+    _check(target, draft, gamma)
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    limit = min(target.max_seq_len, draft.max_seq_len)
+    if len(prompt) + max_new_tokens + gamma > limit:
+        raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) + gamma ({gamma}) "
+                         f"exceeds the models' max_seq_len={limit}")
+    stats = stats if stats is not None else SpecStats(gamma=gamma)
     device = next(target.parameters()).device
+    gen = None
+    if seed is not None:
+        gen = torch.Generator(device=device)
+        gen.manual_seed(seed)
     sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    tokens = torch.tensor(prompt, dtype=torch.long, device=device)
+    total = len(prompt) + max_new_tokens + gamma + 1
+    t_cache, d_cache = target.new_cache(1, total), draft.new_cache(1, total)
+    if len(prompt) > 1:
+        target(tokens[None, :-1], cache=t_cache)
+        draft(tokens[None, :-1], cache=d_cache)
+        stats.target_calls += 1
+        stats.draft_calls += 1
+    pending = tokens[-1:]
+    produced = 0
+    while produced < max_new_tokens:
+        emitted = speculative_step(target, draft, pending, t_cache, d_cache, gamma, sampling, gen, stats)
+        emitted = emitted[: max_new_tokens - produced]
+        produced += len(emitted)
+        yield emitted
+        pending = torch.tensor(emitted[-1:], dtype=torch.long, device=device)
+
+
+def speculative_generate(target, draft, prompts: list[list[int]] | torch.Tensor, max_new_tokens: int, *,
+                         gamma: int = 5, seed: int | None = None, **sampling) -> tuple[list[list[int]], SpecStats]:
+    """Generate ``max_new_tokens`` per prompt (prompts may differ in length). Returns tokens and stats.
+
+    Row r uses seed ``seed + r``; rows run one after another, each with its own caches.
+    """
+    _check(target, draft, gamma)
+    rows = prompts.tolist() if isinstance(prompts, torch.Tensor) else [list(p) for p in prompts]
     stats = SpecStats(gamma=gamma)
     outputs = []
     for r, prompt in enumerate(rows):
         if not prompt:
             raise ValueError(f"prompt {r} is empty")
-        limit = min(target.max_seq_len, draft.max_seq_len)
-        if len(prompt) + max_new_tokens + gamma > limit:
-            raise ValueError(f"prompt {r} ({len(prompt)}) + max_new_tokens ({max_new_tokens}) + gamma ({gamma}) "
-                             f"exceeds the models' max_seq_len={limit}")
-        gen = None
-        if seed is not None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(seed + r)
-        row_stats = SpecStats(gamma=gamma)
-        tokens = torch.tensor(prompt, dtype=torch.long, device=device)
-        total = len(prompt) + max_new_tokens + gamma + 1
-        t_cache, d_cache = target.new_cache(1, total), draft.new_cache(1, total)
-        if len(prompt) > 1:
-            target(tokens[None, :-1], cache=t_cache)
-            draft(tokens[None, :-1], cache=d_cache)
-            row_stats.target_calls += 1
-            row_stats.draft_calls += 1
-        pending = tokens[-1:]
-        out: list[int] = []
-        while len(out) < max_new_tokens:
-            emitted = speculative_step(target, draft, pending, t_cache, d_cache, gamma, sampling, gen, row_stats)
-            out += emitted
-            pending = torch.tensor(emitted[-1:], dtype=torch.long, device=device)
-        outputs.append(out[:max_new_tokens])
-        stats.merge(row_stats)
+        row_seed = None if seed is None else seed + r
+        steps = iter_speculative(target, draft, prompt, max_new_tokens, gamma=gamma, seed=row_seed,
+                                 stats=stats, **sampling)
+        outputs.append([tok for step in steps for tok in step])
     return outputs, stats

@@ -1,0 +1,1 @@
+"""Ray Serve deployments and their request/response schemas."""

@@ -1,0 +1,202 @@
+"""Text generation on Ray Serve: base vs speculative decoding over HTTP.
+
+    serve run efftx.serving.text:build target=PATH [draft=PATH]     (PATH: an export folder or models:/NAME/VERSION)
+
+Endpoints (FastAPI; OpenAPI docs at /docs and /openapi.json):
+
+* ``POST /generate``: ``{prompt, max_new_tokens, temperature, top_k, top_p, seed, mode, gamma}`` with
+  ``mode`` = ``base`` | ``speculative`` | ``both``; per mode the text, latency, tokens/s and, for
+  speculative decoding, the acceptance statistics. Requests are grouped with ``@serve.batch``.
+* ``POST /v1/completions``: the OpenAI completions API (``stream: true`` answers server-sent events); the
+  model name chooses base (``<name>``) or speculative (``<name>-speculative``) decoding.
+* ``GET /v1/models``, ``GET /healthz``.
+
+Bad input gets a 4xx naming the field (422 for values, 400 for bodies that are not UTF-8 JSON); no
+request can take the replica down.
+"""
+
+
+import codecs
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+
+from efftx.generation.decode import decode_bytes, encode_text, iter_generate
+from efftx.generation.speculative import SpecStats, iter_speculative
+from efftx.serving.schemas import CompletionRequest, GenerateRequest, GenerateResponse, Limits, ModeResult
+
+app = FastAPI(title="efftx text generation", description=__doc__.split("\n\n")[0])
+
+
+@app.exception_handler(UnicodeDecodeError)
+async def _not_utf8(request: Request, exc: UnicodeDecodeError):
+    return JSONResponse(status_code=400, content={"detail": [{"loc": ["body"], "msg": "the body is not valid UTF-8"}]})
+
+
+def resolve_model_path(source: str) -> str:
+    """An export folder, or an MLflow registered model URI (models:/NAME/VERSION) downloaded to a local folder."""
+    if source.startswith("models:/"):
+        import mlflow
+
+        from efftx.paths import default_tracking_uri
+
+        mlflow.set_tracking_uri(default_tracking_uri())
+        mlflow.set_registry_uri(default_tracking_uri())
+        return mlflow.artifacts.download_artifacts(artifact_uri=source)
+    if not Path(source).is_dir():
+        raise ValueError(f"model {source!r} is neither an export folder nor a models:/ URI")
+    return source
+
+
+def _field_error(field: str, msg: str) -> HTTPException:
+    return HTTPException(status_code=422, detail=[{"loc": ["body", field], "msg": msg}])
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=32)
+@serve.ingress(app)
+class TextGenerator:
+    def __init__(self, target: str, draft: str | None = None, name: str | None = None,
+                 limits: dict[str, Any] | None = None, max_batch_size: int = 8, batch_wait_timeout_s: float = 0.02):
+        from efftx.train.checkpoint import load_export
+
+        torch.set_num_threads(1)
+        self.target, self.target_cfg, _ = load_export(resolve_model_path(target))
+        self.draft = load_export(resolve_model_path(draft))[0] if draft else None
+        if self.draft is not None and self.draft.vocab_size != self.target.vocab_size:
+            raise ValueError("target and draft vocabularies differ")
+        self.name = name or self.target_cfg.recipe
+        self.sources = {"target": target, "draft": draft}
+        self.limits = Limits(**(limits or {}))
+        self._batched.set_max_batch_size(max_batch_size)
+        self._batched.set_batch_wait_timeout_s(batch_wait_timeout_s)
+
+    # ------------------------------------------------------------------ checks
+    def _check(self, prompt: str, max_new: int, temperature: float, gamma: int, speculative: bool,
+               names: dict[str, str]) -> list[int]:
+        lim = self.limits
+        tokens = encode_text(prompt)
+        if len(tokens) > lim.max_prompt_bytes:
+            raise _field_error(names["prompt"], f"the prompt has {len(tokens)} bytes; the limit is {lim.max_prompt_bytes}")
+        if max_new > lim.max_new_tokens:
+            raise _field_error(names["max_new_tokens"], f"at most {lim.max_new_tokens}, got {max_new}")
+        if temperature > lim.max_temperature:
+            raise _field_error("temperature", f"at most {lim.max_temperature}, got {temperature}")
+        if speculative:
+            if self.draft is None:
+                raise _field_error("mode", "speculative decoding needs a draft model; this server has none")
+            if not lim.min_gamma <= gamma <= lim.max_gamma:
+                raise _field_error("gamma", f"must be in [{lim.min_gamma}, {lim.max_gamma}], got {gamma}")
+        room = self.target.max_seq_len - (gamma + 1 if speculative else 0)
+        if len(tokens) + max_new > room:
+            raise _field_error(names["max_new_tokens"], f"prompt ({len(tokens)} bytes) + {max_new} new tokens "
+                                                        f"exceed the model's context of {room}")
+        return tokens
+
+    # ------------------------------------------------------------------ decoding
+    def _base(self, tokens: list[int], max_new: int, sampling: dict) -> tuple[list[int], float]:
+        t0 = time.perf_counter()
+        out = [int(t[0]) for t in iter_generate(self.target, torch.tensor([tokens]), max_new, **sampling)]
+        return out, time.perf_counter() - t0
+
+    def _speculative(self, tokens: list[int], max_new: int, gamma: int, sampling: dict):
+        stats = SpecStats(gamma=gamma)
+        t0 = time.perf_counter()
+        out = [t for step in iter_speculative(self.target, self.draft, tokens, max_new, gamma=gamma, stats=stats,
+                                              **sampling) for t in step]
+        return out, time.perf_counter() - t0, stats
+
+    def _run(self, req: GenerateRequest) -> GenerateResponse:
+        tokens = encode_text(req.prompt)
+        sampling = {"temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p, "seed": req.seed}
+        results = {}
+        if req.mode in ("base", "both"):
+            out, secs = self._base(tokens, req.max_new_tokens, sampling)
+            results["base"] = ModeResult(text=decode_bytes(out), tokens=len(out), latency_ms=secs * 1e3,
+                                         tokens_per_s=len(out) / secs)
+        if req.mode in ("speculative", "both"):
+            out, secs, stats = self._speculative(tokens, req.max_new_tokens, req.gamma, sampling)
+            results["speculative"] = ModeResult(
+                text=decode_bytes(out), tokens=len(out), latency_ms=secs * 1e3, tokens_per_s=len(out) / secs,
+                mean_accepted=stats.mean_accepted, acceptance_histogram=stats.histogram,
+                draft_calls=stats.draft_calls, target_calls=stats.target_calls)
+        return GenerateResponse(prompt=req.prompt, results=results)
+
+    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.02)
+    async def _batched(self, requests: list[GenerateRequest]) -> list[GenerateResponse]:
+        # Rows differ in length and acceptance: each runs with its own caches (per-row batched caches: TODO).
+        return [self._run(r) for r in requests]
+
+    # ------------------------------------------------------------------ endpoints
+    @app.get("/healthz")
+    async def healthz(self) -> dict:
+        return {"status": "ok", "model": self.name, "speculative": self.draft is not None}
+
+    @app.get("/v1/models")
+    async def models(self) -> dict:
+        names = [self.name] + ([f"{self.name}-speculative"] if self.draft is not None else [])
+        return {"object": "list", "data": [{"id": n, "object": "model", "owned_by": "efftx"} for n in names]}
+
+    @app.post("/generate", response_model=GenerateResponse)
+    async def generate(self, req: GenerateRequest) -> GenerateResponse:
+        self._check(req.prompt, req.max_new_tokens, req.temperature, req.gamma, req.mode != "base",
+                    {"prompt": "prompt", "max_new_tokens": "max_new_tokens"})
+        return await self._batched(req)
+
+    @app.post("/v1/completions")
+    async def completions(self, req: CompletionRequest):
+        speculative = req.model == f"{self.name}-speculative"
+        if req.model != self.name and not speculative:
+            raise _field_error("model", f"unknown model {req.model!r}; GET /v1/models lists them")
+        gamma = min(5, self.limits.max_gamma)
+        tokens = self._check(req.prompt, req.max_tokens, req.temperature, gamma, speculative,
+                             {"prompt": "prompt", "max_new_tokens": "max_tokens"})
+        sampling = {"temperature": req.temperature, "top_p": req.top_p, "seed": req.seed}
+        if speculative:
+            steps = iter_speculative(self.target, self.draft, tokens, req.max_tokens, gamma=gamma, **sampling)
+        else:
+            steps = ([int(t[0])] for t in iter_generate(self.target, torch.tensor([tokens]), req.max_tokens, **sampling))
+        cid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+
+        def body(text: str, finish: str | None, usage: dict | None = None) -> dict:
+            out = {"id": cid, "object": "text_completion", "created": created, "model": req.model,
+                   "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]}
+            if usage:
+                out["usage"] = usage
+            return out
+
+        usage = {"prompt_tokens": len(tokens), "completion_tokens": req.max_tokens,
+                 "total_tokens": len(tokens) + req.max_tokens}
+        if not req.stream:
+            text = decode_bytes([t for step in steps for t in step])
+            return body(text, "length", usage)
+
+        def events():
+            decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            for step in steps:
+                piece = decoder.decode(bytes(step))
+                if piece:
+                    yield f"data: {json.dumps(body(piece, None))}\n\n"
+            yield f"data: {json.dumps(body(decoder.decode(b'', final=True), 'length', usage))}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def build(args: dict[str, str]) -> serve.Application:
+    """App builder for ``serve run efftx.serving.text:build target=... [draft=...] [name=...]`` and YAML configs."""
+    unknown = set(args) - {"target", "draft", "name", "limits", "max_batch_size", "batch_wait_timeout_s"}
+    if unknown or "target" not in args:
+        raise ValueError(f"arguments: target=PATH (required), draft=PATH, name=..., max_batch_size=N, "
+                         f"batch_wait_timeout_s=S, limits=JSON; got {sorted(args)}")
+    limits = args.get("limits")
+    return TextGenerator.bind(
+        args["target"], args.get("draft") or None, args.get("name"),
+        json.loads(limits) if isinstance(limits, str) else limits,
+        int(args.get("max_batch_size", 8)), float(args.get("batch_wait_timeout_s", 0.02)))

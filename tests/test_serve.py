@@ -1,0 +1,112 @@
+"""The text app on Ray Serve, started on 127.0.0.1 and queried over real HTTP (and with the openai client)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import requests
+import torch
+
+from efftx import recipes
+from efftx.models.lm import LM
+from efftx.train.checkpoint import export
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster, tmp_path_factory):
+    from ray import serve
+
+    from efftx.serving.text import build
+
+    root = tmp_path_factory.mktemp("serve")
+    paths = {}
+    for role, seed in (("target", 0), ("draft", 1)):
+        cfg = recipes.get(f"spec_{role}_debug")
+        torch.manual_seed(seed)
+        paths[role] = str(export(LM(cfg), cfg, root / role, {}))
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build({"target": paths["target"], "draft": paths["draft"], "name": "tiny",
+                     "limits": '{"max_new_tokens": 40, "max_prompt_bytes": 64}'}),
+              name="text", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+
+
+def post(url, **kwargs):
+    return requests.post(url, timeout=120, **kwargs)
+
+
+def test_health_models_and_docs(server):
+    assert requests.get(f"{server}/healthz", timeout=30).json() == {"status": "ok", "model": "tiny", "speculative": True}
+    ids = [m["id"] for m in requests.get(f"{server}/v1/models", timeout=30).json()["data"]]
+    assert ids == ["tiny", "tiny-speculative"]
+    assert requests.get(f"{server}/docs", timeout=30).status_code == 200
+    assert "/generate" in requests.get(f"{server}/openapi.json", timeout=30).json()["paths"]
+
+
+def test_generate_both_modes_greedy_agree(server):
+    r = post(f"{server}/generate", json={"prompt": "def foo(", "max_new_tokens": 24, "temperature": 0,
+                                        "mode": "both", "gamma": 3})
+    assert r.status_code == 200, r.text
+    res = r.json()["results"]
+    assert res["base"]["text"] == res["speculative"]["text"] and res["base"]["tokens"] == 24
+    spec = res["speculative"]
+    assert 0 <= spec["mean_accepted"] <= 3 and len(spec["acceptance_histogram"]) == 4
+    assert spec["target_calls"] >= 1 and res["base"]["tokens_per_s"] > 0
+
+
+def test_sampling_is_seeded(server):
+    body = {"prompt": "x = ", "max_new_tokens": 16, "temperature": 1.0, "top_k": 20, "seed": 7, "mode": "speculative"}
+    a, b = post(f"{server}/generate", json=body).json(), post(f"{server}/generate", json=body).json()
+    assert a["results"]["speculative"]["text"] == b["results"]["speculative"]["text"]
+
+
+def test_openai_client_plain_and_streaming(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server}/v1", api_key="unused")
+    greedy = post(f"{server}/generate", json={"prompt": "import ", "max_new_tokens": 12, "temperature": 0}).json()
+    for model in ("tiny", "tiny-speculative"):
+        done = client.completions.create(model=model, prompt="import ", max_tokens=12, temperature=0)
+        assert done.choices[0].text == greedy["results"]["base"]["text"]
+        assert done.usage.completion_tokens == 12
+        chunks = list(client.completions.create(model=model, prompt="import ", max_tokens=12, temperature=0,
+                                                stream=True))
+        assert len(chunks) > 1
+        assert "".join(c.choices[0].text for c in chunks) == greedy["results"]["base"]["text"]
+        assert chunks[-1].choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("kwargs, status, field", [
+    ({"data": b"{not json", "headers": {"content-type": "application/json"}}, 422, None),
+    ({"json": {"prompt": "hi", "max_new_tokens": "many"}}, 422, "max_new_tokens"),
+    ({"json": {"prompt": ""}}, 422, "prompt"),
+    ({"json": {"prompt": "x" * 65}}, 422, "prompt"),
+    ({"json": {"prompt": "hi", "max_new_tokens": 41}}, 422, "max_new_tokens"),
+    ({"json": {"prompt": "hi", "max_new_tokens": 8, "mode": "speculative", "gamma": 99}}, 422, "gamma"),
+    ({"json": {"prompt": "hi", "max_new_tokens": 8, "temperature": 9.5}}, 422, "temperature"),
+    ({"json": {"prompt": "hi", "mode": "fast"}}, 422, "mode"),
+    ({"json": {"prompt": "hi", "bogus": 1}}, 422, "bogus"),
+    ({"data": b'{"prompt": "\xff\xfe"}', "headers": {"content-type": "application/json"}}, 400, None),
+])
+def test_bad_input_is_a_4xx_naming_the_field_and_the_replica_survives(server, kwargs, status, field):
+    r = post(f"{server}/generate", **kwargs)
+    assert r.status_code == status, r.text
+    if field:
+        assert any(field in map(str, err["loc"]) for err in r.json()["detail"]), r.text
+    assert requests.get(f"{server}/healthz", timeout=30).status_code == 200
+
+
+def test_completions_unknown_model(server):
+    r = post(f"{server}/v1/completions", json={"model": "nope", "prompt": "hi"})
+    assert r.status_code == 422 and "unknown model" in r.text
