@@ -35,24 +35,37 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return cfg
 
 
-def train_main(argv: list[str] | None = None, *, default_recipe: str | None = None,
-               description: str = "Train a model through the efftx train loop (Ray Train + DeepSpeed).") -> int:
-    args = parser(description, default_recipe).parse_args(argv)
+def run_reporting(work) -> int:
+    """Run ``work()`` -> summary dict: a user error prints one line and exits 2; success prints the
+    summary as the last line (after Ray's forwarded logs), as one JSON object."""
     try:
-        cfg = config_from_args(args)
-        from efftx.train.launch import launch, resolve
-
-        if args.print_config:
-            print(resolve(cfg).to_json())
-            return 0
-        summary = launch(cfg)
-        _print_epilogue(summary)
+        summary = work()
     except EfftxError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if summary is None:
+        return 0
     flush_ray_logs()
     print(json.dumps(summary), flush=True)
     return 0
+
+
+def train_main(argv: list[str] | None = None, *, default_recipe: str | None = None,
+               description: str = "Train a model through the efftx train loop (Ray Train + DeepSpeed).") -> int:
+    args = parser(description, default_recipe).parse_args(argv)
+
+    def work():
+        from efftx.train.launch import launch, resolve
+
+        cfg = config_from_args(args)
+        if args.print_config:
+            print(resolve(cfg).to_json())
+            return None
+        summary = launch(cfg)
+        _print_epilogue(summary)
+        return summary
+
+    return run_reporting(work)
 
 
 def flush_ray_logs() -> None:
@@ -97,7 +110,8 @@ def train_speculative_main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-name", help="runs <name>-draft and <name>-target; re-using it resumes them")
     p.add_argument("--workers", type=int)
     args = p.parse_args(argv)
-    try:
+
+    def work():
         from efftx.train.launch import default_run_name, launch
 
         name = args.run_name or default_run_name(f"spec_{args.size}")
@@ -111,9 +125,6 @@ def train_speculative_main(argv: list[str] | None = None) -> int:
                 cfg.speculative.draft = summaries["draft"]["export_path"]
             summaries[role] = launch(cfg)
             _print_epilogue(summaries[role])
-    except EfftxError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    flush_ray_logs()
-    print(json.dumps(summaries), flush=True)
-    return 0
+        return summaries
+
+    return run_reporting(work)

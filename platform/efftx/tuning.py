@@ -248,9 +248,6 @@ def plot_results(rows: list[dict], keys: list[str], out: Path, title: str) -> No
 
 def sweep_main(argv: list[str] | None = None) -> int:
     import argparse
-    import sys
-
-    from efftx.errors import EfftxError
 
     p = argparse.ArgumentParser(description="Sweep dotted config keys with Ray Tune (ASHA) over the efftx train loop.")
     p.add_argument("--space", required=True, help=f"named search space: {', '.join(sorted(SPACES))}")
@@ -260,14 +257,7 @@ def sweep_main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--name", help="sweep name (Tune experiment and MLflow parent run)")
     args = p.parse_args(argv)
-    try:
-        summary = sweep(args.space, recipe=args.recipe, samples=args.samples, max_concurrent=args.max_concurrent,
-                        overrides=args.overrides, name=args.name)
-    except EfftxError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    from efftx.cli import flush_ray_logs
+    from efftx.cli import run_reporting
 
-    flush_ray_logs()
-    print(json.dumps(summary), flush=True)
-    return 0
+    return run_reporting(lambda: sweep(args.space, recipe=args.recipe, samples=args.samples,
+                                       max_concurrent=args.max_concurrent, overrides=args.overrides, name=args.name))
