@@ -172,7 +172,9 @@ def sweep(space_name: str, *, recipe: str | None = None, samples: int = 0, max_c
     if not finished:
         parent.finish("FAILED")
         raise LaunchError(f"sweep {sweep_name}: no trial finished; first error: {rows[0]['error'] if rows else 'none'}")
-    best = min(finished, key=lambda r: r[METRIC])
+    # ASHA-stopped trials report from an earlier step: compare like with like, completed trials first
+    complete = [r for r in finished if r["status"] == "complete"]
+    best = min(complete or finished, key=lambda r: r[METRIC])
     keys = list(space.grid)
     table = format_table(rows, keys)
     print(table, flush=True)
