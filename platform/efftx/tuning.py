@@ -232,11 +232,17 @@ def plot_results(rows: list[dict], keys: list[str], out: Path, title: str) -> No
     groups: dict[tuple, list[tuple]] = {}
     for r in rows:
         if r[METRIC] is not None and not math.isnan(r[METRIC]):
-            groups.setdefault(tuple(r[k] for k in other), []).append((r[x_key], r[METRIC]))
+            groups.setdefault(tuple(r[k] for k in other), []).append((r[x_key], r[METRIC], r.get("status")))
     for group, pts in sorted(groups.items(), key=lambda kv: str(kv[0])):
-        pts.sort()
+        pts.sort(key=lambda p: (p[0], p[1]))
         label = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in zip(other, group)) or METRIC
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        stopped = [p for p in pts if p[2] == "stopped early"]
+        if stopped:  # hollow markers: ASHA stopped these trials, their value is from an earlier step
+            ax.plot([p[0] for p in stopped], [p[1] for p in stopped], "o", markersize=11, fillstyle="none",
+                    color=line.get_color())
+    if any(r.get("status") == "stopped early" for r in rows):
+        ax.plot([], [], "o", fillstyle="none", color="gray", markersize=11, label="stopped early by ASHA")
     ax.set_xlabel(x_key)
     ax.set_ylabel(f"validation {METRIC} (last report)")
     ax.set_title(title)
