@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 
 import pytest
@@ -110,3 +111,17 @@ def test_bad_input_is_a_4xx_naming_the_field_and_the_replica_survives(server, kw
 def test_completions_unknown_model(server):
     r = post(f"{server}/v1/completions", json={"model": "nope", "prompt": "hi"})
     assert r.status_code == 422 and "unknown model" in r.text
+
+
+def test_completions_stream_is_server_sent_events(server):
+    r = requests.post(f"{server}/v1/completions", json={"model": "tiny", "prompt": "import ", "max_tokens": 10,
+                                                       "temperature": 0, "stream": True}, stream=True, timeout=120)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [line[len("data: "):] for line in r.iter_lines(decode_unicode=True) if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "text_completion" and c["model"] == "tiny" for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 10
+    plain = post(f"{server}/v1/completions", json={"model": "tiny", "prompt": "import ", "max_tokens": 10,
+                                                   "temperature": 0}).json()
+    assert "".join(c["choices"][0]["text"] for c in chunks) == plain["choices"][0]["text"]
