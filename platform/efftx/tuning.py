@@ -73,7 +73,7 @@ def points(space: Space, base: Config) -> list[dict[str, Any]]:
     keys = list(space.grid)
     for key in keys:
         base.get(key)  # unknown key -> ConfigError naming it
-    for relation, a, b in space.constraints:
+    for relation, *_ in space.constraints:
         if relation not in RELATIONS:
             raise ConfigError(f"constraint relation {relation!r} is unknown; use one of {', '.join(RELATIONS)}")
     out = []

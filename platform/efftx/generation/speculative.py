@@ -46,12 +46,6 @@ class SpecStats:
             counts[n] += 1
         return counts
 
-    def merge(self, other: "SpecStats") -> None:
-        self.steps += other.steps
-        self.accepted += other.accepted
-        self.draft_calls += other.draft_calls
-        self.target_calls += other.target_calls
-
     def to_dict(self) -> dict:
         return {"gamma": self.gamma, "steps": self.steps, "mean_accepted": self.mean_accepted,
                 "histogram": self.histogram, "draft_calls": self.draft_calls, "target_calls": self.target_calls}

@@ -166,9 +166,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
             engine.backward(loss)
             engine.step()
             loss_sum += loss.detach().float()
-        (loss_value,) = all_mean([loss_sum.item() / t.grad_accum])
-        if device == "cuda":
-            torch.cuda.synchronize()
+        (loss_value,) = all_mean([loss_sum.item() / t.grad_accum])  # .item() synchronises the device
         dt = time.perf_counter() - t0
         step += 1
         tokens_seen += tokens_per_step

@@ -127,7 +127,8 @@ class LMTask(Task):
         of the same prompt, timed, with the draft's mean accepted tokens (as the speculative seed logs)."""
         t = self.cfg.train
         prompt_len = min(t.sample_prompt_len, self.seq_len)
-        length = max(1, min(t.sample_length, model.max_seq_len - prompt_len - self.cfg.speculative.gamma - 1))
+        room = model.max_seq_len - prompt_len - (self.cfg.speculative.gamma + 1 if self.cfg.speculative.draft else 0)
+        length = max(1, min(t.sample_length, room))
         prompt = self.data.val_windows(1, prompt_len)[:, :prompt_len]
         device = next(model.parameters()).device
         sampling = {"temperature": t.sample_temperature, "top_k": t.sample_top_k}
