@@ -37,7 +37,8 @@ def server(ray_cluster, tmp_path_factory):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build({"target": paths["target"], "draft": paths["draft"], "name": "tiny",
-                     "limits": '{"max_new_tokens": 40, "max_prompt_bytes": 64}'}),
+                     "limits": '{"max_new_tokens": 40, "max_prompt_bytes": 64}',
+                     "batch_wait_timeout_s": "0.25"}),  # long enough for concurrent test requests to meet
               name="text", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
@@ -125,3 +126,21 @@ def test_completions_stream_is_server_sent_events(server):
     plain = post(f"{server}/v1/completions", json={"model": "tiny", "prompt": "import ", "max_tokens": 10,
                                                    "temperature": 0}).json()
     assert "".join(c["choices"][0]["text"] for c in chunks) == plain["choices"][0]["text"]
+
+
+def test_concurrent_requests_are_decoded_as_one_batch(server):
+    """Concurrent requests of different prompt lengths, lengths and seeds share batched passes, and each
+    gets exactly the text it gets alone (row seeds are per request)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    bodies = [{"prompt": p, "max_new_tokens": n, "temperature": 1.0, "top_k": 20, "seed": s, "mode": "both",
+               "gamma": 3} for p, n, s in (("import os", 20, 1), ("x", 12, 2), ("class Foo(object):", 16, 3),
+                                           ("def", 20, 4))]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        together = list(pool.map(lambda b: post(f"{server}/generate", json=b).json(), bodies))
+    assert max(r["results"]["base"]["batch_size"] for r in together) > 1
+    for body, res in zip(bodies, together):
+        alone = post(f"{server}/generate", json=body).json()
+        for mode in ("base", "speculative"):
+            assert res["results"][mode]["text"] == alone["results"][mode]["text"]
+            assert res["results"][mode]["tokens"] == body["max_new_tokens"]

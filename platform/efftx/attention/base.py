@@ -67,6 +67,7 @@ class AttentionBackend(nn.Module):
     """Inner attention math. Projections, rotary and the output projection live outside."""
 
     name = "?"
+    supports_ragged = False  # accepts caches whose rows hold different numbers of tokens (see cache.py)
 
     def __init__(self, spec: AttentionSpec):
         super().__init__()

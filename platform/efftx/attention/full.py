@@ -19,16 +19,21 @@ def causal_offset_mask(t_q: int, t_k: int, device: torch.device) -> torch.Tensor
 
 @register("full")
 class FullAttention(AttentionBackend):
+    supports_ragged = True
+
     def forward(self, q, k, v, *, cache: KVCache | None = None, x=None):
         # q: (B, T, H, D); k, v: (B, T, Hkv, D)
         t_q = q.shape[1]
+        rows = None
         if cache is not None:
-            k, v = cache.append(k, v)  # (B, L, Hkv, D), L = tokens so far
+            k, v, rows = cache.append_rows(k, v, self.spec.causal)  # (B, L, Hkv, D), L = longest row so far
         t_k = k.shape[1]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
         dropout = self.spec.dropout if self.training else 0.0
         gqa = q.shape[1] != k.shape[1]
-        if not self.spec.causal or t_q == 1:
+        if rows is not None:
+            mask, is_causal = rows[:, None], False  # rows of different lengths: (B, 1, T, L)
+        elif not self.spec.causal or t_q == 1:
             mask, is_causal = None, False  # one new token may see every cached one
         elif t_q == t_k:
             mask, is_causal = None, True

@@ -49,6 +49,7 @@ import torch.nn.functional as F
 
 from efftx.attention import register
 from efftx.attention.base import AttentionBackend, AttentionSpec, is_recomputing
+from efftx.attention.cache import RowLengths
 from efftx.errors import ConfigError
 
 KEY_EXP_MAX = 50.0  # cap on a key feature's exponent: exp(50) * tokens stays far below float32 max
@@ -147,22 +148,24 @@ def global_linear_attention(qf: torch.Tensor, kf: torch.Tensor, v: torch.Tensor,
     return num / den.clamp_min(EPS)[..., None], s, z
 
 
-class PerformerCache:
+class PerformerCache(RowLengths):
     """Decoding state of one Performer layer.
 
-    ``s`` (B, Hkv, m, D) = Σ phi(k) vᵀ and ``z`` (B, Hkv, m) = Σ phi(k) over the ``length`` tokens
-    seen; a decode step reads and replaces only these. ``phi_k`` (B, max_len, Hkv, m) and ``v``
+    ``s`` (B, Hkv, m, D) = Σ phi(k) vᵀ and ``z`` (B, Hkv, m) = Σ phi(k) over each row's tokens; a
+    decode step reads and replaces only these. ``phi_k`` (B, max_len, Hkv, m) and ``v``
     (B, max_len, Hkv, D) keep each token's contribution so that ``rewind`` can rebuild the sums.
+    The sums do not depend on positions, so rows of different lengths need no masking: only the
+    per-token records go to each row's own slots.
     """
 
     def __init__(self, batch_size: int, max_len: int, kv_heads: int, head_dim: int, nb_features: int, *,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        super().__init__(batch_size, device)
         dtype = torch.promote_types(dtype, torch.float32)  # sums are kept in at least float32
         self.s = torch.zeros(batch_size, kv_heads, nb_features, head_dim, device=device, dtype=dtype)
         self.z = torch.zeros(batch_size, kv_heads, nb_features, device=device, dtype=dtype)
         self.phi_k = torch.zeros(batch_size, max_len, kv_heads, nb_features, device=device, dtype=dtype)
         self.v = torch.zeros(batch_size, max_len, kv_heads, head_dim, device=device, dtype=dtype)
-        self.length = 0
 
     @property
     def max_len(self) -> int:
@@ -170,29 +173,29 @@ class PerformerCache:
 
     def append(self, phi_k: torch.Tensor, v: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> None:
         """Record T new tokens' (B, T, Hkv, m) key features and (B, T, Hkv, D) values; new sums s, z."""
-        end = self.length + phi_k.shape[1]
-        if end > self.max_len:
-            raise ValueError(f"performer cache overflow: {end} positions > capacity {self.max_len}")
-        self.phi_k[:, self.length:end] = phi_k.detach()
-        self.v[:, self.length:end] = v.detach()
+        t = phi_k.shape[1]
+        before = list(self.lengths)
+        self._grow(t, self.max_len, "performer cache")
+        slots = torch.tensor(before, device=self.phi_k.device)[:, None] + torch.arange(t, device=self.phi_k.device)
+        rows = torch.arange(phi_k.shape[0], device=self.phi_k.device)[:, None]
+        self.phi_k[rows, slots] = phi_k.detach()
+        self.v[rows, slots] = v.detach()
         self.s = s.detach().to(self.s.dtype)
         self.z = z.detach().to(self.z.dtype)
-        self.length = end
 
-    def rewind(self, n: int) -> None:
-        if not 0 <= n <= self.length:
-            raise ValueError(f"cannot rewind {n} tokens from a cache holding {self.length}")
-        if n == 0:
-            return
-        self.length -= n
-        kept_k, kept_v = self.phi_k[:, :self.length], self.v[:, :self.length]
-        self.s = torch.einsum("bthm,bthd->bhmd", kept_k, kept_v)
+    def _rewound(self, old: list[int]) -> None:
+        keep = torch.arange(self.max_len, device=self.phi_k.device)[None, :] < torch.tensor(
+            self.lengths, device=self.phi_k.device)[:, None]  # (B, max_len)
+        kept_k = self.phi_k * keep[:, :, None, None]
+        self.s = torch.einsum("bthm,bthd->bhmd", kept_k, self.v)
         self.z = kept_k.sum(1)
 
 
 @register("performer")
 class PerformerAttention(AttentionBackend):
     """FAVOR+ linear attention; see the module docstring."""
+
+    supports_ragged = True
 
     def __init__(self, spec: AttentionSpec):
         super().__init__(spec)
@@ -245,7 +248,7 @@ class PerformerAttention(AttentionBackend):
             qf = qf.view(b, t, hkv, h // hkv, -1)  # (B, T, Hkv, R, m): head h reads kv head h // R
             v32 = v.to(dtype)
             s0 = z0 = None
-            if cache is not None and cache.length:
+            if cache is not None and cache.end:
                 s0, z0 = cache.s.to(dtype), cache.z.to(dtype)
             if self.spec.causal:
                 out, s, z = causal_linear_attention(qf, kf, v32, self.chunk_size, s0, z0)

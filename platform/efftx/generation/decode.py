@@ -1,10 +1,12 @@
-"""Prefill + one-token decoding over any model cache."""
+"""Prefill + one-token decoding over any model cache, for batches of prompts of any lengths."""
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
-from efftx.generation.sampling import sample
+from efftx.generation.sampling import draw, probabilities, sample
 
 
 @torch.no_grad()
@@ -19,32 +21,124 @@ def decode_one(model, token: torch.Tensor, cache) -> torch.Tensor:
     return model(token[:, None], cache=cache)[:, -1]
 
 
+def as_rows(prompts: Sequence[Sequence[int]] | torch.Tensor) -> list[list[int]]:
+    """Prompts as lists of token ids: a (B, T) tensor or a list of lists (lengths may differ)."""
+    if isinstance(prompts, torch.Tensor):
+        if prompts.ndim != 2:
+            raise ValueError("prompts must be a (batch, length) tensor or a list of token lists")
+        prompts = prompts.tolist()
+    rows = [[int(t) for t in p] for p in prompts]
+    if not rows:
+        raise ValueError("no prompts given")
+    for r, row in enumerate(rows):
+        if not row:
+            raise ValueError(f"prompt {r} is empty")
+    return rows
+
+
+class Rows:
+    """The decoding state of a batch of sequences over one model, rows of any lengths.
+
+    Backends that accept ragged caches (``model.supports_ragged``) decode all rows in one batched
+    forward pass, each row at its own position; for the others each row has its own batch-1 cache and
+    the rows run one after another. Either way ``forward`` takes (B, T) tokens, one block of T per row,
+    and ``rewind`` takes one count per row.
+    """
+
+    def __init__(self, model, batch_size: int, capacity: int, batched: bool | None = None):
+        self.model = model
+        self.batched = model.supports_ragged if batched is None else batched
+        if self.batched:
+            self.caches = [model.new_cache(batch_size, capacity)]
+        else:
+            self.caches = [model.new_cache(1, capacity) for _ in range(batch_size)]
+        self.forward_calls = 0  # batched forward passes (row-by-row mode counts one per batch too)
+
+    @property
+    def lengths(self) -> list[int]:
+        return self.caches[0].lengths if self.batched else [c.length for c in self.caches]
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, T) new tokens -> (B, T, V) logits."""
+        self.forward_calls += 1
+        if self.batched:
+            return self.model(tokens, cache=self.caches[0])
+        return torch.cat([self.model(tokens[b:b + 1], cache=c) for b, c in enumerate(self.caches)])
+
+    def rewind(self, counts: Sequence[int]) -> None:
+        if self.batched:
+            self.caches[0].rewind(list(counts))
+        else:
+            for cache, n in zip(self.caches, counts):
+                cache.rewind(int(n))
+
+    @torch.no_grad()
+    def prefill(self, rows: list[list[int]]) -> torch.Tensor:
+        """Feed each row's tokens; return each row's last-position logits (B, V). Rows may be empty
+        (then their logits row is undefined)."""
+        device = next(self.model.parameters()).device
+        longest = max(len(r) for r in rows)
+        if longest == 0:
+            return None
+        if not self.batched:
+            out = []
+            for row, cache in zip(rows, self.caches):
+                if row:
+                    out.append(self.model(torch.tensor([row], device=device), cache=cache)[:, -1])
+                else:
+                    out.append(torch.zeros(1, self.model.vocab_size, device=device))
+            self.forward_calls += 1
+            return torch.cat(out)
+        # one pass over right-padded rows; the padding is rewound, so later tokens overwrite it
+        padded = torch.tensor([r + [0] * (longest - len(r)) for r in rows], device=device)
+        logits = self.forward(padded)  # (B, T, V)
+        self.rewind([longest - len(r) for r in rows])
+        last = torch.tensor([max(len(r) - 1, 0) for r in rows], device=device)
+        return logits[torch.arange(len(rows), device=device), last]
+
+
+def generators(seed: int | Sequence[int | None] | None, n: int, device: torch.device) -> list[torch.Generator | None]:
+    """Row r draws from its own generator, seeded ``seed + r`` (or ``seed[r]`` when a seed is given per
+    row; None = the global RNG): a row's tokens do not depend on what else is in the batch."""
+    seeds = [None if seed is None else seed + r for r in range(n)] if not isinstance(seed, (list, tuple)) else seed
+    if len(seeds) != n:
+        raise ValueError(f"{len(seeds)} seeds for {n} rows")
+    return [None if s is None else torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+
+
 @torch.no_grad()
-def iter_generate(model, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None):
-    """Yield (B,) tokens one step at a time after ``prompt`` (B, T), decoding with a cache."""
-    if prompt.ndim != 2 or prompt.shape[1] == 0:
-        raise ValueError("prompt must be a non-empty (batch, length) tensor")
-    total = prompt.shape[1] + max_new_tokens
+def iter_generate(model, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_tokens: int, *,
+                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                  seed: int | Sequence[int | None] | None = None):
+    """Yield (B,) tokens one step at a time after ``prompts`` ((B, T) or lists of any lengths).
+
+    Row r samples with seed ``seed + r`` (or ``seed[r]``), so its tokens are the same whatever else
+    is in the batch.
+    """
+    rows = as_rows(prompts)
+    longest = max(len(r) for r in rows)
+    total = longest + max_new_tokens
     if total > model.max_seq_len:
-        raise ValueError(f"prompt ({prompt.shape[1]}) + max_new_tokens ({max_new_tokens}) = {total} "
+        raise ValueError(f"prompt ({longest}) + max_new_tokens ({max_new_tokens}) = {total} "
                          f"exceeds the model's max_seq_len={model.max_seq_len}")
-    gen = None
-    if seed is not None:
-        gen = torch.Generator(device=prompt.device)
-        gen.manual_seed(seed)
-    cache = model.new_cache(prompt.shape[0], total)
-    logits = prefill(model, prompt, cache)
+    device = next(model.parameters()).device
+    gens = generators(seed, len(rows), device)
+    state = Rows(model, len(rows), total)
+    logits = state.prefill(rows)
     for i in range(max_new_tokens):
-        token = sample(logits, temperature, top_k, top_p, gen)
+        if temperature == 0:
+            token = sample(logits, 0)
+        else:
+            token = draw(probabilities(logits, temperature, top_k, top_p), gens)
         yield token
         if i + 1 < max_new_tokens:
-            logits = decode_one(model, token, cache)
+            logits = state.forward(token[:, None])[:, -1]
 
 
-def generate(model, prompt: torch.Tensor, max_new_tokens: int, **sampling) -> torch.Tensor:
-    """Sample ``max_new_tokens`` after ``prompt`` (B, T) with a cache; returns (B, max_new_tokens)."""
-    return torch.stack(list(iter_generate(model, prompt, max_new_tokens, **sampling)), dim=1)
+def generate(model, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_tokens: int, **sampling) -> torch.Tensor:
+    """Sample ``max_new_tokens`` after each prompt with a cache; returns (B, max_new_tokens)."""
+    return torch.stack(list(iter_generate(model, prompts, max_new_tokens, **sampling)), dim=1)
 
 
 def encode_text(text: str) -> list[int]:

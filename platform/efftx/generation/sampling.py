@@ -33,3 +33,10 @@ def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p
         return logits.argmax(-1)
     probs = probabilities(logits, temperature, top_k, top_p)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """(B, V) probabilities -> (B,) tokens, row b drawn with ``generators[b]`` (None = the global RNG)."""
+    if all(g is None for g in generators):
+        return torch.multinomial(probs, 1).squeeze(-1)
+    return torch.cat([torch.multinomial(p[None], 1, generator=g)[0] for p, g in zip(probs, generators)])

@@ -10,18 +10,20 @@ One step, for one sequence whose caches hold every token but the last ("pending"
 4. both caches are rewound past the rejected tokens.
 
 Every emitted token is distributed exactly as the target would sample it; with greedy settings
-(temperature 0) the output is token for token the target's greedy output. Batches run row by row, each
-row with its own caches, so rows advance by their own acceptance and never see each other's tokens.
+(temperature 0) the output is token for token the target's greedy output. Batches run together with
+per-row acceptance: each row rewinds its own caches, so rows advance by their own acceptance and
+never see each other's tokens (see :func:`iter_speculative_rows`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
-from efftx.generation.decode import decode_one
-from efftx.generation.sampling import probabilities
+from efftx.generation.decode import Rows, as_rows, generators
+from efftx.generation.sampling import draw, probabilities
 
 
 @dataclass
@@ -51,10 +53,6 @@ class SpecStats:
                 "histogram": self.histogram, "draft_calls": self.draft_calls, "target_calls": self.target_calls}
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    return torch.multinomial(probs, 1, generator=generator)[..., 0]
-
-
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """norm(max(0, p - q)); where p <= q everywhere (only possible when p == q), p itself."""
     r = (p - q).clamp_min(0)
@@ -62,47 +60,21 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, r / total.clamp_min(1e-30), p)
 
 
-@torch.no_grad()
-def speculative_step(target, draft, pending: torch.Tensor, t_cache, d_cache, gamma: int, sampling: dict,
-                     generator: torch.Generator | None, stats: SpecStats) -> list[int]:
-    """One draft-and-verify step for a single sequence (batch 1). Returns the emitted tokens (1..gamma+1)."""
-    drafted, q = [], []
-    token = pending
-    for _ in range(gamma):
-        dist = probabilities(decode_one(draft, token, d_cache), **sampling)[0]  # (V,)
-        stats.draft_calls += 1
-        token = _draw(dist, generator).view(1)
-        drafted.append(token)
-        q.append(dist)
-    block = torch.cat([pending] + drafted).view(1, gamma + 1)
-    p = probabilities(target(block, cache=t_cache)[0], **sampling)  # (gamma + 1, V)
-    stats.target_calls += 1
+def _one(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs[None], 1, generator=generator)[0, 0])
 
-    emitted, n = [], 0
-    for i in range(gamma):
-        x = int(drafted[i])
-        ratio = p[i, x] / q[i][x].clamp_min(1e-30)
-        u = torch.rand((), generator=generator, device=p.device)
-        if u < ratio:  # accepted with probability min(1, p/q)
-            emitted.append(x)
-            n += 1
+
+def verify(p: torch.Tensor, q: torch.Tensor, drafted: list[int], ratios: list[float],
+           generator: torch.Generator | None) -> tuple[list[int], int]:
+    """Accept/reject one row's drafted tokens. p: (gamma + 1, V) target distributions, q: (gamma, V)
+    draft distributions, ``ratios[i]`` = p_i(x_i) / q_i(x_i). Returns (emitted tokens, accepted count)."""
+    gamma = len(drafted)
+    for i, x in enumerate(drafted):
+        u = float(torch.rand((), generator=generator, device=p.device))
+        if u < ratios[i]:  # accepted with probability min(1, p/q)
             continue
-        emitted.append(int(_draw(residual(p[i], q[i]), generator)))
-        break
-    else:
-        emitted.append(int(_draw(p[gamma], generator)))  # all accepted: a bonus token from the target
-
-    # target cache holds pending + gamma drafted; keep pending + n accepted
-    t_cache.rewind(gamma - n)
-    # draft cache holds pending + gamma - 1 drafted; keep pending + n accepted
-    if n == gamma:
-        decode_one(draft, drafted[-1], d_cache)  # the last drafted token was never fed to the draft
-        stats.draft_calls += 1
-    else:
-        d_cache.rewind(gamma - 1 - n)
-    stats.steps += 1
-    stats.accepted.append(n)
-    return emitted
+        return drafted[:i] + [_one(residual(p[i], q[i]), generator)], i
+    return drafted + [_one(p[gamma], generator)], gamma  # all accepted: a bonus token from the target
 
 
 def _check(target, draft, gamma: int) -> None:
@@ -113,57 +85,118 @@ def _check(target, draft, gamma: int) -> None:
 
 
 @torch.no_grad()
-def iter_speculative(target, draft, prompt: list[int], max_new_tokens: int, *, gamma: int = 5,
-                     temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                     stats: SpecStats | None = None):
-    """Yield the tokens of each speculative step (a list of 1..gamma+1) for one prompt, up to max_new_tokens."""
-    _check(target, draft, gamma)
-    if not prompt:
-        raise ValueError("the prompt is empty")
-    limit = min(target.max_seq_len, draft.max_seq_len)
-    if len(prompt) + max_new_tokens + gamma > limit:
-        raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) + gamma ({gamma}) "
-                         f"exceeds the models' max_seq_len={limit}")
-    stats = stats if stats is not None else SpecStats(gamma=gamma)
-    device = next(target.parameters()).device
-    gen = None
-    if seed is not None:
-        gen = torch.Generator(device=device)
-        gen.manual_seed(seed)
-    sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
-    tokens = torch.tensor(prompt, dtype=torch.long, device=device)
-    total = len(prompt) + max_new_tokens + gamma + 1
-    t_cache, d_cache = target.new_cache(1, total), draft.new_cache(1, total)
-    if len(prompt) > 1:
-        target(tokens[None, :-1], cache=t_cache)
-        draft(tokens[None, :-1], cache=d_cache)
-        stats.target_calls += 1
-        stats.draft_calls += 1
-    pending = tokens[-1:]
-    produced = 0
-    while produced < max_new_tokens:
-        emitted = speculative_step(target, draft, pending, t_cache, d_cache, gamma, sampling, gen, stats)
-        emitted = emitted[: max_new_tokens - produced]
-        produced += len(emitted)
-        yield emitted
-        pending = torch.tensor(emitted[-1:], dtype=torch.long, device=device)
+def iter_speculative_rows(target, draft, prompts: Sequence[Sequence[int]] | torch.Tensor,
+                          max_new_tokens: int | Sequence[int], *,
+                          gamma: int = 5, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                          seed: int | Sequence[int | None] | None = None, stats: SpecStats | None = None,
+                          row_stats: list[SpecStats] | None = None, batched: bool | None = None):
+    """Speculative decoding of a batch of prompts (any lengths). Yields, per step, one list per row of
+    the tokens that row emitted (empty once a row has its ``max_new_tokens``, which may be given per row).
 
-
-def speculative_generate(target, draft, prompts: list[list[int]] | torch.Tensor, max_new_tokens: int, *,
-                         gamma: int = 5, seed: int | None = None, **sampling) -> tuple[list[list[int]], SpecStats]:
-    """Generate ``max_new_tokens`` per prompt (prompts may differ in length). Returns tokens and stats.
-
-    Row r uses seed ``seed + r``; rows run one after another, each with its own caches.
+    All rows draft and verify together: one batched draft pass per drafted token, one batched target
+    pass per step, each row at its own position (ragged caches). Acceptance is decided per row, and
+    each row's caches are rewound by its own count, so rows advance by different amounts and never
+    see each other's tokens. Row r draws from its own generator (seed + r): its tokens are those it
+    would get decoded alone (``seed`` may also be one seed per row). ``stats`` counts batched passes;
+    ``row_stats[r]`` row r's own steps and the passes it took part in.
+    ``batched=False`` (or a backend without ragged caches) runs the rows one after another.
     """
     _check(target, draft, gamma)
-    rows = prompts.tolist() if isinstance(prompts, torch.Tensor) else [list(p) for p in prompts]
+    rows = as_rows(prompts)
+    n_rows = len(rows)
+    limits = [int(max_new_tokens)] * n_rows if isinstance(max_new_tokens, int) else [int(m) for m in max_new_tokens]
+    if len(limits) != n_rows:
+        raise ValueError(f"{len(limits)} max_new_tokens for {n_rows} prompts")
+    longest = max(len(r) + m for r, m in zip(rows, limits))
+    limit = min(target.max_seq_len, draft.max_seq_len)
+    if longest + gamma > limit:
+        raise ValueError(f"prompt + max_new_tokens ({longest}) + gamma ({gamma}) "
+                         f"exceeds the models' max_seq_len={limit}")
+    stats = stats if stats is not None else SpecStats(gamma=gamma)
+    row_stats = row_stats if row_stats is not None else [SpecStats(gamma=gamma) for _ in rows]
+    device = next(target.parameters()).device
+    gens = generators(seed, n_rows, device)
+    sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    if batched is None:
+        batched = target.supports_ragged and draft.supports_ragged
+    total = longest + gamma + 1
+    t_rows, d_rows = Rows(target, n_rows, total, batched), Rows(draft, n_rows, total, batched)
+    if max(len(r) for r in rows) > 1:  # caches hold every prompt token but the last: the first "pending"
+        t_rows.prefill([r[:-1] for r in rows])
+        d_rows.prefill([r[:-1] for r in rows])
+        for s in [stats, *row_stats]:
+            s.target_calls += 1
+            s.draft_calls += 1
+    pending = torch.tensor([r[-1] for r in rows], device=device)
+    produced = [0] * n_rows
+    while True:
+        active = [n < m for n, m in zip(produced, limits)]
+        if not any(active):
+            return
+        tokens, q = [], []
+        token = pending
+        for _ in range(gamma):
+            dist = probabilities(d_rows.forward(token[:, None])[:, -1], **sampling)  # (B, V)
+            token = draw(dist, gens)
+            tokens.append(token)
+            q.append(dist)
+        drafted, q = torch.stack(tokens, 1), torch.stack(q, 1)  # (B, gamma), (B, gamma, V)
+        p = probabilities(t_rows.forward(torch.cat([pending[:, None], drafted], 1)), **sampling)  # (B, gamma+1, V)
+        picked = drafted[..., None]
+        ratios = (p[:, :gamma].gather(-1, picked) / q.gather(-1, picked).clamp_min(1e-30))[..., 0].tolist()
+        drafted_list = drafted.tolist()
+        emitted, accepted = [], []
+        for r in range(n_rows):
+            if active[r]:
+                out, n = verify(p[r], q[r], drafted_list[r], ratios[r], gens[r])
+            else:
+                out, n = [], -1  # finished: this step is undone below
+            emitted.append(out[: limits[r] - produced[r]])
+            accepted.append(n)
+        # The target cache got pending + gamma drafted tokens; a row keeps pending + its n accepted.
+        t_rows.rewind([gamma - n if n >= 0 else gamma + 1 for n in accepted])
+        # The draft saw pending + gamma - 1 drafted; a row that accepted all needs the last one too.
+        held = gamma
+        if gamma in accepted:
+            d_rows.forward(drafted[:, -1:])
+            held = gamma + 1
+        d_rows.rewind([held - 1 - n if n >= 0 else held for n in accepted])
+        draft_passes = gamma + (held - gamma)
+        for s in [stats] + [row_stats[r] for r in range(n_rows) if active[r]]:
+            s.draft_calls += draft_passes
+            s.target_calls += 1
+        for r in range(n_rows):
+            if active[r]:
+                for s in (stats, row_stats[r]):
+                    s.steps += 1
+                    s.accepted.append(accepted[r])
+                produced[r] += len(emitted[r])
+        last = [e[-1] if e else int(t) for e, t in zip(emitted, pending.tolist())]
+        pending = torch.tensor(last, device=device)
+        yield emitted
+
+
+def iter_speculative(target, draft, prompt: list[int], max_new_tokens: int, *, stats: SpecStats | None = None,
+                     **kwargs):
+    """Yield the tokens of each speculative step (a list of 1..gamma+1) for one prompt, up to max_new_tokens."""
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    for step in iter_speculative_rows(target, draft, [prompt], max_new_tokens, stats=stats, **kwargs):
+        yield step[0]
+
+
+def speculative_generate(target, draft, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_tokens: int, *,
+                         gamma: int = 5, seed: int | None = None, batched: bool | None = None,
+                         **sampling) -> tuple[list[list[int]], SpecStats]:
+    """Generate ``max_new_tokens`` per prompt (prompts may differ in length). Returns tokens and stats.
+
+    Row r uses seed ``seed + r``; see :func:`iter_speculative_rows`.
+    """
+    rows = as_rows(prompts)
     stats = SpecStats(gamma=gamma)
-    outputs = []
-    for r, prompt in enumerate(rows):
-        if not prompt:
-            raise ValueError(f"prompt {r} is empty")
-        row_seed = None if seed is None else seed + r
-        steps = iter_speculative(target, draft, prompt, max_new_tokens, gamma=gamma, seed=row_seed,
-                                 stats=stats, **sampling)
-        outputs.append([tok for step in steps for tok in step])
+    outputs: list[list[int]] = [[] for _ in rows]
+    for step in iter_speculative_rows(target, draft, rows, max_new_tokens, gamma=gamma, seed=seed, stats=stats,
+                                      batched=batched, **sampling):
+        for out, toks in zip(outputs, step):
+            out.extend(toks)
     return outputs, stats

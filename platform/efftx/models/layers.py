@@ -14,6 +14,7 @@ from torch import nn
 
 from efftx import attention
 from efftx.attention.base import AttentionSpec
+from efftx.attention.cache import cache_offset
 from efftx.errors import ConfigError
 
 
@@ -52,12 +53,19 @@ class Rotary(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, offset: int | torch.Tensor = 0) -> torch.Tensor:
+        """``offset``: position of x's first token, an int or (B, 1) per row (ragged caches)."""
         t = x.shape[1]
-        if offset + t > self.cos.shape[0]:
+        if isinstance(offset, torch.Tensor):
+            pos = offset + torch.arange(t, device=offset.device)  # (B, T)
+            if int(pos.max()) >= self.cos.shape[0]:
+                raise ValueError(f"position {int(pos.max()) + 1} beyond model.max_seq_len={self.cos.shape[0]}")
+            cos, sin = self.cos[pos][:, :, None], self.sin[pos][:, :, None]  # (B, T, 1, D/2)
+        elif offset + t > self.cos.shape[0]:
             raise ValueError(f"position {offset + t} beyond model.max_seq_len={self.cos.shape[0]}")
-        cos = self.cos[offset:offset + t, None, :]  # (T, 1, D/2)
-        sin = self.sin[offset:offset + t, None, :]
+        else:
+            cos = self.cos[offset:offset + t, None, :]  # (T, 1, D/2)
+            sin = self.sin[offset:offset + t, None, :]
         x1, x2 = x.float().chunk(2, dim=-1)
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         return out.to(x.dtype)
@@ -115,7 +123,7 @@ class Attention(nn.Module):
         q = self.q(x).view(b, t, s.heads, s.head_dim)  # (B, T, H, D)
         k, v = self.kv(x).view(b, t, 2, s.kv_heads, s.head_dim).unbind(2)  # (B, T, Hkv, D)
         if self.rotary is not None:
-            offset = cache.length if cache is not None else 0
+            offset = cache_offset(cache)
             q, k = self.rotary(q, offset), self.rotary(k, offset)
         y = self.inner(q, k, v, cache=cache, x=x)  # (B, T, H, D)
         return self.drop(self.out(y.reshape(b, t, s.heads * s.head_dim)))

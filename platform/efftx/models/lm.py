@@ -50,6 +50,11 @@ class LM(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
+    @property
+    def supports_ragged(self) -> bool:
+        """Whether one cache may hold rows of different lengths (else rows decode one at a time)."""
+        return all(blk.attention.inner.supports_ragged for blk in self.blocks)
+
     def new_cache(self, batch_size: int, max_len: int | None = None) -> ModelCache:
         p = self.embed.weight
         max_len = max_len or self.max_seq_len
@@ -58,14 +63,15 @@ class LM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, cache: ModelCache | None = None) -> torch.Tensor:
         b, t = tokens.shape
-        offset = cache.length if cache is not None else 0
-        if offset + t > self.max_seq_len:
-            raise ValueError(f"sequence of {offset + t} tokens exceeds model.max_seq_len={self.max_seq_len}")
+        offset = cache.offset() if cache is not None else 0  # int, or (B, 1) when rows differ in length
+        longest = (cache.end if cache is not None else 0) + t
+        if longest > self.max_seq_len:
+            raise ValueError(f"sequence of {longest} tokens exceeds model.max_seq_len={self.max_seq_len}")
         x = self.embed(tokens)  # (B, T, emb_dim)
         if self.emb_in is not None:
             x = self.emb_in(x)  # (B, T, dim)
         if self.pos is not None:
-            x = x + self.pos(torch.arange(offset, offset + t, device=tokens.device))
+            x = x + self.pos(offset + torch.arange(t, device=tokens.device))  # (T,) or (B, T) positions
         caches = cache.layers if cache is not None else None
         if self.reversible is not None:
             x = self.reversible(x, caches)

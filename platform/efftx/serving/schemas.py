@@ -39,6 +39,7 @@ class ModeResult(BaseModel):
     tokens: int
     latency_ms: float
     tokens_per_s: float
+    batch_size: int = 1  # requests decoded together in this batch (latency is the batch's)
     mean_accepted: float | None = None
     acceptance_histogram: list[int] | None = None
     draft_calls: int | None = None

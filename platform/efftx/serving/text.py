@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
 from efftx.generation.decode import decode_bytes, encode_text, iter_generate
-from efftx.generation.speculative import SpecStats, iter_speculative
+from efftx.generation.speculative import SpecStats, iter_speculative, iter_speculative_rows
 from efftx.serving.schemas import CompletionRequest, GenerateRequest, GenerateResponse, Limits, ModeResult
 
 app = FastAPI(title="efftx text generation", description=__doc__.split("\n\n")[0])
@@ -100,38 +100,60 @@ class TextGenerator:
         return tokens
 
     # ------------------------------------------------------------------ decoding
-    def _base(self, tokens: list[int], max_new: int, sampling: dict) -> tuple[list[int], float]:
+    # A batch of requests decodes together: one batched forward pass per token (base) or per draft
+    # token and verification (speculative), each row at its own position and, for speculative
+    # decoding, with its own acceptance. Rows must share the sampling settings (they set one
+    # distribution transform), so requests are grouped by them; seeds and lengths are per row.
+    def _base_rows(self, reqs: list[GenerateRequest]) -> list[ModeResult]:
         t0 = time.perf_counter()
-        out = [int(t[0]) for t in iter_generate(self.target, torch.tensor([tokens]), max_new, **sampling)]
-        return out, time.perf_counter() - t0
+        out: list[list[int]] = [[] for _ in reqs]
+        first = reqs[0]
+        steps = iter_generate(self.target, [encode_text(r.prompt) for r in reqs], max(r.max_new_tokens for r in reqs),
+                              temperature=first.temperature, top_k=first.top_k, top_p=first.top_p,
+                              seed=[r.seed for r in reqs])
+        for tokens in steps:
+            for row, r, tok in zip(out, reqs, tokens.tolist()):
+                if len(row) < r.max_new_tokens:
+                    row.append(tok)
+        secs = time.perf_counter() - t0
+        return [ModeResult(text=decode_bytes(row), tokens=len(row), latency_ms=secs * 1e3,
+                           tokens_per_s=len(row) / secs, batch_size=len(reqs)) for row in out]
 
-    def _speculative(self, tokens: list[int], max_new: int, gamma: int, sampling: dict):
-        stats = SpecStats(gamma=gamma)
+    def _speculative_rows(self, reqs: list[GenerateRequest]) -> list[ModeResult]:
+        first = reqs[0]
+        row_stats = [SpecStats(gamma=first.gamma) for _ in reqs]
+        out: list[list[int]] = [[] for _ in reqs]
         t0 = time.perf_counter()
-        out = [t for step in iter_speculative(self.target, self.draft, tokens, max_new, gamma=gamma, stats=stats,
-                                              **sampling) for t in step]
-        return out, time.perf_counter() - t0, stats
+        steps = iter_speculative_rows(
+            self.target, self.draft, [encode_text(r.prompt) for r in reqs], [r.max_new_tokens for r in reqs],
+            gamma=first.gamma, temperature=first.temperature, top_k=first.top_k, top_p=first.top_p,
+            seed=[r.seed for r in reqs], row_stats=row_stats)
+        for step in steps:
+            for row, toks in zip(out, step):
+                row.extend(toks)
+        secs = time.perf_counter() - t0
+        return [ModeResult(text=decode_bytes(row), tokens=len(row), latency_ms=secs * 1e3,
+                           tokens_per_s=len(row) / secs, batch_size=len(reqs), mean_accepted=st.mean_accepted,
+                           acceptance_histogram=st.histogram, draft_calls=st.draft_calls,
+                           target_calls=st.target_calls)
+                for row, st in zip(out, row_stats)]
 
-    def _run(self, req: GenerateRequest) -> GenerateResponse:
-        tokens = encode_text(req.prompt)
-        sampling = {"temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p, "seed": req.seed}
-        results = {}
-        if req.mode in ("base", "both"):
-            out, secs = self._base(tokens, req.max_new_tokens, sampling)
-            results["base"] = ModeResult(text=decode_bytes(out), tokens=len(out), latency_ms=secs * 1e3,
-                                         tokens_per_s=len(out) / secs)
-        if req.mode in ("speculative", "both"):
-            out, secs, stats = self._speculative(tokens, req.max_new_tokens, req.gamma, sampling)
-            results["speculative"] = ModeResult(
-                text=decode_bytes(out), tokens=len(out), latency_ms=secs * 1e3, tokens_per_s=len(out) / secs,
-                mean_accepted=stats.mean_accepted, acceptance_histogram=stats.histogram,
-                draft_calls=stats.draft_calls, target_calls=stats.target_calls)
-        return GenerateResponse(prompt=req.prompt, results=results)
+    def _run(self, requests: list[GenerateRequest]) -> list[GenerateResponse]:
+        results: list[dict[str, ModeResult]] = [{} for _ in requests]
+        for mode, run in (("base", self._base_rows), ("speculative", self._speculative_rows)):
+            groups: dict[tuple, list[int]] = {}
+            for i, r in enumerate(requests):
+                if r.mode in (mode, "both"):
+                    key = (r.temperature, r.top_k, r.top_p) + ((r.gamma,) if mode == "speculative" else ())
+                    groups.setdefault(key, []).append(i)
+            for rows in groups.values():
+                for i, res in zip(rows, run([requests[i] for i in rows])):
+                    results[i][mode] = res
+        return [GenerateResponse(prompt=r.prompt, results=res) for r, res in zip(requests, results)]
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.02)
     async def _batched(self, requests: list[GenerateRequest]) -> list[GenerateResponse]:
-        # Rows differ in length and acceptance: each runs with its own caches (per-row batched caches: TODO).
-        return [self._run(r) for r in requests]
+        return self._run(requests)
 
     # ------------------------------------------------------------------ endpoints
     @app.get("/healthz")
@@ -157,11 +179,6 @@ class TextGenerator:
         gamma = min(5, self.limits.max_gamma)
         tokens = self._check(req.prompt, req.max_tokens, req.temperature, gamma, speculative,
                              {"prompt": "prompt", "max_new_tokens": "max_tokens"})
-        sampling = {"temperature": req.temperature, "top_p": req.top_p, "seed": req.seed}
-        if speculative:
-            steps = iter_speculative(self.target, self.draft, tokens, req.max_tokens, gamma=gamma, **sampling)
-        else:
-            steps = ([int(t[0])] for t in iter_generate(self.target, torch.tensor([tokens]), req.max_tokens, **sampling))
         cid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
         def body(text: str, finish: str | None, usage: dict | None = None) -> dict:
@@ -173,9 +190,17 @@ class TextGenerator:
 
         usage = {"prompt_tokens": len(tokens), "completion_tokens": req.max_tokens,
                  "total_tokens": len(tokens) + req.max_tokens}
-        if not req.stream:
-            text = decode_bytes([t for step in steps for t in step])
-            return body(text, "length", usage)
+        if not req.stream:  # joins the batch of /generate requests
+            mode = "speculative" if speculative else "base"
+            gen = GenerateRequest(prompt=req.prompt, max_new_tokens=req.max_tokens, temperature=req.temperature,
+                                  top_p=req.top_p, seed=req.seed, mode=mode, gamma=gamma)
+            return body((await self._batched(gen)).results[mode].text, "length", usage)
+
+        sampling = {"temperature": req.temperature, "top_p": req.top_p, "seed": req.seed}
+        if speculative:
+            steps = iter_speculative(self.target, self.draft, tokens, req.max_tokens, gamma=gamma, **sampling)
+        else:
+            steps = ([int(t[0])] for t in iter_generate(self.target, [tokens], req.max_tokens, **sampling))
 
         def events():
             decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
