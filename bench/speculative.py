@@ -71,11 +71,13 @@ def main() -> None:
         win_s, _ = timed(lambda: recompute_window(target, x, n, 0), args.repeats)
         print(f"{'base, recompute window':<28}{batch:>6}{'-':>6}{batch * n / win_s:>11,.0f}"
               f"{base_s / win_s:>8.2f}x{'-':>15}")
+        modes = [("speculative (batched)", True)] + ([("speculative (rows in turn)", False)] if batch > 1 else [])
         for gamma in (2, 3, 5):
-            spec_s, (_, stats) = timed(lambda: speculative_generate(target, draft, x, n, gamma=gamma,
-                                                                    temperature=0.8, top_k=32, seed=0), args.repeats)
-            print(f"{'speculative (rows in turn)':<28}{batch:>6}{gamma:>6}{batch * n / spec_s:>11,.0f}"
-                  f"{base_s / spec_s:>8.2f}x{stats.mean_accepted:>15.2f}")
+            for label, batched in modes:
+                spec_s, (_, stats) = timed(lambda: speculative_generate(
+                    target, draft, x, n, gamma=gamma, temperature=0.8, top_k=32, seed=0, batched=batched), args.repeats)
+                print(f"{label:<28}{batch:>6}{gamma:>6}{batch * n / spec_s:>11,.0f}"
+                      f"{base_s / spec_s:>8.2f}x{stats.mean_accepted:>15.2f}")
 
 
 if __name__ == "__main__":

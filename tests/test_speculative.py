@@ -162,3 +162,18 @@ def test_training_with_a_missing_or_mismatched_draft_is_a_clear_error(tmp_path):
     cfg.speculative.draft = str(tmp_path / "draft")
     with pytest.raises(ConfigError, match="vocabulary of 100"):
         LMTask.prepare(cfg)
+
+
+def test_rows_finishing_at_different_steps_stay_within_the_context():
+    """A row that reaches its limit mid-step (its output cut) stops growing its caches, even while other
+    rows go on, so prompt + max_new_tokens + gamma == max_seq_len is enough for every row."""
+    target, draft = lm(0), lm(1, 1)
+    gamma = 5
+    prompts = [list(range(1, 44)), [7]]
+    max_new = target.max_seq_len - len(prompts[0]) - gamma
+    for d in (draft, target):  # the identical draft accepts everything, so outputs are cut mid-step
+        out, stats = speculative_generate(target, d, prompts, [max_new, 3 * max_new // 4], gamma=gamma,
+                                          temperature=0)
+        assert [len(o) for o in out] == [max_new, 3 * max_new // 4]
+        for prompt, row in zip(prompts, out):
+            assert row == generate(target, [prompt], len(row), temperature=0)[0].tolist()

@@ -145,22 +145,26 @@ def iter_speculative_rows(target, draft, prompts: Sequence[Sequence[int]] | torc
         picked = drafted[..., None]
         ratios = (p[:, :gamma].gather(-1, picked) / q.gather(-1, picked).clamp_min(1e-30))[..., 0].tolist()
         drafted_list = drafted.tolist()
-        emitted, accepted = [], []
+        emitted, accepted, keep = [], [], []
         for r in range(n_rows):
             if active[r]:
                 out, n = verify(p[r], q[r], drafted_list[r], ratios[r], gens[r])
             else:
                 out, n = [], -1  # finished: this step is undone below
-            emitted.append(out[: limits[r] - produced[r]])
+            out = out[: limits[r] - produced[r]]
+            emitted.append(out)
             accepted.append(n)
-        # The target cache got pending + gamma drafted tokens; a row keeps pending + its n accepted.
-        t_rows.rewind([gamma - n if n >= 0 else gamma + 1 for n in accepted])
-        # The draft saw pending + gamma - 1 drafted; a row that accepted all needs the last one too.
+            # tokens the caches keep after pending: the accepted ones, fewer where the output was cut at
+            # the row's limit (so a finished row's caches end where its output ends); -1 = undo the step
+            keep.append(min(n, len(out) - 1))
+        # The target cache got pending + gamma drafted tokens; a row keeps pending + its kept tokens.
+        t_rows.rewind([gamma - k for k in keep])
+        # The draft saw pending + gamma - 1 drafted; a row that keeps all needs the last one too.
         held = gamma
-        if gamma in accepted:
+        if gamma in keep:
             d_rows.forward(drafted[:, -1:])
             held = gamma + 1
-        d_rows.rewind([held - 1 - n if n >= 0 else held for n in accepted])
+        d_rows.rewind([held - 1 - k for k in keep])
         draft_passes = gamma + (held - gamma)
         for s in [stats] + [row_stats[r] for r in range(n_rows) if active[r]]:
             s.draft_calls += draft_passes
@@ -185,7 +189,8 @@ def iter_speculative(target, draft, prompt: list[int], max_new_tokens: int, *, s
         yield step[0]
 
 
-def speculative_generate(target, draft, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_tokens: int, *,
+def speculative_generate(target, draft, prompts: Sequence[Sequence[int]] | torch.Tensor,
+                         max_new_tokens: int | Sequence[int], *,
                          gamma: int = 5, seed: int | None = None, batched: bool | None = None,
                          **sampling) -> tuple[list[list[int]], SpecStats]:
     """Generate ``max_new_tokens`` per prompt (prompts may differ in length). Returns tokens and stats.
