@@ -66,11 +66,80 @@ class PerformerOptions:
 
 
 @dataclass
+class NSAOptions:
+    """attention.kind=nsa: Native Sparse Attention (Yuan et al., 2025), see efftx/attention/nsa.py."""
+
+    compress_block_size: int = 16  # tokens per compressed block
+    compress_stride: int = 0  # tokens between compressed block starts; 0 = compress_block_size (no overlap)
+    compress_mlp_mult: float = 1.0  # hidden width of the compression MLP / (compress_block_size x head_dim)
+    selection_block_size: int = 16  # tokens per selectable key block
+    num_selected_blocks: int = 4  # top-scored past blocks each query attends to, besides its own block
+    sliding_window_size: int = 64  # tokens (the query's own and the previous ones) of the window branch
+    impl: str = "auto"  # selected-block attention: auto (Triton on CUDA when possible) | triton | reference
+
+    @property
+    def stride(self) -> int:
+        return self.compress_stride or self.compress_block_size
+
+    def validate(self, head_dim: int) -> None:
+        """Checks of this section (also run by the backend); errors name the keys."""
+        k = "attention.nsa."
+        positive = {"compress_block_size": self.compress_block_size, "selection_block_size": self.selection_block_size,
+                    "sliding_window_size": self.sliding_window_size, "compress_mlp_mult": self.compress_mlp_mult}
+        for key, value in positive.items():
+            if not value > 0:
+                raise ConfigError(f"{k}{key} must be > 0, got {value}")
+        for key, value in {"compress_stride": self.compress_stride, "num_selected_blocks": self.num_selected_blocks}.items():
+            if value < 0:
+                raise ConfigError(f"{k}{key} must be >= 0, got {value}")
+        if self.stride > self.compress_block_size:
+            raise ConfigError(f"{k}compress_stride={self.compress_stride} exceeds {k}compress_block_size="
+                              f"{self.compress_block_size}: tokens between blocks would never be compressed")
+        # The NSA paper's alignment (stride d divides the compressed block l and the selection block l'):
+        # compressed and selection blocks then start on one grid of d tokens.
+        for key in ("compress_block_size", "selection_block_size"):
+            if getattr(self, key) % self.stride:
+                raise ConfigError(f"{k}{key}={getattr(self, key)} must be a multiple of the compression stride "
+                                  f"({k}compress_stride, or {k}compress_block_size when the stride is 0) = {self.stride}")
+        _choice(f"{k}impl", self.impl, ("auto", "triton", "reference"))
+        if self.impl == "triton":
+            if self.selection_block_size % 16:
+                raise ConfigError(f"{k}impl=triton needs {k}selection_block_size to be a multiple of 16, "
+                                  f"got {self.selection_block_size}")
+            if head_dim > 128:
+                raise ConfigError(f"{k}impl=triton supports head dims up to 128 (model.head_dim), got {head_dim}")
+
+
+@dataclass
+class ConvLikeOptions:
+    """attention.kind=conv_like, a DALL-E layer type (dalle.attn_types): an image token attends to every text
+    token and to the kernel_size x kernel_size window of image tokens ending at its own row and column
+    (above and to the left, itself included), ``dilation`` apart, as the original's convolution-like pattern."""
+
+    kernel_size: int = 5  # odd
+    dilation: int = 1
+
+
+@dataclass
+class SparseOptions:
+    """attention.kind=sparse, a DALL-E layer type: a fixed block-sparse layout over the whole sequence (the
+    original used DeepSpeed's variable sparsity: global text blocks, a local window and random blocks)."""
+
+    block_size: int = 16  # tokens per block
+    local_blocks: int = 4  # an image token sees its own block and the local_blocks - 1 blocks before it
+    random_blocks: int = -1  # older blocks each query block also sees, drawn once from train.seed and the
+    #                          layer index; -1 = (blocks in the sequence) // 4, as the original; 0 = none
+
+
+@dataclass
 class AttentionConfig:
     kind: str = "full"  # efftx.attention registry name
     dropout: float = 0.0  # dropout on attention probabilities (training only)
     sinkhorn: SinkhornOptions = field(default_factory=SinkhornOptions)
     performer: PerformerOptions = field(default_factory=PerformerOptions)
+    nsa: NSAOptions = field(default_factory=NSAOptions)
+    conv_like: ConvLikeOptions = field(default_factory=ConvLikeOptions)
+    sparse: SparseOptions = field(default_factory=SparseOptions)
 
 
 @dataclass
@@ -82,10 +151,48 @@ class SpeculativeConfig:
 
 
 @dataclass
+class ImageDataConfig:
+    """data.image.*: image + caption data of the dVAE and DALL-E (efftx/data/images.py).
+
+    The image side and channels (the dVAE's) and text_seq_len (DALL-E's) are model keys, passed to
+    ImageTextData by the task, so data and model cannot disagree about them.
+    """
+
+    source: str = "shapes"  # "shapes" (synthetic, made in data.cache_dir) | folder | .tar | folder of shards | brace pattern
+    format: str = "auto"  # auto | folder | wds (auto: .tar, brace pattern, URL or a folder of only shards = wds)
+    wds_keys: str = "png,txt"  # WebDataset image,caption keys (the seed's --wds img,cap); "jpg;png,txt" = either image key
+    resize_crop_lower_ratio: float = 0.75  # random resized crop keeps at least this fraction of the area (1 = whole image)
+    truncate_captions: bool = False  # cut captions longer than text_seq_len; false = an error naming the caption's file
+    bpe_path: str = ""  # Hugging Face tokenizers JSON (the seed's --bpe_path --hug); "" = bytes (id = byte + 1, 0 = pad)
+    val_fraction: float = 0.05  # fixed validation hold-out, chosen by a hash of each sample's key
+    shapes_n: int = 2048  # source=shapes: number of images
+    shapes_size: int = 64  # source=shapes: image side in pixels
+    shapes_seed: int = 0  # source=shapes: generator seed
+
+    def validate(self) -> None:
+        """Checks of this section; errors name the keys."""
+        k = "data.image."
+        _choice(f"{k}format", self.format, ("auto", "folder", "wds"))
+        if not self.source:
+            raise ConfigError(f"{k}source is empty: use 'shapes', a folder, a .tar, or a brace pattern of shards")
+        if not 0 < self.resize_crop_lower_ratio <= 1:
+            raise ConfigError(f"{k}resize_crop_lower_ratio must be in (0, 1], got {self.resize_crop_lower_ratio}")
+        if not 0 <= self.val_fraction < 1:
+            raise ConfigError(f"{k}val_fraction must be in [0, 1), got {self.val_fraction}")
+        parts = self.wds_keys.split(",")
+        if len(parts) != 2 or not all(p.strip(" ;") for p in parts):
+            raise ConfigError(f"{k}wds_keys must be 'IMAGE_KEY,CAPTION_KEY' (e.g. 'png,txt'), got {self.wds_keys!r}")
+        if self.shapes_n < 1 or self.shapes_size < 8 or self.shapes_seed < 0:
+            raise ConfigError(f"{k}shapes_n must be >= 1, {k}shapes_size >= 8 and {k}shapes_seed >= 0; got "
+                              f"{self.shapes_n}, {self.shapes_size}, {self.shapes_seed}")
+
+
+@dataclass
 class DataConfig:
     corpus: str = "bundled"  # "bundled", or a path: enwik8(.zip/.gz), any text file, a folder of them
     seq_len: int = 256
     cache_dir: str = ""  # where decompressed corpora are cached; "" = <efftx home>/data
+    image: ImageDataConfig = field(default_factory=ImageDataConfig)
 
 
 @dataclass
@@ -143,6 +250,131 @@ class ScalingConfig:
 
 
 @dataclass
+class VAEConfig:
+    """vae.*: the discrete VAE (efftx/models/dvae.py). A DALL-E config carries this section too, so one
+    DALL-E export rebuilds its frozen dVAE. Defaults: the original repository's train_vae.py."""
+
+    image_size: int = 128  # pixels per side
+    channels: int = 3  # 1 (L), 3 (RGB) or 4 (RGBA)
+    num_layers: int = 2  # stride-2 downsamplings: the token grid is image_size / 2**num_layers per side
+    hidden_dim: int = 256  # channels of the conv encoder/decoder
+    num_resnet_blocks: int = 2  # residual blocks at the token resolution, in the encoder and the decoder
+    num_tokens: int = 8192  # codebook entries = DALL-E's image vocabulary
+    codebook_dim: int = 512
+    temperature: float = 1.0  # Gumbel-softmax temperature at step 0, annealed:
+    temperature_min: float = 0.5  # temperature(step) = max(temperature * exp(-temperature_anneal * step), temperature_min)
+    temperature_anneal: float = 1e-6
+    straight_through: bool = False  # hard one-hot codes forward, soft gradients backward
+    kl_weight: float = 0.0  # weight of KL(code distribution || uniform)
+    recon_loss: str = "mse"  # mse | smooth_l1
+    norm_means: str = "0.5,0.5,0.5,0.0"  # per-channel input normalisation (x - mean) / std; the first
+    norm_stds: str = "0.5,0.5,0.5,1.0"  # `channels` values are used
+
+    @property
+    def fmap_size(self) -> int:
+        """Image tokens per side."""
+        return self.image_size // 2 ** self.num_layers
+
+    @property
+    def image_seq_len(self) -> int:
+        return self.fmap_size ** 2
+
+    def normalization(self) -> tuple[list[float], list[float]]:
+        """(means, stds) for the image channels, parsed from norm_means / norm_stds."""
+        out = []
+        for key, text in (("vae.norm_means", self.norm_means), ("vae.norm_stds", self.norm_stds)):
+            try:
+                values = [float(v) for v in text.split(",")]
+            except ValueError:
+                raise ConfigError(f"{key} must be comma-separated numbers, got {text!r}") from None
+            if len(values) < self.channels:
+                raise ConfigError(f"{key} has {len(values)} values, vae.channels={self.channels} needs that many")
+            out.append(values[:self.channels])
+        if min(out[1]) <= 0:
+            raise ConfigError(f"vae.norm_stds must be > 0, got {self.norm_stds!r}")
+        return out[0], out[1]
+
+    def validate(self) -> None:
+        """Checks of this section; errors name the keys."""
+        positive = {"image_size": self.image_size, "num_layers": self.num_layers, "hidden_dim": self.hidden_dim,
+                    "num_tokens": self.num_tokens, "codebook_dim": self.codebook_dim,
+                    "temperature": self.temperature, "temperature_min": self.temperature_min}
+        for key, value in positive.items():
+            if not value > 0:
+                raise ConfigError(f"vae.{key} must be > 0, got {value}")
+        for key in ("num_resnet_blocks", "kl_weight", "temperature_anneal"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"vae.{key} must be >= 0, got {getattr(self, key)}")
+        if self.channels not in (1, 3, 4):
+            raise ConfigError(f"vae.channels must be 1, 3 or 4, got {self.channels}")
+        if self.image_size % 2 ** self.num_layers:
+            raise ConfigError(f"vae.image_size={self.image_size} must be divisible by 2**vae.num_layers="
+                              f"{2 ** self.num_layers}")
+        if self.temperature_min > self.temperature:
+            raise ConfigError(f"vae.temperature_min={self.temperature_min} exceeds vae.temperature={self.temperature}")
+        _choice("vae.recon_loss", self.recon_loss, ("mse", "smooth_l1"))
+        self.normalization()
+
+
+@dataclass
+class DalleConfig:
+    """dalle.*: what is DALL-E's own (efftx/models/dalle.py). The transformer is the LMs' Blocks, so its
+    width, depth, heads, head dim, norm, rotary, reversible, feed-forward dropout and input/output embedding
+    sharing are model.* keys (model.tie_embeddings = the seed's share_input_output_emb); attention dropout is
+    attention.dropout; the text vocabulary, pad id 0 included, is model.vocab_size; the image side and
+    vocabulary come from vae.*."""
+
+    text_seq_len: int = 256  # caption tokens (padded with 0)
+    loss_img_weight: float = 7.0  # loss = (loss_text + w * loss_img) / (w + 1)
+    attn_types: str = "full"  # comma-separated, cycled over the layers: full, axial_row, axial_col, conv_like, sparse
+    shared_attn_ids: str = ""  # comma-separated ids cycled over the layers: layers with the same id share their
+    shared_ff_ids: str = ""  # attention (resp. feed-forward) weights; "" = nothing shared
+    shift_tokens: bool = False  # mix in features of the previous text token / the image tokens above and left
+    stable_softmax: bool = False  # fp16-minded numerics, see efftx/models/dalle.py
+    null_cond_prob: float = 0.0  # training: probability of dropping a caption (classifier-free guidance)
+
+    def layer_plan(self, depth: int) -> list[tuple[str, str, str]]:
+        """(attention type, attention id, feed-forward id) of each of ``depth`` layers; ids default to the
+        layer index. Layers sharing an attention id must have the same attention type."""
+        types = _csv("dalle.attn_types", self.attn_types)
+        attn_ids = _csv("dalle.shared_attn_ids", self.shared_attn_ids) if self.shared_attn_ids else None
+        ff_ids = _csv("dalle.shared_ff_ids", self.shared_ff_ids) if self.shared_ff_ids else None
+        plan, kind_of_id = [], {}
+        for i in range(depth):
+            kind = types[i % len(types)]
+            attn_id = attn_ids[i % len(attn_ids)] if attn_ids else str(i)
+            ff_id = ff_ids[i % len(ff_ids)] if ff_ids else str(i)
+            if kind_of_id.setdefault(attn_id, kind) != kind:
+                raise ConfigError(f"dalle.shared_attn_ids gives layer {i} the attention of id {attn_id!r}, which is "
+                                  f"{kind_of_id[attn_id]!r}, but dalle.attn_types makes it {kind!r}: shared layers "
+                                  f"must have one type")
+            plan.append((kind, attn_id, ff_id))
+        return plan
+
+    def validate(self, depth: int) -> None:
+        from efftx import attention  # the registry imports this module
+
+        if self.text_seq_len < 1:
+            raise ConfigError(f"dalle.text_seq_len must be >= 1, got {self.text_seq_len}")
+        if self.loss_img_weight < 0:
+            raise ConfigError(f"dalle.loss_img_weight must be >= 0, got {self.loss_img_weight}")
+        if not 0 <= self.null_cond_prob <= 1:
+            raise ConfigError(f"dalle.null_cond_prob must be in [0, 1], got {self.null_cond_prob}")
+        for kind in _csv("dalle.attn_types", self.attn_types):
+            if kind not in attention.names():
+                raise ConfigError(f"dalle.attn_types: {kind!r} is not a registered attention backend; choose "
+                                  f"from {', '.join(attention.names())}")
+        self.layer_plan(depth)
+
+
+def _csv(key: str, text: str) -> list[str]:
+    items = [item.strip() for item in text.split(",")]
+    if not all(items):
+        raise ConfigError(f"{key} must be a comma-separated list without empty items, got {text!r}")
+    return items
+
+
+@dataclass
 class Config:
     recipe: str = "custom"
     name: str = ""  # run name: Ray Train run directory, MLflow run name, resume key
@@ -154,6 +386,8 @@ class Config:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    vae: VAEConfig = field(default_factory=VAEConfig)
+    dalle: DalleConfig = field(default_factory=DalleConfig)
 
     # ----------------------------------------------------------------- dict round trip
     def to_dict(self) -> dict[str, Any]:
@@ -266,6 +500,24 @@ class Config:
             raise ConfigError(f"run name {self.name!r} must not contain '/' or start with '.'")
         if self.attention.dropout >= 1 or m.dropout >= 1:
             raise ConfigError("model.dropout and attention.dropout must be < 1")
+        d.image.validate()
+        if self.attention.kind == "nsa":
+            self.attention.nsa.validate(m.head_dim or m.dim // m.heads)
+        self.vae.validate()
+        self.dalle.validate(m.depth)
+        if m.family == "dalle" and m.emb_dim:
+            raise ConfigError("model.emb_dim (factorised embedding) is not supported by the DALL-E model; set it to 0")
+        for key, value in {"attention.conv_like.kernel_size": self.attention.conv_like.kernel_size,
+                           "attention.conv_like.dilation": self.attention.conv_like.dilation,
+                           "attention.sparse.block_size": self.attention.sparse.block_size,
+                           "attention.sparse.local_blocks": self.attention.sparse.local_blocks}.items():
+            if value < 1:
+                raise ConfigError(f"{key} must be >= 1, got {value}")
+        if self.attention.conv_like.kernel_size % 2 == 0:
+            raise ConfigError(f"attention.conv_like.kernel_size must be odd, got {self.attention.conv_like.kernel_size}")
+        if self.attention.sparse.random_blocks < -1:
+            raise ConfigError(f"attention.sparse.random_blocks must be >= -1 (-1 = automatic), got "
+                              f"{self.attention.sparse.random_blocks}")
         return self
 
 
