@@ -10,6 +10,11 @@ os.environ["EFFTX_HOME"] = tempfile.mkdtemp(prefix="efftx-test-home-")
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# Triton kernels (efftx.kernels) run on CPU tensors through Triton's interpreter, which is chosen when a kernel
+# is decorated, i.e. when efftx.kernels is imported: it must be on before that. A CUDA machine runs the compiled
+# kernels on the GPU instead with EFFTX_TRITON_GPU=1 (tests/test_kernels.py then uses cuda tensors and bf16 too).
+if os.environ.get("EFFTX_TRITON_GPU") != "1":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 

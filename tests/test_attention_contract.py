@@ -9,13 +9,19 @@ from efftx import attention, recipes
 from efftx.attention.base import AttentionSpec
 from efftx.models.lm import LM
 
-BACKENDS = attention.names()
+# Every backend a language model can use; the DALL-E image patterns (efftx/attention/patterns.py) need a
+# text/image layout and get the same checks inside the DALL-E model in tests/test_dalle.py.
+BACKENDS = [n for n in attention.names() if not getattr(attention.get(n), "requires_image_layout", False)]
 
 # Per-backend options that make the tiny test model exercise the backend's structure (several buckets,
 # several chunks) at the short lengths used here.
 CONTRACT_OVERRIDES = {
     "sinkhorn": {"attention.sinkhorn.bucket_size": 8, "attention.sinkhorn.n_local_attn_heads": 2},
     "performer": {"attention.performer.nb_features": 32, "attention.performer.chunk_size": 8},
+    # overlapping compressed blocks (stride 4 < block 8), 2 of up to 3 past selection blocks, a short window
+    "nsa": {"attention.nsa.compress_block_size": 8, "attention.nsa.compress_stride": 4,
+            "attention.nsa.selection_block_size": 8, "attention.nsa.num_selected_blocks": 2,
+            "attention.nsa.sliding_window_size": 6, "attention.nsa.compress_mlp_mult": 0.5},
 }
 
 

@@ -207,6 +207,16 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0  # 0 = no clipping
+    # Learning-rate schedule after the warmup: "cosine" decays to lr * min_lr_ratio over the run; "plateau"
+    # (the DALL-E seed's lr_decay, ReduceLROnPlateau) keeps lr and multiplies it by plateau_factor whenever
+    # val_loss has not improved (by a relative plateau_threshold) for more than plateau_patience evaluations
+    # in a row, then waits plateau_cooldown evaluations; never below plateau_min_lr. See train/engine.py.
+    schedule: str = "cosine"
+    plateau_factor: float = 0.5
+    plateau_patience: int = 10  # evaluations (train.eval_every steps apart), not epochs as in the seed
+    plateau_cooldown: int = 10
+    plateau_min_lr: float = 1e-6
+    plateau_threshold: float = 1e-4
     seed: int = 0
     log_every: int = 10
     eval_every: int = 50
@@ -216,6 +226,9 @@ class TrainConfig:
     sample_length: int = 128
     sample_temperature: float = 0.8
     sample_top_k: int = 32
+    sample_images: int = 4  # image tasks: validation images the dVAE reconstructs / captions DALL-E draws, per sample
+    sample_filter_thres: float = 0.9  # DALL-E samples: top-k keeps the top (1 - thres) of image codes (the seed's 0.9)
+    sample_cond_scale: float = 1.0  # DALL-E samples: classifier-free guidance scale (1 = none)
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
     max_failures: int = 1  # worker failures Ray Train recovers from (restarts from the last checkpoint)
@@ -261,8 +274,8 @@ class VAEConfig:
     num_resnet_blocks: int = 2  # residual blocks at the token resolution, in the encoder and the decoder
     num_tokens: int = 8192  # codebook entries = DALL-E's image vocabulary
     codebook_dim: int = 512
-    temperature: float = 1.0  # Gumbel-softmax temperature at step 0, annealed:
-    temperature_min: float = 0.5  # temperature(step) = max(temperature * exp(-temperature_anneal * step), temperature_min)
+    temperature: float = 1.0  # Gumbel-softmax temperature at step 0, annealed: temperature(step) =
+    temperature_min: float = 0.5  # max(temperature * exp(-temperature_anneal * step), temperature_min)
     temperature_anneal: float = 1e-6
     straight_through: bool = False  # hard one-hot codes forward, soft gradients backward
     kl_weight: float = 0.0  # weight of KL(code distribution || uniform)
@@ -332,6 +345,8 @@ class DalleConfig:
     shift_tokens: bool = False  # mix in features of the previous text token / the image tokens above and left
     stable_softmax: bool = False  # fp16-minded numerics, see efftx/models/dalle.py
     null_cond_prob: float = 0.0  # training: probability of dropping a caption (classifier-free guidance)
+    vae_path: str = ""  # the trained dVAE (export folder or models:/NAME/VERSION), frozen inside DALL-E; its vae.*
+    #                     replace this config's at launch. "" = jobs/train_dalle.py trains one first
 
     def layer_plan(self, depth: int) -> list[tuple[str, str, str]]:
         """(attention type, attention id, feed-forward id) of each of ``depth`` layers; ids default to the
@@ -473,6 +488,9 @@ class Config:
             "train.sample_every": t.sample_every, "train.sample_length": t.sample_length,
             "train.sample_temperature": t.sample_temperature, "train.sample_top_k": t.sample_top_k,
             "train.max_failures": t.max_failures, "train.fail_at_step": t.fail_at_step,
+            "train.plateau_patience": t.plateau_patience, "train.plateau_cooldown": t.plateau_cooldown,
+            "train.plateau_min_lr": t.plateau_min_lr, "train.plateau_threshold": t.plateau_threshold,
+            "train.sample_cond_scale": t.sample_cond_scale,
             "model.dropout": m.dropout, "attention.dropout": self.attention.dropout, "model.emb_dim": m.emb_dim,
         }
         for key, value in non_negative.items():
@@ -494,6 +512,13 @@ class Config:
         _choice("engine.precision", e.precision, ("fp32", "bf16", "fp16", "auto"))
         _choice("scaling.device", s.device, ("auto", "cpu", "cuda"))
         _choice("train.fail_mode", t.fail_mode, ("raise", "exit"))
+        _choice("train.schedule", t.schedule, ("cosine", "plateau"))
+        if not 0 < t.plateau_factor < 1:
+            raise ConfigError(f"train.plateau_factor must be in (0, 1), got {t.plateau_factor}")
+        if t.sample_images < 1:
+            raise ConfigError(f"train.sample_images must be >= 1, got {t.sample_images}")
+        if not 0 <= t.sample_filter_thres <= 1:
+            raise ConfigError(f"train.sample_filter_thres must be in [0, 1], got {t.sample_filter_thres}")
         if not self.name:
             raise ConfigError("the run has no name (set 'name' or pass --run-name)")
         if "/" in self.name or self.name.startswith("."):
@@ -514,7 +539,8 @@ class Config:
             if value < 1:
                 raise ConfigError(f"{key} must be >= 1, got {value}")
         if self.attention.conv_like.kernel_size % 2 == 0:
-            raise ConfigError(f"attention.conv_like.kernel_size must be odd, got {self.attention.conv_like.kernel_size}")
+            raise ConfigError(f"attention.conv_like.kernel_size must be odd, got "
+                              f"{self.attention.conv_like.kernel_size}")
         if self.attention.sparse.random_blocks < -1:
             raise ConfigError(f"attention.sparse.random_blocks must be >= -1 (-1 = automatic), got "
                               f"{self.attention.sparse.random_blocks}")

@@ -159,6 +159,45 @@ def performer_debug() -> Config:
     })
 
 
+# ------------------------------------------------------------------------------------------ NSA
+# The native-sparse-attention seed: Transformer(num_tokens=256, dim=512, depth=6, heads=8, dim_head=64,
+# kv_heads=4), sliding window 64, compressed blocks of 16 (GroupedMLP compression), selection blocks of 16,
+# 4 selected; untied logits; Adam 1e-4 (no warmup, no decay, default betas), batch 4 x accumulation 4 on one
+# GPU, clip 0.5, seq 512, validate every 100, sample 512 bytes after a 64-byte prime every 500. One worker
+# keeps the seed's 16 sequences per step (--workers N multiplies it). nsa_full_<size> is the same model with
+# full (SDPA) attention, the baseline. Recipes nsa_<size> / nsa_full_<size> come from this table.
+
+_NSA_ARCH = {"model.tie_embeddings": False, "attention.kind": "nsa", "attention.nsa.compress_stride": 0}
+_NSA_SIZES = {
+    "enwik8": {
+        "model.dim": 512, "model.depth": 6, "model.heads": 8, "model.kv_heads": 4, "model.head_dim": 64,
+        "model.max_seq_len": 1024, "data.seq_len": 512,
+        "attention.nsa.compress_block_size": 16, "attention.nsa.selection_block_size": 16,
+        "attention.nsa.num_selected_blocks": 4, "attention.nsa.sliding_window_size": 64,
+        "attention.nsa.compress_mlp_mult": 1.0,
+        **_ENWIK8_TRAIN, "train.lr": 1e-4, "train.warmup_steps": 0, "train.min_lr_ratio": 1.0,
+        "train.weight_decay": 0.0, "train.beta2": 0.999, "train.sample_prompt_len": 64, "train.sample_length": 512,
+        "scaling.num_workers": 1,
+    },
+    "small": {
+        "model.dim": 192, "model.depth": 4, "model.heads": 6, "model.kv_heads": 2, "model.head_dim": 32,
+        "model.max_seq_len": 256, "attention.nsa.compress_block_size": 16, "attention.nsa.compress_stride": 8,
+        "attention.nsa.selection_block_size": 16, "attention.nsa.num_selected_blocks": 2,
+        "attention.nsa.sliding_window_size": 32, "attention.nsa.compress_mlp_mult": 0.25, **_SMALL_TRAIN,
+    },
+    "debug": {
+        "model.dim": 64, "model.depth": 2, "model.heads": 4, "model.kv_heads": 2, "model.head_dim": 16,
+        "attention.nsa.compress_block_size": 8, "attention.nsa.selection_block_size": 8,
+        "attention.nsa.num_selected_blocks": 2, "attention.nsa.sliding_window_size": 16,
+        "attention.nsa.compress_mlp_mult": 0.5, **_DEBUG_TRAIN,
+    },
+}
+for _size, _settings in _NSA_SIZES.items():
+    _RECIPES[f"nsa_{_size}"] = lambda settings=_settings: Config().override({**_NSA_ARCH, **settings})
+    _RECIPES[f"nsa_full_{_size}"] = lambda settings=_settings: Config().override(
+        {**_NSA_ARCH, **settings, "attention.kind": "full"})
+
+
 # ------------------------------------------------------------------------------------------ speculative pair
 # The speculative-decoding seed: Decoder(num_tokens=256, dim=512, depth=10) as target and depth 2 as draft,
 # batch 4 x accumulation 4, Adam 1e-4, clip 0.5, seq 512, validate every 100, sample every 500 (prime 128,
@@ -185,3 +224,70 @@ for _size, (_settings, _target_depth, _draft_depth) in _SPEC_PAIRS.items():
     for _role, _depth in (("target", _target_depth), ("draft", _draft_depth)):
         _RECIPES[f"spec_{_role}_{_size}"] = (
             lambda settings=_settings, depth=_depth: Config().override({**settings, "model.depth": depth}))
+
+
+# ------------------------------------------------------------------------------------------ dVAE + DALL-E
+# The DALL-E seed (train_dalle.py): DALLE(dim=512, depth=2, heads=8, dim_head=64, text_seq_len=256,
+# loss_img_weight=7, attn_types=full; no rotary, token shift, sharing, reversible or dropout: its flags'
+# defaults), Adam 3e-4 held constant (ReduceLROnPlateau only with --lr_decay: train.schedule=plateau), clip
+# 0.5, batch 4 (DeepSpeed's train_batch_size: 2 per worker x 2 workers), fp32 (--fp16: engine.precision=fp16),
+# an image generated every 100 steps with filter_thres 0.9, a checkpoint every 1000 steps. Its 20 epochs are
+# ~10k steps on the default data (2048 synthetic shapes at batch 4). The dVAE is the original train_vae.py's:
+# the VAEConfig defaults, batch 8, Adam 1e-3 decayed x0.98 per epoch for 20 epochs (here a cosine from 1e-3
+# to 0.67e-3 = 0.98**20 over the run), 4 reconstructions every 100 steps. The recipes come in pairs
+# dvae<size> / dalle<size> (the dalle one carries the same vae.*, replaced at launch by its dVAE export's);
+# jobs/train_dalle.py trains the pair's dVAE first when it is given none. docs/dalle.md maps every seed flag.
+
+_ADAM = {"train.weight_decay": 0.0, "train.beta2": 0.999, "train.warmup_steps": 0}  # the seeds' plain Adam
+_DALLE_MODEL = {
+    "model.family": "dalle", "model.dim": 512, "model.depth": 2, "model.heads": 8, "model.head_dim": 64,
+    "model.rotary": False, "model.tie_embeddings": False, "model.norm": "layernorm",
+    "dalle.text_seq_len": 256, "dalle.loss_img_weight": 7.0, "dalle.attn_types": "full",
+}
+_IMAGE_PAIRS = {  # size suffix -> (data + vae settings shared by the pair, dVAE settings, DALL-E settings)
+    "": (
+        {"data.image.shapes_size": 128, "engine.precision": "fp32"},
+        {**_ADAM, "train.steps": 5_000, "train.micro_batch_size": 4, "train.lr": 1e-3, "train.min_lr_ratio": 0.67,
+         "train.grad_clip": 0.0, "train.log_every": 10, "train.eval_every": 500, "train.eval_batches": 16,
+         "train.sample_every": 100, "train.sample_images": 4, "train.checkpoint_every": 1000},
+        {**_DALLE_MODEL, **_ADAM, "train.steps": 10_000, "train.micro_batch_size": 2, "train.lr": 3e-4,
+         "train.min_lr_ratio": 1.0, "train.grad_clip": 0.5, "train.log_every": 10, "train.eval_every": 500,
+         "train.eval_batches": 16, "train.sample_every": 100, "train.sample_images": 4,
+         "train.sample_filter_thres": 0.9, "train.sample_temperature": 1.0, "train.checkpoint_every": 1000},
+    ),
+    # A CPU demo in minutes that learns shape and background colours: 32x32 images, an 8x8 grid of 128 codes.
+    "_shapes_small": (
+        {"data.image.shapes_size": 32, "data.image.shapes_n": 2048, "vae.image_size": 32, "vae.num_layers": 2,
+         "vae.hidden_dim": 64, "vae.num_resnet_blocks": 1, "vae.num_tokens": 128, "vae.codebook_dim": 64,
+         "vae.temperature_anneal": 0.004},
+        {**_SMALL_TRAIN, **_ADAM, "train.sample_every": 100, "train.sample_images": 8},
+        {**_DALLE_MODEL, **_SMALL_TRAIN, **_ADAM, "model.dim": 128, "model.depth": 4, "model.heads": 4,
+         "model.head_dim": 32, "dalle.text_seq_len": 64, "dalle.attn_types": "full,axial_row,axial_col,conv_like",
+         "train.steps": 600, "train.lr": 1e-3, "train.min_lr_ratio": 0.1, "train.warmup_steps": 30,
+         "train.sample_every": 200, "train.sample_images": 8, "train.sample_filter_thres": 0.9,
+         "train.sample_temperature": 1.0},
+    ),
+    # CI: 2 workers, 40 steps, seconds each. 32x32 images, an 8x8 grid of 64 codes; captions fit 64 bytes.
+    "_shapes_debug": (
+        {"data.image.shapes_size": 32, "data.image.shapes_n": 256, "vae.image_size": 32, "vae.num_layers": 2,
+         "vae.hidden_dim": 32, "vae.num_resnet_blocks": 1, "vae.num_tokens": 64, "vae.codebook_dim": 32,
+         "vae.temperature_anneal": 0.02},
+        {**_DEBUG_TRAIN, "train.weight_decay": 0.0},
+        {**_DALLE_MODEL, **_DEBUG_TRAIN, "model.dim": 64, "model.depth": 2, "model.heads": 4, "model.head_dim": 16,
+         "dalle.text_seq_len": 64, "dalle.attn_types": "full,axial_row", "train.weight_decay": 0.0,
+         "train.sample_temperature": 1.0},
+    ),
+}
+for _size, (_shared, _dvae, _dalle) in _IMAGE_PAIRS.items():
+    _RECIPES[f"dvae{_size}"] = lambda shared=_shared, own=_dvae: Config().override(
+        {"model.family": "dvae", **shared, **own})
+    _RECIPES[f"dalle{_size}"] = lambda shared=_shared, own=_dalle: Config().override({**shared, **own})
+
+
+def paired_dvae(dalle_recipe: str) -> str:
+    """The dVAE recipe of a DALL-E recipe's pair (dalle_shapes_debug -> dvae_shapes_debug)."""
+    name = dalle_recipe.replace("dalle", "dvae", 1)
+    if name == dalle_recipe or name not in _RECIPES:
+        raise ConfigError(f"no dVAE recipe pairs with {dalle_recipe!r}: give a trained dVAE (--vae) or name its "
+                          f"recipe (--vae-recipe, one of {', '.join(n for n in names() if n.startswith('dvae'))})")
+    return name

@@ -59,6 +59,18 @@ SPACES: dict[str, Space] = {
         grid={"attention.performer.nb_features": [16, 64, 256],
               "attention.performer.feature_redraw_interval": [0, 10]},
     ),
+    # The recipe's compress_stride=0 ties the stride to the compressed block (as in the seed), so the config's
+    # "selection block a multiple of the stride" rule reads selection_block_size multiple_of compress_block_size.
+    "nsa_blocks": Space(
+        description="NSA compressed block x selection block x selected blocks x window x kv heads (of 4 heads)",
+        recipe="nsa_debug",
+        grid={"attention.nsa.compress_block_size": [4, 8, 16], "attention.nsa.selection_block_size": [8, 16],
+              "attention.nsa.num_selected_blocks": [1, 2, 4], "attention.nsa.sliding_window_size": [8, 32],
+              "model.kv_heads": [1, 2, 4]},
+        constraints=(("multiple_of", "attention.nsa.selection_block_size", "attention.nsa.compress_block_size"),
+                     ("divides", "model.kv_heads", "model.heads"),
+                     ("<=", "attention.nsa.sliding_window_size", "data.seq_len")),
+    ),
 }
 
 

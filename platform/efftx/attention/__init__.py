@@ -51,6 +51,6 @@ def build(spec: AttentionSpec) -> AttentionBackend:
 
 
 # Importing a backend module registers it.
-from efftx.attention import full, performer, sinkhorn  # noqa: E402,F401
+from efftx.attention import full, nsa, patterns, performer, sinkhorn  # noqa: E402,F401
 
 __all__ = ["AttentionBackend", "AttentionSpec", "KVCache", "ModelCache", "build", "get", "names", "register"]

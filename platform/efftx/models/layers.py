@@ -86,7 +86,9 @@ class MLP(nn.Module):
     def _ff(self, x):
         return self.drop(self.down(F.gelu(self.up(x))))
 
-    def forward(self, x):
+    def forward(self, x, cache=None):
+        """``cache`` is unused (a feed-forward has no decoding state): every residual branch is called as
+        ``branch(x, cache)``, so a wrapper around it (DALL-E's token shift) can keep state in the layer cache."""
         if self.chunks <= 1 or x.shape[1] < self.chunks:
             return self._ff(x)
         return torch.cat([self._ff(c) for c in x.chunk(self.chunks, dim=1)], dim=1)
@@ -129,17 +131,35 @@ class Attention(nn.Module):
         return self.drop(self.out(y.reshape(b, t, s.heads * s.head_dim)))
 
 
+class Shared(nn.Module):
+    """Calls a module owned (registered) elsewhere in the model, without registering it again: the weights
+    of layers that share a module appear once in ``parameters()`` and ``state_dict()`` (safetensors exports
+    refuse aliased tensors)."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.__dict__["target"] = module  # a plain attribute, not a child module
+
+    def forward(self, *args, **kwargs):
+        return self.target(*args, **kwargs)
+
+
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)); x + mlp(norm(x)).
+    """Pre-norm residual block: x + attn(norm(x), cache); x + mlp(norm(x), cache).
 
     ``attn`` and ``mlp`` are the two residual branches; a reversible stack uses them as f and g.
+    ``attn_fn`` / ``mlp_fn`` replace the branch modules built here (DALL-E passes modules shared between
+    layers, or wrapped in a token shift); the norms are always the block's own.
     """
 
     def __init__(self, spec: AttentionSpec, norm: str, mlp_mult: float, rotary: Rotary | None,
-                 dropout: float = 0.0, ff_chunks: int = 1):
+                 dropout: float = 0.0, ff_chunks: int = 1, *, attn_fn: nn.Module | None = None,
+                 mlp_fn: nn.Module | None = None):
         super().__init__()
-        self.attn = PreNorm(make_norm(norm, spec.dim), Attention(spec, rotary, dropout))
-        self.mlp = PreNorm(make_norm(norm, spec.dim), MLP(spec.dim, mlp_mult, dropout, ff_chunks))
+        attn_fn = attn_fn if attn_fn is not None else Attention(spec, rotary, dropout)
+        mlp_fn = mlp_fn if mlp_fn is not None else MLP(spec.dim, mlp_mult, dropout, ff_chunks)
+        self.attn = PreNorm(make_norm(norm, spec.dim), attn_fn)
+        self.mlp = PreNorm(make_norm(norm, spec.dim), mlp_fn)
 
     @property
     def attention(self) -> Attention:
@@ -147,4 +167,4 @@ class Block(nn.Module):
 
     def forward(self, x, cache=None):
         x = x + self.attn(x, cache)
-        return x + self.mlp(x)
+        return x + self.mlp(x, cache)

@@ -93,5 +93,5 @@ class ReversibleStack:
             y1, y2 = x, x
             for i, (f, g) in enumerate(zip(self.f, self.g)):
                 y1 = y1 + f(y2, caches[i] if caches is not None else None)
-                y2 = y2 + g(y1)
+                y2 = y2 + g(y1, caches[i] if caches is not None else None)
         return (y1 + y2) / 2

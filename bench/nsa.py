@@ -1,0 +1,238 @@
+"""Native Sparse Attention vs full attention: one layer, the selected-block kernel, one training step.
+
+    python bench/nsa.py [--quick] [--cpu-lengths 512 2048 8192 16384] [--gpu-lengths ... 65536] [--no-cpu] [--repeats N]
+
+One attention layer of the NSA seed (8 query heads, 4 kv heads, head dim 64, compressed blocks of 16,
+selection blocks of 16, 4 selected, window 64; batch 1, causal) against `full` (torch SDPA), side by side:
+
+1. CPU, float32: forward+backward time and peak memory at each T (NSA's selected branch on its torch
+   reference), and the selected-block attention alone on its reference (the Triton kernel needs CUDA).
+2. CUDA only (skipped without a GPU), bfloat16: forward time, forward+backward time and peak memory of
+   NSA (Triton selected-block kernel) vs SDPA (flash) up to T = 65536; the kernel vs its torch reference;
+   one optimizer step (forward, backward, AdamW) of the nsa_enwik8 recipe vs nsa_full_enwik8.
+
+Every point runs in a fresh subprocess so its peak memory is its own: on CUDA the allocator's peak
+above the inputs, on CPU the peak RSS above the RSS before the first pass. Times are medians of
+--repeats passes after one warm-up. A point that fails (e.g. out of memory) prints its error line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+RECIPE = "nsa_enwik8"  # the layer's shape and NSA options come from the seed recipe
+
+
+def _timed(fn, device: str, repeats: int) -> tuple[float, float]:
+    """(median seconds, peak MiB above the memory held before the warm-up) of ``fn``."""
+    import resource
+
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        import psutil
+
+        base = psutil.Process().memory_info().rss
+
+    def run():
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    run()  # warm-up: kernels compiled, allocator filled
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    if device == "cuda":
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    return statistics.median(times), max(peak, 0) / 2**20
+
+
+def measure_layer(kind: str, t: int, device: str, repeats: int) -> dict:
+    """One attention layer: forward time, forward+backward time, peak memory of forward+backward."""
+    import torch
+
+    from efftx import attention, recipes
+    from efftx.attention.base import AttentionSpec
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    cfg = recipes.get(RECIPE).override({"attention.kind": kind, "model.max_seq_len": t})
+    backend = attention.build(AttentionSpec.from_config(cfg)).to(device=device, dtype=dtype).train()
+    m = cfg.model
+    q = torch.randn(1, t, m.heads, m.head_dim, device=device, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(1, t, m.kv_heads, m.head_dim, device=device, dtype=dtype, requires_grad=True) for _ in "kv")
+    x = torch.randn(1, t, m.dim, device=device, dtype=dtype)
+    fwd_bwd, peak = _timed(lambda: backend(q, k, v, x=x).float().sum().backward(), device, repeats)
+    with torch.no_grad():
+        fwd, _ = _timed(lambda: backend(q, k, v, x=x), device, repeats)
+    return {"fwd_s": fwd, "fwd_bwd_s": fwd_bwd, "peak_mb": peak}
+
+
+def measure_kernel(impl: str, t: int, device: str, repeats: int) -> dict:
+    """The selected-block attention alone, forward+backward, on NSA-like selections (own block + 4 past)."""
+    import torch
+
+    from efftx import recipes
+    from efftx.kernels import selected_attention
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    cfg = recipes.get(RECIPE)
+    m, o = cfg.model, cfg.attention.nsa
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(1, t, m.heads, m.head_dim, device=device, dtype=dtype, generator=g).requires_grad_()
+    k, v = (torch.randn(1, t, m.kv_heads, m.head_dim, device=device, dtype=dtype, generator=g).requires_grad_()
+            for _ in "kv")
+    own = (torch.arange(t, device=device) // o.selection_block_size).view(1, t, 1, 1).expand(1, t, m.kv_heads, 1)
+    past = (torch.rand(1, t, m.kv_heads, o.num_selected_blocks, device=device, generator=g) * own).long()
+    idx = torch.cat([own, torch.where(own > 0, past, -1)], -1)  # random past blocks (repeats count once)
+
+    def step():
+        selected_attention(q, k, v, idx, o.selection_block_size, impl=impl).float().sum().backward()
+
+    seconds, peak = _timed(step, device, repeats)
+    return {"fwd_bwd_s": seconds, "peak_mb": peak}
+
+
+def measure_step(recipe: str, device: str, repeats: int) -> dict:
+    """One optimizer step (micro batch x seq_len of the recipe, bf16 autocast on CUDA) of a recipe's LM."""
+    import torch
+    import torch.nn.functional as F
+
+    from efftx import recipes
+    from efftx.models.lm import LM
+
+    cfg = recipes.get(recipe)
+    torch.manual_seed(0)
+    model = LM(cfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
+    b, t = cfg.train.micro_batch_size, cfg.data.seq_len
+    data = torch.randint(0, cfg.model.vocab_size, (b, t + 1), device=device)
+
+    def step():
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            logits = model(data[:, :-1])
+        F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), data[:, 1:].reshape(-1)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    seconds, peak = _timed(step, device, repeats)
+    return {"step_s": seconds, "tokens_per_s": b * t / seconds, "peak_mb": peak}
+
+
+MEASURES = {"layer": measure_layer, "kernel": measure_kernel, "step": measure_step}
+
+
+def point(what: str, *args, repeats: int) -> dict:
+    """Run ``MEASURES[what](*args, repeats)`` in a fresh subprocess; {"error": line} if it fails."""
+    proc = subprocess.run([sys.executable, __file__, "--point", json.dumps([what, *args, repeats])],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines() or ["no output"]
+        result = {"error": lines[-1][:80]}
+    else:
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"  measured {what} {args}: {result}", file=sys.stderr, flush=True)
+    return result
+
+
+def _ratio(a: dict, b: dict, key: str) -> str:
+    if key in a and key in b and b[key] > 0:
+        return f"{a[key] / b[key]:.2f}x"
+    return "-"
+
+
+def _cell(r: dict, key: str, scale: float = 1e3, fmt: str = "{:.1f}") -> str:
+    return fmt.format(r[key] * scale) if key in r else r.get("error", "-")[:24]
+
+
+def layer_table(device: str, lengths: list[int], repeats: int) -> None:
+    rows = [(t, point("layer", "full", t, device, repeats=repeats), point("layer", "nsa", t, device, repeats=repeats))
+            for t in lengths]
+    impl = "Triton selected-block kernel" if device == "cuda" else "torch reference"
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    print(f"\none attention layer, batch 1, 8 heads / 4 kv heads, head dim 64, {dtype}, {device}; nsa = {impl}")
+    print(f"{'T':>7} | {'fwd ms full':>11} {'nsa':>9} {'nsa/full':>8} | {'fwd+bwd ms full':>15} {'nsa':>9} "
+          f"{'nsa/full':>8} | {'peak MiB full':>13} {'nsa':>9} {'nsa/full':>8}")
+    for t, full, nsa in rows:
+        print(f"{t:>7} | {_cell(full, 'fwd_s'):>11} {_cell(nsa, 'fwd_s'):>9} {_ratio(nsa, full, 'fwd_s'):>8} | "
+              f"{_cell(full, 'fwd_bwd_s'):>15} {_cell(nsa, 'fwd_bwd_s'):>9} {_ratio(nsa, full, 'fwd_bwd_s'):>8} | "
+              f"{_cell(full, 'peak_mb', 1):>13} {_cell(nsa, 'peak_mb', 1):>9} {_ratio(nsa, full, 'peak_mb'):>8}")
+    print("speed-up of nsa over full (full / nsa): "
+          + ", ".join(f"T={t}: fwd {_ratio(full, nsa, 'fwd_s')}, fwd+bwd {_ratio(full, nsa, 'fwd_bwd_s')}"
+                      for t, full, nsa in rows))
+
+
+def kernel_table(device: str, lengths: list[int], repeats: int) -> None:
+    impls = ["reference", "triton"] if device == "cuda" else ["reference"]
+    rows = [(t, {impl: point("kernel", impl, t, device, repeats=repeats) for impl in impls}) for t in lengths]
+    print(f"\nselected-block attention alone (own + 4 of the past blocks of 16), fwd+bwd, {device}")
+    if device != "cuda":
+        print("(the Triton kernel needs CUDA; on CPU only its torch reference is measured)")
+    head = f"{'T':>7} | {'reference ms':>12} {'MiB':>8}"
+    if device == "cuda":
+        head += f" | {'triton ms':>10} {'MiB':>8} | {'speed-up':>8} {'memory':>8}"
+    print(head)
+    for t, r in rows:
+        line = f"{t:>7} | {_cell(r['reference'], 'fwd_bwd_s'):>12} {_cell(r['reference'], 'peak_mb', 1):>8}"
+        if device == "cuda":
+            tr = r["triton"]
+            line += (f" | {_cell(tr, 'fwd_bwd_s'):>10} {_cell(tr, 'peak_mb', 1):>8} | "
+                     f"{_ratio(r['reference'], tr, 'fwd_bwd_s'):>8} {_ratio(tr, r['reference'], 'peak_mb'):>8}")
+        print(line)
+
+
+def step_table(repeats: int) -> None:
+    full = point("step", "nsa_full_enwik8", "cuda", repeats=repeats)
+    nsa = point("step", "nsa_enwik8", "cuda", repeats=repeats)
+    print("\none optimizer step of the seed recipe (micro batch 4 x 512 tokens, bf16 autocast, AdamW), cuda")
+    print(f"{'recipe':<16} {'step ms':>9} {'tokens/s':>10} {'peak MiB':>9}")
+    for name, r in (("nsa_full_enwik8", full), ("nsa_enwik8", nsa)):
+        print(f"{name:<16} {_cell(r, 'step_s'):>9} {_cell(r, 'tokens_per_s', 1, '{:,.0f}'):>10} "
+              f"{_cell(r, 'peak_mb', 1):>9}")
+    print(f"nsa speed relative to full: {_ratio(full, nsa, 'step_s')} (the original repo reports 0.4x at T=512)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="small lengths, one repeat: a smoke run")
+    p.add_argument("--cpu-lengths", type=int, nargs="+", default=[512, 2048, 8192, 16384])
+    p.add_argument("--gpu-lengths", type=int, nargs="+", default=[512, 2048, 8192, 16384, 32768, 65536])
+    p.add_argument("--no-cpu", action="store_true", help="skip the CPU tables (e.g. on a GPU machine)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--point", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.point:
+        what, *rest = json.loads(args.point)
+        print(json.dumps(MEASURES[what](*rest)))
+        return
+
+    import torch
+
+    if args.quick:
+        args.cpu_lengths, args.gpu_lengths, args.repeats = [256, 1024], [1024, 4096], 1
+    if not args.no_cpu:
+        layer_table("cpu", args.cpu_lengths, args.repeats)
+        kernel_table("cpu", args.cpu_lengths, args.repeats)
+    if torch.cuda.is_available():
+        layer_table("cuda", args.gpu_lengths, args.repeats)
+        kernel_table("cuda", args.gpu_lengths, args.repeats)
+        step_table(max(args.repeats, 5))
+    else:
+        print("\n(no CUDA device: the GPU tables are skipped)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,312 @@
+"""Native Sparse Attention (NSA; Yuan et al., 2025): three branches mixed by learned per-head gates.
+
+Every query (absolute position ``p``) reads the keys through three branches, then
+``out = g_cmp * compressed + g_sel * selected + g_win * window`` with per-head sigmoid gates computed from
+the normed hidden state ``x`` (a ``Linear(dim, 3 * heads)``; the backend must be called with ``x=``).
+
+* **Compressed.** Compressed block ``j`` covers keys ``[j * d, j * d + l)`` (``l`` = ``compress_block_size``,
+  ``d`` = ``compress_stride``, 0 meaning ``d = l``). A learned network turns each block of keys (and,
+  separately, of values) into one key (value): a learned intra-block position embedding (kv head,
+  position in block, D) is added, the block is flattened to ``l * D`` and a per-kv-head two-layer MLP
+  (ReLU, hidden ``compress_mlp_mult * l * D``, as the seed's ``GroupedMLP``) maps it to ``D``. A query
+  attends (one softmax, SDPA) to the compressed blocks that end at or before its own position. A query
+  with no complete block yet (``p < l - 1``) gets zeros from this branch: no "memory" slot is added.
+* **Selected.** Block importance comes from the compressed branch's attention probabilities, summed
+  over the query heads of each GQA group (all heads of a group share one selection, as the NSA kernel
+  needs). They are mapped onto selection blocks (``l'`` = ``selection_block_size`` tokens) by overlap:
+  compressed block ``j`` gives selection block ``s`` the fraction of its ``l`` tokens lying in ``s``.
+  (With ``d | l`` and ``d | l'``, which the config requires as the paper does, both grids start on
+  multiples of ``d``; when ``l = d = l'`` the mapping is the identity.) Each query takes its own block
+  ``p // l'`` (keys after ``p`` are masked inside it: block-causal) plus its ``num_selected_blocks``
+  highest-scoring blocks among those strictly before its own, never a future block; slots it cannot
+  fill (fewer past blocks) are ``-1``. Exact ties, e.g. recent blocks no complete compressed block
+  covers yet, go to the most recent block. The attention over the chosen blocks is
+  :func:`efftx.kernels.selected_attention` (Triton on CUDA, a torch reference elsewhere; ``impl``).
+  The probabilities are recomputed (q @ k in the input dtype, softmax in float32) in query chunks
+  without autograd: the choice is discrete, and the compressed output itself goes through SDPA, which
+  keeps no (T x T/d) probability matrix for the backward. As in the paper, gradients reach the
+  compression network through the compressed branch only.
+* **Sliding window.** Causal attention to the last ``sliding_window_size`` keys (the query's own
+  included), computed chunk by chunk (queries in chunks of ``c <= w``, each against its ``c + w``
+  neighbouring keys), so memory is O(T * w), never T x T.
+
+Rotary positions are applied to q and k by the outer attention module, so the compressed branch
+compresses rotated keys and scores them with rotated queries. Attention dropout does not apply.
+
+Cached decoding (:class:`NSACache`): a :class:`KVCache` of every key/value, the compressed keys and
+values of every complete block (each block is compressed once, when its last token arrives) and, as the
+tail of the key cache, the tokens not yet compressed. Each call runs exactly the full forward's
+computation for the new queries, so decoding equals the full forward (up to rounding, which could only
+change a selection where two blocks' importances tie to within it). ``rewind(n)`` shortens the key
+cache and drops the compressed blocks that lose a token. Rows of one cache stay of equal length
+(``supports_ragged`` is False).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from efftx.attention import register
+from efftx.attention.base import AttentionBackend, AttentionSpec
+from efftx.attention.cache import KVCache
+from efftx.config import NSAOptions
+from efftx.errors import ConfigError
+
+# Elements of the (B, H, query chunk, blocks) float32 scores held at once while selecting: 32 MiB on a CPU,
+# 512 MiB on an accelerator (fewer, larger chunks: at T = 65536 a chunk is 4096 queries, not 256).
+_SCORE_CHUNK_CPU = 1 << 23
+_SCORE_CHUNK_ACCELERATOR = 1 << 27
+_TIE_BREAK = 1e-12  # per block index, added in float64: exact importance ties go to the most recent block
+
+
+def complete_blocks(length: int, block: int, stride: int) -> int:
+    """How many compressed blocks (``[j * stride, j * stride + block)``) fit entirely in ``length`` keys."""
+    return 0 if length < block else (length - block) // stride + 1
+
+
+def visible_blocks(pos: torch.Tensor, block: int, stride: int) -> torch.Tensor:
+    """For absolute query positions ``pos``: how many compressed blocks end at or before each."""
+    return ((pos - block + 1).div(stride, rounding_mode="floor") + 1).clamp(min=0)
+
+
+def overlap_to_selection(scores: torch.Tensor, block: int, stride: int, sel_block: int, n_sel: int) -> torch.Tensor:
+    """Map (..., Nc) compressed-block scores onto (..., n_sel) selection blocks.
+
+    Compressed block ``j`` (tokens ``[j * stride, j * stride + block)``) adds its score times the
+    fraction of its tokens in selection block ``s`` (tokens ``[s * sel_block, (s + 1) * sel_block)``).
+    Each compressed block touches at most ``ceil(block / sel_block) + 1`` selection blocks, so this is
+    a few index-adds, O(Nc), not an (Nc x n_sel) matrix.
+    """
+    nc = scores.shape[-1]
+    out = scores.new_zeros(*scores.shape[:-1], n_sel)
+    start = torch.arange(nc, device=scores.device) * stride  # (Nc,) first token of each compressed block
+    first = start // sel_block
+    for r in range(-(-block // sel_block) + 1):
+        s = first + r
+        lo = torch.maximum(start, s * sel_block)
+        hi = torch.minimum(start + block, (s + 1) * sel_block)
+        weight = (hi - lo).clamp(min=0).to(scores.dtype) / block
+        weight = weight * (s < n_sel)
+        out.index_add_(-1, s.clamp(max=n_sel - 1), scores * weight)
+    return out
+
+
+def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
+                             scale: float | None = None) -> torch.Tensor:
+    """Causal attention to the last ``window`` keys: q (B, Tq, H, D), k/v (B, Tk, Hkv, D) -> (B, Tq, H, D).
+
+    Query ``i`` sits at absolute position ``p = Tk - Tq + i`` and reads keys ``(p - window, p]``.
+    Queries go in chunks of ``c = min(window, Tq)``; the keys are left-padded so that chunk ``n`` needs
+    exactly the ``c + window`` padded keys from ``n * c`` (an unfold, no copy of T x T anything).
+    """
+    b, tq, h, d = q.shape
+    tk = k.shape[1]
+    start = max(0, tk - tq - window + 1)  # no query reads a key before this one
+    k, v = k[:, start:], v[:, start:]
+    off = tk - tq - start  # position of query 0 among the kept keys, < window
+    c = min(window, tq)
+    nq = -(-tq // c)
+    pad_left = window - off  # query i then reads padded keys [i + 1, i + window], its own key last
+    pad = (0, 0, 0, 0, pad_left, nq * c - tq)  # total nq * c + window padded keys
+    kw = F.pad(k, pad).unfold(1, c + window, c)  # (B, nq, Hkv, D, c + window)
+    vw = F.pad(v, pad).unfold(1, c + window, c)
+    kw = kw.permute(0, 1, 2, 4, 3).reshape(b * nq, -1, c + window, d)  # (B * nq, Hkv, c + w, D)
+    vw = vw.permute(0, 1, 2, 4, 3).reshape(b * nq, -1, c + window, d)
+    qc = F.pad(q, (0, 0, 0, 0, 0, nq * c - tq)).view(b, nq, c, h, d).transpose(2, 3).reshape(b * nq, h, c, d)
+    j = torch.arange(c, device=q.device)[:, None]
+    m = torch.arange(c + window, device=q.device)[None, :]
+    chunk = torch.arange(nq, device=q.device)[:, None, None]
+    mask = (m > j) & (m <= j + window) & (chunk * c + m >= pad_left)  # (nq, c, c + w); never an empty row
+    mask = mask[None, :, None].expand(b, nq, 1, c, c + window).reshape(b * nq, 1, c, c + window)
+    out = F.scaled_dot_product_attention(qc, kw, vw, attn_mask=mask, scale=scale, enable_gqa=h != kw.shape[1])
+    return out.view(b, nq, h, c, d).transpose(2, 3).reshape(b, nq * c, h, d)[:, :tq]
+
+
+class BlockCompressor(nn.Module):
+    """Learned compression of key (or value) blocks: (B, L, Hkv, D) -> (B, N, Hkv, D).
+
+    Block ``j`` = tokens ``[j * stride, j * stride + block)``; an intra-block position embedding
+    (Hkv, block, D) is added, then a per-kv-head MLP maps the flattened (block * D) block to D.
+    """
+
+    def __init__(self, kv_heads: int, head_dim: int, block: int, stride: int, mult: float):
+        super().__init__()
+        self.block, self.stride = block, stride
+        fan_in = block * head_dim
+        hidden = max(1, round(fan_in * mult))
+        self.pos = nn.Parameter(torch.zeros(kv_heads, block, head_dim))
+        self.w1 = nn.Parameter(torch.randn(kv_heads, fan_in, hidden) / math.sqrt(fan_in))
+        self.b1 = nn.Parameter(torch.zeros(kv_heads, hidden))
+        self.w2 = nn.Parameter(torch.randn(kv_heads, hidden, head_dim) / math.sqrt(hidden))
+        self.b2 = nn.Parameter(torch.zeros(kv_heads, head_dim))
+
+    def forward(self, t: torch.Tensor, first: int = 0, count: int | None = None) -> torch.Tensor:
+        """Compress blocks ``first .. first + count - 1`` (default: every complete block) of ``t``."""
+        b, length, hkv, d = t.shape
+        if count is None:
+            count = complete_blocks(length, self.block, self.stride) - first
+        if count <= 0:
+            return t.new_zeros(b, 0, hkv, d)
+        seg = t[:, first * self.stride:(first + count - 1) * self.stride + self.block]
+        blocks = seg.unfold(1, self.block, self.stride).transpose(-1, -2)  # (B, N, Hkv, block, D)
+        flat = (blocks + self.pos.to(t.dtype)).reshape(b, count, hkv, self.block * d)
+        hidden = F.relu(torch.einsum("bnhi,hio->bnho", flat, self.w1.to(t.dtype)) + self.b1.to(t.dtype))
+        return torch.einsum("bnho,hod->bnhd", hidden, self.w2.to(t.dtype)) + self.b2.to(t.dtype)
+
+
+class NSACache:
+    """Decoding state of one NSA layer (rows of equal length).
+
+    ``kv``: every key/value so far (:class:`KVCache`). ``ck``/``cv`` (B, max blocks, Hkv, D): the
+    compressed keys/values of the ``blocks`` complete blocks. The keys from ``blocks * stride`` on,
+    not yet in any compressed block, are the partial block (:meth:`partial`).
+    """
+
+    def __init__(self, batch_size: int, max_len: int, kv_heads: int, head_dim: int, block: int, stride: int, *,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        self.kv = KVCache(batch_size, max_len, kv_heads, head_dim, device=device, dtype=dtype)
+        self.block, self.stride = block, stride
+        n = max(complete_blocks(max_len, block, stride), 0)
+        self.ck = torch.zeros(batch_size, n, kv_heads, head_dim, device=device, dtype=dtype)
+        self.cv = torch.zeros_like(self.ck)
+        self.blocks = 0
+
+    @property
+    def length(self) -> int:
+        return self.kv.length
+
+    @property
+    def max_len(self) -> int:
+        return self.kv.max_len
+
+    def partial(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values (B, P, Hkv, D) from the start of the next block to compress to the end."""
+        start = self.blocks * self.stride
+        return self.kv.k[:, start:self.length], self.kv.v[:, start:self.length]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, compress_k: BlockCompressor, compress_v: BlockCompressor):
+        """Store new keys/values, compress the blocks they complete; return (k, v, ck, cv) so far."""
+        k, v = self.kv.append(k, v)  # (B, L, Hkv, D)
+        n = complete_blocks(self.length, self.block, self.stride)
+        if n > self.blocks:
+            self.ck[:, self.blocks:n] = compress_k(k, self.blocks, n - self.blocks).to(self.ck.dtype)
+            self.cv[:, self.blocks:n] = compress_v(v, self.blocks, n - self.blocks).to(self.cv.dtype)
+            self.blocks = n
+        return k, v, self.ck[:, :n], self.cv[:, :n]
+
+    def rewind(self, n: int | Sequence[int]) -> None:
+        """Forget the last ``n`` tokens (one count, or one per row, all equal); compressed blocks that
+        lose a token are dropped (recompressed when they complete again)."""
+        if not isinstance(n, int):
+            counts = {int(c) for c in n}
+            if len(counts) != 1:
+                raise ValueError(f"the nsa cache keeps rows of equal length; got rewind counts {list(n)}")
+            n = counts.pop()
+        self.kv.rewind(n)
+        self.blocks = min(self.blocks, complete_blocks(self.length, self.block, self.stride))
+
+
+@register("nsa")
+class NativeSparseAttention(AttentionBackend):
+    def __init__(self, spec: AttentionSpec):
+        super().__init__(spec)
+        opts = spec.options if spec.options is not None else NSAOptions()
+        opts.validate(spec.head_dim)
+        if spec.heads % spec.kv_heads:
+            raise ConfigError(f"model.heads={spec.heads} is not a multiple of model.kv_heads={spec.kv_heads}")
+        if not spec.causal:
+            raise ConfigError("attention.kind=nsa is causal only")
+        self.opts = opts
+        self.block, self.stride = opts.compress_block_size, opts.stride
+        self.sel_block, self.n_sel = opts.selection_block_size, opts.num_selected_blocks
+        self.window = opts.sliding_window_size
+        self.scale = spec.head_dim ** -0.5
+        # The kernel module (and Triton) is imported when an nsa layer is built, not by every `import efftx`.
+        from efftx.kernels.selected_attention import MAX_TRITON_HEAD_DIM, selected_attention
+
+        self._selected_attention = selected_attention
+        # "auto" falls back to the reference where the Triton kernel's limits are not met
+        kernel_ok = self.sel_block % 16 == 0 and spec.head_dim <= MAX_TRITON_HEAD_DIM
+        self.impl = "reference" if opts.impl == "auto" and not kernel_ok else opts.impl
+        args = (spec.kv_heads, spec.head_dim, self.block, self.stride, opts.compress_mlp_mult)
+        self.compress_k, self.compress_v = BlockCompressor(*args), BlockCompressor(*args)
+        self.gate = nn.Linear(spec.dim, 3 * spec.heads)  # per head: compressed, selected, window
+
+    def new_cache(self, batch_size, max_len, device, dtype) -> NSACache:
+        s = self.spec
+        return NSACache(batch_size, max_len, s.kv_heads, s.head_dim, self.block, self.stride, device=device,
+                        dtype=dtype)
+
+    # ------------------------------------------------------------------------------------ branches
+
+    def compressed(self, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, start: int) -> torch.Tensor:
+        """Attention of q (B, Tq, H, D), query i at position ``start + i``, over compressed ck/cv (B, Nc, Hkv, D)."""
+        b, tq, h, d = q.shape
+        first = min(tq, max(0, self.block - 1 - start))  # the queries before this one see no complete block
+        if first == tq or ck.shape[1] == 0:
+            return torch.zeros_like(q)
+        pos = torch.arange(start + first, start + tq, device=q.device)
+        mask = torch.arange(ck.shape[1], device=q.device) < visible_blocks(pos, self.block, self.stride)[:, None]
+        out = F.scaled_dot_product_attention(q[:, first:].transpose(1, 2), ck.transpose(1, 2), cv.transpose(1, 2),
+                                             attn_mask=mask, scale=self.scale, enable_gqa=h != ck.shape[2])
+        return torch.cat([q.new_zeros(b, first, h, d), out.transpose(1, 2)], 1)  # (B, Tq, H, D)
+
+    @torch.no_grad()
+    def select(self, q: torch.Tensor, ck: torch.Tensor, pos: torch.Tensor, n_keys: int) -> torch.Tensor:
+        """Selection blocks (B, Tq, Hkv, num_selected_blocks + 1) for queries at ``pos``; -1 = unused.
+
+        Slot 0 is the query's own block; the others are its top past blocks by importance.
+        """
+        b, tq, h, d = q.shape
+        hkv, nc = ck.shape[2], ck.shape[1]
+        n_sel = -(-n_keys // self.sel_block)
+        own = (pos // self.sel_block).view(1, tq, 1, 1).expand(b, tq, hkv, 1)
+        k_top = min(self.n_sel, n_sel)
+        if k_top == 0:
+            return F.pad(own, (0, self.n_sel), value=-1)
+        qg = q.view(b, tq, hkv, h // hkv, d).permute(0, 2, 3, 1, 4)  # (B, Hkv, G, Tq, D)
+        ckt = ck.transpose(1, 2)  # (B, Hkv, Nc, D)
+        blocks = torch.arange(n_sel, device=q.device)
+        budget = _SCORE_CHUNK_CPU if q.device.type == "cpu" else _SCORE_CHUNK_ACCELERATOR
+        chunk = max(1, budget // max(1, b * h * nc))
+        picks = []
+        for a in range(0, tq, chunk):
+            p = pos[a:a + chunk]
+            if nc:
+                scores = torch.einsum("bhgtd,bhnd->bhgtn", qg[:, :, :, a:a + chunk], ckt).float() * self.scale
+                seen = torch.arange(nc, device=q.device) < visible_blocks(p, self.block, self.stride)[:, None]
+                probs = scores.masked_fill(~seen, float("-inf")).softmax(-1).nan_to_num(0.0)  # no block: zeros
+                importance = overlap_to_selection(probs.sum(2), self.block, self.stride, self.sel_block, n_sel)
+            else:
+                importance = q.new_zeros(b, hkv, len(p), n_sel, dtype=torch.float32)
+            rank = importance.double() + blocks * _TIE_BREAK  # (B, Hkv, c, n_sel)
+            rank = rank.masked_fill(blocks >= (p // self.sel_block)[:, None], float("-inf"))  # own/future out
+            top = rank.topk(k_top, dim=-1)
+            picks.append(top.indices.masked_fill(top.values == float("-inf"), -1))
+        past = torch.cat(picks, 2).permute(0, 2, 1, 3)  # (B, Tq, Hkv, k_top)
+        return F.pad(torch.cat([own, past], -1), (0, self.n_sel - k_top), value=-1)
+
+    # ------------------------------------------------------------------------------------ forward
+
+    def forward(self, q, k, v, *, cache: NSACache | None = None, x=None):
+        # q: (B, T, H, D); k, v: (B, T, Hkv, D); x: (B, T, dim)
+        if x is None:
+            raise ValueError("the nsa backend gates its branches by the hidden state: call it with x=(B, T, dim)")
+        b, tq, h, _ = q.shape
+        if cache is not None:
+            k, v, ck, cv = cache.append(k, v, self.compress_k, self.compress_v)  # all tokens so far
+        else:
+            ck, cv = self.compress_k(k), self.compress_v(v)  # (B, Nc, Hkv, D)
+        tk = k.shape[1]
+        pos = torch.arange(tk - tq, tk, device=q.device)  # absolute positions of the queries
+        out_cmp = self.compressed(q, ck, cv, tk - tq)
+        idx = self.select(q, ck, pos, tk)
+        out_sel = self._selected_attention(q, k, v, idx, self.sel_block, scale=self.scale, impl=self.impl)
+        out_win = sliding_window_attention(q, k, v, self.window, self.scale)
+        g = torch.sigmoid(self.gate(x)).view(b, tq, h, 3, 1).to(q.dtype)
+        return g[:, :, :, 0] * out_cmp + g[:, :, :, 1] * out_sel + g[:, :, :, 2] * out_win  # (B, T, H, D)

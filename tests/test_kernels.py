@@ -1,0 +1,320 @@
+"""Selected-block attention (efftx.kernels): torch reference vs a dense oracle, Triton kernel vs reference.
+
+On CPU the Triton kernels run through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 before
+efftx is imported); the interpreter's tl.dot is wrong for bf16, so CPU runs fp32 and fp16 only. On a CUDA
+machine, `EFFTX_TRITON_GPU=1 python -m pytest tests/test_kernels.py` runs the compiled kernels, bf16 included.
+
+Tolerances are derived, not guessed: for every case the float64 reference on the same (rounded) inputs is the
+truth; the same-dtype torch reference's error against it measures what this dtype costs, and the kernel must
+stay within C times that error plus a float32-sized floor.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from efftx.kernels import selected_attention
+from efftx.kernels.selected_attention import INTERPRETED, _SelectedAttentionFn, triton_available
+
+ON_GPU = os.environ.get("EFFTX_TRITON_GPU") == "1"
+DEVICE = "cuda" if ON_GPU else "cpu"
+KERNEL_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+needs_triton = pytest.mark.skipif(
+    not triton_available(), reason="triton is not installed (pip install 'efftx[triton]')"
+)
+
+# Kernel error <= C * (same-dtype torch reference error) + floor. Measured kernel/reference error ratios on CPU
+# (interpreter, the KERNEL_CASES below, 2 seeds each): fp16 <= 0.81 forward, <= 1.95 gradients; fp32 errors of
+# both are 1e-7..1e-6, under the floor. C leaves headroom for summation-order noise (GPU atomics, tile orders).
+C_FWD, C_GRAD = 2.0, 3.0
+
+
+# --------------------------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------------------------
+
+
+def make_block_indices(B, Tq, Tk, Hkv, block_size, S, *, seed=0, device="cpu"):
+    """A selection exercising every rule: slot 0 = the query's own (partially future) block, slot 1 = a past
+    block (often repeating slot 0), the other slots any block incl. future/out-of-range ones or -1. One row holds
+    no slot at all and one only an out-of-range block: both must come back as zeros."""
+    g = torch.Generator().manual_seed(seed)
+    n_blocks = math.ceil(Tk / block_size)
+    own = (Tk - Tq + torch.arange(Tq)) // block_size  # (Tq,)
+    idx = torch.randint(0, n_blocks + 1, (B, Tq, Hkv, S), generator=g)
+    idx[..., 0] = own.view(1, Tq, 1)
+    idx[..., 1] = (torch.rand(B, Tq, Hkv, generator=g) * (own.view(1, Tq, 1) + 1)).long()
+    if S > 2:
+        unused = torch.rand(B, Tq, Hkv, S - 2, generator=g) < 0.3
+        idx[..., 2:] = idx[..., 2:].masked_fill(unused, -1)
+    idx[0, 0, 0, :] = -1  # empty selection
+    idx[-1, -1, -1, :] = -1
+    idx[-1, -1, -1, 0] = n_blocks + 3  # only an out-of-range (future) block
+    return idx.to(device)
+
+
+def dense_oracle(q, k, v, block_indices, block_size, scale):
+    """Plain masked-softmax attention with the dense (B, Tq, Hkv, Tk) mask the selection describes."""
+    B, Tq, H, D = q.shape
+    Tk, Hkv = k.shape[1], k.shape[2]
+    key_pos = torch.arange(Tk, device=q.device)
+    q_pos = Tk - Tq + torch.arange(Tq, device=q.device)
+    selected = (block_indices.unsqueeze(-1) == (key_pos // block_size)).any(-2)  # (B, Tq, Hkv, Tk)
+    mask = selected & (key_pos.view(1, 1, 1, Tk) <= q_pos.view(1, Tq, 1, 1))
+    qg = q.view(B, Tq, Hkv, H // Hkv, D)
+    scores = torch.einsum("btgjd,bsgd->btgjs", qg, k) * scale
+    scores = scores.masked_fill(~mask.unsqueeze(3), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows -> zeros
+    return torch.einsum("btgjs,bsgd->btgjd", probs, v).reshape(B, Tq, H, D)
+
+
+def random_qkv(B, Tq, Tk, H, Hkv, D, dtype, *, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Tq, H, D, generator=g)
+    k = torch.randn(B, Tk, Hkv, D, generator=g)
+    v = torch.randn(B, Tk, Hkv, D, generator=g)
+    return [x.to(device=device, dtype=dtype) for x in (q, k, v)]
+
+
+def forward_and_grads(q, k, v, idx, block_size, grad_out, **kw):
+    """Output and (dq, dk, dv) for leaf copies of q, k, v."""
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+    out = selected_attention(*leaves, idx, block_size, **kw)
+    grads = torch.autograd.grad(out, leaves, grad_out.to(out.dtype))
+    return out, grads
+
+
+def max_err(got, truth):
+    return (got.double() - truth.double()).abs().max().item()
+
+
+def check_derived(name, got, same_dtype_ref, truth, c):
+    ref_err = max_err(same_dtype_ref, truth)
+    floor = 8 * torch.finfo(torch.float32).eps * max(truth.abs().max().item(), 1.0)
+    err = max_err(got, truth)
+    assert err <= c * ref_err + floor, (
+        f"{name}: kernel error {err:.3g} > {c} x same-dtype reference error {ref_err:.3g} + {floor:.3g}"
+    )
+    return err, ref_err
+
+
+# --------------------------------------------------------------------------------------------------------------
+# reference
+# --------------------------------------------------------------------------------------------------------------
+
+REF_CASES = [  # (B, Tq, Tk, H, Hkv, D, block_size, S)
+    (2, 40, 40, 4, 2, 8, 16, 3),
+    (1, 7, 45, 6, 2, 12, 8, 4),  # Tq < Tk, block size not a multiple of 16 (reference only)
+    (2, 1, 33, 4, 4, 8, 16, 2),  # one-token decode
+]
+
+
+@pytest.mark.parametrize("case", REF_CASES, ids=lambda c: "B{}_Tq{}_Tk{}_H{}_Hkv{}_D{}_bs{}_S{}".format(*c))
+def test_reference_matches_dense_oracle_float64(case):
+    B, Tq, Tk, H, Hkv, D, bs, S = case
+    q, k, v = random_qkv(B, Tq, Tk, H, Hkv, D, torch.float64)
+    idx = make_block_indices(B, Tq, Tk, Hkv, bs, S)
+    scale = 0.37
+    grad_out = torch.randn(B, Tq, H, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    out, grads = forward_and_grads(q, k, v, idx, bs, grad_out, scale=scale, impl="reference")
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    want = dense_oracle(*leaves, idx, bs, scale)
+    want_grads = torch.autograd.grad(want, leaves, grad_out)
+    assert out.dtype == torch.float64 and out.shape == (B, Tq, H, D)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+    for name, got, exp in zip("qkv", grads, want_grads):
+        torch.testing.assert_close(got, exp, rtol=0, atol=1e-12, msg=f"d{name}")
+    # the rows with nothing visible are exactly zero (first query's group 0, last query's last group)
+    G = H // Hkv
+    assert out[0, 0, :G].abs().max() == 0 and out[-1, -1, -G:].abs().max() == 0
+
+
+def test_reference_counts_repeated_blocks_once_and_ignores_unused_slots():
+    B, Tq, Tk, H, Hkv, D, bs = 1, 16, 64, 2, 1, 8, 16
+    q, k, v = random_qkv(B, Tq, Tk, H, Hkv, D, torch.float64)
+    base = torch.tensor([3, 1, -1, -1]).expand(B, Tq, Hkv, 4)
+    # block 1 twice (would weigh double if counted twice); any negative index = unused slot
+    messy = torch.tensor([1, 3, 1, -7]).expand(B, Tq, Hkv, 4)
+    a = selected_attention(q, k, v, base, bs, impl="reference")
+    b = selected_attention(q, k, v, messy, bs, impl="reference")
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_reference_keeps_dtype_and_grads_are_finite_for_empty_rows():
+    B, Tq, Tk, H, Hkv, D, bs = 1, 8, 32, 4, 2, 8, 16
+    q, k, v = [x.requires_grad_(True) for x in random_qkv(B, Tq, Tk, H, Hkv, D, torch.float16)]
+    idx = torch.full((B, Tq, Hkv, 2), -1)
+    idx[:, :, 0, 0] = 1  # group 0 sees its own block, group 1 sees nothing
+    out = selected_attention(q, k, v, idx, bs, impl="reference")
+    assert out.dtype == torch.float16
+    assert out[:, :, 2:].abs().max() == 0 and out[:, :, :2].abs().max() > 0
+    out.float().sum().backward()
+    assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
+    assert q.grad[:, :, 2:].abs().max() == 0
+
+
+# --------------------------------------------------------------------------------------------------------------
+# argument checks
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(impl="cuda"), "impl"),
+        (dict(q=torch.zeros(1, 4, 3, 8)), "multiple of k/v heads"),
+        (dict(q=torch.zeros(4, 4, 8)), "q must be 4-D"),
+        (dict(v=torch.zeros(1, 8, 1, 8)), "k and v must have the same shape"),
+        (dict(q=torch.zeros(1, 9, 4, 8)), "more positions"),
+        (dict(block_indices=torch.zeros(1, 4, 1, 1, dtype=torch.long)), "block_indices must have shape"),
+        (dict(block_indices=torch.zeros(1, 4, 2, 1)), "block_indices must be int64"),
+        (dict(block_size=0), "block_size"),
+        (dict(q=torch.zeros(1, 4, 4, 8, dtype=torch.float64)), "share one dtype"),
+    ],
+)
+def test_bad_arguments_raise_value_error_naming_them(change, match):
+    args = dict(
+        q=torch.zeros(1, 4, 4, 8), k=torch.zeros(1, 8, 2, 8), v=torch.zeros(1, 8, 2, 8),
+        block_indices=torch.zeros(1, 4, 2, 1, dtype=torch.long), block_size=16, impl="reference",
+    )
+    args.update(change)
+    with pytest.raises(ValueError, match=match):
+        selected_attention(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("block_indices"), **args)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "block_size, D, dtype, match",
+    [(24, 16, torch.float32, "block_size must be a multiple of 16"), (16, 160, torch.float32, "head dim"),
+     (16, 16, torch.float64, "q dtype")],
+)
+def test_triton_rejects_what_it_cannot_run(block_size, D, dtype, match):
+    q, k, v = random_qkv(1, 2, 2, 1, 1, D, dtype, device=DEVICE)
+    idx = torch.zeros(1, 2, 1, 1, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match=match):
+        selected_attention(q, k, v, idx, block_size, impl="triton")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Triton kernel vs reference
+# --------------------------------------------------------------------------------------------------------------
+
+
+@needs_triton
+def test_triton_path_really_ran():
+    """The kernels, not a silent fallback: interpreted on CPU (conftest), compiled on GPU; auto = reference on CPU."""
+    assert INTERPRETED != ON_GPU, "TRITON_INTERPRET must be set before efftx is imported (tests/conftest.py)"
+    q, k, v = [x.requires_grad_(True) for x in random_qkv(1, 16, 16, 2, 1, 16, torch.float32, device=DEVICE)]
+    idx = torch.zeros(1, 16, 1, 1, dtype=torch.long, device=DEVICE)
+    out = selected_attention(q, k, v, idx, 16, impl="triton")
+    assert type(out.grad_fn).__name__ == _SelectedAttentionFn.__name__ + "Backward"
+    auto = selected_attention(q, k, v, idx, 16, impl="auto")
+    assert (type(auto.grad_fn).__name__ == _SelectedAttentionFn.__name__ + "Backward") == ON_GPU
+
+
+KERNEL_CASES = [  # (B, Tq, Tk, H, Hkv, D, block_size, S, noncontiguous)
+    (1, 32, 32, 2, 2, 16, 16, 3, False),  # GQA 1, Tq == Tk
+    (2, 24, 40, 4, 2, 64, 16, 4, True),  # GQA 2, chunked prefill (Tq < Tk), strided q/k/v views
+    (1, 20, 64, 8, 2, 48, 32, 3, False),  # GQA 4, head dim 48 (padded to 64), block 32
+    (1, 48, 48, 4, 1, 32, 32, 2, False),  # GQA 4, Tq == Tk, block 32, last block partial
+    (2, 1, 50, 4, 2, 16, 16, 3, False),  # one-token decode
+    (1, 24, 80, 4, 2, 128, 64, 2, False),  # head dim 128: backward walks a block in 2 tiles of 32 keys
+    (1, 16, 224, 2, 1, 16, 128, 2, False),  # block 128: 2 tiles of 64 keys, the second partly in the future
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: "B{}_Tq{}_Tk{}_H{}_Hkv{}_D{}_bs{}_S{}_nc{}".format(*c))
+def test_triton_matches_reference_forward_and_grads(case, dtype):
+    B, Tq, Tk, H, Hkv, D, bs, S, noncontiguous = case
+    q, k, v = random_qkv(B, Tq, Tk, H, Hkv, D, dtype, seed=1, device=DEVICE)
+    if noncontiguous:  # (B, H, T, D) storage seen as (B, T, H, D), like heads split out of a projection
+        q, k, v = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v)]
+        assert not q.is_contiguous()
+    idx = make_block_indices(B, Tq, Tk, Hkv, bs, S, seed=2, device=DEVICE)
+    if noncontiguous:
+        idx = idx.int()  # int32 indices are accepted too
+    grad_out = torch.randn(B, Tq, H, D, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+
+    out, grads = forward_and_grads(q, k, v, idx, bs, grad_out.to(dtype), impl="triton")
+    ref, ref_grads = forward_and_grads(q, k, v, idx, bs, grad_out.to(dtype), impl="reference")
+    truth, truth_grads = forward_and_grads(
+        *(x.double() for x in (q, k, v)), idx, bs, grad_out.double(), impl="reference"
+    )
+
+    assert out.dtype == dtype and out.shape == (B, Tq, H, D)
+    assert all(g.dtype == dtype for g in grads)
+    G = H // Hkv
+    assert out[0, 0, :G].abs().max() == 0 and out[-1, -1, -G:].abs().max() == 0  # empty selections
+    check_derived("out", out, ref, truth, C_FWD)
+    for name, got, same, exact in zip(("dq", "dk", "dv"), grads, ref_grads, truth_grads):
+        check_derived(name, got, same, exact, C_GRAD)
+
+    # The derived tolerance is tight enough to catch a real bug: a 2% wrong softmax scale fails it.
+    wrong = selected_attention(q, k, v, idx, bs, scale=1.02 * D**-0.5, impl="reference")
+    with pytest.raises(AssertionError):
+        check_derived("out(wrong scale)", wrong, ref, truth, C_FWD)
+
+
+@needs_triton
+def test_triton_no_grad_and_repeated_blocks():
+    """Inference mode works, and a repeated block is counted once by the kernel as by the reference."""
+    B, Tq, Tk, H, Hkv, D, bs = 1, 16, 64, 2, 1, 16, 16
+    q, k, v = random_qkv(B, Tq, Tk, H, Hkv, D, torch.float32, device=DEVICE)
+    base = torch.tensor([3, 1, -1, -1], device=DEVICE).expand(B, Tq, Hkv, 4)
+    messy = torch.tensor([1, 3, 1, -1], device=DEVICE).expand(B, Tq, Hkv, 4)
+    with torch.no_grad():
+        a = selected_attention(q, k, v, base, bs, impl="triton")
+        b = selected_attention(q, k, v, messy, bs, impl="triton")
+        ref = selected_attention(q, k, v, base, bs, impl="reference")
+    torch.testing.assert_close(a, ref)  # fp32 tolerances; blocks visited in another order in `b`
+    torch.testing.assert_close(b, ref)
+
+
+# Compiles both kernels for an H100 (sm_90) in a subprocess without TRITON_INTERPRET: Triton's real frontend,
+# the NVIDIA lowering and ptxas (shipped in the triton wheel) run without a GPU. bf16 (which the interpreter
+# cannot check) at head dim 128 and block 64, so the backward's two-tile walk is compiled too.
+_COMPILE_FOR_SM90 = textwrap.dedent(
+    """
+    import torch, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from efftx.kernels.selected_attention import (
+        INTERPRETED, _kernel_meta, _selected_bwd_kernel, _selected_fwd_kernel)
+
+    assert not INTERPRETED
+    q, k = torch.zeros(1, 1, 8, 128, dtype=torch.bfloat16), torch.zeros(1, 1, 4, 128, dtype=torch.bfloat16)
+    fwd, bwd = _kernel_meta(q, k, torch.zeros(1, 1, 4, 5, dtype=torch.long), 64)
+    pointers = dict(Q="*bf16", K="*bf16", V="*bf16", IDX="*i64", O="*bf16", DO="*bf16", DQ="*bf16",
+                    LSE="*fp32", DELTA="*fp32", DK="*fp32", DV="*fp32")
+    for kernel, meta in ((_selected_fwd_kernel, fwd), (_selected_bwd_kernel, bwd)):
+        consts = {n: meta[n] for n in kernel.arg_names if n in meta}
+        sig = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n == "scale" else "i32")
+               for n in kernel.arg_names}
+        compiled = triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=meta["num_warps"]))
+        assert compiled.asm["cubin"], kernel
+        print("compiled", kernel.__name__, "TILE", meta["TILE"], "warps", meta["num_warps"])
+    """
+)
+
+
+@needs_triton
+def test_kernels_compile_for_an_h100_without_a_gpu(tmp_path):
+    ptxas = os.path.join(os.path.dirname(sys.modules["triton"].__file__), "backends", "nvidia", "bin")
+    if not os.path.isdir(ptxas):
+        pytest.skip("this triton build ships no NVIDIA backend tools (ptxas)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # really compile, no cache hit from an earlier run
+    run = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("compiled") == 2, run.stdout

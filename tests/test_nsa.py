@@ -1,0 +1,379 @@
+"""The NSA backend: its three branches against naive float64 references, block selection, the compression
+network, gradients, the decoding cache, config errors; slow: nsa_debug through Ray Train, a tiny nsa_blocks sweep."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from efftx import attention, recipes
+from efftx.attention.base import AttentionSpec
+from efftx.attention.nsa import (NativeSparseAttention, NSACache, complete_blocks, overlap_to_selection,
+                                 sliding_window_attention)
+from efftx.config import Config, NSAOptions
+from efftx.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make(heads=4, kv_heads=2, head_dim=8, block=8, stride=4, sel=8, n_sel=2, window=6, seed=0, **extra):
+    opts = NSAOptions(compress_block_size=block, compress_stride=stride, selection_block_size=sel,
+                      num_selected_blocks=n_sel, sliding_window_size=window, compress_mlp_mult=0.5, **extra)
+    spec = AttentionSpec(kind="nsa", dim=heads * head_dim, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                         max_seq_len=128, options=opts)
+    torch.manual_seed(seed)
+    backend = attention.build(spec).eval()
+    with torch.no_grad():  # gates far from uniform, so that a branch mix-up would show
+        backend.gate.weight.normal_(0, 0.5)
+        backend.compress_k.pos.normal_(0, 0.5)
+        backend.compress_v.pos.normal_(0, 0.5)
+    return backend
+
+
+def inputs(t, heads=4, kv_heads=2, head_dim=8, b=2, seed=1, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, t, heads, head_dim, generator=g, dtype=dtype),
+            torch.randn(b, t, kv_heads, head_dim, generator=g, dtype=dtype),
+            torch.randn(b, t, kv_heads, head_dim, generator=g, dtype=dtype),
+            torch.randn(b, t, heads * head_dim, generator=g, dtype=dtype))
+
+
+def masked_attention(q, k, v, allowed):
+    """float64 softmax attention, q (B, T, H, D), k/v (B, L, H, D), allowed (B, H, T, L); empty rows -> 0."""
+    scores = torch.einsum("bthd,blhd->bhtl", q.double(), k.double()) / math.sqrt(q.shape[-1])
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num(0.0)
+    return torch.einsum("bhtl,blhd->bthd", probs, v.double()), probs
+
+
+def naive_selection(importance, own, n_sel):
+    """Top ``n_sel`` blocks before ``own`` by importance (ties: the later block), plus ``own``; as a set."""
+    ranked = sorted(range(own), key=lambda s: (-importance[s], -s))
+    return set(ranked[:n_sel]) | {own}
+
+
+def naive_nsa(backend, q, k, v, x):
+    """Every branch with dense masks in float64, the selection by Python sorting; (output, selections)."""
+    b, t, h, d = q.shape
+    hkv = k.shape[2]
+    rep = h // hkv
+    cb, st, sb, w = backend.block, backend.stride, backend.sel_block, backend.window
+    with torch.no_grad():
+        ck, cv = backend.compress_k(k), backend.compress_v(v)
+    nc = ck.shape[1]
+    pos = torch.arange(t)
+    up = lambda z: z.repeat_interleave(rep, dim=2)  # noqa: E731  kv heads -> query heads
+    seen = (torch.arange(nc)[None, :] * st + cb - 1) <= pos[:, None]  # (T, Nc)
+    out_cmp, probs = masked_attention(q, up(ck), up(cv), seen.expand(b, h, t, nc))
+    # importance of selection blocks: compressed probabilities x token-overlap fractions, summed per group
+    n_blocks = -(-t // sb)
+    overlap = torch.zeros(nc, n_blocks, dtype=torch.float64)
+    for j in range(nc):
+        for s in range(n_blocks):
+            overlap[j, s] = len(set(range(j * st, j * st + cb)) & set(range(s * sb, (s + 1) * sb))) / cb
+    importance = (probs.view(b, hkv, rep, t, nc).sum(2) @ overlap).tolist()  # (B, Hkv, T, n_blocks)
+    chosen = [[[naive_selection(importance[i][g][p], p // sb, backend.n_sel) for g in range(hkv)]
+               for p in range(t)] for i in range(b)]
+    key_block = torch.arange(t) // sb
+    sel_mask = torch.zeros(b, h, t, t, dtype=torch.bool)
+    for i in range(b):
+        for p in range(t):
+            for g in range(hkv):
+                blocks = torch.tensor(sorted(chosen[i][p][g]))
+                sel_mask[i, g * rep:(g + 1) * rep, p] = torch.isin(key_block, blocks) & (torch.arange(t) <= p)
+    out_sel, _ = masked_attention(q, up(k), up(v), sel_mask)
+    band = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - w)
+    out_win, _ = masked_attention(q, up(k), up(v), band.expand(b, h, t, t))
+    gates = torch.sigmoid(backend.gate(x).double()).view(b, t, h, 3, 1)
+    out = gates[..., 0, :] * out_cmp + gates[..., 1, :] * out_sel + gates[..., 2, :] * out_win
+    return out, chosen
+
+
+def as_sets(idx):
+    """(B, T, Hkv, S) selections -> nested lists of sets of block ids (-1 dropped)."""
+    return [[[set(s) - {-1} for s in row] for row in batch] for batch in idx.tolist()]
+
+
+# ------------------------------------------------------------------------------------------ registry, config
+
+def test_registered_and_auto_falls_back_to_the_reference_off_kernel_sizes():
+    assert attention.get("nsa") is NativeSparseAttention
+    assert make(sel=8).impl == "reference"  # the Triton kernel needs selection blocks of 16k tokens
+    assert make(sel=16, block=8, stride=8).impl == "auto"
+    assert make(sel=16, block=8, stride=8, impl="reference").impl == "reference"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"attention.nsa.compress_stride": 16, "attention.nsa.compress_block_size": 8},
+     "attention.nsa.compress_stride=16 exceeds attention.nsa.compress_block_size=8"),
+    ({"attention.nsa.selection_block_size": 12}, "attention.nsa.selection_block_size=12 must be a multiple of"),
+    ({"attention.nsa.compress_block_size": 12, "attention.nsa.compress_stride": 8},
+     "attention.nsa.compress_block_size=12 must be a multiple of"),
+    ({"attention.nsa.sliding_window_size": 0}, "attention.nsa.sliding_window_size must be > 0"),
+    ({"attention.nsa.num_selected_blocks": -1}, "attention.nsa.num_selected_blocks must be >= 0"),
+    ({"attention.nsa.impl": "cuda"}, "attention.nsa.impl must be one of auto, triton, reference"),
+    ({"attention.nsa.impl": "triton"}, "attention.nsa.impl=triton needs attention.nsa.selection_block_size"),
+])
+def test_invalid_block_config_is_a_config_error_naming_the_keys(overrides, message):
+    cfg = recipes.get("nsa_debug").override({"name": "x", **overrides})
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        cfg.validate()
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):  # the backend checks the same
+        NativeSparseAttention(AttentionSpec.from_config(cfg))
+    cfg.attention.kind = "full"  # the section is only checked when nsa is the attention
+    cfg.validate()
+
+
+def test_invalid_block_config_from_the_cli_fails_before_any_worker_starts():
+    proc = subprocess.run([sys.executable, "jobs/train_nsa.py", "--recipe", "nsa_debug",
+                           "--set", "attention.nsa.selection_block_size=12"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "attention.nsa.selection_block_size=12 must be a multiple of the compression stride" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "Ray" not in proc.stdout + proc.stderr  # the config was refused before Ray was started
+
+
+def test_recipes_reproduce_the_seed_and_full_baseline_differs_only_in_attention():
+    nsa, full = recipes.get("nsa_enwik8").flat(), recipes.get("nsa_full_enwik8").flat()
+    assert {k for k in nsa if nsa[k] != full[k]} == {"attention.kind", "recipe"}
+    seed = {"model.dim": 512, "model.depth": 6, "model.heads": 8, "model.kv_heads": 4, "model.head_dim": 64,
+            "data.seq_len": 512, "attention.nsa.sliding_window_size": 64, "attention.nsa.compress_block_size": 16,
+            "attention.nsa.selection_block_size": 16, "attention.nsa.num_selected_blocks": 4,
+            "train.micro_batch_size": 4, "train.grad_accum": 4, "scaling.num_workers": 1, "train.lr": 1e-4,
+            "train.grad_clip": 0.5, "attention.kind": "nsa"}
+    assert {k: nsa[k] for k in seed} == seed
+
+
+# ------------------------------------------------------------------------------------------ pieces
+
+@pytest.mark.parametrize("window", [1, 3, 8, 40])
+@pytest.mark.parametrize("t_q", [1, 5, 21])
+def test_sliding_window_matches_dense_band_mask(window, t_q):
+    q, k, v, _ = inputs(21, heads=6, kv_heads=2)
+    q = q[:, -t_q:]  # the last t_q queries over all 21 keys (cached decoding / chunked prefill)
+    got = sliding_window_attention(q, k, v, window)
+    pos_q, pos_k = torch.arange(21 - t_q, 21)[:, None], torch.arange(21)[None, :]
+    band = (pos_k <= pos_q) & (pos_k > pos_q - window)
+    want, _ = masked_attention(q, k.repeat_interleave(3, 2), v.repeat_interleave(3, 2), band.expand(2, 6, t_q, 21))
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_compressor_maps_each_block_of_tokens_to_one_key():
+    backend = make(block=8, stride=4)
+    k = inputs(22)[1]
+    assert complete_blocks(22, 8, 4) == 4 and complete_blocks(7, 8, 4) == 0
+    ck = backend.compress_k(k)
+    assert ck.shape == (2, 4, 2, 8)
+    torch.testing.assert_close(backend.compress_k(k, 2, 2), ck[:, 2:4])  # a range = the same blocks
+    changed = k.clone()
+    changed[:, 9] += 1.0  # token 9 lies in blocks 1 ([4, 12)) and 2 ([8, 16)) only
+    diff = (backend.compress_k(changed) - ck).abs().amax((0, 2, 3))
+    assert diff[0] == 0 and diff[3] == 0 and diff[1] > 0 and diff[2] > 0
+    # intra-block positions matter: the same tokens in another order compress differently
+    swapped = k.clone()
+    swapped[:, [0, 1]] = k[:, [1, 0]]
+    assert not torch.allclose(backend.compress_k(swapped)[:, 0], ck[:, 0])
+
+
+def test_overlap_mapping_onto_selection_blocks():
+    scores = torch.tensor([[1.0, 10.0, 100.0]])
+    # blocks of 8 every 4 tokens: [0, 8), [4, 12), [8, 16) onto selection blocks of 8
+    got = overlap_to_selection(scores, block=8, stride=4, sel_block=8, n_sel=2)
+    torch.testing.assert_close(got, torch.tensor([[1.0 + 5.0, 5.0 + 100.0]]))
+    # blocks of 16 every 16 tokens onto selection blocks of 8: each splits in halves
+    got = overlap_to_selection(scores, block=16, stride=16, sel_block=8, n_sel=6)
+    torch.testing.assert_close(got, torch.tensor([[0.5, 0.5, 5.0, 5.0, 50.0, 50.0]]))
+    # equal sizes: the identity
+    torch.testing.assert_close(overlap_to_selection(scores, 8, 8, 8, 3), scores)
+
+
+@pytest.mark.parametrize("block, stride, sel, n_sel", [(8, 4, 8, 2), (4, 4, 16, 3), (16, 8, 8, 2), (8, 8, 8, 10)])
+@pytest.mark.parametrize("t_q", [37, 3])
+def test_selection_has_own_block_and_never_a_future_block(block, stride, sel, n_sel, t_q):
+    backend = make(block=block, stride=stride, sel=sel, n_sel=n_sel)
+    q, k, _, _ = inputs(37)
+    ck = backend.compress_k(k)
+    pos = torch.arange(37 - t_q, 37)
+    idx = backend.select(q[:, -t_q:], ck, pos, 37)
+    assert idx.shape == (2, t_q, 2, n_sel + 1) and idx.dtype == torch.int64
+    for batch in as_sets(idx):
+        for p, row in zip(pos.tolist(), batch):
+            own = p // sel
+            for chosen in row:
+                assert own in chosen
+                assert max(chosen) == own  # nothing after the own block
+                assert len(chosen) == min(n_sel, own) + 1  # as many past blocks as exist, up to n_sel
+    assert (idx[:, :, :, 0] == (pos // sel)[None, :, None]).all()  # slot 0 is the own block
+
+
+def test_selection_follows_the_compressed_attention():
+    backend = make(block=4, stride=4, sel=4, n_sel=1)
+    q, k, _, _ = inputs(32, head_dim=8)
+    u = torch.nn.functional.normalize(torch.randn(8, generator=torch.Generator().manual_seed(3)), dim=0)
+    q[:, :, :2] = 3 * u  # the query heads of kv group 0 all point along u
+    ck = 0.01 * backend.compress_k(k)
+    ck[:, 2, 0] = 5 * u  # kv group 0: compressed block 2 ([8, 12)) matches its queries
+    idx = backend.select(q, ck, torch.arange(32), 32)
+    late = idx[:, 16:, 0, 1]  # queries in blocks 4..7 pick one past block: block 2
+    assert (late == 2).all()
+    assert not (idx[:, 16:, 1, 1] == 2).all()  # kv group 1 has no such block
+
+
+@pytest.mark.parametrize("block, stride, sel, n_sel, window", [(8, 4, 8, 2, 6), (4, 4, 8, 1, 3), (16, 8, 8, 3, 12)])
+def test_backend_equals_naive_dense_reference(block, stride, sel, n_sel, window):
+    backend = make(block=block, stride=stride, sel=sel, n_sel=n_sel, window=window)
+    q, k, v, x = inputs(26)
+    want, chosen = naive_nsa(backend, q, k, v, x)
+    with torch.no_grad():
+        got = backend(q, k, v, x=x)
+        idx = backend.select(q, backend.compress_k(k), torch.arange(26), 26)
+    assert as_sets(idx) == chosen
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_early_queries_get_nothing_from_the_compressed_branch():
+    backend = make(block=8, stride=4)
+    q, k, v, _ = inputs(12)
+    ck, cv = backend.compress_k(k), backend.compress_v(v)
+    out = backend.compressed(q, ck, cv, start=0)
+    assert (out[:, :7] == 0).all() and (out[:, 7:].abs().sum((0, 2, 3)) > 0).all()
+
+
+# ------------------------------------------------------------------------------------------ gradients, dtypes
+
+def test_gradients_reach_the_gates_and_the_compression_network():
+    backend = make().train()
+    q, k, v, x = (t.requires_grad_() for t in inputs(24))
+    (backend(q, k, v, x=x) ** 2).sum().backward()
+    for name, p in backend.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+    assert {n.split(".")[0] for n, _ in backend.named_parameters()} == {"compress_k", "compress_v", "gate"}
+    for t in (q, k, v, x):
+        assert torch.isfinite(t.grad).all() and t.grad.abs().sum() > 0
+
+
+def test_bfloat16_stays_bfloat16():
+    backend = make().to(torch.bfloat16)
+    q, k, v, x = inputs(20, dtype=torch.bfloat16)
+    out = backend(q, k, v, x=x)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    want = make()(*(t.float() for t in (q, k, v)), x=x.float())
+    assert (out.float() - want).abs().max() < 0.1
+
+
+def test_triton_selected_branch_equals_the_reference_forward_backward_and_cached():
+    """The backend's selections fed to the Triton kernel (interpreted on CPU; tests/conftest.py sets
+    TRITON_INTERPRET=1) give the reference's output, gradients and cached decoding."""
+    from efftx.kernels.selected_attention import INTERPRETED, triton_available
+
+    if not (triton_available() and (INTERPRETED or torch.cuda.is_available())):
+        pytest.skip("the Triton kernel needs CUDA or TRITON_INTERPRET=1")
+    opts = dict(block=16, stride=8, sel=16, n_sel=2, window=8, head_dim=16)
+    ref, tri = make(**opts, impl="reference"), make(**opts, impl="triton")
+    assert tri.impl == "triton"
+    q, k, v, x = (t.requires_grad_() for t in inputs(40, head_dim=16))
+    want = ref(q, k, v, x=x)
+    want_grads = torch.autograd.grad(want.square().sum(), (q, k, v))
+    got = tri(q, k, v, x=x)
+    got_grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for g_got, g_want in zip(got_grads, want_grads):
+        torch.testing.assert_close(g_got, g_want, rtol=1e-4, atol=1e-5)
+    cache = tri.new_cache(2, 64, torch.device("cpu"), torch.float32)
+    with torch.no_grad():
+        parts = [tri(q[:, :35], k[:, :35], v[:, :35], cache=cache, x=x[:, :35])]
+        parts += [tri(q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], cache=cache, x=x[:, i:i + 1]) for i in range(35, 40)]
+    torch.testing.assert_close(torch.cat(parts, 1), want.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_backend_needs_the_hidden_state():
+    q, k, v, _ = inputs(8)
+    with pytest.raises(ValueError, match="x="):
+        make()(q, k, v)
+
+
+# ------------------------------------------------------------------------------------------ cache
+
+def test_cache_holds_compressed_blocks_and_the_partial_block_and_rewinds():
+    backend = make(block=8, stride=4)
+    q, k, v, x = inputs(22)
+    cache = backend.new_cache(2, 32, torch.device("cpu"), torch.float32)
+    assert isinstance(cache, NSACache)
+    full = backend(q, k, v, x=x)
+    out = backend(q[:, :13], k[:, :13], v[:, :13], cache=cache, x=x[:, :13])
+    torch.testing.assert_close(out, full[:, :13], rtol=1e-5, atol=1e-6)
+    assert cache.length == 13 and cache.blocks == 2  # [0, 8) and [4, 12)
+    torch.testing.assert_close(cache.ck[:, :2], backend.compress_k(k[:, :13]), rtol=1e-5, atol=1e-6)
+    pk, pv = cache.partial()
+    assert torch.equal(pk, k[:, 8:13]) and torch.equal(pv, v[:, 8:13])  # from the next block's start on
+    cache.rewind(2)  # 11 tokens: block [4, 12) loses a token
+    assert cache.length == 11 and cache.blocks == 1
+    out = backend(q[:, 11:], k[:, 11:], v[:, 11:], cache=cache, x=x[:, 11:])
+    torch.testing.assert_close(out, full[:, 11:], rtol=1e-5, atol=1e-6)
+    assert cache.blocks == complete_blocks(22, 8, 4) == 4
+    cache.rewind([3, 3])
+    assert cache.length == 19
+    with pytest.raises(ValueError, match="equal length"):
+        cache.rewind([1, 2])
+    with pytest.raises(ValueError):
+        cache.rewind(20)
+
+
+# ------------------------------------------------------------------------------------------ slow: Ray
+
+def _val_history(summary) -> dict[int, float]:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=summary["tracking_uri"])
+    return {m.step: m.value for m in client.get_metric_history(summary["mlflow_run_id"], "val_bpb")}
+
+
+@pytest.mark.slow
+def test_nsa_debug_trains_with_falling_validation_loss(ray_cluster):
+    from efftx.generate import sample_text
+    from efftx.train.checkpoint import load_export
+    from efftx.train.launch import launch
+
+    summary = launch(recipes.get("nsa_debug").override({"name": "nsa-debug-run"}))
+    assert summary["final_step"] == 40
+    val = _val_history(summary)
+    assert sorted(val) == [0, 20, 40]
+    assert val[40] < val[20] < val[0] and val[40] < 0.8 * val[0], val
+    model, cfg, _ = load_export(summary["export_path"])
+    assert cfg.attention.kind == "nsa" and cfg.attention.nsa.compress_block_size == 8
+    assert isinstance(model.blocks[0].attention.inner, NativeSparseAttention)
+    assert len(sample_text(summary["export_path"], "def ", 20, temperature=0)) > 0
+
+
+@pytest.mark.slow
+def test_tiny_nsa_blocks_sweep_completes(ray_cluster):
+    from mlflow import MlflowClient
+
+    from efftx.tuning import SPACES, sweep
+
+    summary = sweep("nsa_blocks", samples=2, max_concurrent=2, name="tiny-nsa-sweep",
+                    overrides=["train.steps=10", "train.eval_every=5", "train.checkpoint_every=10"])
+    assert summary["trials"] == 2 and summary["finished"] >= 1
+    assert set(summary["best"]) == set(SPACES["nsa_blocks"].grid)
+    best = summary["best"]
+    assert best["attention.nsa.selection_block_size"] % best["attention.nsa.compress_block_size"] == 0
+    client = MlflowClient(tracking_uri=summary["tracking_uri"])
+    png = client.download_artifacts(summary["mlflow_parent_run_id"], "sweep/nsa_blocks.png")
+    assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_nsa_blocks_space_excludes_invalid_points_up_front():
+    from efftx.tuning import SPACES, points
+
+    space = SPACES["nsa_blocks"]
+    pts = points(space, recipes.get(space.recipe).override({"name": "t"}))
+    grid_size = math.prod(len(v) for v in space.grid.values())
+    assert 0 < len(pts) < grid_size  # (compress 16, selection 8) is left out, not run as a failing trial
+    for p in pts:
+        assert p["attention.nsa.selection_block_size"] % p["attention.nsa.compress_block_size"] == 0
+        Config.from_dict(recipes.get(space.recipe).to_dict()).override({**p, "name": "t"}).validate()
