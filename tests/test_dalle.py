@@ -466,3 +466,21 @@ def test_bad_generation_arguments_are_clear_errors(kwargs, message):
         generate_image_tokens(tiny(), captions(1), **kwargs)
     with pytest.raises(ValueError, match=r"caption ids must be integers in \[0, 20\)"):
         generate_image_tokens(tiny(), torch.full((1, 3), V))
+
+
+@pytest.mark.parametrize("cond_scale", [1.0, 3.0])
+def test_per_row_seeds_make_each_image_independent_of_its_batch(cond_scale):
+    """One seed per image: a batch of captions draws each image exactly as that caption alone with its
+    seed (how the image server batches requests), cached and uncached alike."""
+    model = tiny(0)
+    text = captions(3, seed=5)
+    seeds = [11, 12, 13, 14, 15, 16]  # 3 captions x 2 images
+    together = generate_image_tokens(model, text, num_images=2, cond_scale=cond_scale, seed=seeds)
+    for p in range(3):
+        alone = generate_image_tokens(model, text[p:p + 1], num_images=2, cond_scale=cond_scale,
+                                      seed=seeds[2 * p:2 * p + 2])
+        assert torch.equal(together[2 * p:2 * p + 2], alone)
+    uncached = generate_image_tokens(model, text, num_images=2, cond_scale=cond_scale, seed=seeds, use_cache=False)
+    assert torch.equal(together, uncached)
+    with pytest.raises(ValueError, match="seed"):
+        generate_image_tokens(model, text, num_images=2, seed=[1, 2])

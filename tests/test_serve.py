@@ -28,17 +28,24 @@ def server(ray_cluster, tmp_path_factory):
 
     from efftx.serving.text import build
 
+    from efftx.models.dalle import DALLE
+
     root = tmp_path_factory.mktemp("serve")
     paths = {}
     for role, seed in (("target", 0), ("draft", 1)):
         cfg = recipes.get(f"spec_{role}_debug")
         torch.manual_seed(seed)
         paths[role] = str(export(LM(cfg), cfg, root / role, {}))
+    cfg = recipes.get("dalle_shapes_debug").override({"model.vocab_size": 257})  # the byte tokenizer's ids
+    torch.manual_seed(2)
+    paths["dalle"] = str(export(DALLE(cfg), cfg, root / "dalle", {}))
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build({"target": paths["target"], "draft": paths["draft"], "name": "tiny",
                      "limits": '{"max_new_tokens": 40, "max_prompt_bytes": 64}',
-                     "batch_wait_timeout_s": "0.25"}),  # long enough for concurrent test requests to meet
+                     "batch_wait_timeout_s": "0.25",  # long enough for concurrent test requests to meet
+                     "dalle": paths["dalle"], "image_batch_wait_timeout_s": "0.25",
+                     "image_limits": '{"max_images": 4, "max_cond_scale": 5}'}),
               name="text", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
@@ -49,9 +56,10 @@ def post(url, **kwargs):
 
 
 def test_health_models_and_docs(server):
-    assert requests.get(f"{server}/healthz", timeout=30).json() == {"status": "ok", "model": "tiny", "speculative": True}
+    assert requests.get(f"{server}/healthz", timeout=30).json() == {"status": "ok", "model": "tiny", "speculative": True,
+                                                                  "images": True}
     ids = [m["id"] for m in requests.get(f"{server}/v1/models", timeout=30).json()["data"]]
-    assert ids == ["tiny", "tiny-speculative"]
+    assert ids == ["tiny", "tiny-speculative", "dalle_shapes_debug"]
     assert requests.get(f"{server}/docs", timeout=30).status_code == 200
     assert "/generate" in requests.get(f"{server}/openapi.json", timeout=30).json()["paths"]
 
@@ -144,3 +152,86 @@ def test_concurrent_requests_are_decoded_as_one_batch(server):
         for mode in ("base", "speculative"):
             assert res["results"][mode]["text"] == alone["results"][mode]["text"]
             assert res["results"][mode]["tokens"] == body["max_new_tokens"]
+
+
+
+# ---------------------------------------------------------------------------------------------- images
+def png_size(data: bytes) -> tuple[int, int]:
+    from io import BytesIO
+
+    from PIL import Image
+
+    with Image.open(BytesIO(data)) as im:
+        im.load()  # a truncated or corrupt PNG fails here
+        return im.size
+
+
+def test_one_image_is_a_png_and_several_are_json(server):
+    from efftx import recipes as r
+
+    side = r.get("dalle_shapes_debug").vae.image_size
+    res = post(f"{server}/images/generate", json={"prompt": "a red circle on a blue background", "seed": 1})
+    assert res.status_code == 200 and res.headers["content-type"] == "image/png"
+    assert png_size(res.content) == (side, side)
+    again = post(f"{server}/images/generate", json={"prompt": "a red circle on a blue background", "seed": 1})
+    assert again.content == res.content  # the same seed draws the same image
+    many = post(f"{server}/images/generate", json={"prompt": "a small green square", "n": 3, "seed": 5,
+                                                   "cond_scale": 3.0, "size": 2 * side}).json()
+    assert len(many["images"]) == 3 and many["size"] == 2 * side and many["latency_ms"] > 0
+    import base64
+
+    sizes = {png_size(base64.b64decode(im["b64_png"])) for im in many["images"]}
+    assert sizes == {(2 * side, 2 * side)}
+
+
+def test_openai_client_generates_images(server):
+    import base64
+
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server}/v1", api_key="unused")
+    out = client.images.generate(model="dalle_shapes_debug", prompt="a yellow triangle", n=2, size="64x64",
+                                 response_format="b64_json")
+    assert len(out.data) == 2
+    assert all(png_size(base64.b64decode(d.b64_json)) == (64, 64) for d in out.data)
+
+
+def test_concurrent_image_requests_batch_and_match_their_solo_images(server):
+    from concurrent.futures import ThreadPoolExecutor
+
+    bodies = [{"prompt": p, "n": n, "seed": s, "response_format": "b64_json"}
+              for p, n, s in (("a red circle", 1, 1), ("a blue square in the upper left", 2, 2), ("a pink triangle", 1, 3))]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        together = list(pool.map(lambda b: post(f"{server}/images/generate", json=b).json(), bodies))
+    assert max(r["batch_size"] for r in together) > 1
+    for body, res in zip(bodies, together):
+        alone = post(f"{server}/images/generate", json=body).json()
+        assert [im["b64_png"] for im in res["images"]] == [im["b64_png"] for im in alone["images"]]
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": "   "}, "prompt"),
+    ({"prompt": "x" * 300}, "prompt"),
+    ({"prompt": "a red circle", "n": 5}, "n"),
+    ({"prompt": "a red circle", "n": 0}, "n"),
+    ({"prompt": "a red circle", "cond_scale": 6}, "cond_scale"),
+    ({"prompt": "a red circle", "filter_thres": 1.5}, "filter_thres"),
+    ({"prompt": "a red circle", "size": 4096}, "size"),
+    ({"prompt": "a red circle", "n": "many"}, "n"),
+    ({"prompt": "a red circle", "colour": "red"}, "colour"),
+    ({"prompt": "a red circle", "response_format": "jpeg"}, "response_format"),
+])
+def test_bad_image_requests_are_4xx_naming_the_field(server, body, field):
+    res = post(f"{server}/images/generate", json=body)
+    assert 400 <= res.status_code < 500
+    assert field in json.dumps(res.json())
+    assert post(f"{server}/images/generate", json={"prompt": "a red circle"}).status_code == 200
+
+
+def test_bad_openai_image_requests_are_4xx(server):
+    for body, field in (({"prompt": "a red circle", "response_format": "url"}, "response_format"),
+                        ({"prompt": "a red circle", "size": "64x32"}, "size"),
+                        ({"prompt": "a red circle", "model": "nope"}, "model")):
+        res = post(f"{server}/v1/images/generations", json=body)
+        assert res.status_code == 422 and field in json.dumps(res.json())

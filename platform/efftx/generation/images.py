@@ -17,6 +17,11 @@ doubled batch through one cache, and each step samples from
 package ran the null pass through the conditional pass's cache, so its cached guided samples differ from
 uncached ones.)
 
+**Seeds.** ``seed`` is one int (one generator draws every row's tokens, in row order) or one seed per
+row (``P * num_images`` entries, None = the global RNG): each row then draws from its own generator,
+so a row's image does not depend on what else is in the batch. The image server batches requests
+this way.
+
 **Exactness.** ``use_cache=False`` recomputes the whole sequence at every step: the reference the cached
 path is tested against. Both draw from the same seeded generator in the same order, so with the same seed
 they give the same tokens (up to float rounding of the logits deciding a draw that lands on a boundary).
@@ -25,10 +30,12 @@ they give the same tokens (up to float rounding of the logits deciding a draw th
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 
-from efftx.generation.sampling import sample
+from efftx.generation.decode import generators
+from efftx.generation.sampling import draw, probabilities, sample
 
 
 def top_k_of_thres(filter_thres: float, vocab: int) -> int:
@@ -58,7 +65,7 @@ def _check(model, text, num_images, filter_thres, top_p, temperature, cond_scale
 @torch.no_grad()
 def generate_image_tokens(model, text: torch.Tensor, *, num_images: int = 1, filter_thres: float = 0.5,
                           top_p: float = 1.0, temperature: float = 1.0, cond_scale: float = 1.0,
-                          seed: int | None = None, use_cache: bool = True) -> torch.Tensor:
+                          seed: int | Sequence[int | None] | None = None, use_cache: bool = True) -> torch.Tensor:
     """Sample the image codes of ``num_images`` images per caption: (P * num_images, M) long."""
     _check(model, text, num_images, filter_thres, top_p, temperature, cond_scale)
     device = model.text_emb.weight.device
@@ -70,7 +77,15 @@ def generate_image_tokens(model, text: torch.Tensor, *, num_images: int = 1, fil
         prefix = torch.cat([prefix, model.prepare_text(torch.zeros_like(captions))])
     twin = (lambda t: torch.cat([t, t])) if guided else (lambda t: t)  # noqa: E731
     top_k = top_k_of_thres(filter_thres, model.num_image_tokens)
-    gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    if isinstance(seed, (list, tuple)):
+        if len(seed) != rows:
+            raise ValueError(f"seed: {len(seed)} seeds for {rows} images (one per image, or one int)")
+        gens = generators(list(seed), rows, device)
+        pick = lambda logits: (logits.argmax(-1) if temperature == 0  # noqa: E731
+                               else draw(probabilities(logits, temperature, top_k, top_p), gens))
+    else:
+        gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+        pick = lambda logits: sample(logits, temperature, top_k, top_p, gen)  # noqa: E731
     codes = torch.zeros(rows, model.image_seq_len, dtype=torch.long, device=device)
 
     cache = model.new_cache(prefix.shape[0]) if use_cache else None
@@ -82,7 +97,7 @@ def generate_image_tokens(model, text: torch.Tensor, *, num_images: int = 1, fil
         if guided:
             cond, null = logits.chunk(2)
             logits = null + (cond - null) * cond_scale
-        codes[:, i] = sample(logits, temperature, top_k, top_p, gen)
+        codes[:, i] = pick(logits)
         if use_cache and i + 1 < model.image_seq_len:
             h = model.hidden(twin(codes[:, i:i + 1]), cache)[:, -1]
     return codes

@@ -1,6 +1,7 @@
 """Text generation on Ray Serve: base vs speculative decoding over HTTP.
 
-    serve run efftx.serving.text:build target=PATH [draft=PATH]     (PATH: an export folder or models:/NAME/VERSION)
+    serve run efftx.serving.text:build target=PATH [draft=PATH] [dalle=PATH]
+        (PATH: an export folder or models:/NAME/VERSION)
 
 Endpoints (FastAPI; OpenAPI docs at /docs and /openapi.json):
 
@@ -10,12 +11,15 @@ Endpoints (FastAPI; OpenAPI docs at /docs and /openapi.json):
 * ``POST /v1/completions``: the OpenAI completions API (``stream: true`` answers server-sent events); the
   model name chooses base (``<name>``) or speculative (``<name>-speculative``) decoding.
 * ``GET /v1/models``, ``GET /healthz``.
+* With a DALL-E (``dalle=PATH``): ``POST /images/generate`` and ``POST /v1/images/generations`` (the OpenAI
+  images API), served by an :class:`~efftx.serving.images.ImageGenerator` deployment behind this one.
 
 Bad input gets a 4xx naming the field (422 for values, 400 for bodies that are not UTF-8 JSON); no
 request can take the replica down.
 """
 
 
+import base64
 import codecs
 import json
 import time
@@ -25,11 +29,13 @@ from typing import Any
 
 import torch
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
 from efftx.generation.decode import decode_bytes, encode_text, iter_generate
 from efftx.generation.speculative import SpecStats, iter_speculative, iter_speculative_rows
+from efftx.serving.images import (ImageGenerator, ImageLimits, ImageRequest, OpenAIImageRequest, check_request,
+                                  field_error, openai_size)
 from efftx.serving.schemas import CompletionRequest, GenerateRequest, GenerateResponse, Limits, ModeResult
 
 app = FastAPI(title="efftx text generation", description=__doc__.split("\n\n")[0])
@@ -55,15 +61,15 @@ def resolve_model_path(source: str) -> str:
     return source
 
 
-def _field_error(field: str, msg: str) -> HTTPException:
-    return HTTPException(status_code=422, detail=[{"loc": ["body", field], "msg": msg}])
+_field_error = field_error
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=32)
 @serve.ingress(app)
 class TextGenerator:
     def __init__(self, target: str, draft: str | None = None, name: str | None = None,
-                 limits: dict[str, Any] | None = None, max_batch_size: int = 8, batch_wait_timeout_s: float = 0.02):
+                 limits: dict[str, Any] | None = None, max_batch_size: int = 8, batch_wait_timeout_s: float = 0.02,
+                 images=None, image_limits: dict[str, Any] | None = None):
         from efftx.train.checkpoint import load_export
 
         torch.set_num_threads(1)
@@ -76,6 +82,9 @@ class TextGenerator:
         self.limits = Limits(**(limits or {}))
         self._batched.set_max_batch_size(max_batch_size)
         self._batched.set_batch_wait_timeout_s(batch_wait_timeout_s)
+        self.images = images  # a handle to the ImageGenerator deployment, or None
+        self.image_limits = ImageLimits(**(image_limits or {}))
+        self._image_info: dict | None = None
 
     # ------------------------------------------------------------------ checks
     def _check(self, prompt: str, max_new: int, temperature: float, gamma: int, speculative: bool,
@@ -158,12 +167,47 @@ class TextGenerator:
     # ------------------------------------------------------------------ endpoints
     @app.get("/healthz")
     async def healthz(self) -> dict:
-        return {"status": "ok", "model": self.name, "speculative": self.draft is not None}
+        return {"status": "ok", "model": self.name, "speculative": self.draft is not None,
+                "images": self.images is not None}
+
+    async def image_info(self) -> dict | None:
+        if self.images is not None and self._image_info is None:
+            self._image_info = await self.images.info.remote()
+        return self._image_info
 
     @app.get("/v1/models")
     async def models(self) -> dict:
         names = [self.name] + ([f"{self.name}-speculative"] if self.draft is not None else [])
+        info = await self.image_info()
+        names += [info["id"]] if info else []
         return {"object": "list", "data": [{"id": n, "object": "model", "owned_by": "efftx"} for n in names]}
+
+    async def _images(self, req: ImageRequest):
+        if self.images is None:
+            raise HTTPException(status_code=404, detail="this server has no image model (start it with dalle=PATH)")
+        check_request(req, self.image_limits)
+        return await self.images.generate.remote(req)
+
+    @app.post("/images/generate")
+    async def images_generate(self, req: ImageRequest):
+        """One image as ``image/png``; several (or ``response_format: b64_json``) as JSON with base64 PNGs."""
+        res = await self._images(req)
+        if req.n == 1 and req.response_format == "png":
+            return Response(content=base64.b64decode(res.images[0].b64_png), media_type="image/png",
+                            headers={"X-Latency-Ms": f"{res.latency_ms:.1f}", "X-Batch-Size": str(res.batch_size)})
+        return res
+
+    @app.post("/v1/images/generations")
+    async def openai_images(self, req: OpenAIImageRequest) -> dict:
+        if req.response_format != "b64_json":
+            raise _field_error("response_format", "only b64_json is served (this server keeps no image URLs)")
+        info = await self.image_info()
+        if info and req.model not in (None, info["id"]):
+            raise _field_error("model", f"unknown image model {req.model!r}; GET /v1/models lists them")
+        res = await self._images(ImageRequest(prompt=req.prompt, n=req.n, seed=req.seed, size=openai_size(req.size),
+                                              response_format="b64_json"))
+        return {"created": int(time.time()), "data": [{"b64_json": im.b64_png, "revised_prompt": req.prompt}
+                                                      for im in res.images]}
 
     @app.post("/generate", response_model=GenerateResponse)
     async def generate(self, req: GenerateRequest) -> GenerateResponse:
@@ -215,13 +259,23 @@ class TextGenerator:
 
 
 def build(args: dict[str, str]) -> serve.Application:
-    """App builder for ``serve run efftx.serving.text:build target=... [draft=...] [name=...]`` and YAML configs."""
-    unknown = set(args) - {"target", "draft", "name", "limits", "max_batch_size", "batch_wait_timeout_s"}
+    """App builder for ``serve run efftx.serving.text:build target=... [draft=...] [dalle=...]`` and YAML configs."""
+    known = {"target", "draft", "name", "limits", "max_batch_size", "batch_wait_timeout_s", "dalle", "image_limits",
+             "image_max_batch_size", "image_batch_wait_timeout_s"}
+    unknown = set(args) - known
     if unknown or "target" not in args:
         raise ValueError(f"arguments: target=PATH (required), draft=PATH, name=..., max_batch_size=N, "
-                         f"batch_wait_timeout_s=S, limits=JSON; got {sorted(args)}")
-    limits = args.get("limits")
+                         f"batch_wait_timeout_s=S, limits=JSON, dalle=PATH, image_limits=JSON, "
+                         f"image_max_batch_size=N, image_batch_wait_timeout_s=S; got {sorted(args)}")
+
+    def as_dict(value):
+        return json.loads(value) if isinstance(value, str) else value
+
+    images = None
+    if args.get("dalle"):
+        images = ImageGenerator.bind(args["dalle"], int(args.get("image_max_batch_size", 8)),
+                                     float(args.get("image_batch_wait_timeout_s", 0.05)))
     return TextGenerator.bind(
-        args["target"], args.get("draft") or None, args.get("name"),
-        json.loads(limits) if isinstance(limits, str) else limits,
-        int(args.get("max_batch_size", 8)), float(args.get("batch_wait_timeout_s", 0.02)))
+        args["target"], args.get("draft") or None, args.get("name"), as_dict(args.get("limits")),
+        int(args.get("max_batch_size", 8)), float(args.get("batch_wait_timeout_s", 0.02)),
+        images, as_dict(args.get("image_limits")))

@@ -1,0 +1,172 @@
+"""Image generation on Ray Serve: an exported DALL-E (its frozen dVAE inside) behind the text app's HTTP routes.
+
+:class:`ImageGenerator` is a deployment without routes of its own: the text app's ingress
+(:mod:`efftx.serving.text`) holds a handle to it and serves
+
+* ``POST /images/generate``: ``{prompt, n, filter_thres, top_p, temperature, cond_scale, seed, size,
+  response_format}`` -> ``image/png`` for one image, else (``n > 1`` or ``response_format: "b64_json"``)
+  JSON with base64 PNGs and timings;
+* ``POST /v1/images/generations``: the OpenAI images API (``response_format: "b64_json"``), so the
+  official client's ``images.generate`` works against the same base URL as the completions.
+
+Requests are grouped with ``@serve.batch``: requests sharing the sampling settings decode together,
+one batched forward pass per image token, every image with its own seed (``seed + i`` for image i of
+a request), so an image does not depend on the batch it landed in.
+"""
+
+import base64
+import time
+from typing import Literal
+
+import torch
+from fastapi import HTTPException
+from pydantic import BaseModel, ConfigDict, Field
+from ray import serve
+
+from efftx.generation.png import png_bytes, to_pil
+
+
+class ImageLimits(BaseModel):
+    """Per-request limits (``limits`` of the image deployment); over-limit values are a 4xx naming the field."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_prompt_chars: int = 256
+    max_images: int = 8  # n
+    max_cond_scale: float = 10.0
+    max_size: int = 1024  # pixels per side of a returned image (resized from the model's own size)
+
+
+class ImageRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1)
+    n: int = Field(default=1, ge=1)
+    filter_thres: float = Field(default=0.9, ge=0.0, le=1.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float = Field(default=1.0, ge=0.0)
+    cond_scale: float = Field(default=1.0, ge=0.0)
+    seed: int | None = None
+    size: int | None = Field(default=None, ge=8)  # side of the returned images; None = the model's own
+    response_format: Literal["png", "b64_json"] = "png"  # png: one image as image/png; n > 1 is always JSON
+
+
+class OpenAIImageRequest(BaseModel):
+    """The subset of the OpenAI images API this server implements (other fields are ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    prompt: str = Field(min_length=1)
+    model: str | None = None
+    n: int = Field(default=1, ge=1)
+    size: str | None = None  # "WxH" with W == H
+    response_format: str = "b64_json"
+    seed: int | None = None
+
+
+class GeneratedImage(BaseModel):
+    b64_png: str
+    seed: int | None
+
+
+class ImageResponse(BaseModel):
+    prompt: str
+    images: list[GeneratedImage]
+    size: int
+    latency_ms: float
+    images_per_s: float
+    batch_size: int  # requests decoded together
+    prompt_truncated: bool
+
+
+def field_error(field: str, msg: str) -> HTTPException:
+    return HTTPException(status_code=422, detail=[{"loc": ["body", field], "msg": msg, "type": "value_error"}])
+
+
+def check_request(req: ImageRequest, lim: ImageLimits) -> None:
+    """Raise a 4xx naming the field for a request over the limits (run by the ingress, before batching)."""
+    if len(req.prompt) > lim.max_prompt_chars:
+        raise field_error("prompt", f"the prompt has {len(req.prompt)} characters; the limit is {lim.max_prompt_chars}")
+    if not req.prompt.strip():
+        raise field_error("prompt", "the prompt holds no text")
+    if req.n > lim.max_images:
+        raise field_error("n", f"at most {lim.max_images} images per request, got {req.n}")
+    if req.cond_scale > lim.max_cond_scale:
+        raise field_error("cond_scale", f"at most {lim.max_cond_scale}, got {req.cond_scale}")
+    if req.size is not None and req.size > lim.max_size:
+        raise field_error("size", f"at most {lim.max_size} pixels per side, got {req.size}")
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=32)
+class ImageGenerator:
+    def __init__(self, model: str, max_batch_size: int = 8, batch_wait_timeout_s: float = 0.05):
+        from efftx.generate_images import DalleGenerator
+
+        torch.set_num_threads(1)
+        self.gen = DalleGenerator.load(model)
+        self.source = model
+        self.name = self.gen.cfg.recipe
+        self.generate.set_max_batch_size(max_batch_size)
+        self.generate.set_batch_wait_timeout_s(batch_wait_timeout_s)
+
+    def info(self) -> dict:
+        return {"id": self.name, "kind": "image", "source": self.source, "recipe": self.gen.cfg.recipe,
+                "parameters": self.gen.model.num_params(), "image_size": self.gen.image_size,
+                "text_seq_len": self.gen.text_seq_len}
+
+    def _draw(self, reqs: list[ImageRequest]) -> list[ImageResponse]:
+        """One batched generation for requests sharing their sampling settings."""
+        from efftx.generation.images import generate_images
+
+        first = reqs[0]
+        t0 = time.perf_counter()
+        text, cut = self.gen.encode([r.prompt for r in reqs])
+        counts = [r.n for r in reqs]
+        captions = text.repeat_interleave(torch.tensor(counts), dim=0)  # one row per image
+        seeds = [None if r.seed is None else r.seed + i for r in reqs for i in range(r.n)]
+        images, _ = generate_images(self.gen.model, captions, num_images=1, filter_thres=first.filter_thres,
+                                    top_p=first.top_p, temperature=first.temperature,
+                                    cond_scale=first.cond_scale, seed=seeds)
+        secs = time.perf_counter() - t0
+        out, row = [], 0
+        for r, was_cut in zip(reqs, cut):
+            size = r.size or self.gen.image_size
+            pngs = [_encode(images[row + i], size) for i in range(r.n)]
+            row += r.n
+            out.append(ImageResponse(
+                prompt=r.prompt, size=size, latency_ms=secs * 1e3, images_per_s=r.n / secs, batch_size=len(reqs),
+                prompt_truncated=was_cut,
+                images=[GeneratedImage(b64_png=p, seed=None if r.seed is None else r.seed + i) for i, p in enumerate(pngs)]))
+        return out
+
+    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.05)
+    async def generate(self, requests: list[ImageRequest]) -> list[ImageResponse]:
+        results: list[ImageResponse | None] = [None] * len(requests)
+        groups: dict[tuple, list[int]] = {}
+        for i, r in enumerate(requests):
+            groups.setdefault((r.filter_thres, r.top_p, r.temperature, r.cond_scale), []).append(i)
+        for rows in groups.values():
+            for i, res in zip(rows, self._draw([requests[i] for i in rows])):
+                results[i] = res
+        return results
+
+
+def _encode(image: torch.Tensor, size: int) -> str:
+    """(C, S, S) in [0, 1] -> base64 PNG, resized to size x size (nearest when enlarging keeps the pixels crisp)."""
+    from PIL import Image
+
+    pil = to_pil(image)
+    if pil.size != (size, size):
+        pil = pil.resize((size, size), Image.NEAREST if size > pil.size[0] else Image.LANCZOS)
+    return base64.b64encode(png_bytes(pil)).decode()
+
+
+def openai_size(size: str | None, field: str = "size") -> int | None:
+    """OpenAI's "WxH" size -> one side in pixels (square only)."""
+    if size is None or size == "auto":
+        return None
+    w, sep, h = size.lower().partition("x")
+    if not sep or not w.isdigit() or not h.isdigit() or w != h:
+        raise field_error(field, f"size must be a square 'NxN' (for example '256x256'), got {size!r}")
+    return int(w)
+
