@@ -11,7 +11,7 @@ import sys
 
 from efftx import recipes
 from efftx.config import Config
-from efftx.errors import EfftxError
+from efftx.errors import ConfigError, EfftxError
 
 
 def parser(description: str, default_recipe: str | None) -> argparse.ArgumentParser:
@@ -82,6 +82,10 @@ def _print_epilogue(summary: dict) -> None:
     from efftx.train.checkpoint import read_export_config
 
     export = summary.get("export_path")
+    family = read_export_config(export)[0].model.family if export else "lm"
+    if family != "lm":
+        _print_image_epilogue(summary, family)
+        return
     if export:
         prompt = "def "
         room = read_export_config(export)[0].model.max_seq_len - len(prompt)
@@ -97,6 +101,79 @@ def _print_epilogue(summary: dict) -> None:
         print(f"registered as:  {summary['registered_model']}")
     print(f"exported model: {export}")
     print(f"generate:       .venv/bin/python -m efftx.generate --model {export} --prompt 'def ' --max-new-tokens 200")
+
+
+def _print_image_epilogue(summary: dict, family: str) -> None:
+    """What to do with a dVAE or DALL-E export."""
+    from efftx.tracking import ui_command
+
+    export, val = summary.get("export_path"), summary.get("val_loss")
+    print(f"run:            {summary['run_name']} (step {summary['final_step']}"
+          + (f", validation loss {val:.4f}" if val is not None else "") + ")")
+    print(f"MLflow run:     {summary['mlflow_run_id']} in {summary['tracking_uri']} (samples/: PNG grids)")
+    print(f"MLflow UI:      {ui_command(summary['tracking_uri'])}")
+    if summary.get("registered_model"):
+        print(f"registered as:  {summary['registered_model']}")
+    print(f"exported model: {export}")
+    if family == "dalle":
+        print(f"generate:       .venv/bin/python -m efftx.generate_images --model {export} "
+              f"--prompt 'a red circle on a blue background' --num-images 4 --out outputs")
+    else:
+        print(f"train DALL-E:   .venv/bin/python jobs/train_dalle.py --vae {export}")
+
+
+def train_dalle_main(argv: list[str] | None = None) -> int:
+    """Train DALL-E on a given dVAE (--vae), or the recipe's paired dVAE first and then DALL-E on its export."""
+    p = parser("Train DALL-E through the efftx train loop; without --vae (or dalle.vae_path), train its dVAE "
+               "first (the paired recipe: dalle* -> dvae*).", "dalle_shapes_small")
+    p.add_argument("--vae", help="the trained dVAE: an export folder or models:/NAME/VERSION (sets dalle.vae_path)")
+    p.add_argument("--vae-recipe", help="recipe of the dVAE trained first (default: the pair of --recipe)")
+    p.add_argument("--vae-set", dest="vae_overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key of the dVAE run only; --set keys of data.*, scaling.*, engine.*, "
+                        "tracking.uri and tracking.experiment apply to both runs, the others to DALL-E only")
+    args = p.parse_args(argv)
+
+    def work():
+        from efftx.train.launch import default_run_name, launch, resolve
+
+        cfg = config_from_args(args)
+        if cfg.model.family != "dalle":
+            raise ConfigError(f"recipe {args.recipe!r} trains model.family={cfg.model.family!r}, not a DALL-E; "
+                              f"choose one of {', '.join(n for n in recipes.names() if n.startswith('dalle'))}")
+        if args.vae:
+            cfg.dalle.vae_path = args.vae
+        name = args.run_name or default_run_name(args.recipe)
+        cfg.name = f"{name}-dalle"
+        vae_cfg = None
+        if not cfg.dalle.vae_path:
+            shared = [o for o in args.overrides if o.split("=", 1)[0].strip().startswith(SHARED_PREFIXES)]
+            vae_cfg = recipes.get(args.vae_recipe or recipes.paired_dvae(args.recipe)).override(shared)
+            vae_cfg.override(args.vae_overrides)
+            vae_cfg.name = f"{name}-dvae"
+            if args.workers is not None:
+                vae_cfg.scaling.num_workers = args.workers
+        elif args.vae_recipe or args.vae_overrides:
+            raise ConfigError("--vae-recipe and --vae-set configure the dVAE this job trains; with --vae (or "
+                              "dalle.vae_path) it trains none")
+        if args.print_config:
+            print(json.dumps({"dvae": resolve(vae_cfg).to_dict() if vae_cfg else None,
+                              "dalle": resolve(cfg).to_dict() if cfg.dalle.vae_path else cfg.to_dict()}, indent=2))
+            return None
+        summaries = {"dvae": None}
+        if vae_cfg is not None:
+            summaries["dvae"] = launch(vae_cfg)
+            _print_epilogue(summaries["dvae"])
+            cfg.dalle.vae_path = summaries["dvae"]["export_path"]
+        summaries["dalle"] = launch(cfg)
+        _print_epilogue(summaries["dalle"])
+        return summaries
+
+    return run_reporting(work)
+
+
+# --set keys that describe the machine or the data rather than a model: jobs/train_dalle.py gives them to the
+# dVAE it trains first too.
+SHARED_PREFIXES = ("data.", "scaling.", "engine.", "tracking.uri", "tracking.experiment")
 
 
 def train_speculative_main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,8 @@
 
 * params: the flattened run config, with the same dotted keys as ``--set`` (plus ``data.sha256``);
 * metrics: per step (train loss, lr, tokens/s, MFU) and per evaluation (val loss, bits-per-byte);
-* artifacts: text samples under ``samples/``, the exported model under ``export/``;
+* artifacts: samples under ``samples/`` (text, or PNG images from the image tasks), the exported model
+  under ``export/``;
 * the model registry: each export registered under the recipe name (``tracking.model_name``).
 
 The default tracking URI is a sqlite file in the efftx home (``.efftx/mlflow.db`` in a checkout);
@@ -79,6 +80,23 @@ class Tracker:
 
     def log_text(self, text: str, path: str) -> None:
         self.client.log_text(self.run_id, text, path)
+
+    def log_sample(self, artifact, path: str) -> None:
+        """One sample artifact at ``path``: text (str), file bytes (e.g. a PNG) or a Pillow image (saved as PNG)."""
+        if isinstance(artifact, str):
+            self.log_text(artifact, path)
+            return
+        if not isinstance(artifact, bytes):  # a Pillow image
+            from efftx.generation.png import png_bytes
+
+            artifact = png_bytes(artifact)
+        import tempfile
+
+        parent, name = Path(path).parent, Path(path).name
+        with tempfile.TemporaryDirectory(prefix="efftx-artifact-") as tmp:
+            local = Path(tmp, name)
+            local.write_bytes(artifact)
+            self.client.log_artifact(self.run_id, str(local), None if str(parent) == "." else str(parent))
 
     def log_artifacts(self, local_dir: str, path: str) -> None:
         self.client.log_artifacts(self.run_id, local_dir, path)

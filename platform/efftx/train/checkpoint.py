@@ -5,11 +5,14 @@ files (Ray merges the ranks' files); rank 0 adds ``efftx_state.json``: the loop 
 run config, so a checkpoint alone is enough to rebuild its model.
 
 An export is ``model.safetensors`` (fp32 weights, no pickle) + ``config.json`` (the run config and
-metadata). :func:`load_export` rebuilds the model from those two files only.
+metadata), plus any files its task adds (DALL-E: ``tokenizer.json`` when it was trained with one).
+:func:`load_export` rebuilds the model from the first two files only. :func:`resolve_export` turns an
+export folder or an MLflow registered-model URI into a local folder.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import tempfile
 from contextlib import contextmanager
@@ -66,8 +69,10 @@ def full_parameters(engine):
         yield
 
 
-def export(model: torch.nn.Module, cfg: Config, out_dir: str | Path, meta: dict[str, Any]) -> Path:
-    """Write model.safetensors + config.json into ``out_dir`` (replacing an older export)."""
+def export(model: torch.nn.Module, cfg: Config, out_dir: str | Path, meta: dict[str, Any],
+           files: dict[str, str | bytes] | None = None) -> Path:
+    """Write model.safetensors + config.json (+ ``files``: name -> text or bytes) into ``out_dir``
+    (replacing an older export)."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -78,7 +83,42 @@ def export(model: torch.nn.Module, cfg: Config, out_dir: str | Path, meta: dict[
     save_file(tensors, str(tmp), metadata={"format": "pt", "efftx.recipe": cfg.recipe})
     tmp.replace(out / WEIGHTS_FILE)
     (out / CONFIG_FILE).write_text(json.dumps({"config": cfg.to_dict(), "meta": meta}, indent=2))
+    for name, content in (files or {}).items():
+        (out / name).write_bytes(content.encode() if isinstance(content, str) else content)
     return out
+
+
+def resolve_export(source: str, tracking_uri: str = "") -> Path:
+    """A local export folder for ``source``: an export folder, or an MLflow registered model
+    ``models:/NAME/VERSION`` (or ``models:/NAME@ALIAS``) of ``tracking_uri`` ("" = the default), downloaded
+    once per process. Raises ExportError naming the problem (the folder is checked by :func:`read_export_config`)."""
+    path = _download_registered(source, tracking_uri) if source.startswith("models:/") else Path(source).expanduser()
+    read_export_config(path)
+    return path
+
+
+@functools.lru_cache(maxsize=16)
+def _download_registered(source: str, tracking_uri: str) -> Path:
+    from mlflow.exceptions import MlflowException
+
+    from efftx.paths import default_tracking_uri
+    from efftx.tracking import client_for
+
+    uri = tracking_uri or default_tracking_uri()
+    ref = source[len("models:/"):]
+    name, sep, version = ref.partition("@") if "@" in ref else ref.partition("/")
+    if not name or not sep or not version or "/" in version:
+        raise ExportError(f"{source!r} is not a registered-model URI: use models:/NAME/VERSION or models:/NAME@ALIAS")
+    try:
+        client = client_for(uri)
+        if "@" in ref:
+            version = client.get_model_version_by_alias(name, version).version
+        download_uri = client.get_model_version_download_uri(name, version)
+        import mlflow
+
+        return Path(mlflow.artifacts.download_artifacts(artifact_uri=download_uri, tracking_uri=uri))
+    except MlflowException as exc:
+        raise ExportError(f"cannot fetch {source} from the MLflow registry at {uri}: {exc.message}") from None
 
 
 def read_export_config(path: str | Path) -> tuple[Config, dict[str, Any]]:

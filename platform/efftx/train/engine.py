@@ -1,14 +1,16 @@
 """The DeepSpeed engine, built from the run config: ZeRO stage, precision, accumulation, clipping.
 
 The optimizer is torch's AdamW (DeepSpeed's own fused Adam needs a compile step and CUDA for its
-fast path); the schedule is linear warmup then cosine decay to ``lr * min_lr_ratio``. Both go to
-``deepspeed.initialize`` so their state is saved and restored with the DeepSpeed checkpoint.
+fast path); the schedule (:class:`Schedule`) is a linear warmup, then either cosine decay to
+``lr * min_lr_ratio`` or the plateau rule (``train.schedule``). Both go to ``deepspeed.initialize`` so
+their state is saved and restored with the DeepSpeed checkpoint.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from typing import Any
 
 import torch
 
@@ -44,16 +46,96 @@ def deepspeed_config(cfg) -> dict:
 
 
 def lr_lambda(cfg):
-    """Multiplier of train.lr at optimizer step s: linear warmup, then cosine to min_lr_ratio."""
+    """Multiplier of train.lr at optimizer step s: linear warmup, then cosine to min_lr_ratio (or 1 with
+    ``train.schedule=plateau``, whose cuts :class:`Schedule` applies on top)."""
     t = cfg.train
 
     def fn(step: int) -> float:
         if t.warmup_steps and step < t.warmup_steps:
             return (step + 1) / t.warmup_steps
+        if t.schedule == "plateau":
+            return 1.0
         progress = min(1.0, (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps))
         return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return fn
+
+
+class Plateau:
+    """The plateau rule of ``train.schedule=plateau`` (torch's ReduceLROnPlateau in "min" mode with a
+    relative threshold), fed one validation loss per evaluation; ``scale`` multiplies ``train.lr``.
+
+    An evaluation improves when ``value < best * (1 - plateau_threshold)``. After more than
+    ``plateau_patience`` evaluations in a row without improvement the scale is multiplied by
+    ``plateau_factor`` (floored at ``plateau_min_lr / lr``), and the next ``plateau_cooldown`` evaluations
+    count no bad ones. Every rank sees the same (all-reduced) losses, so every rank decides the same.
+    """
+
+    def __init__(self, train_cfg):
+        t = train_cfg
+        self.factor, self.patience, self.cooldown, self.threshold = (
+            t.plateau_factor, t.plateau_patience, t.plateau_cooldown, t.plateau_threshold)
+        self.min_scale = t.plateau_min_lr / t.lr
+        self.scale, self.best, self.bad, self.cooldown_left = 1.0, math.inf, 0, 0
+
+    def observe(self, value: float) -> bool:
+        """Record one evaluation; True when it cut the learning rate."""
+        if value < self.best * (1 - self.threshold):
+            self.best, self.bad = value, 0
+        else:
+            self.bad += 1
+        if self.cooldown_left > 0:
+            self.cooldown_left -= 1
+            self.bad = 0
+        if self.bad > self.patience:
+            self.bad, self.cooldown_left = 0, self.cooldown
+            new = max(self.scale * self.factor, self.min_scale)
+            if self.scale - new > 1e-12:
+                self.scale = new
+                return True
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "best": self.best, "bad": self.bad, "cooldown_left": self.cooldown_left}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale, self.best, self.bad, self.cooldown_left = (
+            state["scale"], state["best"], state["bad"], state["cooldown_left"])
+
+
+class Schedule(torch.optim.lr_scheduler.LambdaLR):
+    """``train.lr`` x :func:`lr_lambda` (warmup, then cosine or constant) x the plateau scale.
+
+    ``observe(val_loss)`` is called by the loop after every evaluation; it does nothing under the cosine
+    schedule. A cut takes effect at once (the current learning rate is recomputed). ``state_dict`` carries
+    the plateau state, so DeepSpeed's checkpoint restores it with the rest on resume.
+    """
+
+    def __init__(self, optimizer, cfg):
+        self.plateau = Plateau(cfg.train) if cfg.train.schedule == "plateau" else None
+        base = lr_lambda(cfg)
+        super().__init__(optimizer, lambda step: base(step) * (self.plateau.scale if self.plateau else 1.0))
+
+    def observe(self, value: float) -> bool:
+        if self.plateau is None or not self.plateau.observe(value):
+            return False
+        for group, base_lr, fn in zip(self.optimizer.param_groups, self.base_lrs, self.lr_lambdas):
+            group["lr"] = base_lr * fn(self.last_epoch)
+        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if self.plateau is not None:
+            state["plateau"] = self.plateau.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = dict(state_dict)
+        plateau = state.pop("plateau", None)
+        super().load_state_dict(state)
+        if self.plateau is not None and plateau is not None:
+            self.plateau.load_state_dict(plateau)
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -71,7 +153,7 @@ def initialize(model: torch.nn.Module, cfg):
 
     t = cfg.train
     optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    scheduler = Schedule(optimizer, cfg)
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(cfg))
     return engine, optimizer, scheduler

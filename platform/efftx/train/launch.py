@@ -33,13 +33,14 @@ def default_run_name(recipe: str) -> str:
 
 
 def resolve(cfg: Config) -> Config:
-    """Fill machine-dependent defaults (paths, URIs, run name) and validate. Returns a copy."""
+    """Fill machine-dependent defaults (paths, URIs, run name), let the task derive the keys that come from
+    elsewhere (DALL-E: vae.* from its dVAE export), and validate. Returns a copy."""
     cfg = cfg.copy()
     cfg.name = cfg.name or default_run_name(cfg.recipe)
     cfg.tracking.uri = cfg.tracking.uri or paths.default_tracking_uri()
     cfg.scaling.storage_path = str(Path(cfg.scaling.storage_path or paths.default_storage_path()).expanduser().resolve())
     cfg.data.cache_dir = cfg.data.cache_dir or paths.default_data_dir()
-    return cfg.validate()
+    return get_task(cfg.model.family).configure(cfg).validate()
 
 
 def run_dir(cfg: Config) -> Path:

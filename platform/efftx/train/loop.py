@@ -1,9 +1,13 @@
 """The one per-worker train loop, run by Ray Train's TorchTrainer on every worker.
 
 Per optimizer step: ``grad_accum`` micro batches through the DeepSpeed engine; every
-``log_every`` steps loss / lr / tokens/s / MFU; every ``eval_every`` the fixed validation set;
-every ``sample_every`` a sample; every ``checkpoint_every`` (and at the end) a Ray checkpoint.
-At the end the model is exported (safetensors + config.json) and logged to MLflow.
+``log_every`` steps loss / lr / tokens/s / MFU and the task's own training metrics (mean over micro
+batches and ranks); every ``eval_every`` the fixed validation set (whose ``val_loss`` also feeds the
+plateau schedule); every ``sample_every`` a sample; every ``checkpoint_every`` (and at the end) a
+Ray checkpoint. At the end the model is exported (safetensors + config.json + the task's files) and
+logged to MLflow.
+
+A batch is whatever the task makes: a tensor, or a tuple / list / dict of them (:func:`to_device`).
 
 Resume is exact: the data of (step, micro batch, rank) and the dropout RNG are functions of the
 seed and those coordinates, and the DeepSpeed checkpoint restores weights, optimizer and LR
@@ -62,6 +66,25 @@ def all_mean(values: list[float], weight: float = 1.0) -> list[float]:
     return [x / total if total else 0.0 for x in t[:-1].tolist()]
 
 
+def to_device(batch: Any, device) -> Any:
+    """A task's batch on ``device``: a tensor, or tuples / lists / dicts of them (nested); anything else
+    (e.g. the dVAE's Gumbel temperature, a float) is passed as it is."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def _accumulate(sums: dict[str, torch.Tensor], metrics: dict[str, Any]) -> None:
+    """Add a micro batch's task metrics (0-d tensors or numbers) to ``sums``, without a host sync."""
+    for k, v in metrics.items():
+        v = v.detach().float() if isinstance(v, torch.Tensor) else torch.tensor(float(v))
+        sums[k] = sums[k] + v.to(sums[k].device) if k in sums else v
+
+
 def _seed_step(cfg: Config, rank: int, step: int, micro: int) -> None:
     """Dropout & co draw from a generator seeded by (seed, rank, step, micro): resume-exact."""
     torch.manual_seed(int(batch_rng(cfg.train.seed, rank, step, micro).integers(2**62)))
@@ -99,6 +122,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     task = get_task(cfg.model.family)(cfg, payload["prepared"])
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     model = task.build_model(cfg)
+    task.load_pretrained(model)  # weights this run does not train (DALL-E's frozen dVAE)
     engine, _, scheduler = engine_lib.initialize(model, cfg)
     dev = engine.device
 
@@ -124,13 +148,16 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
 
     def evaluate(step: int) -> dict[str, float]:
         engine.eval()
-        metrics, weight = task.evaluate(engine.module, [b.to(dev) for b in eval_set])
+        metrics, weight = task.evaluate(engine.module, [to_device(b, dev) for b in eval_set])
         engine.train()
         names = sorted(metrics)
         metrics = dict(zip(names, all_mean([metrics[k] for k in names], weight)))
         if tracker:
             tracker.log_metrics(metrics, step)
         log(rank, f"eval step {step}: " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        if "val_loss" in metrics and scheduler.observe(metrics["val_loss"]):
+            log(rank, f"learning rate cut to {scheduler.get_last_lr()[0]:.2e} (train.schedule=plateau: val_loss "
+                      f"has not improved for more than {t.plateau_patience} evaluations)")
         return metrics
 
     def sample(step: int) -> None:
@@ -139,10 +166,11 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         engine.train()
         if tracker and metrics:
             tracker.log_metrics(metrics, step)
-        for name, text in artifacts.items():
+        for name, artifact in artifacts.items():  # text, or image bytes / Pillow images (PNG)
             if tracker:
-                tracker.log_text(text, name)
-            log(rank, f"sample at step {step}:\n{text}")
+                tracker.log_sample(artifact, name)
+            log(rank, f"sample at step {step}:\n{artifact}" if isinstance(artifact, str)
+                else f"sample at step {step}: {name}")
 
     def save(step: int, metrics: dict[str, Any]) -> None:
         state = {"step": step, "tokens_seen": tokens_seen, "config": cfg.to_dict(),
@@ -159,13 +187,15 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         _inject_failure(cfg, step + 1, rank, world, resumed)
         t0 = time.perf_counter()
         loss_sum = torch.zeros((), device=dev)
+        task_sums: dict[str, torch.Tensor] = {}
         for micro in range(t.grad_accum):
-            batch = task.train_batch(step, micro, rank).to(dev)
+            batch = to_device(task.train_batch(step, micro, rank), dev)
             _seed_step(cfg, rank, step, micro)
-            loss, _ = task.loss(engine, batch)
+            loss, task_metrics = task.loss(engine, batch)
             engine.backward(loss)
             engine.step()
             loss_sum += loss.detach().float()
+            _accumulate(task_sums, task_metrics)
         (loss_value,) = all_mean([loss_sum.item() / t.grad_accum])  # .item() synchronises the device
         dt = time.perf_counter() - t0
         step += 1
@@ -180,10 +210,14 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
             tok_s = interval_steps * tokens_per_step / interval_time
             metrics = {"loss": loss_value, "lr": scheduler.get_last_lr()[0], "tokens_per_s": tok_s,
                        "mfu": flops_per_token * tok_s / (peak * world), "tokens_seen": tokens_seen}
+            names = sorted(task_sums)  # the same on every rank: all_mean is collective
+            task_means = dict(zip(names, all_mean([task_sums[k].item() / t.grad_accum for k in names]))) if names else {}
+            metrics.update(task_means)
             if tracker:
                 tracker.log_metrics(metrics, step)
             log(rank, f"step {step}/{t.steps} loss {loss_value:.4f} lr {metrics['lr']:.2e} "
-                      f"tok/s {tok_s:,.0f} mfu {metrics['mfu']:.2%}")
+                      f"tok/s {tok_s:,.0f} mfu {metrics['mfu']:.2%}"
+                      + "".join(f" {k} {v:.4g}" for k, v in task_means.items()))
             interval_time, interval_steps = 0.0, 0
         else:
             # still logged to MLflow every step: the resume test reads the loss of any step
@@ -207,7 +241,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         if rank == 0:
             meta = {"step": step, "tokens_seen": tokens_seen, "num_params": engine.module.num_params(),
                     "mlflow_run_id": payload["mlflow_run_id"], **last_eval}
-            checkpoint.export(engine.module, cfg, export_dir, meta)
+            checkpoint.export(engine.module, cfg, export_dir, meta, files=task.export_files())
     if tracker:
         tracker.log_artifacts(export_dir, "export")
         model_uri = tracker.register("export")

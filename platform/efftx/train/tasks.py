@@ -3,24 +3,35 @@
 A Task turns the run config into a model and batches, a batch into a loss, a fixed validation set
 into metrics, and a model into samples. The loop knows nothing about text or images.
 
+    configure(cfg) -> cfg                     (driver, before validation: keys derived from elsewhere; default: none)
     prepare(cfg) -> dict                      (driver, once: build/check data; plain data for workers)
     Task(cfg, prepared)                       (each worker)
-    build_model(cfg) -> nn.Module          (static: an export's config alone rebuilds the model)
+    build_model(cfg) -> nn.Module             (static: an export's config alone rebuilds the model)
+    load_pretrained(model)                    (each worker, before training: weights the run does not train)
     train_batch(step, micro, rank) -> batch   (a pure function of its arguments: resume is exact)
-    loss(model, batch) -> (loss, metrics)
+    loss(model, batch) -> (loss, metrics)     (metrics: 0-d tensors, logged as means every log_every steps)
     eval_batches(rank, world) -> [batch]      (this rank's share of the fixed validation set)
-    evaluate(model, batches) -> {name: mean}, weight
-    sample(model, step) -> ({artifact name: text}, {metric: value})
+    evaluate(model, batches) -> {name: mean}, weight   (runs on every rank; reports val_loss)
+    sample(model, step) -> ({artifact name: text | PNG bytes | Pillow image}, {metric: value})
+    export_files() -> {file name: text | bytes}   (saved beside the export's weights; default: none)
+
+A batch is a tensor or a tuple / list / dict of tensors (the loop moves it with ``loop.to_device``).
+``tokens_per_micro_batch`` is the unit of the loop's tokens/s and MFU (the model's ``flops_per_token``
+counts the same unit: for the dVAE, an image).
+
+Tasks: ``lm`` (:class:`LMTask`), ``dvae`` (:class:`DVAETask`), ``dalle`` (:class:`DALLETask`).
 """
 
 from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from efftx.data.bytes import ByteData, CorpusInfo, prepare as prepare_corpus
@@ -60,8 +71,18 @@ class Task:
         self.prepared = prepared
 
     @classmethod
+    def configure(cls, cfg):
+        return cfg
+
+    @classmethod
     def prepare(cls, cfg) -> dict[str, Any]:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def load_pretrained(self, model) -> None:
+        pass
+
+    def export_files(self) -> dict[str, str | bytes]:
+        return {}
 
 
 @register("lm")
@@ -161,3 +182,252 @@ class LMTask(Task):
 
             self._draft_model, _, _ = load_export(path, device)
         return self._draft_model
+
+
+# ------------------------------------------------------------------------------------------ image tasks
+
+def _param_dtype(model) -> torch.dtype:
+    """The dtype the model computes in (DeepSpeed casts it for bf16/fp16): images are cast to it."""
+    return next(p for p in model.parameters() if p.is_floating_point()).dtype
+
+
+def _param_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+class _ImageTask(Task):
+    """What the dVAE and DALL-E tasks share: the image + caption data of ``data.image`` (efftx/data/images.py),
+    sized by the model (``vae.image_size``, ``vae.channels``, and DALL-E's ``dalle.text_seq_len``), and a fixed
+    sample set (the first ``train.sample_images`` validation samples, the same on every rank)."""
+
+    @classmethod
+    def _text_seq_len(cls, cfg) -> int:
+        return 0  # the dVAE reads no captions
+
+    @classmethod
+    def _data(cls, cfg):
+        from efftx.data.images import ImageTextData
+
+        return ImageTextData(cfg.data, image_size=cfg.vae.image_size, channels=cfg.vae.channels,
+                             text_seq_len=cls._text_seq_len(cfg), seed=cfg.train.seed, grad_accum=cfg.train.grad_accum)
+
+    @classmethod
+    def prepare(cls, cfg) -> dict[str, Any]:
+        """Scan the data once on the driver: an unusable source or too few images for the workers is a
+        DataError here, before any worker starts; the skip counts are printed."""
+        data = cls._data(cfg).load()
+        data.indices(0, 0, cfg.train.micro_batch_size, 0, cfg.scaling.num_workers)  # every worker gets images
+        print(f"[efftx] image data: {data.stats.summary()} ({len(data.train_ids)} for training, "
+              f"{len(data.val_ids)} for validation)", flush=True)
+        return {"images": data.stats.to_dict(), "train_images": int(len(data.train_ids)),
+                "val_images": int(len(data.val_ids))}
+
+    def __init__(self, cfg, prepared):
+        super().__init__(cfg, prepared)
+        self.data = self._data(cfg)  # scanned lazily, on the first batch
+        self.world = cfg.scaling.num_workers
+
+    def _micro_batch(self, step: int, micro: int, rank: int):
+        return self.data.batch(step, micro, self.cfg.train.micro_batch_size, rank, self.world)
+
+    def _val_batches(self, rank: int, world: int):
+        t = self.cfg.train
+        return self.data.val_batches(t.micro_batch_size, rank, world, limit=t.eval_batches * t.micro_batch_size)
+
+    def _sample_set(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(images, captions) of the first ``train.sample_images`` validation samples (central crops)."""
+        n = self.cfg.train.sample_images
+        return self.data.val_batches(n, 0, 1, limit=n)[0]
+
+    @staticmethod
+    def _weighted_means(batches, names: tuple[str, ...], metrics_of) -> tuple[dict[str, float], int]:
+        """Per-sample means over ``batches`` of ``metrics_of(batch) -> (batch size, {name: value})``. Every
+        name is present (0 with weight 0 on a rank without validation samples): the loop all-reduces them."""
+        sums = dict.fromkeys(names, 0.0)
+        n = 0
+        for batch in batches:
+            size, metrics = metrics_of(batch)
+            for k in names:
+                sums[k] += float(metrics[k]) * size
+            n += size
+        return {k: v / n if n else 0.0 for k, v in sums.items()}, n
+
+
+@register("dvae")
+class DVAETask(_ImageTask):
+    """The discrete VAE: reconstruct images through the codebook. The training batch carries the Gumbel
+    temperature of its step (``vae.temperature`` annealed, :func:`efftx.models.dvae.temperature`), so the
+    loss is a function of the batch alone. Validation reports the losses and the codebook usage of the
+    whole validation set (code histograms summed over ranks): ``val_perplexity``, ``val_dead_codes``.
+    Samples: validation images beside their reconstructions, as one PNG grid. A "token" of tokens/s is an image."""
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.cfg.train.micro_batch_size
+
+    @staticmethod
+    def build_model(cfg):
+        from efftx.models.dvae import DiscreteVAE
+
+        return DiscreteVAE(cfg.vae)
+
+    def train_batch(self, step: int, micro: int, rank: int) -> dict[str, Any]:
+        from efftx.models.dvae import temperature
+
+        images, _ = self._micro_batch(step, micro, rank)
+        return {"images": images, "temperature": temperature(self.cfg.vae, step)}
+
+    def loss(self, model, batch: dict[str, Any]):
+        tau = batch.get("temperature")
+        loss, metrics = model(batch["images"].to(_param_dtype(model)), temperature=tau)
+        return loss, ({**metrics, "temperature": tau} if tau is not None else metrics)
+
+    def eval_batches(self, rank: int, world: int) -> list[dict[str, torch.Tensor]]:
+        return [{"images": images} for images, _ in self._val_batches(rank, world)]
+
+    @torch.no_grad()
+    def evaluate(self, model, batches):
+        """Losses (means over this rank's images) and the codebook usage of all ranks' validation images.
+        Collective (the histogram is summed over ranks): the loop calls it on every rank."""
+        num_tokens = self.cfg.vae.num_tokens
+        counts = torch.zeros(num_tokens, dtype=torch.float64, device=_param_device(model))
+
+        def metrics_of(batch):
+            images = batch["images"].to(_param_dtype(model))
+            loss, m = model(images)
+            counts.add_(torch.bincount(model.get_codebook_indices(images).flatten(), minlength=num_tokens))
+            return images.shape[0], {"val_loss": loss, "val_recon_loss": m["recon_loss"], "val_kl": m["kl"]}
+
+        means, n = self._weighted_means(batches, ("val_loss", "val_recon_loss", "val_kl"), metrics_of)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(counts)
+        p = counts / counts.sum().clamp(min=1)
+        means["val_perplexity"] = float(torch.exp(-torch.special.xlogy(p, p).sum()))
+        means["val_dead_codes"] = float((counts == 0).sum())
+        return means, n
+
+    @torch.no_grad()
+    def sample(self, model, step: int):
+        from efftx.generation.png import grid, png_bytes
+
+        images, _ = self._sample_set()
+        images = images.to(_param_device(model), _param_dtype(model))
+        recon = model.reconstruct(images)
+        pairs = [im for pair in zip(images, recon) for im in pair]  # original, reconstruction, original, ...
+        picture = grid(pairs, ["original", "reconstruction"] * len(images), columns=8,
+                       cell=max(96, self.cfg.vae.image_size))
+        return {f"samples/step_{step:06d}.png": png_bytes(picture)}, {}
+
+
+@register("dalle")
+class DALLETask(_ImageTask):
+    """DALL-E on captions + the codes of a trained, frozen dVAE (``dalle.vae_path``).
+
+    :meth:`configure` takes ``vae.*`` from the dVAE export and ``model.vocab_size`` from the caption
+    tokenizer (``data.image.bpe_path``, else bytes), so an export's config rebuilds both models and the
+    text ids always fit; :meth:`load_pretrained` loads the dVAE's weights into ``model.vae``. The export
+    holds the DALL-E and dVAE weights, and ``tokenizer.json`` when a tokenizers JSON was used.
+    Samples: images generated for validation captions (``train.sample_*``), with their captions, one PNG grid.
+    """
+
+    TOKENIZER_FILE = "tokenizer.json"
+
+    @classmethod
+    def _text_seq_len(cls, cfg) -> int:
+        return cfg.dalle.text_seq_len
+
+    @classmethod
+    def configure(cls, cfg):
+        from efftx.data.text_tokens import load_tokenizer
+        from efftx.errors import ExportError
+        from efftx.train.checkpoint import read_export_config
+
+        source = cfg.dalle.vae_path
+        if not source:
+            raise ConfigError("dalle.vae_path is empty: DALL-E learns the codes of a trained dVAE; give its export "
+                              "folder or models:/NAME/VERSION (jobs/train_dalle.py --vae), or run "
+                              "jobs/train_dalle.py without --vae, which trains one first")
+        vae_cfg, _ = read_export_config(cls._vae_export(cfg))
+        if vae_cfg.model.family != "dvae":
+            raise ExportError(f"dalle.vae_path={source} is a {vae_cfg.model.family!r} export, not a dVAE "
+                              f"(model.family=dvae)")
+        cfg.vae = vae_cfg.vae
+        cfg.model.vocab_size = load_tokenizer(cfg.data.image.bpe_path).vocab_size
+        return cfg
+
+    @staticmethod
+    def _vae_export(cfg) -> str:
+        """The local folder of ``dalle.vae_path`` (a models:/ URI is downloaded); ExportError naming the key."""
+        from efftx.errors import ExportError
+        from efftx.train.checkpoint import resolve_export
+
+        try:
+            return str(resolve_export(cfg.dalle.vae_path, cfg.tracking.uri))
+        except ExportError as exc:
+            raise ExportError(f"dalle.vae_path: {exc}") from None
+
+    @classmethod
+    def prepare(cls, cfg) -> dict[str, Any]:
+        return {**super().prepare(cfg), "vae_export": cls._vae_export(cfg)}
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.cfg.train.micro_batch_size * (self.cfg.dalle.text_seq_len + self.cfg.vae.image_seq_len)
+
+    @staticmethod
+    def build_model(cfg):
+        from efftx.models.dalle import DALLE
+
+        return DALLE(cfg)
+
+    def load_pretrained(self, model) -> None:
+        """The dVAE's trained weights into ``model.vae`` (from the driver's folder, or fetched again on a
+        worker that cannot see it)."""
+        from efftx.errors import ExportError
+        from efftx.train.checkpoint import load_export
+
+        folder = self.prepared["vae_export"]
+        vae, vae_cfg, _ = load_export(folder if Path(folder).is_dir() else self._vae_export(self.cfg))
+        if vae_cfg.vae != self.cfg.vae:
+            raise ExportError(f"the dVAE export of dalle.vae_path={self.cfg.dalle.vae_path} changed since the run "
+                              f"was configured (its vae.* differ)")
+        model.vae.load_state_dict(vae.state_dict())
+
+    def train_batch(self, step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._micro_batch(step, micro, rank)  # (images (B, C, S, S), captions (B, text_seq_len))
+
+    def loss(self, model, batch):
+        images, text = batch
+        return model(text, images.to(_param_dtype(model)))
+
+    def eval_batches(self, rank: int, world: int):
+        return self._val_batches(rank, world)
+
+    @torch.no_grad()
+    def evaluate(self, model, batches):
+        def metrics_of(batch):
+            images, text = batch
+            loss, m = model(text, images.to(_param_dtype(model)))
+            return images.shape[0], {"val_loss": loss, "val_loss_text": m["loss_text"], "val_loss_img": m["loss_img"]}
+
+        return self._weighted_means(batches, ("val_loss", "val_loss_text", "val_loss_img"), metrics_of)
+
+    @torch.no_grad()
+    def sample(self, model, step: int):
+        from efftx.data.text_tokens import decode_tokens
+        from efftx.generation.images import generate_images
+        from efftx.generation.png import grid, png_bytes
+
+        t = self.cfg.train
+        _, text = self._sample_set()
+        images, _ = generate_images(model, text.to(_param_device(model)), filter_thres=t.sample_filter_thres,
+                                    temperature=t.sample_temperature, cond_scale=t.sample_cond_scale, seed=t.seed + step)
+        captions = [decode_tokens(self.data.tokenizer, row) for row in text]
+        picture = grid(images, captions, columns=4, cell=max(128, self.cfg.vae.image_size))
+        return {f"samples/step_{step:06d}.png": png_bytes(picture)}, {}
+
+    def export_files(self) -> dict[str, str | bytes]:
+        from efftx.data.text_tokens import HFTokenizer
+
+        tokenizer = self.data.tokenizer
+        return {self.TOKENIZER_FILE: tokenizer.to_json()} if isinstance(tokenizer, HFTokenizer) else {}
