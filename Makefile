@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.efftx-installed
 # and `ray`, `python`, `mlflow` in recipes below are the venv's.
 export PATH := $(BIN):$(PATH)
 
-.PHONY: setup demo test test-fast bench cluster-up cluster-down submit-example clean-runs
+.PHONY: setup browser demo test test-fast bench cluster-up cluster-down submit-example clean-runs
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -18,10 +18,30 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP)
 
+# Debian's chromium for the browser tests (tests/test_playground.py), installed when it is missing and apt-get
+# can run (as root, or with passwordless sudo). Otherwise nothing is installed and those tests skip, saying
+# what is missing. EFFTX_CHROMIUM=/path/to/chromium uses another Chromium build.
+browser:
+	@if [ -n "$$EFFTX_CHROMIUM" ] || command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then :; \
+	elif ! command -v apt-get >/dev/null 2>&1; then \
+	  echo "note: no chromium and no apt-get: the browser tests will be skipped (install Chromium or set EFFTX_CHROMIUM)"; \
+	else \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=none; fi; \
+	  if [ "$$SUDO" = none ]; then \
+	    echo "note: chromium is missing and apt-get needs root: 'sudo apt-get install -y chromium' enables the browser tests"; \
+	  else \
+	    echo "installing Debian's chromium for the browser tests..."; \
+	    $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 \
+	    || { $$SUDO apt-get update -q >/dev/null && \
+	         $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium >/dev/null; } \
+	    || echo "warning: could not install chromium: the browser tests will be skipped"; \
+	  fi; \
+	fi
+
 demo: setup                       ## the main job on the embedded default (local Ray, sqlite MLflow, bundled corpus)
 	$(BIN)/python jobs/train_sinkhorn.py $(ARGS)
 
-test: setup                       ## the whole test suite, slow end-to-end tests included
+test: setup browser               ## the whole test suite, slow end-to-end and browser tests included
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-fast: setup

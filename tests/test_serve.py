@@ -7,11 +7,6 @@ import socket
 
 import pytest
 import requests
-import torch
-
-from efftx import recipes
-from efftx.models.lm import LM
-from efftx.train.checkpoint import export
 
 pytestmark = pytest.mark.slow
 
@@ -23,22 +18,12 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(ray_cluster, tmp_path_factory):
+def server(ray_cluster, debug_exports):
     from ray import serve
 
     from efftx.serving.text import build
 
-    from efftx.models.dalle import DALLE
-
-    root = tmp_path_factory.mktemp("serve")
-    paths = {}
-    for role, seed in (("target", 0), ("draft", 1)):
-        cfg = recipes.get(f"spec_{role}_debug")
-        torch.manual_seed(seed)
-        paths[role] = str(export(LM(cfg), cfg, root / role, {}))
-    cfg = recipes.get("dalle_shapes_debug").override({"model.vocab_size": 257})  # the byte tokenizer's ids
-    torch.manual_seed(2)
-    paths["dalle"] = str(export(DALLE(cfg), cfg, root / "dalle", {}))
+    paths = debug_exports
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build({"target": paths["target"], "draft": paths["draft"], "name": "tiny",

@@ -10,7 +10,12 @@ Endpoints (FastAPI; OpenAPI docs at /docs and /openapi.json):
   speculative decoding, the acceptance statistics. Requests are grouped with ``@serve.batch``.
 * ``POST /v1/completions``: the OpenAI completions API (``stream: true`` answers server-sent events); the
   model name chooses base (``<name>``) or speculative (``<name>-speculative``) decoding.
-* ``GET /v1/models``, ``GET /healthz``.
+* ``POST /generate/stream``: one mode's decoding as server-sent events, step by step, the draft-accepted
+  tokens told apart from the target's (:mod:`efftx.serving.streaming`).
+* ``GET /v1/models``, ``GET /models/info`` (sources, MLflow versions, recipes, parameter counts, limits),
+  ``GET /healthz``.
+* ``GET /playground`` (``/`` redirects there): a web page comparing base and speculative decoding side by
+  side, and drawing images when there is an image model (:mod:`efftx.serving.playground`).
 * With a DALL-E (``dalle=PATH``): ``POST /images/generate`` and ``POST /v1/images/generations`` (the OpenAI
   images API), served by an :class:`~efftx.serving.images.ImageGenerator` deployment behind this one.
 
@@ -21,6 +26,7 @@ request can take the replica down.
 
 import base64
 import codecs
+import dataclasses
 import json
 import time
 import uuid
@@ -36,9 +42,14 @@ from efftx.generation.decode import decode_bytes, encode_text, iter_generate
 from efftx.generation.speculative import SpecStats, iter_speculative, iter_speculative_rows
 from efftx.serving.images import (ImageGenerator, ImageLimits, ImageRequest, OpenAIImageRequest, check_request,
                                   field_error, openai_size)
-from efftx.serving.schemas import CompletionRequest, GenerateRequest, GenerateResponse, Limits, ModeResult
+from efftx.serving.playground import image_card, model_card
+from efftx.serving.playground import router as playground_router
+from efftx.serving.schemas import (CompletionRequest, GenerateRequest, GenerateResponse, Limits, ModelsInfo, ModeResult,
+                                   StreamRequest)
+from efftx.serving.streaming import sse, stream_events
 
 app = FastAPI(title="efftx text generation", description=__doc__.split("\n\n")[0])
+app.include_router(playground_router)  # the page and its static files
 
 
 @app.exception_handler(UnicodeDecodeError)
@@ -79,6 +90,8 @@ class TextGenerator:
             raise ValueError("target and draft vocabularies differ")
         self.name = name or self.target_cfg.recipe
         self.sources = {"target": target, "draft": draft}
+        self.model_cards = [model_card("target", self.target, target, self.name)] + (
+            [model_card("draft", self.draft, draft, f"{self.name}-speculative")] if self.draft is not None else [])
         self.limits = Limits(**(limits or {}))
         self._batched.set_max_batch_size(max_batch_size)
         self._batched.set_batch_wait_timeout_s(batch_wait_timeout_s)
@@ -208,6 +221,23 @@ class TextGenerator:
                                               response_format="b64_json"))
         return {"created": int(time.time()), "data": [{"b64_json": im.b64_png, "revised_prompt": req.prompt}
                                                       for im in res.images]}
+
+    @app.get("/models/info", response_model=ModelsInfo)
+    async def models_info(self) -> ModelsInfo:
+        """The loaded models (source, MLflow name and version, recipe, parameter count) and the request limits."""
+        info = await self.image_info()
+        return ModelsInfo(name=self.name, speculative=self.draft is not None, images=info is not None,
+                          models=self.model_cards + ([image_card(info)] if info else []),
+                          limits=dataclasses.asdict(self.limits),
+                          image_limits=self.image_limits.model_dump() if info else None)
+
+    @app.post("/generate/stream")
+    async def generate_stream(self, req: StreamRequest) -> StreamingResponse:
+        """Server-sent events: ``step`` per decoding step, then ``done`` with the timings (see efftx.serving.streaming)."""
+        tokens = self._check(req.prompt, req.max_new_tokens, req.temperature, req.gamma, req.mode == "speculative",
+                             {"prompt": "prompt", "max_new_tokens": "max_new_tokens"})
+        return StreamingResponse(sse(stream_events(self.target, self.draft, tokens, req)),
+                                 media_type="text/event-stream")
 
     @app.post("/generate", response_model=GenerateResponse)
     async def generate(self, req: GenerateRequest) -> GenerateResponse:
