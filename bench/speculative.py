@@ -21,8 +21,7 @@ from efftx.generation.decode import generate
 from efftx.generation.sampling import sample
 from efftx.generation.speculative import speculative_generate
 from efftx.paths import default_data_dir
-from efftx.serving.text import resolve_model_path
-from efftx.train.checkpoint import load_export
+from efftx.train.checkpoint import load_export, resolve_export
 
 
 @torch.no_grad()
@@ -54,8 +53,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
     torch.set_num_threads(1)
-    target, _, _ = load_export(resolve_model_path(args.target))
-    draft, _, _ = load_export(resolve_model_path(args.draft))
+    target, _, _ = load_export(resolve_export(args.target))
+    draft, _, _ = load_export(resolve_export(args.draft))
     data = ByteData(prepare("bundled", default_data_dir(), args.prompt_len))
     prompts = data.val_windows(4, args.prompt_len)[:, :args.prompt_len]
     n = args.new_tokens

@@ -105,7 +105,7 @@ class Page:
         res = self.send("Page.navigate", url=url)
         if res.get("errorText"):
             raise DevToolsError(f"cannot open {url}: {res['errorText']}")
-        self.wait_for(f"document.readyState === 'complete' && location.href !== 'about:blank'", timeout)
+        self.wait_for("document.readyState === 'complete' && location.href !== 'about:blank'", timeout)
         if ready:
             self.wait_for(ready, timeout)
 

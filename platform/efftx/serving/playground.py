@@ -47,23 +47,19 @@ async def playground_static(name: str) -> FileResponse:
 
 @lru_cache(maxsize=None)  # resolved once per process: at load time for the text models
 def mlflow_version(source: str) -> tuple[str | None, str | None]:
-    """(registered model name, version) of a ``models:/NAME/VERSION`` source; "latest" is resolved to the
-    newest version (what ``resolve_model_path`` downloads), or left as is when the registry cannot say."""
+    """(registered model name, version) of a ``models:/...`` source, "latest" resolved to the newest version
+    (what the server loaded); (None, None) for an export folder; the version as written if the registry
+    cannot say."""
     if not source.startswith("models:/"):
         return None, None
-    name, _, version = source[len("models:/"):].partition("/")
-    if version == "latest":
-        try:
-            from mlflow import MlflowClient
+    from efftx.errors import ExportError
+    from efftx.train.checkpoint import registered_version
 
-            from efftx.paths import default_tracking_uri
-
-            uri = default_tracking_uri()
-            versions = MlflowClient(tracking_uri=uri, registry_uri=uri).search_model_versions(f"name='{name}'")
-            version = str(max(int(v.version) for v in versions)) if versions else version
-        except Exception:  # noqa: BLE001 - the card then says "latest"; serving does not depend on it
-            pass
-    return name, version or None
+    try:
+        return registered_version(source)
+    except ExportError:  # the card then shows the source as written; serving does not depend on it
+        name, _, version = source[len("models:/"):].partition("/")
+        return name, version or None
 
 
 def model_card(role: str, model, source: str, model_id: str) -> ModelCard:

@@ -30,7 +30,6 @@ import dataclasses
 import json
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,21 +56,6 @@ async def _not_utf8(request: Request, exc: UnicodeDecodeError):
     return JSONResponse(status_code=400, content={"detail": [{"loc": ["body"], "msg": "the body is not valid UTF-8"}]})
 
 
-def resolve_model_path(source: str) -> str:
-    """An export folder, or an MLflow registered model URI (models:/NAME/VERSION) downloaded to a local folder."""
-    if source.startswith("models:/"):
-        import mlflow
-
-        from efftx.paths import default_tracking_uri
-
-        mlflow.set_tracking_uri(default_tracking_uri())
-        mlflow.set_registry_uri(default_tracking_uri())
-        return mlflow.artifacts.download_artifacts(artifact_uri=source)
-    if not Path(source).is_dir():
-        raise ValueError(f"model {source!r} is neither an export folder nor a models:/ URI")
-    return source
-
-
 _field_error = field_error
 
 
@@ -81,11 +65,11 @@ class TextGenerator:
     def __init__(self, target: str, draft: str | None = None, name: str | None = None,
                  limits: dict[str, Any] | None = None, max_batch_size: int = 8, batch_wait_timeout_s: float = 0.02,
                  images=None, image_limits: dict[str, Any] | None = None):
-        from efftx.train.checkpoint import load_export
+        from efftx.train.checkpoint import load_export, resolve_export
 
         torch.set_num_threads(1)
-        self.target, self.target_cfg, _ = load_export(resolve_model_path(target))
-        self.draft = load_export(resolve_model_path(draft))[0] if draft else None
+        self.target, self.target_cfg, _ = load_export(resolve_export(target))
+        self.draft = load_export(resolve_export(draft))[0] if draft else None
         if self.draft is not None and self.draft.vocab_size != self.target.vocab_size:
             raise ValueError("target and draft vocabularies differ")
         self.name = name or self.target_cfg.recipe

@@ -90,11 +90,39 @@ def export(model: torch.nn.Module, cfg: Config, out_dir: str | Path, meta: dict[
 
 def resolve_export(source: str, tracking_uri: str = "") -> Path:
     """A local export folder for ``source``: an export folder, or an MLflow registered model
-    ``models:/NAME/VERSION`` (or ``models:/NAME@ALIAS``) of ``tracking_uri`` ("" = the default), downloaded
+    ``models:/NAME/VERSION`` (or ``/latest``, or ``models:/NAME@ALIAS``) of ``tracking_uri`` ("" = the default), downloaded
     once per process. Raises ExportError naming the problem (the folder is checked by :func:`read_export_config`)."""
     path = _download_registered(source, tracking_uri) if source.startswith("models:/") else Path(source).expanduser()
     read_export_config(path)
     return path
+
+
+def registered_version(source: str, tracking_uri: str = "") -> tuple[str, str]:
+    """(name, version) of ``models:/NAME/VERSION``, ``models:/NAME/latest`` (the newest version) or
+    ``models:/NAME@ALIAS``, asked of the registry at ``tracking_uri`` ("" = the default). ExportError otherwise."""
+    from mlflow.exceptions import MlflowException
+
+    from efftx.paths import default_tracking_uri
+    from efftx.tracking import client_for
+
+    uri = tracking_uri or default_tracking_uri()
+    ref = source[len("models:/"):] if source.startswith("models:/") else ""
+    name, sep, version = ref.partition("@") if "@" in ref else ref.partition("/")
+    if not name or not sep or not version or "/" in version:
+        raise ExportError(f"{source!r} is not a registered-model URI: use models:/NAME/VERSION, models:/NAME/latest "
+                          "or models:/NAME@ALIAS")
+    try:
+        client = client_for(uri)
+        if "@" in ref:
+            version = client.get_model_version_by_alias(name, version).version
+        elif version == "latest":
+            versions = client.search_model_versions(f"name='{name}'")
+            if not versions:
+                raise ExportError(f"{source}: the MLflow registry at {uri} has no model {name!r}")
+            version = max(versions, key=lambda v: int(v.version)).version
+        return name, str(version)
+    except MlflowException as exc:
+        raise ExportError(f"cannot fetch {source} from the MLflow registry at {uri}: {exc.message}") from None
 
 
 @functools.lru_cache(maxsize=16)
@@ -105,15 +133,9 @@ def _download_registered(source: str, tracking_uri: str) -> Path:
     from efftx.tracking import client_for
 
     uri = tracking_uri or default_tracking_uri()
-    ref = source[len("models:/"):]
-    name, sep, version = ref.partition("@") if "@" in ref else ref.partition("/")
-    if not name or not sep or not version or "/" in version:
-        raise ExportError(f"{source!r} is not a registered-model URI: use models:/NAME/VERSION or models:/NAME@ALIAS")
+    name, version = registered_version(source, uri)
     try:
-        client = client_for(uri)
-        if "@" in ref:
-            version = client.get_model_version_by_alias(name, version).version
-        download_uri = client.get_model_version_download_uri(name, version)
+        download_uri = client_for(uri).get_model_version_download_uri(name, version)
         import mlflow
 
         return Path(mlflow.artifacts.download_artifacts(artifact_uri=download_uri, tracking_uri=uri))
