@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
-import time
+
+from measure import timed_peak  # bench/measure.py
 
 HEADS, HEAD_DIM = 8, 64
 # Backend options at benchmark scale (the recipes' enwik8 settings).
@@ -27,8 +27,6 @@ OPTIONS = {
 
 def measure(kind: str, t: int, device: str, repeats: int) -> dict:
     """One point, in this process: median fwd+bwd seconds and peak memory (MiB)."""
-    import resource
-
     import torch
 
     from efftx import attention
@@ -42,29 +40,8 @@ def measure(kind: str, t: int, device: str, repeats: int) -> dict:
     q, k, v = (torch.randn(1, t, HEADS, HEAD_DIM, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     x = torch.randn(1, t, HEADS * HEAD_DIM, device=device, dtype=dtype)
 
-    def step():
-        backend(q, k, v, x=x).float().sum().backward()
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:  # what the process holds now; its peak RSS after the passes includes their transient tensors
-        import psutil
-
-        base = psutil.Process().memory_info().rss
-    step()  # warm-up (kernels, allocator)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    if device == "cuda":
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
-    return {"seconds": statistics.median(times), "peak_mb": max(peak, 0) / 2**20}
+    seconds, peak = timed_peak(lambda: backend(q, k, v, x=x).float().sum().backward(), device, repeats)
+    return {"seconds": seconds, "peak_mb": peak}
 
 
 def main() -> None:

@@ -20,45 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
-import time
+
+from measure import timed_peak  # bench/measure.py
 
 RECIPE = "nsa_enwik8"  # the layer's shape and NSA options come from the seed recipe
-
-
-def _timed(fn, device: str, repeats: int) -> tuple[float, float]:
-    """(median seconds, peak MiB above the memory held before the warm-up) of ``fn``."""
-    import resource
-
-    import torch
-
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        import psutil
-
-        base = psutil.Process().memory_info().rss
-
-    def run():
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    run()  # warm-up: kernels compiled, allocator filled
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    if device == "cuda":
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
-    return statistics.median(times), max(peak, 0) / 2**20
 
 
 def measure_layer(kind: str, t: int, device: str, repeats: int) -> dict:
@@ -75,9 +42,9 @@ def measure_layer(kind: str, t: int, device: str, repeats: int) -> dict:
     q = torch.randn(1, t, m.heads, m.head_dim, device=device, dtype=dtype, requires_grad=True)
     k, v = (torch.randn(1, t, m.kv_heads, m.head_dim, device=device, dtype=dtype, requires_grad=True) for _ in "kv")
     x = torch.randn(1, t, m.dim, device=device, dtype=dtype)
-    fwd_bwd, peak = _timed(lambda: backend(q, k, v, x=x).float().sum().backward(), device, repeats)
+    fwd_bwd, peak = timed_peak(lambda: backend(q, k, v, x=x).float().sum().backward(), device, repeats)
     with torch.no_grad():
-        fwd, _ = _timed(lambda: backend(q, k, v, x=x), device, repeats)
+        fwd, _ = timed_peak(lambda: backend(q, k, v, x=x), device, repeats)
     return {"fwd_s": fwd, "fwd_bwd_s": fwd_bwd, "peak_mb": peak}
 
 
@@ -102,7 +69,7 @@ def measure_kernel(impl: str, t: int, device: str, repeats: int) -> dict:
     def step():
         selected_attention(q, k, v, idx, o.selection_block_size, impl=impl).float().sum().backward()
 
-    seconds, peak = _timed(step, device, repeats)
+    seconds, peak = timed_peak(step, device, repeats)
     return {"fwd_bwd_s": seconds, "peak_mb": peak}
 
 
@@ -128,7 +95,7 @@ def measure_step(recipe: str, device: str, repeats: int) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    seconds, peak = _timed(step, device, repeats)
+    seconds, peak = timed_peak(step, device, repeats)
     return {"step_s": seconds, "tokens_per_s": b * t / seconds, "peak_mb": peak}
 
 

@@ -60,3 +60,14 @@ def debug_exports(tmp_path_factory) -> dict[str, str]:
     torch.manual_seed(2)
     paths["dalle"] = str(export(DALLE(cfg), cfg, root / "dalle", {}))
     return paths
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models: one torch thread is faster than two fighting over a shared 2-core CPU."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

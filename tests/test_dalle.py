@@ -31,12 +31,7 @@ BASE = {
 MIXED = {"dalle.attn_types": "full,axial_row,axial_col,conv_like,sparse", "model.depth": 5}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def config(**overrides) -> Config:

@@ -14,13 +14,7 @@ from efftx.models.dvae import DiscreteVAE, codebook_usage, temperature
 TINY = dict(image_size=16, num_layers=2, hidden_dim=32, num_resnet_blocks=1, num_tokens=64, codebook_dim=32)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny convolutions: one thread is faster than two fighting over a shared CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def shape_images(n: int, size: int = 16, channels: int = 3, seed: int = 0) -> torch.Tensor:

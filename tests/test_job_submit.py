@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,15 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from netutil import free_port
+
 pytestmark = [pytest.mark.slow, pytest.mark.own_cluster]
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def kill_cluster(temp_dir: str) -> None:

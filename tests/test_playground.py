@@ -18,7 +18,6 @@ import base64
 import io
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -34,6 +33,7 @@ from efftx.serving.schemas import StreamDone, StreamRequest, StreamStep
 from efftx.serving.streaming import split_step, sse, stream_events
 
 from headless_chromium import Chromium, missing_requirements
+from netutil import free_port
 
 LIMITS = {"max_new_tokens": 40, "max_prompt_bytes": 64, "max_gamma": 6}
 IMAGE_LIMITS = {"max_images": 4, "max_cond_scale": 5}
@@ -120,12 +120,6 @@ def test_mlflow_sources_name_their_version(efftx_home, tmp_path):
 
 
 # ================================================================================ the app (slow)
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(ray_cluster, debug_exports):
     """The full app at ``/`` (target, draft, DALL-E) and a text-only one at ``/textonly``."""

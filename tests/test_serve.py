@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 import requests
 
+from netutil import free_port
+
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

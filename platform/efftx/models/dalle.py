@@ -68,7 +68,7 @@ from efftx.errors import ConfigError
 from efftx.models.dvae import DiscreteVAE, numel
 from efftx.models.layers import MLP, Attention, Block, Rotary, Shared, make_norm
 from efftx.models.lm import LM
-from efftx.models.reversible import ReversibleStack
+from efftx.models.reversible import ReversibleStack, run_blocks
 
 
 # ---------------------------------------------------------------------------------------------- token shift
@@ -286,12 +286,7 @@ class DALLE(nn.Module):
             raise ValueError(f"{offset + seq.shape[1]} positions exceed DALL-E's sequence of {self.seq_len} "
                              f"(text_seq_len + 1 + image tokens - 1)")
         x = self.embed(seq, offset)
-        caches = cache.layers if cache is not None else None
-        if self.reversible is not None:
-            x = self.reversible(x, caches)
-        else:
-            for i, blk in enumerate(self.blocks):
-                x = blk(x, caches[i] if caches is not None else None)
+        x = run_blocks(x, self.blocks, self.reversible, cache)
         if self.stable:
             x = x / x.detach().abs().amax(dim=-1, keepdim=True).clamp(min=1e-6)
         return self.norm(x)

@@ -15,7 +15,7 @@ from torch import nn
 from efftx.attention.base import AttentionSpec
 from efftx.attention.cache import ModelCache
 from efftx.models.layers import Block, Rotary, make_norm
-from efftx.models.reversible import ReversibleStack
+from efftx.models.reversible import ReversibleStack, run_blocks
 
 
 class LM(nn.Module):
@@ -72,12 +72,7 @@ class LM(nn.Module):
             x = self.emb_in(x)  # (B, T, dim)
         if self.pos is not None:
             x = x + self.pos(offset + torch.arange(t, device=tokens.device))  # (T,) or (B, T) positions
-        caches = cache.layers if cache is not None else None
-        if self.reversible is not None:
-            x = self.reversible(x, caches)
-        else:
-            for i, blk in enumerate(self.blocks):
-                x = blk(x, caches[i] if caches is not None else None)
+        x = run_blocks(x, self.blocks, self.reversible, cache)
         x = self.norm(x)
         if self.emb_out is not None:
             x = self.emb_out(x)  # (B, T, emb_dim)

@@ -95,3 +95,14 @@ class ReversibleStack:
                 y1 = y1 + f(y2, caches[i] if caches is not None else None)
                 y2 = y2 + g(y1, caches[i] if caches is not None else None)
         return (y1 + y2) / 2
+
+
+def run_blocks(x: torch.Tensor, blocks, reversible: ReversibleStack | None, cache=None) -> torch.Tensor:
+    """The decoder stack of a model: through ``reversible`` when it has one, else block by block;
+    ``cache`` is the model's ModelCache (one layer cache per block) or None."""
+    caches = cache.layers if cache is not None else None
+    if reversible is not None:
+        return reversible(x, caches)
+    for i, blk in enumerate(blocks):
+        x = blk(x, caches[i] if caches is not None else None)
+    return x
