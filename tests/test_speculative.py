@@ -100,15 +100,6 @@ def joint_target(target, prompt, vocab):
     return joint / joint.sum()
 
 
-@pytest.fixture
-def one_thread():
-    """Thousands of tiny forward passes: thread hand-offs would cost more than the maths."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_sampled_tokens_follow_the_target_distribution(one_thread):
     vocab, n = 6, 3000
     target, draft = tiny_pair(vocab)
