@@ -227,6 +227,7 @@ KERNEL_CASES = [  # (B, Tq, Tk, H, Hkv, D, block_size, S, noncontiguous)
     (2, 1, 50, 4, 2, 16, 16, 3, False),  # one-token decode
     (1, 24, 80, 4, 2, 128, 64, 2, False),  # head dim 128: backward walks a block in 2 tiles of 32 keys
     (1, 16, 224, 2, 1, 16, 128, 2, False),  # block 128: 2 tiles of 64 keys, the second partly in the future
+    (1, 8, 176, 2, 1, 128, 48, 3, False),  # block 48 at head dim 128: tiles cut at the block's end
 ]
 
 
@@ -279,11 +280,91 @@ def test_triton_no_grad_and_repeated_blocks():
     torch.testing.assert_close(b, ref)
 
 
+# Every selection block size the config lets the kernel run: efftx.config.NSAOptions.validate accepts any positive
+# multiple of 16 for impl=triton (and impl=auto picks the kernel for those on CUDA), with no upper bound; the sweep
+# covers 16..256. Sizes that are not a power of two (48, 80, 96, ...) end inside a key tile, whose keys past the
+# block's end belong to the next block: they must neither be attended to nor receive dK/dV.
+SWEEP_BLOCK_SIZES = list(range(16, 257, 16))
+
+
+def test_sweep_covers_the_block_sizes_the_config_accepts_for_the_kernel():
+    from efftx.config import NSAOptions
+    from efftx.errors import ConfigError
+
+    accepted = []
+    for bs in range(1, 257):
+        try:
+            NSAOptions(selection_block_size=bs, compress_block_size=1, impl="triton").validate(head_dim=64)
+            accepted.append(bs)
+        except ConfigError:
+            pass
+    assert accepted == SWEEP_BLOCK_SIZES
+
+
+def sweep_block_indices(B, Tq, Tk, Hkv, block_size, S, *, seed=0, device="cpu"):
+    """Queries in the last (partial) block 3 of Tk = 3.5 blocks. Slot 0 = the own block; the other slots pick
+    from blocks {0, 2} for even kv groups and {1, 2} for odd ones, or -1, a repeat, or an out-of-range block. So
+    for every group a block is followed by an unselected block (0 -> 1 in even groups) or by a selected one
+    (1 -> 2, 2 -> 3), and one block per group (1 or 0) holds keys no query selected."""
+    g = torch.Generator().manual_seed(seed)
+    n_blocks = math.ceil(Tk / block_size)
+    assert n_blocks == 4 and (Tk - Tq) // block_size == 3
+    even, odd = torch.tensor([0, 2, -1, 3, n_blocks + 1]), torch.tensor([1, 2, -1, 3, n_blocks + 1])
+    choice = torch.randint(0, 5, (B, Tq, Hkv, S), generator=g)
+    choice[..., 1] = torch.randint(0, 2, (B, Tq, Hkv), generator=g)  # slot 1: always a past block
+    groups = torch.arange(Hkv).view(1, 1, Hkv, 1)
+    idx = torch.where(groups % 2 == 0, even[choice], odd[choice])
+    idx[..., 0] = 3
+    return idx.to(device)
+
+
+def unselected_keys(idx, Tq, Tk, block_size):
+    """(B, Tk, Hkv) True for the keys no query of that (batch, kv group) attends to (not in a selected block,
+    or only in selected blocks after the query)."""
+    key = torch.arange(Tk, device=idx.device)
+    q_pos = (Tk - Tq + torch.arange(Tq, device=idx.device)).view(1, Tq, 1, 1, 1)
+    hit = (idx.unsqueeze(-1) == key // block_size) & (key <= q_pos)  # (B, Tq, Hkv, S, Tk)
+    return ~hit.any(-2).any(1).transpose(1, 2)
+
+
+@needs_triton
+@pytest.mark.parametrize("block_size", SWEEP_BLOCK_SIZES)
+def test_triton_matches_reference_for_every_accepted_block_size(block_size):
+    """Forward and dQ/dK/dV against the reference for every block size, and exactly zero dK/dV for the keys of no
+    selected block (the kernel's atomics must land only inside selected blocks)."""
+    B, Tq, H, Hkv, D, S = 1, 6, 4, 2, 16, 3
+    Tk = 3 * block_size + block_size // 2
+    dtype = torch.float32 if not ON_GPU else torch.bfloat16
+    q, k, v = random_qkv(B, Tq, Tk, H, Hkv, D, dtype, seed=block_size, device=DEVICE)
+    idx = sweep_block_indices(B, Tq, Tk, Hkv, block_size, S, seed=block_size, device=DEVICE)
+    grad_out = torch.randn(B, Tq, H, D, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+
+    out, grads = forward_and_grads(q, k, v, idx, block_size, grad_out.to(dtype), impl="triton")
+    ref, ref_grads = forward_and_grads(q, k, v, idx, block_size, grad_out.to(dtype), impl="reference")
+    truth, truth_grads = forward_and_grads(
+        *(x.double() for x in (q, k, v)), idx, block_size, grad_out.double(), impl="reference"
+    )
+    check_derived("out", out, ref, truth, C_FWD)
+    for name, got, same, exact in zip(("dq", "dk", "dv"), grads, ref_grads, truth_grads):
+        check_derived(name, got, same, exact, C_GRAD)
+
+    untouched = unselected_keys(idx, Tq, Tk, block_size)  # (B, Tk, Hkv)
+    assert untouched[..., 0].sum() >= block_size and untouched[..., 1].sum() >= block_size  # blocks 1 and 0
+    for name, grad in zip(("dk", "dv"), grads[1:]):
+        stray = grad[untouched].abs().max().item()
+        assert stray == 0, f"{name}: {stray:.3g} of gradient landed on keys of no selected block"
+
+
 # Compiles both kernels for an H100 (sm_90) in a subprocess without TRITON_INTERPRET: Triton's real frontend,
-# the NVIDIA lowering and ptxas (shipped in the triton wheel) run without a GPU. bf16 (which the interpreter
-# cannot check) at head dim 128 and block 64, so the backward's two-tile walk is compiled too.
+# the NVIDIA lowering and ptxas (shipped in the triton wheel) run without a GPU. fp16 and bf16 (which the
+# interpreter cannot check), head dims 64 and 128 (the backward walks 64- and 32-key tiles) and block sizes that are
+# a power of two (16, 128, 256: several tiles per block) or not (48, 80: the last tile is cut at the block's end).
+COMPILE_DTYPES = ("fp16", "bf16")
+COMPILE_HEAD_DIMS = (64, 128)
+COMPILE_BLOCK_SIZES = (16, 48, 80, 128, 256)
 _COMPILE_FOR_SM90 = textwrap.dedent(
     """
+    import itertools, sys
     import torch, triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -291,18 +372,22 @@ _COMPILE_FOR_SM90 = textwrap.dedent(
         INTERPRETED, _kernel_meta, _selected_bwd_kernel, _selected_fwd_kernel)
 
     assert not INTERPRETED
-    q, k = torch.zeros(1, 1, 8, 128, dtype=torch.bfloat16), torch.zeros(1, 1, 4, 128, dtype=torch.bfloat16)
-    fwd, bwd = _kernel_meta(q, k, torch.zeros(1, 1, 4, 5, dtype=torch.long), 64)
-    pointers = dict(Q="*bf16", K="*bf16", V="*bf16", IDX="*i64", O="*bf16", DO="*bf16", DQ="*bf16",
-                    LSE="*fp32", DELTA="*fp32", DK="*fp32", DV="*fp32")
-    for kernel, meta in ((_selected_fwd_kernel, fwd), (_selected_bwd_kernel, bwd)):
-        consts = {n: meta[n] for n in kernel.arg_names if n in meta}
-        sig = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n == "scale" else "i32")
-               for n in kernel.arg_names}
-        compiled = triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                                  options=dict(num_warps=meta["num_warps"]))
-        assert compiled.asm["cubin"], kernel
-        print("compiled", kernel.__name__, "TILE", meta["TILE"], "warps", meta["num_warps"])
+    dtypes, head_dims, block_sizes = (sys.argv[i].split(",") for i in (1, 2, 3))
+    for name, D, bs in itertools.product(dtypes, map(int, head_dims), map(int, block_sizes)):
+        dtype = dict(fp16=torch.float16, bf16=torch.bfloat16)[name]
+        q, k = torch.zeros(1, 1, 8, D, dtype=dtype), torch.zeros(1, 1, 4, D, dtype=dtype)
+        fwd, bwd = _kernel_meta(q, k, torch.zeros(1, 1, 4, 5, dtype=torch.long), bs)
+        pointers = dict(Q="*" + name, K="*" + name, V="*" + name, IDX="*i64", O="*" + name, DO="*" + name,
+                        DQ="*" + name, LSE="*fp32", DELTA="*fp32", DK="*fp32", DV="*fp32")
+        for kernel, meta in ((_selected_fwd_kernel, fwd), (_selected_bwd_kernel, bwd)):
+            consts = {n: meta[n] for n in kernel.arg_names if n in meta}
+            sig = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n == "scale" else "i32")
+                   for n in kernel.arg_names}
+            compiled = triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                                      options=dict(num_warps=meta["num_warps"]))
+            assert compiled.asm["cubin"], kernel
+            print("compiled", kernel.__name__, name, "D", D, "block", bs, "TILE", meta["TILE"],
+                  "warps", meta["num_warps"], flush=True)
     """
 )
 
@@ -314,7 +399,9 @@ def test_kernels_compile_for_an_h100_without_a_gpu(tmp_path):
         pytest.skip("this triton build ships no NVIDIA backend tools (ptxas)")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # really compile, no cache hit from an earlier run
-    run = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.count("compiled") == 2, run.stdout
+    args = [",".join(map(str, xs)) for xs in (COMPILE_DTYPES, COMPILE_HEAD_DIMS, COMPILE_BLOCK_SIZES)]
+    run = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90, *args], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    expected = 2 * len(COMPILE_DTYPES) * len(COMPILE_HEAD_DIMS) * len(COMPILE_BLOCK_SIZES)
+    assert run.stdout.count("compiled") == expected, run.stdout

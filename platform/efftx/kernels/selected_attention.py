@@ -186,9 +186,11 @@ def selected_attention(
 # rows of ALL G = H / Hkv heads of the group as one [G_PAD, D_PAD] tile (G padded to >= 16 rows so tl.dot can use
 # tensor cores, D padded to a power of two with masks), then walks the query's S slots; for every slot that
 # holds a visible, not yet seen block it loads that block's keys/values once for all G heads, TILE keys at a time
-# ([TILE, D_PAD] tiles, key tiles after the query skipped), and does an online-softmax update (running max m and
-# sum l in fp32, fp32 accumulator). The output is stored in the input dtype, with the row logsumexp (fp32) for
-# the backward.
+# ([TILE, D_PAD] tiles, TILE a power of two; key tiles after the query skipped; keys past the block's end masked
+# where TILE does not divide the block size, so nothing of the next block is read), and does an online-softmax
+# update (running max m and sum l in fp32, fp32 accumulator). The output is stored in the input dtype, with the
+# row logsumexp (fp32) for the backward. The backward's dK/dV atomics use the same masks, so they land only on
+# the visible keys of selected blocks.
 #
 # Backward: the same grid and the same walk recompute the probabilities from the saved logsumexp
 # (P = exp(S - lse)); dQ is accumulated in registers by the program and stored once. dK and dV of a block get
@@ -256,7 +258,9 @@ if triton is not None:
                     start = blk * BLOCK + off
                     if start <= q_pos:  # the first tile of a valid block always passes
                         key = start + offs_n
-                        k_mask = key <= q_pos  # causal inside the block (and so also key < Tk)
+                        # causal inside the block (and so also key < Tk), and not past the block's end: a
+                        # block that is no multiple of TILE ends inside its last tile
+                        k_mask = (key <= q_pos) & (off + offs_n < BLOCK)
                         kv_mask = k_mask[:, None] & d_mask[None, :]
                         k = tl.load(K + b * skb + key[:, None] * skt + g * skh + offs_d[None, :] * skd,
                                     mask=kv_mask, other=0.0)
@@ -326,7 +330,7 @@ if triton is not None:
                     start = blk * BLOCK + off
                     if start <= q_pos:
                         key = start + offs_n
-                        k_mask = key <= q_pos
+                        k_mask = (key <= q_pos) & (off + offs_n < BLOCK)  # causal, inside the block
                         kv_mask = k_mask[:, None] & d_mask[None, :]
                         k = tl.load(K + b * skb + key[:, None] * skt + g * skh + offs_d[None, :] * skd,
                                     mask=kv_mask, other=0.0)
@@ -395,8 +399,11 @@ def _kernel_meta(q, k, block_indices, block_size) -> tuple[dict, dict]:
         S_PAD=_pow2_at_least(block_indices.shape[-1], 1),
         PRECISION="tf32" if tf32 else "ieee",
     )
-    fwd_tile = min(block_size, 64)
-    bwd_tile = min(block_size, 64 if d_pad <= 64 else 32)
+    # Power-of-two tiles (tl.arange), the fewest that cover a block: a block that is no multiple of the tile
+    # (48, 80, 96, ...) has its last tile cut at the block's end by the kernels' mask (masked keys are not loaded).
+    block_pow2 = _pow2_at_least(block_size, 16)
+    fwd_tile = min(block_pow2, 64)
+    bwd_tile = min(block_pow2, 64 if d_pad <= 64 else 32)
     fwd = dict(common, TILE=fwd_tile, num_warps=8 if fwd_tile * d_pad * q.element_size() >= 32768 else 4)
     bwd = dict(common, TILE=bwd_tile, num_warps=8 if bwd_tile * d_pad >= 4096 else 4)
     return fwd, bwd
