@@ -19,23 +19,27 @@ $(STAMP): pyproject.toml constraints.txt
 setup: $(STAMP)
 
 # Debian's chromium for the browser tests (tests/test_playground.py), installed when it is missing and apt-get
-# can run (as root, or with passwordless sudo). Otherwise nothing is installed and those tests skip, saying
-# what is missing. EFFTX_CHROMIUM=/path/to/chromium uses another Chromium build.
+# can run (as root, or with passwordless sudo). When it cannot be installed this fails and says why: the browser
+# tests never skip silently. EFFTX_CHROMIUM=/path/to/chromium uses another Chromium build;
+# EFFTX_SKIP_BROWSER=1 skips the browser tests on purpose (they then report as skipped, naming the variable).
 browser:
-	@if [ -n "$$EFFTX_CHROMIUM" ] || command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then :; \
+	@if [ "$$EFFTX_SKIP_BROWSER" = 1 ] || [ -n "$$EFFTX_CHROMIUM" ] || command -v chromium >/dev/null 2>&1 \
+	    || command -v chromium-browser >/dev/null 2>&1; then :; \
 	elif ! command -v apt-get >/dev/null 2>&1; then \
-	  echo "note: no chromium and no apt-get: the browser tests will be skipped (install Chromium or set EFFTX_CHROMIUM)"; \
+	  echo "error: no chromium and no apt-get to install it: install Chromium and set EFFTX_CHROMIUM=/path/to/it," \
+	       "or set EFFTX_SKIP_BROWSER=1 to skip the browser tests" >&2; exit 1; \
 	else \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=none; fi; \
 	  if [ "$$SUDO" = none ]; then \
-	    echo "note: chromium is missing and apt-get needs root: 'sudo apt-get install -y chromium' enables the browser tests"; \
-	  else \
-	    echo "installing Debian's chromium for the browser tests..."; \
-	    $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 \
-	    || { $$SUDO apt-get update -q >/dev/null && \
-	         $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium >/dev/null; } \
-	    || echo "warning: could not install chromium: the browser tests will be skipped"; \
+	    echo "error: chromium is missing and apt-get needs root: run 'sudo apt-get install -y chromium'," \
+	         "or set EFFTX_SKIP_BROWSER=1 to skip the browser tests" >&2; exit 1; \
 	  fi; \
+	  echo "installing Debian's chromium for the browser tests..."; \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 \
+	  || { $$SUDO apt-get update -q >/dev/null && \
+	       $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium >/dev/null; } \
+	  || { echo "error: could not install Debian's chromium (see apt-get above), so the browser tests cannot run;" \
+	            "set EFFTX_SKIP_BROWSER=1 to skip them on purpose" >&2; exit 1; }; \
 	fi
 
 demo: setup                       ## the main job on the embedded default (local Ray, sqlite MLflow, bundled corpus)
@@ -50,14 +54,14 @@ test-fast: setup
 bench: setup
 	$(BIN)/python bench/train_throughput.py
 
-cluster-up: setup                 ## a real local Ray cluster running from the venv
-	$(BIN)/ray start --head --num-cpus 2
+cluster-up: setup                 ## a real local Ray cluster running from the venv, token auth on (token made if none)
+	$(BIN)/python -m efftx.cluster up --num-cpus 2
 
 cluster-down:
-	$(BIN)/ray stop
+	$(BIN)/python -m efftx.cluster down
 
 submit-example: setup             ## submit the debug job to the cluster started by `make cluster-up`
-	RAY_AUTH_MODE=token $(BIN)/ray job submit --working-dir . -- python jobs/train_lm.py --recipe lm_debug
+	$(BIN)/python -m efftx.cluster submit --working-dir . -- python jobs/train_lm.py --recipe lm_debug
 
 clean-runs:                       ## forget every local run (checkpoints, exports, MLflow db, corpus cache)
 	rm -rf .efftx

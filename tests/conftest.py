@@ -10,6 +10,16 @@ os.environ["EFFTX_HOME"] = tempfile.mkdtemp(prefix="efftx-test-home-")
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# Ray 2.60 turns token authentication on for a new local cluster and, without a token, writes one to
+# ~/.ray/auth_token. The tests bring their own (a throwaway file made as `make cluster-up` makes one), so they
+# neither read nor write ~/.ray: what passes here passes on a machine that never ran Ray.
+for _key in ("RAY_ADDRESS", "RAY_AUTH_TOKEN"):
+    os.environ.pop(_key, None)
+os.environ["RAY_AUTH_TOKEN_PATH"] = os.path.join(tempfile.mkdtemp(prefix="efftx-test-ray-"), "auth_token")
+os.environ["RAY_AUTH_MODE"] = "token"
+from efftx.cluster import ensure_token  # noqa: E402  (imports nothing of Ray)
+
+ensure_token()
 # Triton kernels (efftx.kernels) run on CPU tensors through Triton's interpreter, which is chosen when a kernel
 # is decorated, i.e. when efftx.kernels is imported: it must be on before that. A CUDA machine runs the compiled
 # kernels on the GPU instead with EFFTX_TRITON_GPU=1 (tests/test_kernels.py then uses cuda tensors and bf16 too).

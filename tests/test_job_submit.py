@@ -35,32 +35,114 @@ def kill_cluster(temp_dir: str) -> None:
             pass
 
 
-@pytest.fixture(scope="module")
-def head_cluster():
-    """A `ray start --head` cluster of 2 CPUs for this module's jobs -> (job submission address, env)."""
-    temp_dir = tempfile.mkdtemp(prefix="efftx-ray-", dir="/tmp")
+def cluster_env(home: Path) -> dict[str, str]:
+    """A machine that never ran Ray: an empty HOME and this test's own token path (never ~/.ray). DeepSpeed's
+    compiled CPU op stays in the session's cache folder (a build is a minute, and not what is tested here)."""
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "HOME": str(home),
+           "RAY_AUTH_TOKEN_PATH": str(home / "secrets" / "ray_token"),
+           "XDG_CACHE_HOME": os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")}
+    for key in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
+        env.pop(key, None)
+    return env
+
+
+def cluster_up(env: dict[str, str], temp_dir: str, *extra: str) -> str:
+    """`python -m efftx.cluster up` (what `make cluster-up` runs) on ports of its own -> the jobs address."""
     dash = free_port()
-    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}"}
-    env.pop("RAY_ADDRESS", None)
-    start = [str(BIN / "ray"), "start", "--head", "--num-cpus", "2", "--port", str(free_port()),
-             "--dashboard-port", str(dash), "--temp-dir", temp_dir, "--disable-usage-stats"]
+    cmd = [str(BIN / "python"), "-m", "efftx.cluster", "up", "--num-cpus", "2", "--port", str(free_port()),
+           "--dashboard-port", str(dash), "--temp-dir", temp_dir, *extra, "--dashboard-agent-listen-port",
+           str(free_port()), "--ray-client-server-port", str(free_port()), "--metrics-export-port", str(free_port())]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return f"http://127.0.0.1:{dash}"
+
+
+@pytest.fixture(scope="module")
+def head_cluster(tmp_path_factory):
+    """A `ray start --head` cluster of 2 CPUs with token auth, started from nothing -> (jobs address, env)."""
+    home = tmp_path_factory.mktemp("fresh-home")
+    temp_dir = tempfile.mkdtemp(prefix="efftx-ray-", dir="/tmp")
+    env = cluster_env(home)
     try:
-        proc = subprocess.run(start, env=env, capture_output=True, text=True, timeout=180)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        yield f"http://127.0.0.1:{dash}", env
+        yield cluster_up(env, temp_dir), env
     finally:
         kill_cluster(temp_dir)
         time.sleep(1)
 
 
 def submit(head_cluster, *job: str) -> dict:
-    """`ray job submit --working-dir . -- python JOB...` as the README shows; the job's final JSON line."""
+    """`RAY_AUTH_MODE=token ray job submit --working-dir . -- python JOB...` as the README shows; the job's
+    final JSON line."""
     address, env = head_cluster
     cmd = [str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", ".", "--", "python", *job]
     proc = subprocess.run(cmd, cwd=REPO, env={**env, "RAY_AUTH_MODE": "token"}, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return json.loads(next(line for line in reversed(proc.stdout.splitlines()) if line.startswith("{")))
+
+
+def test_cluster_up_creates_its_own_token_and_refuses_clients_without_it(head_cluster):
+    import urllib.error
+    import urllib.request
+
+    address, env = head_cluster
+    token_file = Path(env["RAY_AUTH_TOKEN_PATH"])
+    token = token_file.read_text().strip()
+    assert len(token) == 64 and int(token, 16) >= 0
+    assert token_file.stat().st_mode & 0o077 == 0  # readable by its owner only
+    assert not (Path(env["HOME"]) / ".ray").exists()  # nothing read from or written to ~/.ray
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"{address}/api/jobs/", timeout=30)
+    assert refused.value.code == 401
+    ok = urllib.request.Request(f"{address}/api/jobs/", headers={"Authorization": f"Bearer {token}"})
+    assert urllib.request.urlopen(ok, timeout=30).status == 200
+    # a client that does not send the token is refused, with Ray's own message
+    plain = subprocess.run([str(BIN / "ray"), "job", "list", "--address", address], env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert plain.returncode != 0 and "token" in (plain.stdout + plain.stderr).lower()
+
+
+def test_submit_right_after_start_waits_for_the_job_agent(tmp_path):
+    """`ray start` returns before the dashboard agent can take jobs ("No available agent"): efftx.cluster submit
+    retries until it can, so a submission right after start succeeds."""
+    temp_dir = tempfile.mkdtemp(prefix="efftx-ray-", dir="/tmp")
+    env = cluster_env(tmp_path)
+    try:
+        address = cluster_up(env, temp_dir, "--no-wait")
+        cmd = [str(BIN / "python"), "-m", "efftx.cluster", "submit", "--address", address, "--",
+               "python", "-c", "print('efftx-job-ran')"]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+        assert "efftx-job-ran" in proc.stdout
+    finally:
+        kill_cluster(temp_dir)
+
+
+def test_submit_retries_only_while_there_is_no_agent(tmp_path, monkeypatch, capsys):
+    """The retry rule alone, against a stand-in `ray` that answers "No available agent" twice, then runs."""
+    from efftx import cluster
+
+    counter = tmp_path / "calls"
+    fake = tmp_path / "ray"
+    fake.write_text(f"""#!{sys.executable}
+import pathlib, sys
+calls = pathlib.Path({str(counter)!r})
+n = int(calls.read_text()) + 1 if calls.exists() else 1
+calls.write_text(str(n))
+if 'fail' in sys.argv:
+    print('RuntimeError: Request failed with status code 400: bad entrypoint'); sys.exit(1)
+if n <= 2:
+    print('RuntimeError: Request failed with status code 500: {cluster.NO_AGENT} to submit job'); sys.exit(1)
+print('job ran on call', n)
+""")
+    fake.chmod(0o755)
+    monkeypatch.setattr(cluster, "ray_bin", lambda name="ray": str(fake))
+    monkeypatch.setattr(cluster.time, "sleep", lambda s: None)
+    assert cluster.submit(["--", "python", "x.py"], wait_s=60) == 0
+    assert counter.read_text() == "3" and "job ran on call 3" in capsys.readouterr().out
+    counter.unlink()
+    assert cluster.submit(["--", "fail"], wait_s=60) == 1  # another error is not retried
+    assert counter.read_text() == "1"
 
 
 def test_ray_job_submit_to_ray_start_head(head_cluster, efftx_home):

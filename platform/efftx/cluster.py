@@ -1,0 +1,220 @@
+"""A Ray cluster with token authentication on, from nothing: ``make cluster-up`` / ``make submit-example``.
+
+    python -m efftx.cluster up [--num-cpus N] [--num-gpus N] [--port P] [--dashboard-port D] [--temp-dir DIR]
+    python -m efftx.cluster submit [--address URL] [ray job submit options] -- ENTRYPOINT ...
+    python -m efftx.cluster token
+    python -m efftx.cluster down
+
+An unauthenticated Ray dashboard runs anyone's code, so the cluster always starts with
+``RAY_AUTH_MODE=token``. The token is the one Ray itself reads: ``$RAY_AUTH_TOKEN`` if set, else the file
+``$RAY_AUTH_TOKEN_PATH``, else ``~/.ray/auth_token``; when there is none, ``up`` creates it (for the default
+file through ``ray get-auth-token --generate``; a ``$RAY_AUTH_TOKEN_PATH`` file is written the same way,
+64 hex characters, mode 0600).
+
+``up`` returns only once the cluster accepts jobs: right after ``ray start`` the dashboard may answer
+"No available agent" to a submission, so it submits a no-op job until one is accepted and has run. Then a
+plain ``RAY_AUTH_MODE=token ray job submit ...`` works. ``submit`` runs ``ray job submit`` with the token
+mode set and retries while the cluster answers "No available agent" (no job was created then), so it
+may also be used right after a ``ray start`` of any other origin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from efftx.errors import LaunchError
+
+NO_AGENT = "No available agent"
+DEFAULT_DASHBOARD_PORT = 8265
+DEFAULT_AGENT_PORT = 52365  # the dashboard agent's HTTP port: jobs go through it
+
+
+def port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def ray_bin(name: str = "ray") -> str:
+    """The ``ray`` command beside this interpreter (the project's venv), else the one on PATH."""
+    here = Path(sys.executable).parent / name
+    if here.is_file():
+        return str(here)
+    found = shutil.which(name)
+    if found is None:
+        raise LaunchError(f"the `{name}` command is not installed: run `make setup`")
+    return found
+
+
+def token_path() -> Path:
+    """The token file Ray reads (``$RAY_AUTH_TOKEN_PATH``, else ``~/.ray/auth_token``)."""
+    custom = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    return Path(custom).expanduser() if custom else Path.home() / ".ray" / "auth_token"
+
+
+def ensure_token() -> str:
+    """Make sure Ray finds a token; create one when none exists. Returns where it comes from."""
+    if os.environ.get("RAY_AUTH_TOKEN", "").strip():
+        return "$RAY_AUTH_TOKEN"
+    path = token_path()
+    if path.is_file() and path.read_text().strip():
+        return str(path)
+    if path.exists() and not path.is_file():
+        raise LaunchError(f"the Ray token path {path} exists but is not a file")
+    if "RAY_AUTH_TOKEN_PATH" in os.environ:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    else:
+        proc = subprocess.run([ray_bin(), "get-auth-token", "--generate"], env=auth_env(), capture_output=True,
+                              text=True)
+        if proc.returncode != 0 or not path.is_file():
+            raise LaunchError(f"`ray get-auth-token --generate` failed: {(proc.stderr or proc.stdout).strip()[-500:]}")
+        path.chmod(0o600)
+    print(f"created a Ray authentication token in {path}", file=sys.stderr)
+    return str(path)
+
+
+def auth_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """``base`` (default: this process's environment) with token authentication on."""
+    return {**(os.environ if base is None else base), "RAY_AUTH_MODE": "token"}
+
+
+def submit(args: list[str], address: str | None = None, wait_s: float = 120.0) -> int:
+    """``ray job submit [--address A] ARGS``, output passed through; retried while there is no job agent yet.
+    Returns the command's exit code."""
+    cmd = [ray_bin(), "job", "submit"] + (["--address", address] if address else []) + list(args)
+    deadline = time.monotonic() + wait_s
+    delay = 1.0
+    while True:
+        proc = subprocess.Popen(cmd, env=auth_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        no_agent = False
+        for line in proc.stdout:
+            no_agent = no_agent or NO_AGENT in line
+            sys.stdout.write(line)
+            sys.stdout.flush()
+        code = proc.wait()
+        if code == 0 or not no_agent or time.monotonic() > deadline:
+            if code != 0 and no_agent:
+                print(f"error: the cluster had no job agent for {wait_s:.0f} s", file=sys.stderr)
+            return code
+        print(f"[efftx] the cluster's job agent is not up yet; submitting again in {delay:.0f} s", file=sys.stderr)
+        time.sleep(delay)
+        delay = min(delay * 2, 8.0)
+
+
+def wait_for_jobs(address: str, wait_s: float = 120.0) -> None:
+    """Block until the cluster at ``address`` has accepted and run a no-op job (auth and job agent work)."""
+    os.environ["RAY_AUTH_MODE"] = "token"  # before Ray reads it: the SDK then sends the token
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    deadline = time.monotonic() + wait_s
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            client = JobSubmissionClient(address)
+            job = client.submit_job(entrypoint="python -c \"print('efftx: the cluster accepts jobs')\"",
+                                    metadata={"efftx": "readiness check"})
+            while time.monotonic() < deadline:
+                status = client.get_job_status(job)
+                if status == JobStatus.SUCCEEDED:
+                    return
+                if status in (JobStatus.FAILED, JobStatus.STOPPED):
+                    raise LaunchError(f"the readiness job on {address} ended {status}: "
+                                      f"{client.get_job_logs(job)[-500:]}")
+                time.sleep(0.5)
+        except (RuntimeError, ConnectionError) as exc:  # the SDK raises RuntimeError for HTTP errors
+            last = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
+            if "401" in last or "Unauthorized" in last or "authentication" in last.lower():
+                raise LaunchError(f"the cluster at {address} refused this token: {last}") from None
+            time.sleep(1.0)
+    raise LaunchError(f"the cluster at {address} did not accept a job within {wait_s:.0f} s ({last})")
+
+
+def up(ns: argparse.Namespace) -> int:
+    source = ensure_token()
+    cmd = [ray_bin(), "start", "--head", "--disable-usage-stats", "--dashboard-port", str(ns.dashboard_port)]
+    for flag, value in (("--num-cpus", ns.num_cpus), ("--num-gpus", ns.num_gpus), ("--port", ns.port),
+                        ("--temp-dir", ns.temp_dir)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    if not any(a.startswith("--dashboard-agent-listen-port") for a in ns.ray_args) and not port_free(DEFAULT_AGENT_PORT):
+        # Another Ray node on this machine holds it: the new agent would start without HTTP and no job could
+        # ever be submitted ("No available agent").
+        agent_port = free_port()
+        print(f"[efftx] port {DEFAULT_AGENT_PORT} (Ray's dashboard agent) is taken, by another Ray cluster on this "
+              f"machine: the agent listens on {agent_port} instead", file=sys.stderr)
+        cmd += ["--dashboard-agent-listen-port", str(agent_port)]
+    proc = subprocess.run(cmd + ns.ray_args, env=auth_env(), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise LaunchError(f"`ray start --head` failed:\n{(proc.stderr or proc.stdout).strip()[-2000:]}")
+    address = f"http://127.0.0.1:{ns.dashboard_port}"
+    if not ns.no_wait:
+        wait_for_jobs(address, ns.wait)
+    print(f"Ray head running with token authentication (token: {source}); jobs: {address}\n"
+          f"  RAY_AUTH_MODE=token {ray_bin()} job submit --address {address} --working-dir . -- python jobs/train_sinkhorn.py\n"
+          f"  (or: python -m efftx.cluster submit --address {address} --working-dir . -- python jobs/...)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m efftx.cluster", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    u = sub.add_parser("up", help="start a Ray head with token authentication and wait until it accepts jobs")
+    u.add_argument("--num-cpus", type=int)
+    u.add_argument("--num-gpus", type=int)
+    u.add_argument("--port", type=int, help="GCS port (Ray's default 6379)")
+    u.add_argument("--dashboard-port", type=int, default=DEFAULT_DASHBOARD_PORT)
+    u.add_argument("--temp-dir")
+    u.add_argument("--wait", type=float, default=120.0, help="seconds to wait for the job agent")
+    u.add_argument("--no-wait", action="store_true", help="return right after `ray start`")
+    s = sub.add_parser("submit", help="`ray job submit` with the token, retried while there is no job agent yet")
+    s.add_argument("--address", help="the dashboard URL (default: $RAY_ADDRESS or Ray's default)")
+    s.add_argument("--wait", type=float, default=120.0)
+    sub.add_parser("token", help="print the token file (creating a token when none exists)")
+    sub.add_parser("down", help="`ray stop`")
+    ns, extra = p.parse_known_args(argv)  # up: more `ray start` options; submit: `ray job submit`'s, -- ENTRYPOINT
+    if extra and ns.command not in ("up", "submit"):
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        if ns.command == "up":
+            ns.ray_args = extra
+            return up(ns)
+        if ns.command == "submit":
+            job_args = extra
+            if "--" not in job_args or job_args.index("--") == len(job_args) - 1:
+                p.error("submit needs an entrypoint after --, e.g. submit --working-dir . -- python jobs/train_lm.py")
+            ensure_token()
+            return submit(job_args, ns.address, ns.wait)
+        if ns.command == "token":
+            print(ensure_token())
+            return 0
+        return subprocess.run([ray_bin(), "stop"]).returncode
+    except LaunchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
