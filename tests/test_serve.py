@@ -11,6 +11,9 @@ from netutil import free_port
 
 pytestmark = pytest.mark.slow
 
+LIMITS = {"max_new_tokens": 40, "max_prompt_bytes": 64, "max_body_bytes": 4096}
+IMAGE_LIMITS = {"max_images": 4, "max_cond_scale": 5}
+
 
 @pytest.fixture(scope="module")
 def server(ray_cluster, debug_exports):
@@ -22,10 +25,10 @@ def server(ray_cluster, debug_exports):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build({"target": paths["target"], "draft": paths["draft"], "name": "tiny",
-                     "limits": '{"max_new_tokens": 40, "max_prompt_bytes": 64}',
+                     "limits": json.dumps(LIMITS),
                      "batch_wait_timeout_s": "0.25",  # long enough for concurrent test requests to meet
                      "dalle": paths["dalle"], "image_batch_wait_timeout_s": "0.25",
-                     "image_limits": '{"max_images": 4, "max_cond_scale": 5}'}),
+                     "image_limits": json.dumps(IMAGE_LIMITS)}),
               name="text", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
@@ -215,3 +218,148 @@ def test_bad_openai_image_requests_are_4xx(server):
                         ({"prompt": "a red circle", "model": "nope"}, "model")):
         res = post(f"{server}/v1/images/generations", json=body)
         assert res.status_code == 422 and field in json.dumps(res.json())
+
+
+# ---------------------------------------------------------------------------------------------- limits
+def test_openai_image_size_below_the_minimum_is_a_422_naming_size(server):
+    """Was a 500: "4x4" passed the size parser and failed building the internal request."""
+    for size in ("4x4", "0x0", "1024X1024", "064x064"):
+        res = post(f"{server}/v1/images/generations", json={"prompt": "a red circle", "size": size})
+        assert res.status_code == 422 and any(err["loc"][-1] == "size" for err in res.json()["detail"]), res.text
+    import base64
+
+    ok = post(f"{server}/v1/images/generations", json={"prompt": "a red circle", "size": "8x8", "seed": 1})
+    assert ok.status_code == 200 and png_size(base64.b64decode(ok.json()["data"][0]["b64_json"])) == (8, 8)
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/generate", {"prompt": "hi", "max_new_tokens": 4, "seed": False}, "seed"),  # was accepted as seed 0
+    ("/generate", {"prompt": "hi", "max_new_tokens": 4, "seed": 1.0}, "seed"),
+    ("/generate", {"prompt": "hi", "max_new_tokens": 4, "seed": 2**64}, "seed"),  # was a 500 (overflow)
+    ("/generate", {"prompt": "hi", "max_new_tokens": 4, "seed": 2**63}, "seed"),
+    ("/generate", {"prompt": "hi", "max_new_tokens": 4, "seed": -1}, "seed"),
+    ("/generate", {"prompt": "hi", "max_new_tokens": True}, "max_new_tokens"),
+    ("/generate", {"prompt": "hi", "max_new_tokens": 4, "temperature": "0.5"}, "temperature"),
+    ("/generate", {"prompt": "\ud800", "max_new_tokens": 4}, "prompt"),  # a lone surrogate: was a 500
+    ("/generate", {"prompt": "hi", "max_new_tokens": 4, "gamma": 42}, "gamma"),  # base mode too, as the schema says
+    ("/generate/stream", {"prompt": "hi", "max_new_tokens": 4, "seed": 2**64}, "seed"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 4, "seed": 2**64, "stream": True}, "seed"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "stream": "yes"}, "stream"),
+    ("/images/generate", {"prompt": "a red circle", "seed": 2**64}, "seed"),
+    ("/images/generate", {"prompt": "a red circle", "seed": 2**63 - 2, "n": 3}, "seed"),  # seed + 2 overflows
+    ("/images/generate", {"prompt": "a red circle", "n": 1.0}, "n"),
+    ("/v1/images/generations", {"prompt": "a red circle", "seed": True}, "seed"),
+])
+def test_strict_types_and_seed_range_are_422s_naming_the_field(server, path, body, field):
+    res = post(f"{server}{path}", json=body)
+    assert res.status_code == 422 and any(err["loc"][-1] == field for err in res.json()["detail"]), res.text
+
+
+def test_largest_seeds_are_served(server):
+    res = post(f"{server}/generate", json={"prompt": "hi", "max_new_tokens": 4, "seed": 2**63 - 1, "temperature": 1.0})
+    assert res.status_code == 200, res.text
+    res = post(f"{server}/images/generate", json={"prompt": "a red circle", "seed": 2**63 - 2, "n": 2,
+                                                 "response_format": "b64_json"})
+    assert res.status_code == 200 and [im["seed"] for im in res.json()["images"]] == [2**63 - 2, 2**63 - 1]
+
+
+def text_of(res) -> str:
+    assert res.status_code == 200, res.text
+    return res.json()["results"]
+
+
+def test_tiny_temperatures_and_top_p_decode_greedily(server):
+    """Were 500s (NaN probabilities): a temperature below the floor is greedy; top_p keeps the top token."""
+    greedy = text_of(post(f"{server}/generate", json={"prompt": "def ", "max_new_tokens": 12, "temperature": 0,
+                                                       "mode": "both", "gamma": 3}))
+    for t in (1e-40, 1e-300, 5e-324):
+        tiny = text_of(post(f"{server}/generate", json={"prompt": "def ", "max_new_tokens": 12, "temperature": t,
+                                                         "mode": "both", "gamma": 3, "seed": 4}))
+        assert {m: r["text"] for m, r in tiny.items()} == {m: r["text"] for m, r in greedy.items()}
+    nucleus = text_of(post(f"{server}/generate", json={"prompt": "def ", "max_new_tokens": 12, "temperature": 1.0,
+                                                        "top_p": 1e-300, "mode": "both", "gamma": 3, "seed": 4}))
+    assert nucleus["base"]["text"] == greedy["base"]["text"]  # one token left: the argmax
+    body = {"prompt": "a red circle", "seed": 3, "response_format": "b64_json"}
+    zero = post(f"{server}/images/generate", json={**body, "temperature": 0})
+    tiny = post(f"{server}/images/generate", json={**body, "temperature": 1e-40})
+    assert zero.status_code == tiny.status_code == 200, tiny.text
+    assert tiny.json()["images"][0]["b64_png"] == zero.json()["images"][0]["b64_png"]
+
+
+def openapi(server) -> dict:
+    res = requests.get(f"{server}/openapi.json", timeout=30)
+    assert res.status_code == 200
+    return res.json()
+
+
+def test_the_schema_states_the_configured_limits(server):
+    schema = openapi(server)
+    props = {name: c.get("properties", {}) for name, c in schema["components"]["schemas"].items()}
+    gen = props["GenerateRequest"]
+    assert (gen["gamma"]["minimum"], gen["gamma"]["maximum"]) == (1, 8)  # gamma 42 was refused, the schema said nothing
+    assert gen["max_new_tokens"]["maximum"] == LIMITS["max_new_tokens"] and gen["prompt"]["maxLength"] == 64
+    assert gen["temperature"]["maximum"] == 2.0
+    assert gen["seed"]["anyOf"][0]["maximum"] == 2**63 - 1  # exact (FastAPI alone writes a float: 2**63)
+    assert props["CompletionRequest"]["model"]["enum"] == ["tiny", "tiny-speculative"]
+    img = props["ImageRequest"]
+    assert (img["n"]["maximum"], img["cond_scale"]["maximum"], img["size"]["anyOf"][0]["maximum"]) == (4, 5, 1024)
+    assert props["OpenAIImageRequest"]["model"]["anyOf"][0]["enum"] == ["dalle_shapes_debug"]
+    for path, ops in schema["paths"].items():
+        for op in ops.values():
+            if "requestBody" in op:
+                assert "4096 bytes" in op["responses"]["413"]["description"], path
+    assert requests.get(f"{server}/docs", timeout=30).status_code == 200
+
+
+# A request that is valid for each operation; every stated bound is probed at the bound and one step past it.
+VALID = {"/generate": {"prompt": "hi", "max_new_tokens": 4, "mode": "both", "gamma": 3},
+         "/generate/stream": {"prompt": "hi", "max_new_tokens": 4, "gamma": 3},
+         "/v1/completions": {"model": "tiny", "prompt": "hi", "max_tokens": 4},
+         "/images/generate": {"prompt": "a red circle", "response_format": "b64_json"},
+         "/v1/images/generations": {"prompt": "a red circle"}}
+
+
+def stated_bounds(schema: dict):
+    """(path, field, value at the bound, value past it) for every maximum/maxLength/enum of a request field."""
+    for path, ops in schema["paths"].items():
+        body = ops.get("post", {}).get("requestBody")
+        if not body:
+            continue
+        ref = body["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[-1]
+        for field, prop in schema["components"]["schemas"][ref]["properties"].items():
+            for branch in prop.get("anyOf", [prop]):
+                if "maximum" in branch and field != "seed":
+                    m = branch["maximum"]
+                    yield path, field, m, (m + 1 if branch["type"] == "integer" else m * (1 + 1e-9))
+                if "maxLength" in branch:
+                    yield path, field, "x" * branch["maxLength"], "x" * (branch["maxLength"] + 1)
+                if "enum" in branch and field not in ("mode",):
+                    yield path, field, branch["enum"][-1], "nope"
+
+
+def test_every_stated_bound_is_the_enforced_one(server):
+    """The app accepts each field at the bound the schema states and refuses it (422 naming the field) past it."""
+    probed = set()
+    for path, field, at, past in stated_bounds(openapi(server)):
+        if field == "size" and path == "/images/generate":
+            at = 64  # a 1024-pixel PNG is slow to make; 64 is within the bound, 1025 past it
+        ok = post(f"{server}{path}", json={**VALID[path], field: at})
+        assert ok.status_code == 200, (path, field, at, ok.text)
+        bad = post(f"{server}{path}", json={**VALID[path], field: past})
+        assert bad.status_code == 422, (path, field, bad.text)
+        assert any(e["loc"][-1] == field for e in bad.json()["detail"]), (path, field, bad.text)
+        probed.add((path, field))
+    assert {("/generate", "gamma"), ("/generate", "max_new_tokens"), ("/v1/completions", "model"),
+            ("/images/generate", "n"), ("/v1/images/generations", "model")} <= probed
+
+
+def test_bodies_over_the_limit_are_413_before_parsing(server):
+    big = {"prompt": "hi", "max_new_tokens": 4, "padding": "x" * 5000}  # would be a 422 (unknown field) if parsed
+    res = post(f"{server}/generate", json=big)
+    assert res.status_code == 413 and "4096 bytes" in res.text
+    chunks = (json.dumps(big).encode()[i:i + 1000] for i in range(0, 6000, 1000))  # chunked: no Content-Length
+    res = post(f"{server}/generate", data=chunks, headers={"content-type": "application/json"})
+    assert res.status_code == 413, res.text
+    small = post(f"{server}/generate", json={**big, "padding": "x" * 3000})
+    assert small.status_code == 422 and "padding" in small.text  # under the limit: parsed as usual
+    assert requests.get(f"{server}/healthz", timeout=30).status_code == 200

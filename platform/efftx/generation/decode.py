@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-from efftx.generation.sampling import draw, probabilities, sample
+from efftx.generation.sampling import draw, is_greedy, probabilities, sample
 
 
 @torch.no_grad()
@@ -127,7 +127,7 @@ def iter_generate(model, prompts: Sequence[Sequence[int]] | torch.Tensor, max_ne
     state = Rows(model, len(rows), total)
     logits = state.prefill(rows)
     for i in range(max_new_tokens):
-        if temperature == 0:
+        if is_greedy(temperature):
             token = sample(logits, 0)
         else:
             token = draw(probabilities(logits, temperature, top_k, top_p), gens)

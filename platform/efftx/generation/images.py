@@ -8,7 +8,7 @@
 
 **Filtering.** ``filter_thres`` is the original's top-k: keep the ``ceil((1 - filter_thres) * K)``
 largest of the K image logits (at least one); then ``top_p`` (nucleus) and ``temperature``
-(0 = greedy), through :mod:`efftx.generation.sampling`.
+(0, or below ``MIN_TEMPERATURE``, = greedy), through :mod:`efftx.generation.sampling`.
 
 **Guidance.** With ``cond_scale != 1`` every caption row has a twin whose caption is all padding (the
 "null" caption the model saw with probability ``dalle.null_cond_prob`` in training). Both run as one
@@ -35,7 +35,7 @@ from typing import Sequence
 import torch
 
 from efftx.generation.decode import generators
-from efftx.generation.sampling import draw, probabilities, sample
+from efftx.generation.sampling import draw, is_greedy, probabilities, sample
 
 
 def top_k_of_thres(filter_thres: float, vocab: int) -> int:
@@ -81,7 +81,7 @@ def generate_image_tokens(model, text: torch.Tensor, *, num_images: int = 1, fil
         if len(seed) != rows:
             raise ValueError(f"seed: {len(seed)} seeds for {rows} images (one per image, or one int)")
         gens = generators(list(seed), rows, device)
-        pick = lambda logits: (logits.argmax(-1) if temperature == 0  # noqa: E731
+        pick = lambda logits: (logits.argmax(-1) if is_greedy(temperature)  # noqa: E731
                                else draw(probabilities(logits, temperature, top_k, top_p), gens))
     else:
         gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None

@@ -11,19 +11,25 @@
 
 Requests are grouped with ``@serve.batch``: requests sharing the sampling settings decode together,
 one batched forward pass per image token, every image with its own seed (``seed + i`` for image i of
-a request), so an image does not depend on the batch it landed in.
+a request), so an image does not depend on the batch it landed in. A group whose batched generation
+raises is generated again request by request, so only the request at fault fails
+(:func:`efftx.serving.isolation.contained`); generation runs in a worker thread, off the replica's event loop.
 """
 
+import asyncio
 import base64
+import re
 import time
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from fastapi import HTTPException
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 
 from efftx.generation.png import png_bytes, to_pil
+from efftx.serving.isolation import RowFailure, contained
+from efftx.serving.schemas import SEED_MAX, Seed, Temperature, TopP, encodable
 
 
 class ImageLimits(BaseModel):
@@ -37,31 +43,62 @@ class ImageLimits(BaseModel):
     max_size: int = 1024  # pixels per side of a returned image (resized from the model's own size)
 
 
-class ImageRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+def _has_text(prompt: str) -> str:
+    encodable(prompt)
+    if not prompt.strip():
+        raise ValueError("the prompt holds no text")
+    return prompt
 
-    prompt: str = Field(min_length=1)
-    n: int = Field(default=1, ge=1)
+
+ImagePrompt = Annotated[str, Field(min_length=1, description="some text besides whitespace; at most "
+                                                             "image_limits.max_prompt_chars characters",
+                                   json_schema_extra={"pattern": r"\S"}),
+                        AfterValidator(_has_text)]
+ImageSeed = Annotated[Seed, Field(description="image i is drawn with seed + i: seed + n - 1 <= 2**63 - 1")]
+SIZE_PATTERN = r"^(auto|([89]|[1-9][0-9]+)x\2)$"  # "auto" or a square "NxN" with N >= 8 (no leading zeros)
+
+
+def _openai_size(size: str) -> str:
+    if not re.fullmatch(SIZE_PATTERN, size):
+        raise ValueError(f"size must be 'auto' or a square 'NxN' with N >= 8 (for example '256x256'), got {size!r}")
+    return size
+
+
+def _b64_only(fmt: str) -> str:
+    if fmt != "b64_json":
+        raise ValueError("only b64_json is served (this server keeps no image URLs)")
+    return fmt
+
+
+class ImageRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    prompt: ImagePrompt
+    n: int = Field(default=1, ge=1, description="images; at most image_limits.max_images")
     filter_thres: float = Field(default=0.9, ge=0.0, le=1.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    temperature: float = Field(default=1.0, ge=0.0)
-    cond_scale: float = Field(default=1.0, ge=0.0)
-    seed: int | None = None
-    size: int | None = Field(default=None, ge=8)  # side of the returned images; None = the model's own
+    top_p: TopP = 1.0
+    temperature: Temperature = 1.0
+    cond_scale: float = Field(default=1.0, ge=0.0, description="at most image_limits.max_cond_scale")
+    seed: ImageSeed | None = None
+    size: int | None = Field(default=None, ge=8, description="side of the returned images in pixels, at most "
+                                                             "image_limits.max_size; null = the model's own")
     response_format: Literal["png", "b64_json"] = "png"  # png: one image as image/png; n > 1 is always JSON
 
 
 class OpenAIImageRequest(BaseModel):
     """The subset of the OpenAI images API this server implements (other fields are ignored)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
-    prompt: str = Field(min_length=1)
+    prompt: ImagePrompt
     model: str | None = None
-    n: int = Field(default=1, ge=1)
-    size: str | None = None  # "WxH" with W == H
-    response_format: str = "b64_json"
-    seed: int | None = None
+    n: int = Field(default=1, ge=1, description="images; at most image_limits.max_images")
+    size: Annotated[str, Field(json_schema_extra={"pattern": SIZE_PATTERN},
+                               description="'auto' or a square 'NxN', 8 <= N <= image_limits.max_size"),
+                    AfterValidator(_openai_size)] | None = None
+    response_format: Annotated[str, Field(json_schema_extra={"enum": ["b64_json"]}),
+                               AfterValidator(_b64_only)] = "b64_json"
+    seed: ImageSeed | None = None
 
 
 class GeneratedImage(BaseModel):
@@ -87,14 +124,35 @@ def check_request(req: ImageRequest, lim: ImageLimits) -> None:
     """Raise a 4xx naming the field for a request over the limits (run by the ingress, before batching)."""
     if len(req.prompt) > lim.max_prompt_chars:
         raise field_error("prompt", f"the prompt has {len(req.prompt)} characters; the limit is {lim.max_prompt_chars}")
-    if not req.prompt.strip():
-        raise field_error("prompt", "the prompt holds no text")
     if req.n > lim.max_images:
         raise field_error("n", f"at most {lim.max_images} images per request, got {req.n}")
     if req.cond_scale > lim.max_cond_scale:
         raise field_error("cond_scale", f"at most {lim.max_cond_scale}, got {req.cond_scale}")
     if req.size is not None and req.size > lim.max_size:
         raise field_error("size", f"at most {lim.max_size} pixels per side, got {req.size}")
+    if req.seed is not None and req.seed + req.n - 1 > SEED_MAX:
+        raise field_error("seed", f"image i is drawn with seed + i: seed + n - 1 must be at most 2**63 - 1 "
+                                  f"({SEED_MAX}), got seed {req.seed} with n {req.n}")
+
+
+def image_field_limits(lim: ImageLimits, model_id: str | None) -> dict[str, dict]:
+    """``{model: {field: JSON-schema keywords}}``: the configured image limits, as :func:`check_request` enforces
+    them (``model_id``: the one image model ``/v1/images/generations`` serves)."""
+    common = {"prompt": {"maxLength": lim.max_prompt_chars}, "n": {"maximum": lim.max_images}}
+    out = {"ImageRequest": {**common, "cond_scale": {"maximum": lim.max_cond_scale}, "size": {"maximum": lim.max_size}},
+           "OpenAIImageRequest": dict(common)}
+    if model_id is not None:
+        out["OpenAIImageRequest"]["model"] = {"enum": [model_id]}
+    return out
+
+
+def as_image_request(**fields: Any) -> ImageRequest:
+    """An :class:`ImageRequest` from another request's fields; a field it refuses is a 422 naming the field."""
+    try:
+        return ImageRequest(**fields)
+    except ValidationError as exc:
+        raise HTTPException(status_code=422, detail=[{"loc": ["body", *err["loc"]], "msg": err["msg"],
+                                                      "type": err["type"]} for err in exc.errors()]) from None
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=32)
@@ -139,16 +197,21 @@ class ImageGenerator:
                 images=[GeneratedImage(b64_png=p, seed=None if r.seed is None else r.seed + i) for i, p in enumerate(pngs)]))
         return out
 
-    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.05)
-    async def generate(self, requests: list[ImageRequest]) -> list[ImageResponse]:
-        results: list[ImageResponse | None] = [None] * len(requests)
+    def _draw_all(self, requests: list[ImageRequest]) -> list[ImageResponse | RowFailure]:
+        results: list[ImageResponse | RowFailure | None] = [None] * len(requests)
         groups: dict[tuple, list[int]] = {}
         for i, r in enumerate(requests):
             groups.setdefault((r.filter_thres, r.top_p, r.temperature, r.cond_scale), []).append(i)
-        for rows in groups.values():
-            for i, res in zip(rows, self._draw([requests[i] for i in rows])):
+        for rows in groups.values():  # a failing group is drawn again request by request: only its culprit fails
+            for i, res in zip(rows, contained(self._draw, [requests[i] for i in rows], "image generation")):
                 results[i] = res
         return results
+
+    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.05)
+    async def generate(self, requests: list[ImageRequest]) -> list[ImageResponse | RowFailure]:
+        """One result per request: its images, or a :class:`RowFailure` (the ingress answers it as an HTTP error).
+        Generation runs in a worker thread, so the replica's event loop (``info``) answers meanwhile."""
+        return await asyncio.to_thread(self._draw_all, requests)
 
 
 def _encode(image: torch.Tensor, size: int) -> str:
@@ -161,12 +224,9 @@ def _encode(image: torch.Tensor, size: int) -> str:
     return base64.b64encode(png_bytes(pil)).decode()
 
 
-def openai_size(size: str | None, field: str = "size") -> int | None:
-    """OpenAI's "WxH" size -> one side in pixels (square only)."""
+def openai_size(size: str | None) -> int | None:
+    """OpenAI's "NxN" size (validated by :class:`OpenAIImageRequest`) -> one side in pixels; None for "auto"."""
     if size is None or size == "auto":
         return None
-    w, sep, h = size.lower().partition("x")
-    if not sep or not w.isdigit() or not h.isdigit() or w != h:
-        raise field_error(field, f"size must be a square 'NxN' (for example '256x256'), got {size!r}")
-    return int(w)
+    return int(size.partition("x")[0])
 

@@ -2,14 +2,28 @@
 
 Every check names the offending field; FastAPI turns a failed check into a 422 whose body lists
 ``{"loc": [..., field], "msg": ...}`` entries.
+
+**Types are strict**: an integer field takes a JSON integer only (``"seed": false`` or ``"seed": 1.0`` is a
+422), a number field a JSON number, a string field a string; NaN and infinities are refused.
+
+**Limits.** The static bounds are in the models below. The configured :class:`Limits` (``limits=JSON`` of the
+app) are enforced by the app and written into its OpenAPI schema (``GET /openapi.json``) as ``maximum`` /
+``maxLength`` / ``enum`` of the fields they bound (:func:`apply_field_limits`), so the schema states every
+limit the app enforces. A few rules join two fields and so are in the fields' descriptions only: the prompt's
+UTF-8 byte count (``maxLength`` bounds its characters), the model's context (prompt + new tokens, + gamma + 1
+when speculative) and, for images, ``seed + n - 1 <= 2**63 - 1``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from efftx.generation.sampling import MIN_TEMPERATURE
+
+SEED_MAX = 2**63 - 1  # seeds are 0..2**63-1 (torch.Generator.manual_seed takes 64 bits; this leaves room)
 
 
 @dataclass(frozen=True)
@@ -19,19 +33,46 @@ class Limits:
     min_gamma: int = 1
     max_gamma: int = 8
     max_temperature: float = 2.0
+    max_body_bytes: int = 65536  # larger request bodies get a 413 before they are parsed (every route)
+
+
+def encodable(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800") decodes from JSON but has no UTF-8 form
+        raise ValueError(f"the text is not valid Unicode ({exc.reason} at character {exc.start})") from None
+    return text
+
+
+def _floor_temperature(t: float) -> float:
+    return 0.0 if t < MIN_TEMPERATURE else t
+
+
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+Prompt = Annotated[str, Field(min_length=1, description="UTF-8 text; its byte count is limited by "
+                                                        "limits.max_prompt_bytes (maxLength bounds its characters)"),
+                   AfterValidator(encodable)]
+Temperature = Annotated[float, Field(ge=0.0, description=f"0 = greedy; values below {MIN_TEMPERATURE:g} "
+                                                        "are greedy too (the sampling temperature floor)"),
+                        AfterValidator(_floor_temperature)]
+Seed = Annotated[int, Field(ge=0, le=SEED_MAX, description="0..2**63-1; null = unseeded")]
+TopP = Annotated[float, Field(gt=0.0, le=1.0, description="nucleus sampling; the most probable token is always kept")]
 
 
 class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
-    prompt: str = Field(min_length=1)
-    max_new_tokens: int = Field(default=64, ge=1)
-    temperature: float = Field(default=0.8, ge=0.0)
-    top_k: int = Field(default=0, ge=0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    prompt: Prompt
+    max_new_tokens: int = Field(default=64, ge=1, description="at most limits.max_new_tokens, and prompt bytes + "
+                                                               "max_new_tokens (+ gamma + 1 when speculative) "
+                                                               "within the model's context")
+    temperature: Temperature = 0.8
+    top_k: int = Field(default=0, ge=0, description="0 = no top-k filter")
+    top_p: TopP = 1.0
+    seed: Seed | None = None
     mode: Literal["base", "speculative", "both"] = "base"
-    gamma: int = Field(default=5, ge=1)
+    gamma: int = Field(default=5, ge=1, description="draft tokens per speculative step, in "
+                                                    "[limits.min_gamma, limits.max_gamma] (checked in every mode)")
 
 
 class ModeResult(BaseModel):
@@ -113,13 +154,81 @@ class ModelsInfo(BaseModel):
 class CompletionRequest(BaseModel):
     """The subset of the OpenAI completions API this server implements (others are ignored)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     model: str
-    prompt: str = Field(min_length=1)
+    prompt: Prompt
     max_tokens: int = Field(default=16, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    seed: Seed | None = None
     stream: bool = False
     n: int = Field(default=1, ge=1, le=1)
+
+
+# ---------------------------------------------------------------------------------------------- the schema
+def constrain(schema: dict, model: str, field: str, **keywords: Any) -> None:
+    """Add JSON-schema keywords to ``model.field`` in an OpenAPI document (for an optional field, to its non-null
+    branch)."""
+    prop = schema["components"]["schemas"][model]["properties"][field]
+    branches = [b for b in prop.get("anyOf", []) if b.get("type") != "null"]
+    (branches[0] if branches else prop).update(keywords)
+
+
+def text_field_limits(lim: Limits, context: int, models: list[str], speculative: bool) -> dict[str, dict]:
+    """``{model: {field: JSON-schema keywords}}``: the configured limits of the text requests, as the app enforces
+    them (``context`` is the target's ``max_seq_len``; ``models`` the ids ``/v1/completions`` serves)."""
+    common = {"prompt": {"maxLength": lim.max_prompt_bytes}, "temperature": {"maximum": lim.max_temperature}}
+    generate = {**common, "max_new_tokens": {"maximum": min(lim.max_new_tokens, context - 1)},
+                "gamma": {"minimum": lim.min_gamma, "maximum": lim.max_gamma}}
+    out = {"GenerateRequest": dict(generate), "StreamRequest": dict(generate),
+           "CompletionRequest": {**common, "max_tokens": {"maximum": min(lim.max_new_tokens, context - 1)},
+                                 "model": {"enum": list(models)}}}
+    if not speculative:  # no draft: base decoding only
+        out["GenerateRequest"]["mode"] = {"enum": ["base"]}
+        out["StreamRequest"]["mode"] = {"enum": ["base"]}
+    return out
+
+
+def apply_field_limits(schema: dict, limits: dict[str, dict]) -> dict:
+    for model, fields in limits.items():
+        if model in schema.get("components", {}).get("schemas", {}):
+            for field, keywords in fields.items():
+                constrain(schema, model, field, **keywords)
+    return schema
+
+
+def exact_integer_bounds(schema: dict) -> dict:
+    """FastAPI writes every ``minimum``/``maximum`` as a float (``2**63 - 1`` becomes ``9.223372036854776e+18``,
+    i.e. 2**63): integer fields get integer bounds back, and seeds their exact maximum."""
+    def walk(node):
+        if isinstance(node, dict):
+            if node.get("type") == "integer":
+                for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+                    if isinstance(node.get(key), float) and node[key].is_integer():
+                        node[key] = int(node[key])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(schema)
+    for model in schema.get("components", {}).get("schemas", {}).values():
+        if "seed" in model.get("properties", {}):
+            prop = model["properties"]["seed"]
+            for branch in prop.get("anyOf", [prop]):
+                if branch.get("type") == "integer":
+                    branch.update(minimum=0, maximum=SEED_MAX)
+    return schema
+
+
+def declare_body_limit(schema: dict, max_body_bytes: int) -> dict:
+    """Every operation with a request body may answer 413: say so, with the limit."""
+    for ops in schema.get("paths", {}).values():
+        for op in ops.values():
+            if isinstance(op, dict) and "requestBody" in op:
+                op.setdefault("responses", {})["413"] = {
+                    "description": f"The request body is larger than {max_body_bytes} bytes "
+                                   "(limits.max_body_bytes); refused before it is parsed."}
+    return schema

@@ -11,7 +11,9 @@ column which tokens the target accepted from the draft and which it produced its
   is refused before that, with the usual 422 naming the field).
 
 A stream decodes alone (batch size 1): it does not join ``@serve.batch`` batches, as its steps must
-reach the client as they happen.
+reach the client as they happen. The event generators are synchronous: Starlette's ``StreamingResponse``
+iterates them in its thread pool, so decoding never runs on the replica's event loop (``/healthz`` answers
+meanwhile).
 """
 
 from __future__ import annotations

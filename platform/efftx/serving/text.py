@@ -20,12 +20,29 @@ Endpoints (FastAPI; OpenAPI docs at /docs and /openapi.json):
   images API), served by an :class:`~efftx.serving.images.ImageGenerator` deployment behind this one.
 
 Bad input gets a 4xx naming the field (422 for values, 400 for bodies that are not UTF-8 JSON); no
-request can take the replica down.
+request can take the replica down, and no request can fail another:
+
+* **Limits.** The configured limits (``limits=JSON``: :class:`~efftx.serving.schemas.Limits`;
+  ``image_limits=JSON``: :class:`~efftx.serving.images.ImageLimits`) are written into ``GET /openapi.json``
+  as the bounds of the fields they limit, so the schema states every limit the app enforces
+  (:func:`~efftx.serving.schemas.text_field_limits`). Temperatures below the sampling floor
+  (``efftx.generation.sampling.MIN_TEMPERATURE``) are greedy, like 0. Seeds are 0..2**63-1.
+* **Body size.** A request body over ``limits.max_body_bytes`` gets a 413 before it is parsed
+  (:class:`~efftx.serving.isolation.BodyLimit`).
+* **Containment.** A batch whose decoding raises is decoded again request by request, so only the request
+  at fault fails (a 422 when the decoder refused its input, else a 500); its batch-mates get exactly the
+  output they get alone (:func:`~efftx.serving.isolation.contained`). A stream that fails after it has begun
+  ends with an ``error`` event.
+* **Responsiveness.** Decoding runs in worker threads (``asyncio.to_thread`` for batches; streams are sync
+  generators, which Starlette iterates in its thread pool), never on the replica's event loop, so
+  ``/healthz`` and the other routes answer while a batch decodes.
 """
 
 
+import asyncio
 import base64
 import codecs
+import copy
 import dataclasses
 import json
 import time
@@ -34,26 +51,67 @@ from typing import Any
 
 import torch
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.utils import is_body_allowed_for_status_code
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from efftx.generation.decode import decode_bytes, encode_text, iter_generate
 from efftx.generation.speculative import SpecStats, iter_speculative, iter_speculative_rows
-from efftx.serving.images import (ImageGenerator, ImageLimits, ImageRequest, OpenAIImageRequest, check_request,
-                                  field_error, openai_size)
+from efftx.serving.images import (ImageGenerator, ImageLimits, ImageRequest, OpenAIImageRequest, as_image_request,
+                                  check_request, field_error, image_field_limits, openai_size)
+from efftx.serving.isolation import BodyLimit, RowFailure, contained
 from efftx.serving.playground import image_card, model_card
 from efftx.serving.playground import router as playground_router
 from efftx.serving.schemas import (CompletionRequest, GenerateRequest, GenerateResponse, Limits, ModelsInfo, ModeResult,
-                                   StreamRequest)
+                                   StreamRequest, apply_field_limits, declare_body_limit, exact_integer_bounds,
+                                   text_field_limits)
 from efftx.serving.streaming import sse, stream_events
 
-app = FastAPI(title="efftx text generation", description=__doc__.split("\n\n")[0])
+# /openapi.json and /docs are routes of the deployment below: the schema carries the replica's configured limits
+app = FastAPI(title="efftx text generation", description=__doc__.split("\n\n")[0], openapi_url=None, docs_url=None,
+              redoc_url=None)
 app.include_router(playground_router)  # the page and its static files
+
+
+def _body_limit() -> int:
+    """The serving replica's ``limits.max_body_bytes`` (the default outside a replica)."""
+    try:
+        return serve.get_replica_context().servable_object.limits.max_body_bytes
+    except Exception:  # noqa: BLE001 - not in a replica (or not a TextGenerator): the default
+        return Limits().max_body_bytes
+
+
+app.add_middleware(BodyLimit, limit=_body_limit)
+
+
+class _AsciiJSON(JSONResponse):
+    """JSON with non-ASCII escaped: an error may echo input that has no UTF-8 form (a lone surrogate such as
+    ``"\\ud800"`` is valid JSON), which the default rendering cannot encode (it answered 500)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 @app.exception_handler(UnicodeDecodeError)
 async def _not_utf8(request: Request, exc: UnicodeDecodeError):
     return JSONResponse(status_code=400, content={"detail": [{"loc": ["body"], "msg": "the body is not valid UTF-8"}]})
+
+
+@app.exception_handler(RequestValidationError)
+async def _invalid(request: Request, exc: RequestValidationError):
+    return _AsciiJSON(status_code=422, content={"detail": jsonable_encoder(exc.errors())})
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    if not is_body_allowed_for_status_code(exc.status_code):
+        return Response(status_code=exc.status_code, headers=exc.headers)
+    return _AsciiJSON(status_code=exc.status_code, content={"detail": jsonable_encoder(exc.detail)},
+                      headers=exc.headers)
 
 
 _field_error = field_error
@@ -82,6 +140,7 @@ class TextGenerator:
         self.images = images  # a handle to the ImageGenerator deployment, or None
         self.image_limits = ImageLimits(**(image_limits or {}))
         self._image_info: dict | None = None
+        self._schema: dict | None = None
 
     # ------------------------------------------------------------------ checks
     def _check(self, prompt: str, max_new: int, temperature: float, gamma: int, speculative: bool,
@@ -94,11 +153,10 @@ class TextGenerator:
             raise _field_error(names["max_new_tokens"], f"at most {lim.max_new_tokens}, got {max_new}")
         if temperature > lim.max_temperature:
             raise _field_error("temperature", f"at most {lim.max_temperature}, got {temperature}")
-        if speculative:
-            if self.draft is None:
-                raise _field_error("mode", "speculative decoding needs a draft model; this server has none")
-            if not lim.min_gamma <= gamma <= lim.max_gamma:
-                raise _field_error("gamma", f"must be in [{lim.min_gamma}, {lim.max_gamma}], got {gamma}")
+        if not lim.min_gamma <= gamma <= lim.max_gamma:  # in every mode, as the schema says
+            raise _field_error("gamma", f"must be in [{lim.min_gamma}, {lim.max_gamma}], got {gamma}")
+        if speculative and self.draft is None:
+            raise _field_error("mode", "speculative decoding needs a draft model; this server has none")
         room = self.target.max_seq_len - (gamma + 1 if speculative else 0)
         if len(tokens) + max_new > room:
             raise _field_error(names["max_new_tokens"], f"prompt ({len(tokens)} bytes) + {max_new} new tokens "
@@ -144,22 +202,62 @@ class TextGenerator:
                            target_calls=st.target_calls)
                 for row, st in zip(out, row_stats)]
 
-    def _run(self, requests: list[GenerateRequest]) -> list[GenerateResponse]:
+    def _run(self, requests: list[GenerateRequest]) -> list[GenerateResponse | RowFailure]:
         results: list[dict[str, ModeResult]] = [{} for _ in requests]
+        failed: dict[int, RowFailure] = {}
         for mode, run in (("base", self._base_rows), ("speculative", self._speculative_rows)):
             groups: dict[tuple, list[int]] = {}
             for i, r in enumerate(requests):
-                if r.mode in (mode, "both"):
+                if r.mode in (mode, "both") and i not in failed:
                     key = (r.temperature, r.top_k, r.top_p) + ((r.gamma,) if mode == "speculative" else ())
                     groups.setdefault(key, []).append(i)
-            for rows in groups.values():
-                for i, res in zip(rows, run([requests[i] for i in rows])):
-                    results[i][mode] = res
-        return [GenerateResponse(prompt=r.prompt, results=res) for r, res in zip(requests, results)]
+            for rows in groups.values():  # a failing group is decoded again request by request: only its culprit fails
+                for i, res in zip(rows, contained(run, [requests[i] for i in rows], f"{mode} decoding")):
+                    if isinstance(res, RowFailure):
+                        failed[i] = res
+                    else:
+                        results[i][mode] = res
+        return [failed.get(i) or GenerateResponse(prompt=r.prompt, results=res)
+                for i, (r, res) in enumerate(zip(requests, results))]
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.02)
-    async def _batched(self, requests: list[GenerateRequest]) -> list[GenerateResponse]:
-        return self._run(requests)
+    async def _batched(self, requests: list[GenerateRequest]) -> list[GenerateResponse | RowFailure]:
+        return await asyncio.to_thread(self._run, requests)  # off the event loop: /healthz answers meanwhile
+
+    async def _decode(self, req: GenerateRequest) -> GenerateResponse:
+        res = await self._batched(req)
+        if isinstance(res, RowFailure):
+            raise res.exception()
+        return res
+
+    # ------------------------------------------------------------------ schema
+    async def openapi_schema(self, app: FastAPI, root_path: str = "") -> dict:
+        """The app's OpenAPI document with this replica's limits written into the request schemas."""
+        if self._schema is None:
+            info = await self.image_info()
+            names = [self.name] + ([f"{self.name}-speculative"] if self.draft is not None else [])
+            schema = exact_integer_bounds(copy.deepcopy(app.openapi()))
+            apply_field_limits(schema, text_field_limits(self.limits, self.target.max_seq_len, names,
+                                                         self.draft is not None))
+            if info is not None:
+                apply_field_limits(schema, image_field_limits(self.image_limits, info["id"]))
+            else:  # no image model: its routes only answer 404
+                for path in ("/images/generate", "/v1/images/generations"):
+                    schema["paths"].pop(path, None)
+            declare_body_limit(schema, self.limits.max_body_bytes)
+            self._schema = schema
+        if root_path:
+            return {**self._schema, "servers": [{"url": root_path}]}
+        return self._schema
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(self, request: Request) -> JSONResponse:
+        return JSONResponse(await self.openapi_schema(request.app, request.scope.get("root_path", "").rstrip("/")))
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(self, request: Request) -> HTMLResponse:
+        root = request.scope.get("root_path", "").rstrip("/")
+        return get_swagger_ui_html(openapi_url=f"{root}/openapi.json", title=f"{request.app.title} - docs")
 
     # ------------------------------------------------------------------ endpoints
     @app.get("/healthz")
@@ -183,7 +281,10 @@ class TextGenerator:
         if self.images is None:
             raise HTTPException(status_code=404, detail="this server has no image model (start it with dalle=PATH)")
         check_request(req, self.image_limits)
-        return await self.images.generate.remote(req)
+        res = await self.images.generate.remote(req)
+        if isinstance(res, RowFailure):
+            raise res.exception()
+        return res
 
     @app.post("/images/generate")
     async def images_generate(self, req: ImageRequest):
@@ -196,13 +297,11 @@ class TextGenerator:
 
     @app.post("/v1/images/generations")
     async def openai_images(self, req: OpenAIImageRequest) -> dict:
-        if req.response_format != "b64_json":
-            raise _field_error("response_format", "only b64_json is served (this server keeps no image URLs)")
         info = await self.image_info()
         if info and req.model not in (None, info["id"]):
             raise _field_error("model", f"unknown image model {req.model!r}; GET /v1/models lists them")
-        res = await self._images(ImageRequest(prompt=req.prompt, n=req.n, seed=req.seed, size=openai_size(req.size),
-                                              response_format="b64_json"))
+        res = await self._images(as_image_request(prompt=req.prompt, n=req.n, seed=req.seed,
+                                                  size=openai_size(req.size), response_format="b64_json"))
         return {"created": int(time.time()), "data": [{"b64_json": im.b64_png, "revised_prompt": req.prompt}
                                                       for im in res.images]}
 
@@ -227,14 +326,22 @@ class TextGenerator:
     async def generate(self, req: GenerateRequest) -> GenerateResponse:
         self._check(req.prompt, req.max_new_tokens, req.temperature, req.gamma, req.mode != "base",
                     {"prompt": "prompt", "max_new_tokens": "max_new_tokens"})
-        return await self._batched(req)
+        return await self._decode(req)
+
+    def _completion_steps(self, tokens: list[int], req: CompletionRequest, speculative: bool, gamma: int):
+        """The tokens of each decoding step of a streamed completion (a lazy generator: decoding happens as the
+        response is iterated, in Starlette's thread pool)."""
+        sampling = {"temperature": req.temperature, "top_p": req.top_p, "seed": req.seed}
+        if speculative:
+            return iter_speculative(self.target, self.draft, tokens, req.max_tokens, gamma=gamma, **sampling)
+        return ([int(t[0])] for t in iter_generate(self.target, [tokens], req.max_tokens, **sampling))
 
     @app.post("/v1/completions")
     async def completions(self, req: CompletionRequest):
         speculative = req.model == f"{self.name}-speculative"
         if req.model != self.name and not speculative:
             raise _field_error("model", f"unknown model {req.model!r}; GET /v1/models lists them")
-        gamma = min(5, self.limits.max_gamma)
+        gamma = max(self.limits.min_gamma, min(5, self.limits.max_gamma))
         tokens = self._check(req.prompt, req.max_tokens, req.temperature, gamma, speculative,
                              {"prompt": "prompt", "max_new_tokens": "max_tokens"})
         cid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
@@ -252,28 +359,32 @@ class TextGenerator:
             mode = "speculative" if speculative else "base"
             gen = GenerateRequest(prompt=req.prompt, max_new_tokens=req.max_tokens, temperature=req.temperature,
                                   top_p=req.top_p, seed=req.seed, mode=mode, gamma=gamma)
-            return body((await self._batched(gen)).results[mode].text, "length", usage)
+            return body((await self._decode(gen)).results[mode].text, "length", usage)
 
-        sampling = {"temperature": req.temperature, "top_p": req.top_p, "seed": req.seed}
-        if speculative:
-            steps = iter_speculative(self.target, self.draft, tokens, req.max_tokens, gamma=gamma, **sampling)
-        else:
-            steps = ([int(t[0])] for t in iter_generate(self.target, [tokens], req.max_tokens, **sampling))
+        steps = self._completion_steps(tokens, req, speculative, gamma)
 
-        def events():
+        def events():  # a sync generator: Starlette runs it in its thread pool, off the event loop
             decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-            for step in steps:
-                piece = decoder.decode(bytes(step))
-                if piece:
-                    yield f"data: {json.dumps(body(piece, None))}\n\n"
+            try:
+                for step in steps:
+                    piece = decoder.decode(bytes(step))
+                    if piece:
+                        yield f"data: {json.dumps(body(piece, None))}\n\n"
+            except Exception as exc:  # noqa: BLE001 - the 200 has gone out: the client learns of it in the stream
+                kind = "invalid_request_error" if isinstance(exc, ValueError) else "server_error"
+                error = {"message": f"decoding failed: {type(exc).__name__}: {exc}", "type": kind}
+                yield f"event: error\ndata: {json.dumps({'error': error})}\n\n"
+                return
             yield f"data: {json.dumps(body(decoder.decode(b'', final=True), 'length', usage))}\n\n"
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
 
-def build(args: dict[str, str]) -> serve.Application:
-    """App builder for ``serve run efftx.serving.text:build target=... [draft=...] [dalle=...]`` and YAML configs."""
+def build(args: dict[str, str], *, text_deployment=TextGenerator, image_deployment=ImageGenerator) -> serve.Application:
+    """App builder for ``serve run efftx.serving.text:build target=... [draft=...] [dalle=...]`` and YAML configs.
+
+    ``text_deployment`` / ``image_deployment``: the deployments to bind (tests pass subclasses of these)."""
     known = {"target", "draft", "name", "limits", "max_batch_size", "batch_wait_timeout_s", "dalle", "image_limits",
              "image_max_batch_size", "image_batch_wait_timeout_s"}
     unknown = set(args) - known
@@ -287,9 +398,9 @@ def build(args: dict[str, str]) -> serve.Application:
 
     images = None
     if args.get("dalle"):
-        images = ImageGenerator.bind(args["dalle"], int(args.get("image_max_batch_size", 8)),
-                                     float(args.get("image_batch_wait_timeout_s", 0.05)))
-    return TextGenerator.bind(
+        images = image_deployment.bind(args["dalle"], int(args.get("image_max_batch_size", 8)),
+                                       float(args.get("image_batch_wait_timeout_s", 0.05)))
+    return text_deployment.bind(
         args["target"], args.get("draft") or None, args.get("name"), as_dict(args.get("limits")),
         int(args.get("max_batch_size", 8)), float(args.get("batch_wait_timeout_s", 0.02)),
         images, as_dict(args.get("image_limits")))

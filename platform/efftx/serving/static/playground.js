@@ -211,10 +211,13 @@ const columns = {};  // mode -> Column, filled in start()
 async function runMode(mode, body, signal) {
   const column = columns[mode];
   column.start();
+  // gamma (checked in every mode) only matters to speculative decoding: the base stream leaves it out, so an
+  // over-limit gamma refuses the speculative stream alone
+  const { gamma, ...baseBody } = body;
   const response = await fetch(API.stream, {
     method: "POST",
     headers: { "content-type": "application/json" },
-    body: JSON.stringify({ ...body, mode }),
+    body: JSON.stringify(mode === "speculative" ? { ...body, mode } : { ...baseBody, mode }),
     signal,
   });
   if (!response.ok) {
