@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.efftx-installed
 # and `ray`, `python`, `mlflow` in recipes below are the venv's.
 export PATH := $(BIN):$(PATH)
 
-.PHONY: setup browser demo test test-fast bench cluster-up cluster-down submit-example clean-runs
+.PHONY: setup browser demo test test-fast bench gpu-check cluster-up cluster-down submit-example clean-runs
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,9 @@ test-fast: setup
 
 bench: setup
 	$(BIN)/python bench/train_throughput.py
+
+gpu-check: setup                  ## every CUDA path in one command, one table (needs a CUDA GPU; see bench/gpu_check.py)
+	$(BIN)/python bench/gpu_check.py $(ARGS)
 
 cluster-up: setup                 ## a real local Ray cluster running from the venv, token auth on (token made if none)
 	$(BIN)/python -m efftx.cluster up --num-cpus 2

@@ -229,6 +229,13 @@ KERNEL_CASES = [  # (B, Tq, Tk, H, Hkv, D, block_size, S, noncontiguous)
     (1, 16, 224, 2, 1, 16, 128, 2, False),  # block 128: 2 tiles of 64 keys, the second partly in the future
     (1, 8, 176, 2, 1, 128, 48, 3, False),  # block 48 at head dim 128: tiles cut at the block's end
 ]
+if ON_GPU:  # compiled on a GPU (bench/gpu_check.py): long sequences, GQA 8, head dims 64 and 128
+    KERNEL_CASES += [
+        (2, 4096, 4096, 8, 8, 64, 64, 8, False),  # GQA 1, T 4096
+        (1, 8192, 8192, 8, 1, 128, 32, 8, False),  # GQA 8, head dim 128
+        (1, 16384, 16384, 16, 2, 128, 64, 16, False),  # GQA 8, T 16384
+        (1, 65536, 65536, 8, 2, 64, 64, 4, False),  # GQA 4, T 65536
+    ]
 
 
 @needs_triton

@@ -121,13 +121,49 @@ def test_resume_after_interruption_matches_uninterrupted_run(baseline):
 
 
 def test_dead_worker_is_restarted_from_checkpoint(baseline):
+    # The worker dies right after the step-10 checkpoint, typically before Ray Train has polled (committed) it:
+    # the restart still resumes from it, found in the run folder by its manifest.
     summary = launch(debug_cfg("crash", **{"train.fail_at_step": 15, "train.fail_mode": "exit",
                                            "train.max_failures": 1}))
     assert summary["final_step"] == 40
     ref, got = history(baseline), history(summary)
     assert len(got[12]) == 2  # steps 11-14 ran twice: before the crash and after the restart
+    assert all(len(got[step]) == 1 for step in range(1, 11))  # not from step 0
     for step in range(1, 41):
         assert set(got[step]) == {ref[step][0]}, step
+    run = Path(summary["checkpoint"]).parent
+    assert len([p for p in run.glob("checkpoint_*") if p.is_dir()]) == 2  # no orphan beyond train.keep_checkpoints
+
+
+def test_torn_checkpoint_is_skipped_and_the_rerun_resumes_from_the_previous_one(ray_cluster, baseline):
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster}
+    cmd = [sys.executable, "jobs/train_lm.py", "--recipe", "lm_debug", "--run-name", "torn", "--workers", "2",
+           "--set", "train.checkpoint_every=10", "--set", "train.fail_at_step=25", "--set", "train.max_failures=0"]
+    first = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 2 and "injected failure at step 25" in first.stderr, first.stderr[-3000:]
+    run = Path(os.environ["EFFTX_HOME"], "runs", "torn")
+    saved = {json.loads((p / "efftx_manifest.json").read_text())["step"]: p
+             for p in run.glob("checkpoint_*") if p.is_dir()}
+    assert sorted(saved) == [10, 20]
+    shard = saved[20] / "deepspeed" / "mp_rank_00_model_states.pt"
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:  # a torn write: the first half of the file survived
+        f.truncate(size // 2)
+
+    second = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)  # same command
+    assert second.returncode == 0, (second.stdout + second.stderr)[-4000:]
+    assert (f"checkpoint {saved[20].name} (step 20) is not intact: deepspeed/mp_rank_00_model_states.pt is "
+            f"{size // 2} bytes, its manifest says {size} (torn or truncated)") in second.stdout
+    assert f"resuming from checkpoint {saved[10]} (step 10" in second.stdout
+    assert "resumed at step 10/40" in second.stdout
+    assert f"checkpoint saved at step 20: {run}/checkpoint_00000020_" in second.stdout  # the log names each save
+    summary = json.loads(second.stdout.strip().splitlines()[-1])
+    assert summary["final_step"] == 40
+    ref, got = history(baseline), history(summary)
+    for step in range(1, 41):
+        assert set(got[step]) == {ref[step][0]}, step
+    versions = mlflow_client(summary).search_model_versions(f"run_id='{summary['mlflow_run_id']}'")
+    assert len(versions) == 1
 
 
 def test_resuming_with_another_model_is_refused(baseline):

@@ -4,7 +4,8 @@
 * metrics: per step (train loss, lr, tokens/s, MFU) and per evaluation (val loss, bits-per-byte);
 * artifacts: samples under ``samples/`` (text, or PNG images from the image tasks), the exported model
   under ``export/``;
-* the model registry: each export registered under the recipe name (``tracking.model_name``).
+* the model registry: each run's export registered under the recipe name (``tracking.model_name``), once
+  per run (a resumed run that exports again reuses its version).
 
 The default tracking URI is a sqlite file in the efftx home (``.efftx/mlflow.db`` in a checkout);
 ``MLFLOW_TRACKING_URI`` or ``tracking.uri`` override it. With a sqlite store, artifacts go next to
@@ -102,7 +103,9 @@ class Tracker:
         self.client.log_artifacts(self.run_id, local_dir, path)
 
     def register(self, artifact_path: str) -> str | None:
-        """Register the logged artifact folder as a new version of ``tracking.model_name``."""
+        """Register the logged artifact folder as a version of ``tracking.model_name``, once: when this run
+        already registered the same source (a resumed run that had exported before), that version is returned
+        and no new one is made."""
         if not self.cfg.tracking.register_model:
             return None
         name = self.cfg.tracking.model_name or self.cfg.recipe
@@ -113,6 +116,10 @@ class Tracker:
         except MlflowException:
             pass  # already registered
         source = f"{self.client.get_run(self.run_id).info.artifact_uri}/{artifact_path}"
+        existing = [v for v in self.client.search_model_versions(f"name='{name}' and run_id='{self.run_id}'")
+                    if v.source == source]
+        if existing:
+            return f"models:/{name}/{min(int(v.version) for v in existing)}"
         version = self.client.create_model_version(name, source=source, run_id=self.run_id,
                                                    tags={"efftx.run_name": self.cfg.name})
         return f"models:/{name}/{version.version}"

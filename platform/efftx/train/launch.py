@@ -143,7 +143,7 @@ def launch(cfg: Config, *, parent_run_id: str | None = None, callbacks: list | N
     mlflow_run_id = _mlflow_run(cfg, prepared, parent_run_id)
 
     payload = {"config": cfg.to_dict(), "prepared": prepared, "mlflow_run_id": mlflow_run_id,
-               "export_dir": str(export_dir(cfg))}
+               "export_dir": str(export_dir(cfg)), "run_dir": str(run_dir(cfg))}
     resources = {"CPU": cfg.scaling.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
     from efftx.train.loop import train_loop_per_worker
 

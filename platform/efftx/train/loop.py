@@ -4,14 +4,16 @@ Per optimizer step: ``grad_accum`` micro batches through the DeepSpeed engine; e
 ``log_every`` steps loss / lr / tokens/s / MFU and the task's own training metrics (mean over micro
 batches and ranks); every ``eval_every`` the fixed validation set (whose ``val_loss`` also feeds the
 plateau schedule); every ``sample_every`` a sample; every ``checkpoint_every`` (and at the end) a
-Ray checkpoint. At the end the model is exported (safetensors + config.json + the task's files) and
-logged to MLflow.
+Ray checkpoint with a manifest (checkpoint.save; the log line names its step and folder). At the end the
+model is exported (safetensors + config.json + the task's files), logged to MLflow and registered once.
 
 A batch is whatever the task makes: a tensor, or a tuple / list / dict of them (:func:`to_device`).
 
 Resume is exact: the data of (step, micro batch, rank) and the dropout RNG are functions of the
 seed and those coordinates, and the DeepSpeed checkpoint restores weights, optimizer and LR
-schedule; so the first step after a resume computes what an uninterrupted run computes there.
+schedule; so the first step after a resume computes what an uninterrupted run computes there. It starts
+from the newest checkpoint of the run folder whose files match its manifest, which may be newer than the
+one Ray Train offers (checkpoint.restore).
 """
 
 from __future__ import annotations
@@ -94,11 +96,9 @@ def _inject_failure(cfg: Config, step: int, rank: int, world: int, resumed: bool
     t = cfg.train
     if t.fail_at_step != step or resumed or rank != world - 1:
         return
-    import ray.train
-
-    # Fail only once the controller has committed the last checkpoint: Ray Train learns of reports by
-    # polling, and a worker that dies before the poll takes its unacknowledged report with it.
-    ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
+    # No waiting for Ray Train to commit the last checkpoint: it learns of reports by polling, so a worker
+    # that dies right after a save may take that report with it, and the restart must (and does) still
+    # resume from that checkpoint, found in the run folder by its manifest (checkpoint.restore).
     message = f"injected failure at step {step} (train.fail_at_step={t.fail_at_step}) on rank {rank}"
     if t.fail_mode == "exit":
         sys.stdout.write(f"[efftx] {message}: the worker process exits now\n")
@@ -126,7 +126,8 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     engine, _, scheduler = engine_lib.initialize(model, cfg)
     dev = engine.device
 
-    state = checkpoint.restore(engine)
+    run_dir, keep = payload["run_dir"], cfg.train.keep_checkpoints
+    state = checkpoint.restore(engine, rank, run_dir, keep, log=lambda message: log(rank, message))
     resumed = state is not None
     start = state["step"] if resumed else 0
     tokens_seen = state["tokens_seen"] if resumed else 0
@@ -175,7 +176,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     def save(step: int, metrics: dict[str, Any]) -> None:
         state = {"step": step, "tokens_seen": tokens_seen, "config": cfg.to_dict(),
                  "mlflow_run_id": payload["mlflow_run_id"], "last_eval": last_eval}
-        checkpoint.save(engine, state, metrics, rank)
+        checkpoint.save(engine, state, metrics, rank, run_dir, log=lambda message: log(rank, message))
 
     if not resumed:
         last_eval = evaluate(0)
@@ -209,7 +210,9 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         if step % t.log_every == 0 or step == t.steps:
             tok_s = interval_steps * tokens_per_step / interval_time
             metrics = {"loss": loss_value, "lr": scheduler.get_last_lr()[0], "tokens_per_s": tok_s,
-                       "mfu": flops_per_token * tok_s / (peak * world), "tokens_seen": tokens_seen}
+                       "mfu": flops_per_token * tok_s / (peak * world), "tokens_seen": tokens_seen,
+                       # optimizer steps DeepSpeed skipped for fp16 overflow (the loss-scale search), 0 otherwise
+                       "skipped_steps": float(getattr(engine, "skipped_steps", 0))}
             names = sorted(task_sums)  # the same on every rank: all_mean is collective
             task_means = dict(zip(names, all_mean([task_sums[k].item() / t.grad_accum for k in names]))) if names else {}
             metrics.update(task_means)
@@ -250,3 +253,5 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     save(step, {"step": step, "tokens_per_s": run_tokens / run_time if run_time else 0.0,
                 "peak_memory_mb": peak_memory_mb(device),
                 "export_path": export_dir, "registered_model": model_uri or "", **last_eval})
+    if rank == 0:
+        checkpoint.prune_after_run(run_dir, keep, log=lambda message: log(rank, message))

@@ -1,0 +1,383 @@
+"""The GPU check: every CUDA path of efftx in one command, one table.
+
+    make gpu-check                                    # = python bench/gpu_check.py (one CUDA GPU, < 10 min on an H100)
+    python bench/gpu_check.py [--only kernels,train,decode,nsa,serve] [--quick] [--out DIR] [--device cuda|cpu]
+
+Sections (each row: pass / FAIL / skip with the reason, and its figures):
+
+* ``kernels``: ``tests/test_kernels.py`` compiled for the GPU (``EFFTX_TRITON_GPU=1``): fp32, fp16 and bf16 against
+  the float64 reference with the same-dtype error rule, every accepted block size, GQA 1-8, head dims 64/128,
+  T to 65536, forward and backward. One row per test group.
+* ``train``: one short run per model family (LM, Sinkhorn, Performer, NSA with the Triton kernel, the speculative
+  pair, dVAE + DALL-E) through the real job scripts (TorchTrainer + DeepSpeed; nccl on CUDA), in bf16 and in fp16
+  with loss scaling: the validation loss must fall and no optimizer step may be skipped for overflow after the
+  warm-up (``skipped_steps`` in MLflow). Runs go in parallel, each in its own efftx home.
+* ``decode``: tokens/s at batch 1 and 8, base and speculative (gamma 5), timed with device synchronisation, on the
+  speculative pair the train section trained (untrained debug models otherwise); greedy speculative output must
+  equal greedy base output.
+* ``nsa``: ``bench/nsa.py`` on CUDA (Triton NSA vs SDPA forward and forward+backward to T=65536, kernel vs the
+  torch reference), its tables passed through.
+* ``serve``: the Serve app on the device: ``/generate`` in both modes and ``/images/generate`` answered, and
+  ``/models/info`` naming the device.
+
+``--device cpu`` runs the same plumbing on the CPU (what the test suite does, with a few families): the CUDA-only
+rows are skipped, saying so. The exit code is 1 when a correctness row fails, else 0. The table is also written to
+``OUT/gpu_check.md`` and ``OUT/gpu_check.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+SECTIONS = ("kernels", "train", "decode", "nsa", "serve")
+
+# family -> (job script, recipe, extra overrides); the speculative and DALL-E jobs train two models each.
+FAMILIES = {
+    "lm": ("train_lm.py", ["--recipe", "lm_debug"], []),
+    "sinkhorn": ("train_sinkhorn.py", ["--recipe", "sinkhorn_debug"], []),
+    "performer": ("train_performer.py", ["--recipe", "performer_debug"], []),
+    "nsa": ("train_nsa.py", ["--recipe", "nsa_debug"], ["attention.nsa.impl=triton"]),
+    "speculative": ("train_speculative.py", ["--size", "debug"], []),
+    "dalle": ("train_dalle.py", ["--recipe", "dalle_shapes_debug"], []),
+}
+CPU_ONLY_SKIPS = {"nsa": ["attention.nsa.impl=reference"]}  # the Triton kernel needs CUDA
+
+
+@dataclasses.dataclass
+class Row:
+    section: str
+    name: str
+    status: str  # pass | FAIL | skip | info
+    detail: str = ""
+    correctness: bool = True  # a FAIL of a correctness row fails the check
+
+    def line(self) -> str:
+        return f"| {self.section} | {self.name} | {self.status} | {self.detail} |"
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+def kernel_choices() -> list[Row]:
+    """The launch options the selected-block kernel picks (tiles, warps) per head dim and dtype."""
+    import torch
+
+    from efftx.kernels.selected_attention import _kernel_meta
+
+    rows = []
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for d in (64, 128):
+            q = torch.empty(1, 1, 8, d, dtype=dtype, device="meta")
+            k = torch.empty(1, 1, 2, d, dtype=dtype, device="meta")
+            idx = torch.empty(1, 1, 2, 16, dtype=torch.long, device="meta")
+            fwd, bwd = _kernel_meta(q, k, idx, 64)
+            rows.append(Row("kernels", f"launch options {str(dtype)[6:]} D={d}", "info",
+                            f"fwd TILE {fwd['TILE']} x {fwd['num_warps']} warps, bwd TILE {bwd['TILE']} x "
+                            f"{bwd['num_warps']} warps, {fwd['PRECISION']} dots (block 64, GQA 4)", correctness=False))
+    return rows
+
+
+def check_kernels(args, out: Path) -> list[Row]:
+    if args.device != "cuda":
+        return [Row("kernels", "Triton kernel compiled", "skip", "no CUDA device: the interpreter runs them in the "
+                    "test suite instead")] + kernel_choices()
+    xml = out / "kernels.xml"
+    env = {**os.environ, "EFFTX_TRITON_GPU": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    t0 = time.perf_counter()
+    proc = subprocess.run([PY, "-m", "pytest", "tests/test_kernels.py", "-q", "-p", "no:cacheprovider",
+                           f"--junitxml={xml}"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=args.timeout)
+    (out / "kernels.log").write_text(proc.stdout + proc.stderr)
+    if not xml.is_file():
+        return [Row("kernels", "tests/test_kernels.py", "FAIL", f"pytest did not run: {proc.stderr[-300:]!r}")]
+    groups: dict[str, list[int]] = {}
+    failures: dict[str, list[str]] = {}
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        group = case.get("name", "?").split("[")[0]
+        counts = groups.setdefault(group, [0, 0, 0])
+        if case.find("failure") is not None or case.find("error") is not None:
+            counts[1] += 1
+            failures.setdefault(group, []).append(case.get("name", "?"))
+        elif case.find("skipped") is not None:
+            counts[2] += 1
+        else:
+            counts[0] += 1
+    rows = []
+    for group, (ok, bad, skipped) in sorted(groups.items()):
+        detail = f"{ok} passed, {bad} failed, {skipped} skipped"
+        if bad:
+            detail += ": " + ", ".join(failures[group][:3])
+        rows.append(Row("kernels", group, "FAIL" if bad else ("pass" if ok else "skip"), detail))
+    rows.append(Row("kernels", "wall time", "info", f"{time.perf_counter() - t0:.0f} s", correctness=False))
+    return rows + kernel_choices()
+
+
+# ------------------------------------------------------------------------------------------------ train
+def mlflow_history(summary: dict, key: str) -> list[tuple[int, float]]:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=summary["tracking_uri"])
+    return sorted((m.step, m.value) for m in client.get_metric_history(summary["mlflow_run_id"], key))
+
+
+def judge_run(name: str, summary: dict, warmup: int) -> Row:
+    """Validation loss fell from step 0 to the end, and no step after warm-up was skipped for overflow."""
+    val = mlflow_history(summary, "val_loss")
+    if len(val) < 2:
+        return Row("train", name, "FAIL", "fewer than two validation losses in MLflow")
+    first, last = val[0][1], val[-1][1]
+    skipped = [(s, v) for s, v in mlflow_history(summary, "skipped_steps") if s > warmup]
+    grew = [b[1] - a[1] for a, b in zip(skipped, skipped[1:]) if b[1] > a[1]]
+    detail = (f"val_loss {first:.3f} -> {last:.3f}, {summary.get('tokens_per_s') or 0:,.0f} tok/s, "
+              f"peak {summary.get('peak_memory_mb') or 0:,.0f} MiB")
+    if not skipped:
+        return Row("train", name, "FAIL", detail + "; no skipped_steps metric after warm-up")
+    detail += f", skipped steps after warm-up {int(sum(grew))} (total {int(skipped[-1][1])})"
+    return Row("train", name, "pass" if last < first and not grew else "FAIL", detail)
+
+
+def train_one(family: str, precision: str, args, out: Path) -> tuple[list[Row], dict]:
+    script, recipe_args, extra = FAMILIES[family]
+    overrides = list(extra) + (CPU_ONLY_SKIPS.get(family, []) if args.device != "cuda" else [])
+    overrides += [f"scaling.device={args.device}", "scaling.num_workers=1", f"engine.precision={precision}",
+                  f"train.steps={args.steps}", f"train.eval_every={args.steps // 2}", f"train.log_every={args.steps // 2}",
+                  f"train.warmup_steps={args.warmup}", f"train.checkpoint_every={args.steps}"]
+    overrides += args.set
+    set_args = [a for o in overrides for a in ("--set", o)]
+    if family == "dalle":
+        set_args += [a for o in overrides for a in ("--vae-set", o)]
+    name = f"{family}-{precision}"
+    home = out / "homes" / name
+    env = {**os.environ, "EFFTX_HOME": str(home)}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    cmd = [PY, str(REPO / "jobs" / script), *recipe_args, "--run-name", name, *set_args]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return [Row("train", name, "FAIL", f"no result within {args.timeout} s")], {}
+    (out / f"train-{name}.log").write_text(proc.stdout + proc.stderr)
+    secs = time.perf_counter() - t0
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        return [Row("train", name, "FAIL", f"exit {proc.returncode}: {tail[:200]}")], {}
+    final = json.loads(next(ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("{")))
+    parts = ({"dvae": final["dvae"], "dalle": final["dalle"]} if family == "dalle" else
+             {"draft": final["draft"], "target": final["target"]} if family == "speculative" else {family: final})
+    rows = []
+    for part, summary in parts.items():
+        if summary is None:
+            continue
+        row = judge_run(f"{part} {precision}" if part != family else name, summary, args.warmup)
+        row.detail += f" ({secs:.0f} s for the job)"
+        rows.append(row)
+    return rows, {f"{part}-{precision}": s for part, s in parts.items() if s}
+
+
+def check_train(args, out: Path) -> tuple[list[Row], dict]:
+    precisions = args.precisions or (["bf16", "fp16"] if args.device == "cuda" else ["bf16"])
+    jobs = [(f, p) for f in args.families for p in precisions]
+    rows: list[Row] = []
+    summaries: dict = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        for got, sums in pool.map(lambda fp: train_one(fp[0], fp[1], args, out), jobs):
+            rows += got
+            summaries.update(sums)
+    return rows, summaries
+
+
+# ------------------------------------------------------------------------------------------------ decode
+def timed(fn, device: str, repeats: int = 3) -> float:
+    """Median seconds of ``fn()``, with the device synchronised around each call (CUDA work is asynchronous)."""
+    import torch
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def check_decode(args, summaries: dict) -> list[Row]:
+    import torch
+
+    from efftx import recipes
+    from efftx.generation.decode import generate
+    from efftx.generation.speculative import speculative_generate
+    from efftx.models.lm import LM
+    from efftx.train.checkpoint import load_export
+
+    device = args.device
+    source = "trained pair"
+    if "target-bf16" in summaries and "draft-bf16" in summaries:
+        target = load_export(summaries["target-bf16"]["export_path"], device)[0]
+        draft = load_export(summaries["draft-bf16"]["export_path"], device)[0]
+    else:
+        source = "untrained debug pair"
+        torch.manual_seed(0)
+        target = LM(recipes.get("spec_target_debug")).to(device).eval()
+        draft = LM(recipes.get("spec_draft_debug")).to(device).eval()
+    rows = []
+    new = args.new_tokens
+    g = torch.Generator().manual_seed(0)
+    for batch in (1, 8):
+        prompts = torch.randint(0, target.vocab_size, (batch, 16), generator=g).to(device)
+        with torch.no_grad():
+            base_s = timed(lambda: generate(target, prompts, new, temperature=0.0), device)
+            spec_s = timed(lambda: speculative_generate(target, draft, prompts, new, gamma=5, temperature=0.0), device)
+            base_out = generate(target, prompts, new, temperature=0.0).tolist()
+            spec_out, stats = speculative_generate(target, draft, prompts, new, gamma=5, temperature=0.0)
+        same = base_out == spec_out
+        rows.append(Row("decode", f"batch {batch}, greedy speculative == base", "pass" if same else "FAIL",
+                        f"{source}, {new} new tokens"))
+        rows.append(Row("decode", f"batch {batch} tokens/s", "info",
+                        f"base {batch * new / base_s:,.0f}, speculative {batch * new / spec_s:,.0f} "
+                        f"({base_s / spec_s:.2f}x), {stats.mean_accepted:.2f} accepted/step", correctness=False))
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ nsa bench
+def check_nsa(args, out: Path) -> list[Row]:
+    if args.device != "cuda":
+        return [Row("nsa", "bench/nsa.py on CUDA", "skip", "no CUDA device")]
+    cmd = [PY, "bench/nsa.py", "--no-cpu"] + (["--quick"] if args.quick else [])
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return [Row("nsa", "bench/nsa.py --no-cpu", "FAIL", f"no result within {args.timeout} s")]
+    (out / "nsa.log").write_text(proc.stdout + proc.stderr)
+    print(proc.stdout)
+    if proc.returncode != 0:
+        return [Row("nsa", "bench/nsa.py --no-cpu", "FAIL", (proc.stderr.strip().splitlines() or ["?"])[-1][:200])]
+    return [Row("nsa", "bench/nsa.py --no-cpu", "pass", f"tables in {out / 'nsa.log'}")]
+
+
+# ------------------------------------------------------------------------------------------------ serve
+def check_serve(args, summaries: dict) -> list[Row]:
+    import requests
+
+    needed = ("target-bf16", "draft-bf16", "dalle-bf16")
+    if not all(k in summaries for k in needed):
+        return [Row("serve", "Serve app on the device", "skip", "needs the train section's speculative pair and "
+                    "DALL-E (run with --only including train, and families speculative,dalle)")]
+    from ray import serve
+
+    from efftx.cluster import free_port
+    from efftx.serving.text import build
+
+    import ray
+
+    ray.init(num_cpus=4, num_gpus=1 if args.device == "cuda" else 0, include_dashboard=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    rows = []
+    try:
+        app = build({"target": summaries["target-bf16"]["export_path"], "draft": summaries["draft-bf16"]["export_path"],
+                     "dalle": summaries["dalle-bf16"]["export_path"], "device": args.device})
+        serve.run(app, name="gpu-check", route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        info = requests.get(f"{url}/models/info", timeout=60).json()
+        devices = sorted({m.get("device", "?") for m in info.get("models", [])})
+        rows.append(Row("serve", "models on the device", "pass" if devices == [args.device] else "FAIL",
+                        f"/models/info devices: {devices}"))
+        t0 = time.perf_counter()
+        r = requests.post(f"{url}/generate", json={"prompt": "def ", "max_new_tokens": 32, "temperature": 0,
+                                                   "mode": "both", "gamma": 5}, timeout=120)
+        ok = r.status_code == 200 and r.json()["results"]["base"]["text"] == r.json()["results"]["speculative"]["text"]
+        rows.append(Row("serve", "/generate both modes", "pass" if ok else "FAIL",
+                        f"HTTP {r.status_code}, {1e3 * (time.perf_counter() - t0):.0f} ms, greedy texts equal: {ok}"))
+        r = requests.post(f"{url}/images/generate", json={"prompt": "a red circle", "n": 1, "seed": 0}, timeout=300)
+        png = r.status_code == 200 and r.content[:8] == b"\x89PNG\r\n\x1a\n"
+        rows.append(Row("serve", "/images/generate", "pass" if png else "FAIL", f"HTTP {r.status_code}, "
+                        f"{len(r.content):,} bytes"))
+    except Exception as exc:  # a row, not a crash: the rest of the table still prints
+        rows.append(Row("serve", "Serve app", "FAIL", f"{type(exc).__name__}: {str(exc)[:200]}"))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ main
+def environment(device: str) -> str:
+    import torch
+
+    if device == "cuda":
+        return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}"
+    return f"CPU ({os.cpu_count()} cores), torch {torch.__version__}"
+
+
+def run(argv: list[str] | None = None) -> tuple[int, list[Row]]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {', '.join(SECTIONS)}")
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when available")
+    p.add_argument("--families", default=",".join(FAMILIES), help=f"train section: some of {', '.join(FAMILIES)}")
+    p.add_argument("--precisions", default="", help="train section: default bf16,fp16 on CUDA, bf16 on CPU")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--warmup", type=int, default=10, help="steps whose overflow skips are allowed (loss scale search)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="one more override for every run")
+    p.add_argument("--parallel", type=int, default=4, help="train runs at once")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--timeout", type=int, default=480, help="seconds per subprocess")
+    p.add_argument("--out", default=None, help="where logs and the table go (default: a new temp folder)")
+    args = p.parse_args(argv)
+    import torch
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.families = [f for f in args.families.split(",") if f]
+    args.precisions = [x for x in args.precisions.split(",") if x]
+    unknown = [f for f in args.families if f not in FAMILIES] + [s for s in args.only.split(",") if s not in SECTIONS]
+    if unknown:
+        p.error(f"unknown families/sections: {unknown}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda, but torch sees no CUDA device")
+    out = Path(args.out or tempfile.mkdtemp(prefix="efftx-gpu-check-"))
+    out.mkdir(parents=True, exist_ok=True)
+    only = args.only.split(",")
+    t0 = time.perf_counter()
+    rows: list[Row] = [Row("env", "device", "info", environment(args.device), correctness=False)]
+    summaries: dict = {}
+    if "kernels" in only:
+        rows += check_kernels(args, out)
+    if "train" in only:
+        got, summaries = check_train(args, out)
+        rows += got
+    if "decode" in only:
+        rows += check_decode(args, summaries)
+    if "nsa" in only:
+        rows += check_nsa(args, out)
+    if "serve" in only:
+        rows += check_serve(args, summaries)
+    failed = [r for r in rows if r.status == "FAIL" and r.correctness]
+    rows.append(Row("all", "verdict", "FAIL" if failed else "pass",
+                    f"{len(failed)} correctness rows failed; {time.perf_counter() - t0:.0f} s in all", correctness=False))
+    table = "\n".join(["| section | check | status | figures |", "|---|---|---|---|"] + [r.line() for r in rows])
+    (out / "gpu_check.md").write_text(table + "\n")
+    (out / "gpu_check.json").write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
+    print(table)
+    print(f"\nlogs and the table: {out}")
+    return (1 if failed else 0), rows
+
+
+if __name__ == "__main__":
+    sys.exit(run()[0])
