@@ -1,18 +1,30 @@
-"""Speculative decoding: exact with greedy decoding, distribution-exact with sampling (chi-square)."""
+"""Speculative decoding: exact with greedy decoding on every backend a language model decodes with,
+distribution-exact with sampling (chi-square tests that are shown to reject deliberately wrong variants)."""
+
+import copy
 
 import pytest
 import torch
 from scipy.stats import chisquare
 
-from efftx import recipes
+from efftx import attention, recipes
+from efftx.errors import ConfigError
+from efftx.generation import speculative
 from efftx.generation.decode import generate
-from efftx.generation.speculative import residual, speculative_generate
+from efftx.generation.speculative import iter_speculative_rows, residual, speculative_generate
 from efftx.models.lm import LM
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: tests/conftest.py
+
+# Small blocks / buckets / chunks, so that the short test sequences cross several of them.
 CONTRACT = {
     "sinkhorn": {"attention.sinkhorn.bucket_size": 8, "attention.sinkhorn.n_local_attn_heads": 2},
     "performer": {"attention.performer.nb_features": 32, "attention.performer.chunk_size": 8},
+    "nsa": {"attention.nsa.compress_block_size": 4, "attention.nsa.compress_stride": 2,
+            "attention.nsa.selection_block_size": 4, "attention.nsa.num_selected_blocks": 2,
+            "attention.nsa.sliding_window_size": 6, "attention.nsa.compress_mlp_mult": 0.5},
 }
+DECODING_KINDS = ["full", "sinkhorn", "performer", "nsa"]  # every backend a language model can use
 
 
 def lm(seed: int, depth: int = 2, kind: str = "full", **overrides) -> LM:
@@ -22,16 +34,47 @@ def lm(seed: int, depth: int = 2, kind: str = "full", **overrides) -> LM:
     return LM(cfg).eval()
 
 
-@pytest.mark.parametrize("kind", ["full", "sinkhorn", "performer"])
+def noisy_pair(kind: str, scale: float = 2.0, noise: float = 0.2, depth: int = 2, **overrides) -> tuple[LM, LM]:
+    """A target with weights scaled up (logits far from uniform: the greedy choice reacts to a wrong cache entry,
+    e.g. a stale NSA compressed block, instead of hiding it in near-ties) and a draft that is a noisy copy of it,
+    right often enough that steps accept some drafts and reject others."""
+    target = lm(0, depth, kind, **overrides)
+    with torch.no_grad():
+        for p in target.parameters():
+            p.mul_(scale)
+    draft = copy.deepcopy(target)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * noise * p.abs().mean().clamp_min(1e-3))
+    return target, draft
+
+
+def test_every_backend_a_language_model_accepts_is_covered():
+    """DECODING_KINDS is not a hand-picked subset: any registered backend an LM builds with must be in it
+    (the others are DALL-E image patterns, which a language model refuses)."""
+    usable = []
+    for kind in attention.names():
+        try:
+            lm(0, 1, kind)
+        except ConfigError as exc:
+            assert "DALL-E image pattern" in str(exc), (kind, exc)
+        else:
+            usable.append(kind)
+    assert sorted(usable) == sorted(DECODING_KINDS)
+
+
+@pytest.mark.parametrize("kind", DECODING_KINDS)
 @pytest.mark.parametrize("gamma", [1, 3, 5])
 def test_greedy_speculative_equals_greedy_base(kind, gamma):
-    target, draft = lm(0, 2, kind), lm(1, 1, kind)
+    target, draft = noisy_pair(kind)
     prompts = [[10, 20, 30, 40, 50], [7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
     spec, stats = speculative_generate(target, draft, prompts, 30, gamma=gamma, temperature=0)
     for prompt, row in zip(prompts, spec):
         base = generate(target, torch.tensor([prompt]), 30, temperature=0)[0].tolist()
         assert row == base
     assert sum(stats.histogram) == stats.steps and len(stats.histogram) == gamma + 1
+    assert 0 < stats.mean_accepted < gamma  # drafts are both accepted and rejected: every rewind path runs
     # steps count rows' verify steps; calls count forward passes, batched over the rows where possible
     longest_row = -(-stats.steps // len(prompts))
     assert stats.target_calls >= longest_row
@@ -44,7 +87,7 @@ def test_identical_draft_accepts_everything():
     assert len(out[0]) == 24
 
 
-@pytest.mark.parametrize("kind", ["full", "performer", "sinkhorn"])
+@pytest.mark.parametrize("kind", DECODING_KINDS)
 def test_ragged_batch_equals_rows_run_alone(kind):
     """Rows of different prompt lengths decode together (one batched pass per draft token and per
     verification, where the backend has ragged caches) and each row gets exactly its solo tokens."""
@@ -79,16 +122,29 @@ def test_residual_distribution():
     torch.testing.assert_close(residual(p, p), p)
 
 
-def tiny_pair(vocab: int = 6):
-    """Two small, peaky models over a small vocabulary that disagree: acceptance is far from 1."""
-    def build(seed):
-        model = lm(seed, 1, **{"model.vocab_size": vocab, "model.dim": 16, "model.heads": 2, "model.kv_heads": 1,
-                               "model.max_seq_len": 16})
-        with torch.no_grad():
-            for p in model.parameters():
-                p.mul_(10.0)
-        return model
-    return build(0), build(1)
+# ------------------------------------------------------------------------------ sampled distribution
+# A small, peaky target over 6 tokens and a draft that is a noisy copy of it: about half the draft tokens
+# are accepted, so every path of a step occurs often: a rejection with a residual draw, all gamma drafts
+# accepted with a bonus token, and a step that follows a fully accepted one.
+VOCAB, GAMMA, NEW, ROWS = 6, 2, 10, 2000
+PROMPT = [1, 4, 2]
+
+
+def sampling_pair():
+    return noisy_pair("full", scale=5.0, noise=1.0, depth=1, **{
+        "model.vocab_size": VOCAB, "model.dim": 16, "model.heads": 2, "model.kv_heads": 1, "model.max_seq_len": 16})
+
+
+def sampled_rows(target, draft):
+    """ROWS independent speculative samples of NEW tokens after PROMPT (row r is seeded r), decoded as one
+    batch. Returns each row's tokens and its steps as (index of the step's first token, tokens emitted)."""
+    tokens, steps = [[] for _ in range(ROWS)], [[] for _ in range(ROWS)]
+    for emitted in iter_speculative_rows(target, draft, [PROMPT] * ROWS, NEW, gamma=GAMMA, temperature=1.0, seed=0):
+        for r, out in enumerate(emitted):
+            if out:
+                steps[r].append((len(tokens[r]), len(out)))
+                tokens[r].extend(out)
+    return tokens, steps
 
 
 def joint_target(target, prompt, vocab):
@@ -100,30 +156,97 @@ def joint_target(target, prompt, vocab):
     return joint / joint.sum()
 
 
-def test_sampled_tokens_follow_the_target_distribution(one_thread):
-    vocab, n = 6, 3000
-    target, draft = tiny_pair(vocab)
-    prompt = [1, 4, 2]
-    expected = joint_target(target, prompt, vocab) * n
-    counts = torch.zeros(vocab * vocab, dtype=torch.float64)
-    accepted = []
-    for seed in range(n):
-        out, s = speculative_generate(target, draft, [prompt], 2, gamma=2, temperature=1.0, seed=seed)
-        counts[out[0][0] * vocab + out[0][1]] += 1
-        accepted += s.accepted
-    assert 0.1 < sum(accepted) / len(accepted) < 1.9  # the draft is wrong often enough for rejections to matter
+def pit_pvalue(target, tokens, picks, bins: int = 10) -> float:
+    """Chi-square p-value that the picked tokens ((row, index) pairs) follow the target's next-token
+    distribution given everything before them (prompt and the row's earlier tokens).
+
+    Each token x with conditional distribution p gets u = p(tokens likelier than x) + V * p(x), V ~ U(0, 1)
+    (the randomised probability integral transform, tokens ordered by p in their context): under the
+    hypothesis the u are independent and uniform on [0, 1] whatever their contexts, so one chi-square over
+    equal bins tests tokens of many different contexts.
+    A pick must be a token whose selection depends only on what came before it (e.g. "the first token of
+    a step"), never on the token itself."""
+    seqs = torch.tensor([PROMPT + row for row in tokens])
+    with torch.no_grad():
+        probs = target(seqs).double().softmax(-1)  # (rows, T, V): probs[:, i] is the law of token i + 1
+    rows = torch.tensor([r for r, _ in picks])
+    index = torch.tensor([i for _, i in picks])
+    dist = probs[rows, len(PROMPT) + index - 1]  # (picks, V)
+    x = seqs[rows, len(PROMPT) + index]
+    # a sampler drawing from a wrong distribution picks tokens that are unlikely in their context too often,
+    # i.e. u too close to 1, in every context alike (under a fixed token order, e.g. by id, the deviations of
+    # different contexts would partly cancel, and the test would lose most of its power)
+    likelier = (dist > dist.gather(-1, x[:, None])) | ((dist == dist.gather(-1, x[:, None]))
+                                                      & (torch.arange(VOCAB) < x[:, None]))
+    below = (dist * likelier).sum(-1)
+    v = torch.rand(len(picks), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    u = below + v * dist.gather(-1, x[:, None])[:, 0]
+    counts = torch.histc(u, bins, 0.0, 1.0)
+    return float(chisquare(counts.numpy()).pvalue)
+
+
+def sampling_pvalues(target, draft) -> dict[str, float]:
+    """p-values of four checks of a speculative sample against the target, and how many tokens each saw."""
+    tokens, steps = sampled_rows(target, draft)
+    assert all(len(row) == NEW for row in tokens)
+    # the first two tokens: chi-square against their exact joint law (a rejection at the first or the
+    # second draft, both drafts accepted)
+    counts = torch.zeros(VOCAB * VOCAB, dtype=torch.float64)
+    for row in tokens:
+        counts[row[0] * VOCAB + row[1]] += 1
+    expected = joint_target(target, PROMPT, VOCAB) * ROWS
     keep = expected > 5  # chi-square needs enough expected counts per cell; pool the rest
     obs = torch.cat([counts[keep], counts[~keep].sum().view(1)])
     exp = torch.cat([expected[keep], expected[~keep].sum().view(1)])
-    assert chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-3
+    joint = float(chisquare(obs.numpy(), exp.numpy()).pvalue)
+    every = [(r, i) for r in range(ROWS) for i in range(NEW)]
+    # a bonus token: the last of a step that emitted gamma + 1 tokens (all drafts accepted)
+    bonus = [(r, start + n - 1) for r in range(ROWS) for start, n in steps[r] if n == GAMMA + 1]
+    # the first token of a step that follows a fully accepted step: the caches (and positions) there are
+    # those left by an accepted step, the draft's extra pass over its last token included
+    after = [(r, nxt) for r in range(ROWS) for (_, n), (nxt, _) in zip(steps[r], steps[r][1:]) if n == GAMMA + 1]
+    assert len(bonus) > 500 and len(after) > 500  # both paths are exercised, by many samples
+    return {"joint": joint, "every_token": pit_pvalue(target, tokens, every),
+            "bonus": pit_pvalue(target, tokens, bonus), "after_accept": pit_pvalue(target, tokens, after)}
 
-    # the test has power: the draft's own samples are rejected by it
-    draft_counts = torch.zeros(vocab * vocab, dtype=torch.float64)
-    for seed in range(n):
-        tokens = generate(draft, torch.tensor([prompt]), 2, temperature=1.0, seed=seed)[0]
-        draft_counts[tokens[0] * vocab + tokens[1]] += 1
-    obs = torch.cat([draft_counts[keep], draft_counts[~keep].sum().view(1)])
-    assert chisquare(obs.numpy(), exp.numpy()).pvalue < 1e-6
+
+def test_sampled_tokens_follow_the_target_distribution():
+    pvalues = sampling_pvalues(*sampling_pair())
+    assert min(pvalues.values()) > 1e-3, pvalues
+
+
+_verify = speculative.verify
+
+
+def _bonus_from_the_last_draft_position(p, q, drafted, ratios, generator):
+    out, n = _verify(p, q, drafted, ratios, generator)
+    if n == len(drafted):  # off by one: the bonus drawn from p_gamma instead of p_{gamma+1}
+        out[-1] = int(torch.multinomial(p[n - 1][None], 1, generator=generator)[0, 0])
+    return out, n
+
+
+def _caches_one_short_after_full_accept(p, q, drafted, ratios, generator):
+    out, n = _verify(p, q, drafted, ratios, generator)
+    return out, n - 1 if n == len(drafted) else n  # the caches keep one accepted token too few
+
+
+WRONG_VARIANTS = {
+    # the classic mistake: on rejection, resample from the target p instead of norm(max(0, p - q))
+    "resample_from_p": ("residual", lambda p, q: p, ["joint", "every_token"]),
+    "bonus_from_the_last_draft_position": ("verify", _bonus_from_the_last_draft_position, ["bonus"]),
+    "caches_one_short_after_full_accept": ("verify", _caches_one_short_after_full_accept, ["after_accept"]),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(WRONG_VARIANTS))
+def test_sampling_checks_reject_a_wrong_variant(monkeypatch, variant):
+    """The checks above have power: each deliberately wrong speculative sampler fails its check with
+    p < 1e-6 (the same models, seeds and sample sizes as the passing test)."""
+    name, wrong, checks = WRONG_VARIANTS[variant]
+    monkeypatch.setattr(speculative, name, wrong)
+    pvalues = sampling_pvalues(*sampling_pair())
+    for check in checks:
+        assert pvalues[check] < 1e-6, (check, pvalues)
 
 
 def test_bad_arguments():

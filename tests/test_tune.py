@@ -61,24 +61,46 @@ def test_bad_sweep_input_exits_with_message(args, message):
 
 
 @pytest.mark.slow
-def test_tiny_sweep_logs_parent_child_runs_and_plot(ray_cluster):
+def test_tiny_sweep_logs_parent_child_runs_and_plot_and_asha_stops_a_hopeless_trial(ray_cluster, monkeypatch):
+    """Two Sinkhorn trials that differ only in learning rate, run one after the other (grid order). The first
+    (the recipe's lr) is the first to reach ASHA's rung at step 5 and trains on to step 20; the second
+    (lr 1e-7, which cannot learn anything) is worse than it at the rung, so ASHA stops it there. ASHA compares
+    a trial with those already recorded at the rung, so the order is what makes this certain. The stop takes a
+    few seconds to reach the trial's workers (a few steps here), but they never get to step 20."""
     from mlflow import MlflowClient
 
-    summary = sweep("sinkhorn_blocks", samples=2, max_concurrent=2, name="tiny-sweep",
-                    overrides=["train.steps=10", "train.eval_every=5", "train.checkpoint_every=10"])
-    assert summary["trials"] == 2 and summary["finished"] >= 1
-    assert set(summary["best"]) == set(SPACES["sinkhorn_blocks"].grid)
+    good, hopeless = 3e-3, 1e-7
+    monkeypatch.setitem(SPACES, "lr_probe", Space("learning rate, one hopeless", "sinkhorn_debug",
+                                                  grid={"train.lr": [good, hopeless]}))
+    summary = sweep("lr_probe", max_concurrent=1, name="tiny-sweep",
+                    overrides=["train.steps=20", "train.eval_every=5", "train.checkpoint_every=20"])
+    assert summary["trials"] == 2 and summary["finished"] == 2  # a stopped trial has results too
+    assert summary["best"] == {"train.lr": good}  # completed trials win over stopped ones
     client = MlflowClient(tracking_uri=summary["tracking_uri"])
     parent = summary["mlflow_parent_run_id"]
     artifacts = [a.path for a in client.list_artifacts(parent, "sweep")]
-    assert "sweep/sinkhorn_blocks.png" in artifacts and "sweep/results.txt" in artifacts
-    png = client.download_artifacts(parent, "sweep/sinkhorn_blocks.png")
+    assert {"sweep/lr_probe.png", "sweep/results.txt", "sweep/results.json"} <= set(artifacts)
+    png = client.download_artifacts(parent, "sweep/lr_probe.png")
     assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the results table: the hopeless trial stopped early by ASHA, at the rung, the other ran to the end
+    table = json.loads(Path(client.download_artifacts(parent, "sweep/results.json")).read_text())
+    rows = {r["train.lr"]: r for r in table}
+    assert (rows[good]["status"], rows[good]["step"]) == ("complete", 20), rows
+    assert (rows[hopeless]["status"], rows[hopeless]["step"]) == ("stopped early", 5), rows
+    assert not rows[good]["error"] and not rows[hopeless]["error"]
+    assert "stopped early" in Path(client.download_artifacts(parent, "sweep/results.txt")).read_text()
     run = client.get_run(parent)
-    exp = run.info.experiment_id
-    children = client.search_runs([exp], filter_string=f"tags.mlflow.parentRunId = '{parent}'")
-    assert len(children) == 2
-    assert all(c.info.status in ("FINISHED", "KILLED") for c in children)
-    assert all("val_bpb" in c.data.metrics for c in children)
+    children = client.search_runs([run.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent}'")
+    by_lr = {float(c.data.params["train.lr"]): c for c in children}
+    assert sorted(by_lr) == [hopeless, good]
+    assert by_lr[good].info.status == "FINISHED" and by_lr[hopeless].info.status == "KILLED"
+
+    def history(child, key):
+        return {m.step: m.value for m in client.get_metric_history(child.info.run_id, key)}
+
+    val_good, val_hopeless = history(by_lr[good], "val_bpb"), history(by_lr[hopeless], "val_bpb")
+    assert sorted(val_good) == [0, 5, 10, 15, 20] and 20 not in val_hopeless
+    assert val_hopeless[5] > val_good[5]  # why ASHA stopped it
+    assert max(history(by_lr[hopeless], "loss")) < 20  # its training was stopped too, not only its reports
     best = json.loads(run.data.params["sweep.best"])
     assert best == summary["best"]

@@ -172,14 +172,16 @@ def sweep(space_name: str, *, recipe: str | None = None, samples: int = 0, max_c
     )
     grid = tuner.fit()
 
-    rows = []
+    rows, trial_status = [], {}
     for result in grid:
         m = result.metrics or {}
         status = "error" if result.error else "complete" if m.get("step") == t.steps else "stopped early"
+        if m.get("trial_id"):
+            trial_status[f"{sweep_name}-{m['trial_id']}"] = status  # the trial's MLflow run name (see _trial)
         rows.append({**result.config["overrides"], METRIC: m.get(METRIC), "tokens_per_s": m.get("tokens_per_s"),
                      "step": m.get("step"), "status": status,
                      "error": str(result.error).strip().splitlines()[-1][:200] if result.error else ""})
-    _close_trial_runs(parent)
+    _close_trial_runs(parent, trial_status)
     finished = [r for r in rows if r[METRIC] is not None and not r["error"]]
     if not finished:
         parent.finish("FAILED")
@@ -206,14 +208,18 @@ def sweep(space_name: str, *, recipe: str | None = None, samples: int = 0, max_c
             "plot_artifact": f"sweep/{space_name}.png"}
 
 
-def _close_trial_runs(parent) -> None:
-    """ASHA kills stopped trials before their driver can close their MLflow run: once the sweep is
-    over, any child run still RUNNING belongs to a stopped trial, so mark it KILLED."""
+def _close_trial_runs(parent, trial_status: dict[str, str]) -> None:
+    """ASHA stops trials by killing them, so their driver never closes their MLflow run, and that includes every
+    trial that completes: ASHA also stops a trial at its report from step ``max_t`` (train.steps), after the final
+    evaluation and the export but before its launch returns. Once the sweep is over, a child run still RUNNING
+    is marked FINISHED if Tune saw its trial complete (``trial_status``: run name -> results-table status), else
+    KILLED."""
     exp = parent.client.get_run(parent.run_id).info.experiment_id
     children = parent.client.search_runs([exp], filter_string=f"tags.mlflow.parentRunId = '{parent.run_id}'")
     for child in children:
         if child.info.status == "RUNNING":
-            parent.client.set_terminated(child.info.run_id, status="KILLED")
+            complete = trial_status.get(child.info.run_name) == "complete"
+            parent.client.set_terminated(child.info.run_id, status="FINISHED" if complete else "KILLED")
 
 
 def format_table(rows: list[dict], keys: list[str]) -> str:
