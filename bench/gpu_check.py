@@ -296,7 +296,7 @@ def check_serve(args, summaries: dict) -> list[Row]:
         serve.run(app, name="gpu-check", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         info = requests.get(f"{url}/models/info", timeout=60).json()
-        devices = sorted({m.get("device", "?") for m in info.get("models", [])})
+        devices = sorted({m.get("device", "?").split(":")[0] for m in info.get("models", [])})  # cuda:0 -> cuda
         rows.append(Row("serve", "models on the device", "pass" if devices == [args.device] else "FAIL",
                         f"/models/info devices: {devices}"))
         t0 = time.perf_counter()
