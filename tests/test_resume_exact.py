@@ -1,0 +1,84 @@
+"""Resume is bit-exact end to end, where it is easiest to get wrong: Performer feature redraws on both sides of
+the resume point, Sinkhorn with attention and residual dropout (reversible layers recompute under a replayed
+RNG), and ZeRO-2 in bf16 (fp32 master weights partitioned in the optimizer).
+
+Each case trains once through the real path (Ray Train TorchTrainer, 2 workers, DeepSpeed on CPU, MLflow) with
+an injected failure before step FAIL_AT, after which Ray Train restarts the workers from the step-5 checkpoint.
+The steps between the checkpoint and the failure therefore run twice, first from the live state and then from
+the restored one: their losses must be equal bit for bit. Two re-run steps make the check cover both the restored
+forward state (first re-run step: weights, RNG, redraw counter) and the restored optimizer state (second re-run
+step: it sees the first one's update, fp32 master weights and Adam moments included). A deliberately wrong
+restore (features redrawn from zero, an RNG not restored, master weights rebuilt from bf16) changes them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from efftx import recipes
+from efftx.train.launch import launch
+
+pytestmark = pytest.mark.slow
+
+STEPS, CHECKPOINT_EVERY, FAIL_AT = 14, 5, 8
+# Performer: 2 training forward passes per step (train.grad_accum), features redrawn every 6 passes, i.e. at the
+# start of steps 4, 7, 10 and 13: one redraw before the step-5 checkpoint, one between the resume and the
+# failure (run twice), two after the failure.
+REDRAW_PASSES = 6
+
+CASES = {
+    "performer_redraws": ("performer_debug", {"attention.performer.feature_redraw_interval": REDRAW_PASSES}),
+    "sinkhorn_dropout": ("sinkhorn_debug", {"attention.dropout": 0.1, "model.dropout": 0.1}),
+    "zero2_bf16": ("lm_debug", {"engine.zero_stage": 2, "engine.precision": "bf16"}),
+}
+
+
+def case_cfg(case: str, name: str, **extra):
+    recipe, overrides = CASES[case]
+    return recipes.get(recipe).override({
+        "name": name, "train.steps": STEPS, "train.checkpoint_every": CHECKPOINT_EVERY,
+        "train.eval_every": STEPS, "train.log_every": STEPS, **overrides, **extra})
+
+
+def history(summary, key="loss") -> dict[int, list[float]]:
+    from mlflow import MlflowClient
+
+    out: dict[int, list[float]] = {}
+    for m in MlflowClient(tracking_uri=summary["tracking_uri"]).get_metric_history(summary["mlflow_run_id"], key):
+        out.setdefault(m.step, []).append(m.value)
+    return out
+
+
+def final_module_state(summary) -> dict[str, torch.Tensor]:
+    shard = Path(summary["checkpoint"], "deepspeed", "mp_rank_00_model_states.pt")
+    return torch.load(shard, map_location="cpu", weights_only=False)["module"]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_steps_rerun_after_resume_equal_their_first_run_exactly(ray_cluster, case):
+    resumed = launch(case_cfg(case, f"exact-{case}", **{"train.fail_at_step": FAIL_AT, "train.max_failures": 1}))
+    assert resumed["final_step"] == STEPS
+    got = history(resumed)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    # it resumed from the checkpoint (not from scratch): only the steps after it ran twice
+    rerun = list(range(CHECKPOINT_EVERY + 1, FAIL_AT))
+    assert [s for s in got if len(got[s]) > 1] == rerun
+    for step in rerun:
+        first, again = got[step]
+        assert first == again, (step, first, again)
+    if case == "performer_redraws":
+        # every rank counted exactly the passes of the steps the run kept: the counter, and the features drawn
+        # from it, came back from the checkpoint (not from zero, not from the failed attempt's extra passes)
+        from efftx.attention.performer import PerformerAttention
+        from efftx.models.lm import LM
+
+        passes = STEPS * 2  # train.grad_accum = 2
+        layers = [(name, mod) for name, mod in LM(case_cfg(case, "x")).named_modules()
+                  if isinstance(mod, PerformerAttention)]
+        state = final_module_state(resumed)
+        for name, mod in layers:
+            assert int(state[f"{name}.calls"]) == passes, name
+            assert torch.equal(state[f"{name}.projection"], mod.draw((passes - 1) // REDRAW_PASSES)), name
