@@ -1,23 +1,48 @@
-"""Load on the text app over loopback: requests/s and latency with @serve.batch on and off.
+"""Load on the text app over loopback: continuous batching vs static batching vs unbatched serving.
 
-    python bench/serve_load.py [--clients 8] [--requests 64] [--max-new-tokens 16] [--mode base]
+    python bench/serve_load.py [--clients 16] [--requests 64] [--modes base,speculative]
+                               [--target PATH --draft PATH | --size small|debug] [--quick]
 
-Starts a local Ray cluster and Serve on 127.0.0.1, deploys the text app with randomly initialised
-spec_*_debug models (the load, not the text, is measured) twice: max_batch_size 8 (batching on) and 1
-(off). Each time N client threads send a bounded number of POST /generate requests (each thread stops
-after --timeout seconds at the latest). Prints requests/s, p50/p99 latency and errors side by side.
+Starts a local Ray cluster and Serve on 127.0.0.1 and deploys the text app three ways, one after another, in
+one run: ``unbatched`` (``batching=static``, ``max_batch_size=1``), ``static`` (``@serve.batch``, 8 per batch)
+and ``continuous`` (iteration-level scheduling, the default). Without ``--target``/``--draft`` it exports
+randomly initialised ``spec_{target,draft}_{size}`` models itself (the load, not the text, is measured; ``debug``
+models get a 256-token context so that 128 new tokens fit) and says so.
+
+For each configuration and mode (base, speculative with gamma 5):
+
+* **unloaded**: short requests (8 new tokens) sent one at a time: their median latency;
+* **load**: ``--clients`` client threads send ``--requests`` requests between them, each with its own seed and a
+  length drawn from 8..128 new tokens (a fixed, seeded mix; every 4th request is a ``/generate/stream`` whose
+  time to the first ``step`` event is its time to first token, the others ``POST /generate``).
+
+Before the load, the scheduler's step cost is measured in-process (1 row vs ``--clients`` rows): a short request
+sharing a full running batch cannot beat that ratio, whatever the scheduling. Printed per row: requests/s, p50/p99
+latency, p99 latency of the short requests (8..16 new tokens), time to first token (streams, p50/p99), errors; then
+the goals, each met or not: continuous batching serves >= 3x the requests/s of unbatched serving (base and
+speculative), the short requests' p99 under load is <= 2x their unloaded latency, and no request fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import random
 import socket
+import statistics
 import tempfile
 import threading
 import time
 
 import requests
 import torch
+
+PROMPTS = ["def main():\n    ", "import os\n", "class Foo(object):\n", "for i in range(10):\n    ", "x = ",
+           "# a helper that reads a file\n", "while True:\n", "return sorted(", "print(", "if __name__ =="]
+CONFIGS = [("unbatched", {"batching": "static", "max_batch_size": 1}),
+           ("static (8)", {"batching": "static", "max_batch_size": 8, "batch_wait_timeout_s": 0.02}),
+           ("continuous", {"batching": "continuous", "max_batch_size": 32})]
+SHORT = 16  # requests with at most this many new tokens are "short"
 
 
 def free_port() -> int:
@@ -26,24 +51,59 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def load(url: str, clients: int, total: int, body: dict, timeout: float) -> dict:
-    latencies, errors, lock = [], [0], threading.Lock()
-    remaining = [total]
+def body_for(i: int, new: int, mode: str) -> dict:
+    return {"prompt": PROMPTS[i % len(PROMPTS)], "max_new_tokens": new, "temperature": 0.8, "top_k": 32,
+            "seed": 1000 + i, "mode": mode, "gamma": 5}
+
+
+def one(url: str, body: dict, stream: bool, timeout: float) -> tuple[bool, float, float | None]:
+    """(ok, latency s, time to first token s or None) of one request."""
+    t0 = time.perf_counter()
+    try:
+        if not stream:
+            res = requests.post(f"{url}/generate", json=body, timeout=timeout)
+            return res.status_code == 200, time.perf_counter() - t0, None
+        first = None
+        ok = False
+        with requests.post(f"{url}/generate/stream", json={**body}, stream=True, timeout=timeout) as res:
+            if res.status_code != 200:
+                return False, time.perf_counter() - t0, None
+            for line in res.iter_lines(decode_unicode=True):
+                if line == "event: step" and first is None:
+                    first = time.perf_counter() - t0
+                elif line == "event: done":
+                    ok = True
+                elif line == "event: error":
+                    ok = False
+                    break
+        return ok and first is not None, time.perf_counter() - t0, first
+    except requests.RequestException:
+        return False, time.perf_counter() - t0, None
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    v = sorted(values)
+    return v[min(len(v) - 1, int(q * len(v)))] * 1e3
+
+
+def load(url: str, mode: str, clients: int, total: int, lengths: list[int], timeout: float) -> dict:
+    results: list[tuple[int, bool, float, float | None]] = []
+    lock = threading.Lock()
+    nxt = [0]
     deadline = time.perf_counter() + timeout
 
     def client():
         while time.perf_counter() < deadline:
             with lock:
-                if remaining[0] == 0:
+                i = nxt[0]
+                if i >= total:
                     return
-                remaining[0] -= 1
-            t0 = time.perf_counter()
-            try:
-                ok = requests.post(url, json=body, timeout=timeout).status_code == 200
-            except requests.RequestException:
-                ok = False
+                nxt[0] += 1
+            ok, secs, first = one(url, body_for(i, lengths[i], mode), i % 4 == 3, timeout)
             with lock:
-                (latencies.append(time.perf_counter() - t0) if ok else errors.__setitem__(0, errors[0] + 1))
+                results.append((lengths[i], ok, secs, first))
 
     start = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(clients)]
@@ -52,53 +112,160 @@ def load(url: str, clients: int, total: int, body: dict, timeout: float) -> dict
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
-    lat = sorted(latencies)
-    pct = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] * 1e3) if lat else (lambda q: float("nan"))
-    return {"ok": len(lat), "errors": errors[0], "rps": len(lat) / wall, "p50": pct(0.5), "p99": pct(0.99)}
+    ok = [r for r in results if r[1]]
+    lat = [r[2] for r in ok]
+    short = [r[2] for r in ok if r[0] <= SHORT]
+    ttft = [r[3] for r in ok if r[3] is not None]
+    return {"ok": len(ok), "errors": total - len(ok), "rps": len(ok) / wall, "tokens_s": sum(r[0] for r in ok) / wall,
+            "p50": pct(lat, 0.5), "p99": pct(lat, 0.99), "short_p50": pct(short, 0.5), "short_p99": pct(short, 0.99), "shorts": len(short),
+            "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99)}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--clients", type=int, default=8)
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--mode", default="base", choices=["base", "speculative", "both"])
-    p.add_argument("--timeout", type=float, default=120.0)
-    args = p.parse_args()
+def unloaded_short(url: str, mode: str, n: int, timeout: float) -> float:
+    """Median latency (ms) of short requests sent one at a time."""
+    lat = []
+    for i in range(n):
+        ok, secs, _ = one(url, body_for(10000 + i, 8, mode), False, timeout)
+        if ok:
+            lat.append(secs)
+    return statistics.median(lat) * 1e3 if lat else float("nan")
 
-    import ray
-    from ray import serve
 
+def step_costs(paths: dict, rows: int, modes: list[str]) -> dict[str, tuple[float, float]]:
+    """In-process, no HTTP: ms per decoding step of the continuous-batching scheduler with 1 row and with ``rows``
+    rows (what a short request's latency scales with when it shares the running batch)."""
+    from efftx.serving.continuous import Job, Sampling, Scheduler
+    from efftx.train.checkpoint import load_export
+
+    torch.set_num_threads(1)  # as a replica
+    target = load_export(paths["target"])[0]
+    draft = load_export(paths["draft"])[0] if "draft" in paths else None
+    out = {}
+    for mode in modes:
+        costs = []
+        for n in (1, rows):
+            scheduler = Scheduler(target, draft, max_rows=max(rows, 1))
+            for i in range(n):
+                scheduler.submit(Job(list(PROMPTS[i % len(PROMPTS)].encode()), 32, Sampling(0.8, 32), i,
+                                     5 if mode == "speculative" else None))
+            t0 = time.perf_counter()
+            scheduler.drain()
+            costs.append((time.perf_counter() - t0) * 1e3 / max(scheduler.steps, 1))
+        out[mode] = (costs[0], costs[1])
+    return out
+
+
+def export_models(size: str) -> tuple[dict, str]:
     from efftx import recipes
     from efftx.models.lm import LM
-    from efftx.serving.text import build
     from efftx.train.checkpoint import export
 
     root = tempfile.mkdtemp(prefix="efftx-serve-load-")
     paths = {}
     for role, seed in (("target", 0), ("draft", 1)):
-        cfg = recipes.get(f"spec_{role}_debug")
+        cfg = recipes.get(f"spec_{role}_{size}")
+        if cfg.model.max_seq_len < 256:
+            cfg = cfg.override({"model.max_seq_len": 256})  # room for 128 new tokens + prompt + gamma
         torch.manual_seed(seed)
         paths[role] = str(export(LM(cfg), cfg, f"{root}/{role}", {}))
-    ray.init()
+    note = (f"models: untrained spec_target_{size} / spec_draft_{size} exported by this bench to {root} "
+            f"(pass --target/--draft to load others)")
+    return paths, note
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--requests", type=int, default=64, help="requests per configuration and mode")
+    p.add_argument("--modes", default="base,speculative")
+    p.add_argument("--configs", default=",".join(c for c, _ in CONFIGS), help="some of: unbatched, static (8), "
+                                                                              "continuous")
+    p.add_argument("--target", default=None)
+    p.add_argument("--draft", default=None)
+    p.add_argument("--size", default="small", choices=["debug", "small"], help="models to export when none given")
+    p.add_argument("--min-new", type=int, default=8)
+    p.add_argument("--max-new", type=int, default=128)
+    p.add_argument("--unloaded", type=int, default=7, help="short requests sent alone, per configuration and mode")
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--quick", action="store_true", help="8 clients, 24 requests, up to 48 new tokens")
+    p.add_argument("--json", default=None, help="also write the figures here")
+    args = p.parse_args()
+    if args.quick:
+        args.clients, args.requests, args.max_new, args.unloaded = 8, 24, 48, 3
+    modes = [m for m in args.modes.split(",") if m]
+    configs = [(name, cfg) for name, cfg in CONFIGS if name in args.configs.split(",")]
+
+    import ray
+    from ray import serve
+
+    from efftx.serving.text import build
+
+    if args.target:
+        paths = {"target": args.target, **({"draft": args.draft} if args.draft else {})}
+        note = f"models: {paths}"
+    else:
+        paths, note = export_models(args.size)
+    rng = random.Random(0)
+    # a fixed mix of lengths (the same for every configuration): a third short, the rest spread up to max_new
+    lengths = [rng.choice([args.min_new, SHORT]) if i % 3 == 0 else rng.randint(args.min_new, args.max_new)
+               for i in range(args.requests)]
+    floors = step_costs(paths, args.clients, modes)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    body = {"prompt": "def main():\n    ", "max_new_tokens": args.max_new_tokens, "temperature": 0.8,
-            "top_k": 32, "seed": 0, "mode": args.mode}
-    results = {}
-    for label, batch in (("batching on (8)", 8), ("batching off (1)", 1)):
-        serve.run(build({**paths, "name": "load", "max_batch_size": batch}), name="load", route_prefix="/")
-        requests.post(f"http://127.0.0.1:{port}/generate", json=body, timeout=60)  # warm-up
-        results[label] = load(f"http://127.0.0.1:{port}/generate", args.clients, args.requests, body, args.timeout)
-        serve.delete("load")
-    serve.shutdown()
+    url = f"http://127.0.0.1:{port}"
+    limits = json.dumps({"max_new_tokens": 256, "max_prompt_bytes": 512})
+    results: dict[tuple[str, str], dict] = {}
+    try:
+        for name, cfg in configs:
+            serve.run(build({**paths, "name": "load", "limits": limits, **{k: str(v) for k, v in cfg.items()}}),
+                      name="load", route_prefix="/")
+            for mode in modes:
+                one(url, body_for(0, 16, mode), False, args.timeout)  # warm-up
+                one(url, body_for(1, 16, mode), True, args.timeout)
+                alone = unloaded_short(url, mode, args.unloaded, args.timeout)
+                r = load(url, mode, args.clients, args.requests, lengths, args.timeout)
+                r["unloaded_short"] = alone
+                results[(name, mode)] = r
+                print(f"  {name:<12} {mode:<12} {r['rps']:6.2f} req/s, errors {r['errors']}", flush=True)
+            serve.delete("load")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
 
-    ref = results["batching off (1)"]
-    print(f"\n{args.clients} clients, {args.requests} requests, {args.max_new_tokens} new tokens, mode {args.mode}")
-    print(f"{'':<18}{'ok':>5}{'errors':>8}{'req/s':>8}{'vs off':>8}{'p50 ms':>9}{'p99 ms':>9}")
-    for label, r in results.items():
-        print(f"{label:<18}{r['ok']:>5}{r['errors']:>8}{r['rps']:>8.2f}{r['rps'] / ref['rps']:>7.2f}x"
-              f"{r['p50']:>9.0f}{r['p99']:>9.0f}")
+    print(f"\n{note}")
+    print(f"{args.clients} clients, {args.requests} requests per row, {args.min_new}..{args.max_new} new tokens "
+          f"(mean {statistics.mean(lengths):.0f}; {sum(n <= SHORT for n in lengths)} short <= {SHORT}), every 4th a "
+          f"stream; torch {torch.__version__}, {'CUDA' if torch.cuda.is_available() else 'CPU'}")
+    head = (f"{'':<13}{'mode':<12}{'ok':>4}{'err':>5}{'req/s':>8}{'vs unb.':>8}{'tok/s':>8}{'p50 ms':>8}{'p99 ms':>8}"
+            f"{'short p50':>10}{'short p99':>10}{'unloaded':>9}{'ttft p50':>9}{'ttft p99':>9}")
+    print(head)
+    for (name, mode), r in results.items():
+        ref = results.get(("unbatched", mode))
+        ratio = r["rps"] / ref["rps"] if ref and ref["rps"] else float("nan")
+        print(f"{name:<13}{mode:<12}{r['ok']:>4}{r['errors']:>5}{r['rps']:>8.2f}{ratio:>7.2f}x{r['tokens_s']:>8.0f}"
+              f"{r['p50']:>8.0f}{r['p99']:>8.0f}{r['short_p50']:>10.0f}{r['short_p99']:>10.0f}{r['unloaded_short']:>9.0f}"
+              f"{r['ttft_p50']:>9.0f}{r['ttft_p99']:>9.0f}")
+    print("\ngoals (continuous batching):")
+    for mode in modes:
+        c, u = results.get(("continuous", mode)), results.get(("unbatched", mode))
+        if c and u:
+            ratio = c["rps"] / u["rps"] if u["rps"] else float("nan")
+            print(f"  [{'met' if ratio >= 3 else 'NOT met'}] {mode}: requests/s >= 3x unbatched: {ratio:.2f}x "
+                  f"({c['rps']:.2f} vs {u['rps']:.2f})")
+        if c:
+            lat = c["short_p99"] / c["unloaded_short"]
+            one_row, full = floors[mode]
+            print(f"  [{'met' if lat <= 2 else 'NOT met'}] {mode}: short requests' p99 under load <= 2x unloaded: "
+                  f"{lat:.2f}x ({c['short_p99']:.0f} ms vs {c['unloaded_short']:.0f} ms); on this device a decoding "
+                  f"step of {args.clients} rows costs {full / one_row:.1f}x one of 1 row ({full:.1f} vs "
+                  f"{one_row:.1f} ms, in-process)")
+            print(f"  [{'met' if c['errors'] == 0 else 'NOT met'}] {mode}: no errors: {c['errors']}")
+            print(f"  [info] {mode}: time to first token p50 {c['ttft_p50']:.0f} ms, p99 {c['ttft_p99']:.0f} ms "
+                  f"(unbatched: p50 {u['ttft_p50']:.0f} ms, p99 {u['ttft_p99']:.0f} ms)" if u else "")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({f"{n}/{m}": r for (n, m), r in results.items()}, f, indent=2)
 
 
 if __name__ == "__main__":

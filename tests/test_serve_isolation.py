@@ -1,15 +1,17 @@
 """Serving isolation: one request never fails another, decoding never blocks the replica, and a fuzz of the API.
 
-One Serve instance holds two apps built by :func:`efftx.serving.text.build` over the debug models:
+One Serve instance holds three apps built by :func:`efftx.serving.text.build` over the debug models:
 
-* ``/`` the real app (the fuzz runs against it, and it decodes the "alone" references);
+* ``/`` the real app (continuous batching; the fuzz runs against it, and it decodes the "alone" references);
 * ``/poisoned`` the same app whose deployments are subclasses with deliberately failing rows, so containment
   itself is tested (validation now refuses the inputs that used to poison a batch, so the poison is forced past
   it here): a prompt starting with ``POISON-SEED`` is decoded with seed 2**64 (the decoder raises a ValueError:
   the culprit gets a 422), ``POISON-FAULT`` raises a RuntimeError in speculative decoding / image drawing (a
   server fault: a 500), and ``SLOW`` holds its batch until the test releases it (a long batch in flight).
-  Every batch the poisoned deployments decode is recorded (its prompts), so the tests can tell the poisoned
-  request really shared a batch with the valid ones.
+  Every batch the poisoned deployments decode is recorded (its prompts: with continuous batching every prefill
+  and decoding step), so the tests can tell the poisoned request really shared a batch with the valid ones;
+* ``/poisoned-static`` the poisoned text app with ``batching=static`` (``@serve.batch``), so both batching modes
+  are shown to contain a failing request.
 """
 
 from __future__ import annotations
@@ -55,13 +57,28 @@ def poisoned_deployments(gate: str):
             raise RuntimeError("injected fault")
 
     class PoisonedText(TextGenerator.func_or_class):
+        # continuous batching: every prefill and step goes through _step_hook; every row is made by _job
+        def _job(self, req, mode, on_step=None):
+            return super()._job(poison(req), mode, on_step)
+
+        def _step_hook(self, mode, reqs):
+            record(f"{mode}-{self.batching['mode']}", [r.prompt for r in reqs])
+            if mode == "base":
+                hold([r.prompt for r in reqs])
+            else:
+                fault(reqs)
+
+        def queued(self) -> int:  # requests waiting to join the running batch (the test polls it)
+            return len(self.scheduler._queue) if self.scheduler is not None else 0
+
+        # static batching
         def _base_rows(self, reqs):
-            record("base", [r.prompt for r in reqs])
+            record("base-static", [r.prompt for r in reqs])
             hold([r.prompt for r in reqs])
             return super()._base_rows([poison(r) for r in reqs])
 
         def _speculative_rows(self, reqs):
-            record("speculative", [r.prompt for r in reqs])
+            record("speculative-static", [r.prompt for r in reqs])
             fault(reqs)
             return super()._speculative_rows([poison(r) for r in reqs])
 
@@ -96,7 +113,12 @@ def apps(ray_cluster, debug_exports, tmp_path_factory):
     serve.run(build({**args, "max_batch_size": "16", "batch_wait_timeout_s": "1.0", "image_max_batch_size": "16",
                      "image_batch_wait_timeout_s": "1.0"}, text_deployment=text, image_deployment=images),
               name="poisoned", route_prefix="/poisoned")
-    yield {"real": f"http://127.0.0.1:{port}", "poisoned": f"http://127.0.0.1:{port}/poisoned", "gate": gate}
+    static = {k: v for k, v in args.items() if k not in ("dalle", "image_limits")}
+    serve.run(build({**static, "batching": "static", "max_batch_size": "16", "batch_wait_timeout_s": "1.0"},
+                    text_deployment=text, image_deployment=images),
+              name="poisoned-static", route_prefix="/poisoned-static")
+    yield {"real": f"http://127.0.0.1:{port}", "poisoned": f"http://127.0.0.1:{port}/poisoned",
+           "poisoned-static": f"http://127.0.0.1:{port}/poisoned-static", "gate": gate}
     serve.shutdown()
 
 
@@ -116,10 +138,15 @@ def batches(gate: Path, kind: str) -> list[list[str]]:
 
 
 # ---------------------------------------------------------------------------------------------- containment
-def test_a_poisoned_text_request_fails_alone(apps):
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_a_poisoned_text_request_fails_alone(apps, batching):
     """8 valid requests (6 /generate in both modes, 2 /v1/completions) share a batch with a request whose seed
     overflows in the decoder and one whose speculative decoding faults: the 8 get 200 and exactly the output they
-    get alone; the culprits get 422 (input the decoder refused) and 500 (server fault)."""
+    get alone; the culprits get 422 (input the decoder refused) and 500 (server fault). With static batching the
+    batch is ``@serve.batch``'s (a 1 s window). With continuous batching a ``SLOW`` request holds the decoding
+    thread until all ten have queued (HTTP arrivals on a loaded machine can spread past any window), so they
+    join the running batch as one cohort."""
+    app = apps["poisoned"] if batching == "continuous" else apps["poisoned-static"]
     sampling = {"temperature": 1.0, "top_p": 1.0}
     valid = [("/generate", {"prompt": p, "max_new_tokens": n, "seed": s, "mode": "both", "gamma": 3, **sampling})
              for p, n, s in (("import os", 20, 1), ("x", 12, 2), ("class Foo(object):", 16, 3), ("def", 20, 4),
@@ -130,14 +157,37 @@ def test_a_poisoned_text_request_fails_alone(apps):
                                "gamma": 3, **sampling}),
                 ("/generate", {"prompt": "POISON-FAULT y", "max_new_tokens": 10, "seed": 10, "mode": "both",
                                "gamma": 3, **sampling})]
-    before = len(batches(apps["gate"], "base"))
-    results = concurrently([(apps["poisoned"] + path, body) for path, body in valid + poisoned])
+    kind = f"base-{batching}"
+    before = len(batches(apps["gate"], kind))
+    calls = [(app + path, body) for path, body in valid + poisoned]
+    if batching == "static":
+        results = concurrently(calls)
+    else:
+        from ray import serve
+
+        handle = serve.get_deployment_handle("TextGenerator", app_name="poisoned")
+        rows = sum(2 if body.get("mode") == "both" else 1 for _, body in calls)
+        pool = ThreadPoolExecutor(len(calls))
+
+        def queue_all():  # while SLOW holds the decoding thread: send them all, wait until every row is queued
+            futures = [pool.submit(post, url, json=body) for url, body in calls]
+            deadline = time.monotonic() + 50
+            while handle.queued.remote().result(timeout_s=20) < rows:
+                assert time.monotonic() < deadline, "the requests never all queued"
+                time.sleep(0.05)
+            return futures
+
+        futures, _, slow = released_after(apps, lambda: post(app + "/generate", json={"prompt": "SLOW",
+                                                                                       "max_new_tokens": 8}), queue_all)
+        results = [f.result() for f in futures]
+        pool.shutdown()
+        assert slow.status_code == 200, slow.text
     ok = [r.status_code == 200 for r in results[:8]]
-    print(f"\npoisoned text batch: {sum(ok)} of 8 valid requests succeeded; culprits answered "
+    print(f"\npoisoned text batch ({batching}): {sum(ok)} of 8 valid requests succeeded; culprits answered "
           f"{[r.status_code for r in results[8:]]}")
     # they did share a batch: one base batch held every request
-    shared = [b for b in batches(apps["gate"], "base")[before:] if len(b) == len(valid) + len(poisoned)]
-    assert shared, batches(apps["gate"], "base")[before:]
+    shared = [b for b in batches(apps["gate"], kind)[before:] if len(b) == len(valid) + len(poisoned)]
+    assert shared, batches(apps["gate"], kind)[before:]
     assert all(ok), [(r.status_code, r.text[:200]) for r in results[:8]]
     seed_culprit, fault_culprit = results[8:]
     assert seed_culprit.status_code == 422 and "Overflow" in seed_culprit.text, seed_culprit.text
@@ -170,18 +220,19 @@ def test_a_poisoned_image_request_fails_alone(apps):
         assert [im["b64_png"] for im in res.json()["images"]] == [im["b64_png"] for im in alone["images"]]
 
 
-def test_a_failing_completion_stream_ends_with_an_error_event(apps):
+@pytest.mark.parametrize("app", ["poisoned", "poisoned-static"])
+def test_a_failing_completion_stream_ends_with_an_error_event(apps, app):
     """Was a 200 with an empty body (the connection dropped): now the stream's last event is an ``error``, which
     the openai client raises as an APIError."""
     from openai import APIError, OpenAI
 
     body = {"model": "tiny", "prompt": "POISON-SEED", "max_tokens": 8, "stream": True}
-    res = requests.post(apps["poisoned"] + "/v1/completions", json=body, stream=True, timeout=120)
+    res = requests.post(apps[app] + "/v1/completions", json=body, stream=True, timeout=120)
     assert res.status_code == 200
     blocks = [b for b in res.text.split("\n\n") if b.strip()]
     last = dict(line.split(": ", 1) for line in blocks[-1].split("\n"))
     assert last["event"] == "error" and "Overflow" in json.loads(last["data"])["error"]["message"], blocks
-    client = OpenAI(base_url=apps["poisoned"] + "/v1", api_key="unused")
+    client = OpenAI(base_url=apps[app] + "/v1", api_key="unused")
     with pytest.raises(APIError, match="Overflow"):
         list(client.completions.create(model="tiny", prompt="POISON-SEED", max_tokens=8, stream=True))
 
@@ -207,8 +258,9 @@ def released_after(apps, long_call, probe):
         return probed, running, long.result()
 
 
-def test_healthz_answers_while_a_batch_decodes(apps):
-    url = apps["poisoned"]
+@pytest.mark.parametrize("app", ["poisoned", "poisoned-static"])
+def test_healthz_answers_while_a_batch_decodes(apps, app):
+    url = apps[app]
 
     def probe():
         return [requests.get(f"{url}{path}", timeout=20) for path in ("/healthz", "/v1/models", "/models/info")]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Sequence
 
 import torch
 
+from efftx.attention.cache import ModelCache, RowLengths
 from efftx.generation.sampling import draw, is_greedy, probabilities, sample
 
 
@@ -36,6 +38,49 @@ def as_rows(prompts: Sequence[Sequence[int]] | torch.Tensor) -> list[list[int]]:
     return rows
 
 
+def _split_layer(layer, index: list[int]):
+    """A copy of one layer's ragged cache holding only rows ``index`` (in that order)."""
+    if not isinstance(layer, RowLengths):
+        raise TypeError(f"a {type(layer).__name__} does not keep per-row lengths: its rows cannot be split")
+    batch = len(layer.lengths)
+    out = copy.copy(layer)
+    rows = None
+    for name, value in vars(layer).items():
+        if isinstance(value, torch.Tensor):
+            if value.dim() == 0 or value.shape[0] != batch:
+                raise TypeError(f"the rows of a {type(layer).__name__} cannot be split: its {name!r} "
+                                f"{tuple(value.shape)} is not one entry per row ({batch} rows)")
+            if rows is None:
+                rows = torch.tensor(index, dtype=torch.long, device=value.device)
+            setattr(out, name, value.index_select(0, rows.to(value.device)))
+    out.lengths = [layer.lengths[i] for i in index]
+    return out
+
+
+def _join_layers(layers: list):
+    """One layer cache holding the rows of ``layers`` one after another (they share every other dimension)."""
+    out = copy.copy(layers[0])
+    for name, value in vars(layers[0]).items():
+        if isinstance(value, torch.Tensor):
+            setattr(out, name, torch.cat([getattr(layer, name) for layer in layers]))
+    out.lengths = [n for layer in layers for n in layer.lengths]
+    return out
+
+
+def splittable(model) -> bool:
+    """Whether ``model``'s caches are ragged and their rows can be taken apart and joined (every tensor of each
+    layer's cache is one entry per row): then rows may join and leave a running batch (continuous batching)."""
+    if not model.supports_ragged:
+        return False
+    cache = model.new_cache(2, 2)
+    try:
+        for layer in cache.layers:
+            _split_layer(layer, [1])
+    except TypeError:
+        return False
+    return True
+
+
 class Rows:
     """The decoding state of a batch of sequences over one model, rows of any lengths.
 
@@ -43,6 +88,10 @@ class Rows:
     forward pass, each row at its own position; for the others each row has its own batch-1 cache and
     the rows run one after another. Either way ``forward`` takes (B, T) tokens, one block of T per row,
     and ``rewind`` takes one count per row.
+
+    For continuous batching, rows can be taken out (:meth:`select`) and batches joined (:meth:`concat`);
+    batched states must then share their capacity (e.g. the model's ``max_seq_len``). :meth:`snapshot` /
+    :meth:`restore` undo whatever a failed forward pass appended.
     """
 
     def __init__(self, model, batch_size: int, capacity: int, batched: bool | None = None):
@@ -53,6 +102,51 @@ class Rows:
         else:
             self.caches = [model.new_cache(1, capacity) for _ in range(batch_size)]
         self.forward_calls = 0  # batched forward passes (row-by-row mode counts one per batch too)
+
+    @classmethod
+    def _of(cls, model, batched: bool, caches: list) -> "Rows":
+        rows = cls.__new__(cls)
+        rows.model, rows.batched, rows.caches, rows.forward_calls = model, batched, caches, 0
+        return rows
+
+    def __len__(self) -> int:
+        return len(self.caches[0].lengths) if self.batched else len(self.caches)
+
+    def select(self, index: Sequence[int]) -> "Rows":
+        """The rows ``index`` (in that order) as a new state: copies of their cache rows when batched, the same
+        per-row caches otherwise."""
+        index = [int(i) for i in index]
+        if not self.batched:
+            return Rows._of(self.model, False, [self.caches[i] for i in index])
+        cache = self.caches[0]
+        return Rows._of(self.model, True, [ModelCache([_split_layer(layer, index) for layer in cache.layers])])
+
+    @staticmethod
+    def concat(parts: Sequence["Rows"]) -> "Rows":
+        """The rows of ``parts`` one after another, as one state."""
+        parts = list(parts)
+        if len(parts) == 1:
+            return parts[0]
+        first = parts[0]
+        if not first.batched:
+            return Rows._of(first.model, False, [c for p in parts for c in p.caches])
+        depth = len(first.caches[0].layers)
+        layers = [_join_layers([p.caches[0].layers[i] for p in parts]) for i in range(depth)]
+        return Rows._of(first.model, True, [ModelCache(layers)])
+
+    def snapshot(self) -> list[list]:
+        """Every layer's row lengths (what :meth:`restore` rewinds to)."""
+        return [[list(layer.lengths) if hasattr(layer, "lengths") else layer.length for layer in cache.layers]
+                for cache in self.caches]
+
+    def restore(self, snapshot: list[list]) -> None:
+        """Forget whatever was appended since ``snapshot`` (a failed pass may have reached only some layers)."""
+        for cache, saved in zip(self.caches, snapshot):
+            for layer, before in zip(cache.layers, saved):
+                if isinstance(before, list):
+                    layer.rewind([now - was for now, was in zip(layer.lengths, before)])
+                else:
+                    layer.rewind(layer.length - before)
 
     @property
     def lengths(self) -> list[int]:

@@ -9,6 +9,9 @@
 * ``POST /v1/images/generations``: the OpenAI images API (``response_format: "b64_json"``), so the
   official client's ``images.generate`` works against the same base URL as the completions.
 
+The replica's device: ``device`` (``auto`` | ``cpu`` | ``cuda``) and ``image_num_gpus`` of the app builder
+(:mod:`efftx.serving.devices`).
+
 Requests are grouped with ``@serve.batch``: requests sharing the sampling settings decode together,
 one batched forward pass per image token, every image with its own seed (``seed + i`` for image i of
 a request), so an image does not depend on the batch it landed in. A group whose batched generation
@@ -28,6 +31,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from ray import serve
 
 from efftx.generation.png import png_bytes, to_pil
+from efftx.serving.devices import replica_device
 from efftx.serving.isolation import RowFailure, contained
 from efftx.serving.schemas import SEED_MAX, Seed, Temperature, TopP, encodable
 
@@ -157,11 +161,12 @@ def as_image_request(**fields: Any) -> ImageRequest:
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=32)
 class ImageGenerator:
-    def __init__(self, model: str, max_batch_size: int = 8, batch_wait_timeout_s: float = 0.05):
+    def __init__(self, model: str, max_batch_size: int = 8, batch_wait_timeout_s: float = 0.05, device: str = "auto"):
         from efftx.generate_images import DalleGenerator
 
         torch.set_num_threads(1)
-        self.gen = DalleGenerator.load(model)
+        self.device = replica_device(device)  # efftx.serving.devices: CUDA when this replica was given a GPU
+        self.gen = DalleGenerator.load(model, self.device)
         self.source = model
         self.name = self.gen.cfg.recipe
         self.generate.set_max_batch_size(max_batch_size)
@@ -170,7 +175,7 @@ class ImageGenerator:
     def info(self) -> dict:
         return {"id": self.name, "kind": "image", "source": self.source, "recipe": self.gen.cfg.recipe,
                 "parameters": self.gen.model.num_params(), "image_size": self.gen.image_size,
-                "text_seq_len": self.gen.text_seq_len}
+                "text_seq_len": self.gen.text_seq_len, "device": str(self.device)}
 
     def _draw(self, reqs: list[ImageRequest]) -> list[ImageResponse]:
         """One batched generation for requests sharing their sampling settings."""
@@ -179,12 +184,13 @@ class ImageGenerator:
         first = reqs[0]
         t0 = time.perf_counter()
         text, cut = self.gen.encode([r.prompt for r in reqs])
-        counts = [r.n for r in reqs]
-        captions = text.repeat_interleave(torch.tensor(counts), dim=0)  # one row per image
+        counts = torch.tensor([r.n for r in reqs], device=self.device)
+        captions = text.to(self.device).repeat_interleave(counts, dim=0)  # one row per image
         seeds = [None if r.seed is None else r.seed + i for r in reqs for i in range(r.n)]
         images, _ = generate_images(self.gen.model, captions, num_images=1, filter_thres=first.filter_thres,
                                     top_p=first.top_p, temperature=first.temperature,
                                     cond_scale=first.cond_scale, seed=seeds)
+        images = images.float().cpu()  # PNG encoding happens on the host
         secs = time.perf_counter() - t0
         out, row = [], 0
         for r, was_cut in zip(reqs, cut):

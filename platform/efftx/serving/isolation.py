@@ -1,5 +1,9 @@
 """One request must never fail another: containment for the ``@serve.batch`` paths, and the request-body limit.
 
+(Continuous batching, :mod:`efftx.serving.continuous`, contains failures the same way one decoding step at a
+time: a step that raises is undone, caches and generators restored, and run row by row; its culprit gets a
+:class:`RowFailure` from :func:`row_failure`.)
+
 **Containment.** Requests that share sampling settings decode as one batch (one batched forward pass per
 token). If that batch raises, :func:`contained` decodes each of its requests alone, so only the request that
 caused the failure fails; its batch-mates get exactly the output they get alone (every row has its own seed,

@@ -68,6 +68,7 @@ def model_card(role: str, model, source: str, model_id: str) -> ModelCard:
     name, version = mlflow_version(source)
     return ModelCard(role=role, id=model_id, source=source, mlflow_model=name, mlflow_version=version,
                      recipe=cfg.recipe, parameters=sum(p.numel() for p in model.parameters()),
+                     device=str(next(model.parameters()).device),
                      details={"attention": cfg.attention.kind, "depth": cfg.model.depth, "dim": cfg.model.dim,
                               "context": cfg.model.max_seq_len, "vocab_size": cfg.model.vocab_size})
 
@@ -76,5 +77,5 @@ def image_card(info: dict) -> ModelCard:
     """The card of the image model from ``ImageGenerator.info()``."""
     name, version = mlflow_version(info["source"])
     return ModelCard(role="image", id=info["id"], source=info["source"], mlflow_model=name, mlflow_version=version,
-                     recipe=info["recipe"], parameters=info["parameters"],
+                     recipe=info["recipe"], parameters=info["parameters"], device=info.get("device", "cpu"),
                      details={k: info[k] for k in ("image_size", "text_seq_len") if k in info})

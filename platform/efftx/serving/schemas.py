@@ -80,7 +80,9 @@ class ModeResult(BaseModel):
     tokens: int
     latency_ms: float
     tokens_per_s: float
-    batch_size: int = 1  # requests decoded together in this batch (latency is the batch's)
+    batch_size: int = 1  # requests decoded together: static batching, the batch (latency is the batch's);
+    # continuous batching, the most rows of the running batch it shared a decoding step with
+    first_token_ms: float | None = None  # continuous batching: from arrival to the first token
     mean_accepted: float | None = None
     acceptance_histogram: list[int] | None = None
     draft_calls: int | None = None
@@ -137,6 +139,7 @@ class ModelCard(BaseModel):
     mlflow_version: str | None = None  # resolved at load time when the URI says "latest"
     recipe: str
     parameters: int
+    device: str = "cpu"  # where the replica holds and runs it: "cpu", "cuda:0", ...
     details: dict[str, int | float | str] = Field(default_factory=dict)  # e.g. attention kind, context length
 
 
@@ -149,6 +152,7 @@ class ModelsInfo(BaseModel):
     models: list[ModelCard]
     limits: dict[str, int | float]
     image_limits: dict[str, int | float] | None = None
+    batching: dict[str, int | float | str | bool] | None = None  # mode (continuous | static), max_batch_size, ...
 
 
 class CompletionRequest(BaseModel):

@@ -10,10 +10,12 @@ column which tokens the target accepted from the draft and which it produced its
 * ``event: error`` with ``{"detail": message}`` if decoding fails after the stream has begun (bad input
   is refused before that, with the usual 422 naming the field).
 
-A stream decodes alone (batch size 1): it does not join ``@serve.batch`` batches, as its steps must
-reach the client as they happen. The event generators are synchronous: Starlette's ``StreamingResponse``
-iterates them in its thread pool, so decoding never runs on the replica's event loop (``/healthz`` answers
-meanwhile).
+With continuous batching (the default, :mod:`efftx.serving.continuous`) a stream is a row of the replica's
+running batch like any other request: it joins at the next decoding step and its tokens are pushed to the
+client as the scheduler produces them (:func:`job_events`, an async generator fed from the decoding thread).
+With ``batching=static`` a stream decodes alone (batch size 1, :func:`stream_events`): it does not join
+``@serve.batch`` batches, and its synchronous event generator runs in Starlette's thread pool. Either way
+decoding never runs on the replica's event loop (``/healthz`` answers meanwhile).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import codecs
 import json
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 
 from pydantic import BaseModel
 
@@ -43,35 +45,64 @@ def split_step(tokens: list[int], accepted: int | None) -> tuple[int, int]:
     return drafted, len(tokens) - drafted
 
 
+class StepMarks:
+    """Turns one decoding run's steps into :class:`StreamStep` events and its end into a :class:`StreamDone`."""
+
+    def __init__(self, mode: str, t0: float | None = None):
+        self.mode = mode
+        self.t0 = time.perf_counter() if t0 is None else t0
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may span steps
+        self.out: list[int] = []
+        self.n = 0
+
+    def step(self, toks: list[int], accepted: int | None) -> StreamStep:
+        self.n += 1
+        drafted, from_target = split_step(toks, accepted)
+        draft_text = self.decoder.decode(bytes(toks[:drafted]))
+        target_text = self.decoder.decode(bytes(toks[drafted:]))
+        self.out.extend(toks)
+        return StreamStep(mode=self.mode, step=self.n, text=draft_text + target_text, draft_text=draft_text,
+                          target_text=target_text, drafted_accepted=drafted, from_target=from_target,
+                          tokens=len(self.out), elapsed_ms=(time.perf_counter() - self.t0) * 1e3)
+
+    def done(self, stats: SpecStats | None, **extra) -> StreamDone:
+        secs = time.perf_counter() - self.t0
+        if stats is not None:
+            extra.update(mean_accepted=stats.mean_accepted, acceptance_histogram=stats.histogram,
+                         draft_calls=stats.draft_calls, target_calls=stats.target_calls)
+        return StreamDone(mode=self.mode, steps=self.n, text=decode_bytes(self.out),
+                          tail=self.decoder.decode(b"", final=True), tokens=len(self.out), latency_ms=secs * 1e3,
+                          tokens_per_s=len(self.out) / secs, **extra)
+
+
 def stream_events(target, draft, prompt: list[int], req: StreamRequest) -> Iterator[BaseModel]:
     """Decode ``prompt`` in ``req.mode``; yield a StreamStep per decoding step, then a StreamDone."""
     sampling = {"temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p, "seed": req.seed}
     speculative = req.mode == "speculative"
     stats = SpecStats(gamma=req.gamma)
-    t0 = time.perf_counter()
+    marks = StepMarks(req.mode)
     if speculative:
         steps: Iterable[list[int]] = iter_speculative(target, draft, prompt, req.max_new_tokens, gamma=req.gamma,
                                                       stats=stats, **sampling)
     else:
         steps = ([int(t[0])] for t in iter_generate(target, [prompt], req.max_new_tokens, **sampling))
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may span steps
-    out: list[int] = []
-    n = 0
-    for n, toks in enumerate(steps, 1):
-        drafted, from_target = split_step(toks, stats.accepted[-1] if speculative else None)
-        draft_text = decoder.decode(bytes(toks[:drafted]))
-        target_text = decoder.decode(bytes(toks[drafted:]))
-        out.extend(toks)
-        yield StreamStep(mode=req.mode, step=n, text=draft_text + target_text, draft_text=draft_text,
-                         target_text=target_text, drafted_accepted=drafted, from_target=from_target,
-                         tokens=len(out), elapsed_ms=(time.perf_counter() - t0) * 1e3)
-    secs = time.perf_counter() - t0
-    extra = {}
-    if speculative:
-        extra = {"mean_accepted": stats.mean_accepted, "acceptance_histogram": stats.histogram,
-                 "draft_calls": stats.draft_calls, "target_calls": stats.target_calls}
-    yield StreamDone(mode=req.mode, steps=n, text=decode_bytes(out), tail=decoder.decode(b"", final=True),
-                     tokens=len(out), latency_ms=secs * 1e3, tokens_per_s=len(out) / secs, **extra)
+    for toks in steps:
+        yield marks.step(toks, stats.accepted[-1] if speculative else None)
+    yield marks.done(stats if speculative else None)
+
+
+async def job_events(steps: AsyncIterable[tuple], mode: str, t0: float | None = None) -> AsyncIterator[BaseModel]:
+    """StreamStep events from a continuous-batching row's ``("step", tokens, accepted)`` items, then a StreamDone
+    from its final ``("done", job, None)`` (a :class:`~efftx.serving.continuous.Job`)."""
+    marks = StepMarks(mode, t0)
+    async for kind, a, b in steps:
+        if kind == "step":
+            yield marks.step(a, b)
+        else:
+            extra = {"batch_size": a.batch_size}
+            if a.first_token_s is not None:
+                extra["first_token_ms"] = a.first_token_s * 1e3
+            yield marks.done(a.stats, **extra)
 
 
 def sse(events: Iterable[BaseModel]) -> Iterator[str]:
@@ -80,6 +111,16 @@ def sse(events: Iterable[BaseModel]) -> Iterator[str]:
     names = {StreamStep: "step", StreamDone: "done"}
     try:
         for ev in events:
+            yield f"event: {names[type(ev)]}\ndata: {ev.model_dump_json()}\n\n"
+    except Exception as exc:  # noqa: BLE001 - reported to the client, the replica keeps serving
+        yield f"event: error\ndata: {json.dumps({'detail': f'{type(exc).__name__}: {exc}'})}\n\n"
+
+
+async def sse_async(events: AsyncIterable[BaseModel]) -> AsyncIterator[str]:
+    """:func:`sse` for an async event source."""
+    names = {StreamStep: "step", StreamDone: "done"}
+    try:
+        async for ev in events:
             yield f"event: {names[type(ev)]}\ndata: {ev.model_dump_json()}\n\n"
     except Exception as exc:  # noqa: BLE001 - reported to the client, the replica keeps serving
         yield f"event: error\ndata: {json.dumps({'detail': f'{type(exc).__name__}: {exc}'})}\n\n"

@@ -7,7 +7,7 @@ Endpoints (FastAPI; OpenAPI docs at /docs and /openapi.json):
 
 * ``POST /generate``: ``{prompt, max_new_tokens, temperature, top_k, top_p, seed, mode, gamma}`` with
   ``mode`` = ``base`` | ``speculative`` | ``both``; per mode the text, latency, tokens/s and, for
-  speculative decoding, the acceptance statistics. Requests are grouped with ``@serve.batch``.
+  speculative decoding, the acceptance statistics.
 * ``POST /v1/completions``: the OpenAI completions API (``stream: true`` answers server-sent events); the
   model name chooses base (``<name>``) or speculative (``<name>-speculative``) decoding.
 * ``POST /generate/stream``: one mode's decoding as server-sent events, step by step, the draft-accepted
@@ -18,6 +18,22 @@ Endpoints (FastAPI; OpenAPI docs at /docs and /openapi.json):
   side, and drawing images when there is an image model (:mod:`efftx.serving.playground`).
 * With a DALL-E (``dalle=PATH``): ``POST /images/generate`` and ``POST /v1/images/generations`` (the OpenAI
   images API), served by an :class:`~efftx.serving.images.ImageGenerator` deployment behind this one.
+
+**Batching** (``batching=continuous|static``, default ``continuous``):
+
+* ``continuous``: iteration-level scheduling (:mod:`efftx.serving.continuous`). Each replica keeps running
+  batches (base decoding; speculative decoding per ``gamma``) decoded by one background thread; a request, a
+  stream included, joins at the next decoding step and leaves the moment it has its tokens.
+  ``max_batch_size`` (default 32) bounds the rows of a running batch; ``batch_wait_timeout_s`` (default 0) is
+  how long the first request of an idle replica waits for others to start with it.
+* ``static``: ``@serve.batch`` groups requests (``max_batch_size`` default 8, ``batch_wait_timeout_s`` default
+  0.02) and a batch is answered when its longest request is done; streams decode alone.
+
+Either way a request's output, and in speculative decoding its acceptance, is exactly what it gets alone.
+
+**Devices** (:mod:`efftx.serving.devices`): ``num_gpus`` / ``image_num_gpus`` (fractions allowed) are the GPU
+share of each text / image replica, ``device=auto|cpu|cuda`` where the models run (``auto``: CUDA when the
+replica was given a GPU and torch sees one); ``GET /models/info`` names each model's device.
 
 Bad input gets a 4xx naming the field (422 for values, 400 for bodies that are not UTF-8 JSON); no
 request can take the replica down, and no request can fail another:
@@ -33,9 +49,10 @@ request can take the replica down, and no request can fail another:
   at fault fails (a 422 when the decoder refused its input, else a 500); its batch-mates get exactly the
   output they get alone (:func:`~efftx.serving.isolation.contained`). A stream that fails after it has begun
   ends with an ``error`` event.
-* **Responsiveness.** Decoding runs in worker threads (``asyncio.to_thread`` for batches; streams are sync
-  generators, which Starlette iterates in its thread pool), never on the replica's event loop, so
-  ``/healthz`` and the other routes answer while a batch decodes.
+  With continuous batching a step that raises is undone and run row by row the same way.
+* **Responsiveness.** Decoding runs off the replica's event loop (the scheduler's thread; with static batching
+  ``asyncio.to_thread`` for batches and Starlette's thread pool for streams), so ``/healthz`` and the other
+  routes answer while a batch decodes.
 """
 
 
@@ -61,6 +78,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from efftx.generation.decode import decode_bytes, encode_text, iter_generate
 from efftx.generation.speculative import SpecStats, iter_speculative, iter_speculative_rows
+from efftx.serving.continuous import Job, Sampling, Scheduler
+from efftx.serving.devices import replica_device, resolve_build_devices, with_gpus
 from efftx.serving.images import (ImageGenerator, ImageLimits, ImageRequest, OpenAIImageRequest, as_image_request,
                                   check_request, field_error, image_field_limits, openai_size)
 from efftx.serving.isolation import BodyLimit, RowFailure, contained
@@ -69,7 +88,9 @@ from efftx.serving.playground import router as playground_router
 from efftx.serving.schemas import (CompletionRequest, GenerateRequest, GenerateResponse, Limits, ModelsInfo, ModeResult,
                                    StreamRequest, apply_field_limits, declare_body_limit, exact_integer_bounds,
                                    text_field_limits)
-from efftx.serving.streaming import sse, stream_events
+from efftx.serving.streaming import job_events, sse, sse_async, stream_events
+
+BATCHING = ("continuous", "static")
 
 # /openapi.json and /docs are routes of the deployment below: the schema carries the replica's configured limits
 app = FastAPI(title="efftx text generation", description=__doc__.split("\n\n")[0], openapi_url=None, docs_url=None,
@@ -117,17 +138,62 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
 _field_error = field_error
 
 
+# Module-level helpers the deployment uses are defined before it: Serve serializes the class where it is
+# defined, so names defined after it would be missing in the replica.
+def batch_defaults(batching: str, max_batch_size, batch_wait_timeout_s) -> tuple[int, float]:
+    """``max_batch_size`` / ``batch_wait_timeout_s`` with the defaults of the batching mode (continuous: 32 rows,
+    no wait; static: 8 requests, 0.02 s)."""
+    continuous = batching == "continuous"
+    size = int(max_batch_size) if max_batch_size not in (None, "") else (32 if continuous else 8)
+    wait = float(batch_wait_timeout_s) if batch_wait_timeout_s not in (None, "") else (0.0 if continuous else 0.02)
+    if size < 1:
+        raise ValueError(f"max_batch_size must be >= 1, got {size}")
+    if not wait >= 0:
+        raise ValueError(f"batch_wait_timeout_s must be >= 0, got {wait}")
+    return size, wait
+
+
+def _resolve(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _mode_result(job: Job) -> ModeResult:
+    """A continuous-batching row's result (latency from its arrival to its last token)."""
+    secs = max(job.latency_s, 1e-9)
+    extra = {}
+    if job.stats is not None:
+        st = job.stats
+        extra = {"mean_accepted": st.mean_accepted, "acceptance_histogram": st.histogram,
+                 "draft_calls": st.draft_calls, "target_calls": st.target_calls}
+    first = job.first_token_s
+    return ModeResult(text=decode_bytes(job.out), tokens=len(job.out), latency_ms=secs * 1e3,
+                      tokens_per_s=len(job.out) / secs, batch_size=max(job.batch_size, 1),
+                      first_token_ms=None if first is None else first * 1e3, **extra)
+
+
+def _completion_error(exc: BaseException) -> str:
+    kind = "invalid_request_error" if isinstance(exc, ValueError) else "server_error"
+    error = {"message": f"decoding failed: {type(exc).__name__}: {exc}", "type": kind}
+    return f"event: error\ndata: {json.dumps({'error': error})}\n\n"
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=32)
 @serve.ingress(app)
 class TextGenerator:
     def __init__(self, target: str, draft: str | None = None, name: str | None = None,
-                 limits: dict[str, Any] | None = None, max_batch_size: int = 8, batch_wait_timeout_s: float = 0.02,
-                 images=None, image_limits: dict[str, Any] | None = None):
+                 limits: dict[str, Any] | None = None, max_batch_size: int | None = None,
+                 batch_wait_timeout_s: float | None = None, images=None, image_limits: dict[str, Any] | None = None,
+                 device: str = "auto", batching: str = "continuous"):
         from efftx.train.checkpoint import load_export, resolve_export
 
         torch.set_num_threads(1)
-        self.target, self.target_cfg, _ = load_export(resolve_export(target))
-        self.draft = load_export(resolve_export(draft))[0] if draft else None
+        if batching not in BATCHING:
+            raise ValueError(f"batching must be one of {', '.join(BATCHING)}; got {batching!r}")
+        max_batch_size, batch_wait_timeout_s = batch_defaults(batching, max_batch_size, batch_wait_timeout_s)
+        self.device = replica_device(device)  # efftx.serving.devices: CUDA when this replica was given a GPU
+        self.target, self.target_cfg, _ = load_export(resolve_export(target), self.device)
+        self.draft = load_export(resolve_export(draft), self.device)[0] if draft else None
         if self.draft is not None and self.draft.vocab_size != self.target.vocab_size:
             raise ValueError("target and draft vocabularies differ")
         self.name = name or self.target_cfg.recipe
@@ -135,8 +201,16 @@ class TextGenerator:
         self.model_cards = [model_card("target", self.target, target, self.name)] + (
             [model_card("draft", self.draft, draft, f"{self.name}-speculative")] if self.draft is not None else [])
         self.limits = Limits(**(limits or {}))
-        self._batched.set_max_batch_size(max_batch_size)
-        self._batched.set_batch_wait_timeout_s(batch_wait_timeout_s)
+        self.batching = {"mode": batching, "max_batch_size": int(max_batch_size),
+                         "batch_wait_timeout_s": float(batch_wait_timeout_s)}
+        self.scheduler: Scheduler | None = None
+        if batching == "continuous":
+            self.scheduler = Scheduler(self.target, self.draft, max_rows=max_batch_size,
+                                       admit_wait_s=batch_wait_timeout_s,
+                                       hook=lambda kind, jobs: self._step_hook(kind, [j.tag for j in jobs])).start()
+        else:
+            self._batched.set_max_batch_size(max_batch_size)
+            self._batched.set_batch_wait_timeout_s(batch_wait_timeout_s)
         self.images = images  # a handle to the ImageGenerator deployment, or None
         self.image_limits = ImageLimits(**(image_limits or {}))
         self._image_info: dict | None = None
@@ -225,10 +299,68 @@ class TextGenerator:
         return await asyncio.to_thread(self._run, requests)  # off the event loop: /healthz answers meanwhile
 
     async def _decode(self, req: GenerateRequest) -> GenerateResponse:
+        if self.scheduler is not None:
+            return await self._decode_continuous(req)
         res = await self._batched(req)
         if isinstance(res, RowFailure):
             raise res.exception()
         return res
+
+    # ------------------------------------------------------------------ continuous batching
+    def _job(self, req: GenerateRequest, mode: str, on_step=None) -> Job:
+        """The scheduler's row for one mode of a request (its ``tag`` is the request: hooks see it)."""
+        return Job(encode_text(req.prompt), req.max_new_tokens, Sampling(req.temperature, req.top_k, req.top_p),
+                   req.seed, req.gamma if mode == "speculative" else None, on_step=on_step, tag=req)
+
+    def _step_hook(self, mode: str, requests: list) -> None:
+        """Called on the decoding thread before every prefill and step with the requests it covers (tests
+        override it to inject faults); a raise fails that pass, which is then run request by request."""
+
+    async def _run_job(self, job: Job) -> Job:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        job.on_done = lambda j: loop.call_soon_threadsafe(_resolve, done, j)
+        self.scheduler.submit(job)
+        try:
+            return await done
+        except asyncio.CancelledError:  # the client went away: the row leaves the batch at the next step
+            self.scheduler.cancel(job)
+            raise
+
+    async def _decode_continuous(self, req: GenerateRequest) -> GenerateResponse:
+        modes = ("base", "speculative") if req.mode == "both" else (req.mode,)
+        jobs = await asyncio.gather(*(self._run_job(self._job(req, m)) for m in modes))
+        for job in jobs:
+            if job.failure is not None:
+                raise job.failure.exception()
+        return GenerateResponse(prompt=req.prompt, results={job.mode: _mode_result(job) for job in jobs})
+
+    async def _job_steps(self, req: GenerateRequest, mode: str):
+        """A row of the running batch as an async stream: ``("step", tokens, accepted)`` per decoding step, then
+        ``("done", job, None)``; the row's failure is raised. Closing the stream early cancels the row."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def put(item):
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        job = self._job(req, mode, on_step=lambda toks, accepted: put(("step", toks, accepted)))
+        job.on_done = lambda j: put(("done", j, None))
+        self.scheduler.submit(job)
+        try:
+            while True:
+                item = await queue.get()
+                if item[0] == "done":
+                    if job.error is not None:
+                        raise job.error
+                    if job.cancelled:
+                        raise RuntimeError("the decoding was cancelled")
+                    yield item
+                    return
+                yield item
+        finally:
+            if not job.done:
+                self.scheduler.cancel(job)
 
     # ------------------------------------------------------------------ schema
     async def openapi_schema(self, app: FastAPI, root_path: str = "") -> dict:
@@ -312,13 +444,17 @@ class TextGenerator:
         return ModelsInfo(name=self.name, speculative=self.draft is not None, images=info is not None,
                           models=self.model_cards + ([image_card(info)] if info else []),
                           limits=dataclasses.asdict(self.limits),
-                          image_limits=self.image_limits.model_dump() if info else None)
+                          image_limits=self.image_limits.model_dump() if info else None, batching=self.batching)
 
     @app.post("/generate/stream")
     async def generate_stream(self, req: StreamRequest) -> StreamingResponse:
         """Server-sent events: ``step`` per decoding step, then ``done`` with the timings (see efftx.serving.streaming)."""
         tokens = self._check(req.prompt, req.max_new_tokens, req.temperature, req.gamma, req.mode == "speculative",
                              {"prompt": "prompt", "max_new_tokens": "max_new_tokens"})
+        if self.scheduler is not None:  # a row of the running batch; its steps are pushed as they are decoded
+            t0 = time.perf_counter()
+            return StreamingResponse(sse_async(job_events(self._job_steps(req, req.mode), req.mode, t0)),
+                                     media_type="text/event-stream")
         return StreamingResponse(sse(stream_events(self.target, self.draft, tokens, req)),
                                  media_type="text/event-stream")
 
@@ -355,11 +491,27 @@ class TextGenerator:
 
         usage = {"prompt_tokens": len(tokens), "completion_tokens": req.max_tokens,
                  "total_tokens": len(tokens) + req.max_tokens}
+        mode = "speculative" if speculative else "base"
+        gen = GenerateRequest(prompt=req.prompt, max_new_tokens=req.max_tokens, temperature=req.temperature,
+                              top_p=req.top_p, seed=req.seed, mode=mode, gamma=gamma)
         if not req.stream:  # joins the batch of /generate requests
-            mode = "speculative" if speculative else "base"
-            gen = GenerateRequest(prompt=req.prompt, max_new_tokens=req.max_tokens, temperature=req.temperature,
-                                  top_p=req.top_p, seed=req.seed, mode=mode, gamma=gamma)
             return body((await self._decode(gen)).results[mode].text, "length", usage)
+
+        if self.scheduler is not None:  # a row of the running batch, its tokens sent as they are decoded
+            async def chunks():
+                decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+                try:
+                    async for kind, toks, _ in self._job_steps(gen, mode):
+                        piece = decoder.decode(bytes(toks)) if kind == "step" else ""
+                        if piece:
+                            yield f"data: {json.dumps(body(piece, None))}\n\n"
+                except Exception as exc:  # noqa: BLE001 - the 200 has gone out: the client learns of it here
+                    yield _completion_error(exc)
+                    return
+                yield f"data: {json.dumps(body(decoder.decode(b'', final=True), 'length', usage))}\n\n"
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(chunks(), media_type="text/event-stream")
 
         steps = self._completion_steps(tokens, req, speculative, gamma)
 
@@ -371,9 +523,7 @@ class TextGenerator:
                     if piece:
                         yield f"data: {json.dumps(body(piece, None))}\n\n"
             except Exception as exc:  # noqa: BLE001 - the 200 has gone out: the client learns of it in the stream
-                kind = "invalid_request_error" if isinstance(exc, ValueError) else "server_error"
-                error = {"message": f"decoding failed: {type(exc).__name__}: {exc}", "type": kind}
-                yield f"event: error\ndata: {json.dumps({'error': error})}\n\n"
+                yield _completion_error(exc)
                 return
             yield f"data: {json.dumps(body(decoder.decode(b'', final=True), 'length', usage))}\n\n"
             yield "data: [DONE]\n\n"
@@ -384,23 +534,35 @@ class TextGenerator:
 def build(args: dict[str, str], *, text_deployment=TextGenerator, image_deployment=ImageGenerator) -> serve.Application:
     """App builder for ``serve run efftx.serving.text:build target=... [draft=...] [dalle=...]`` and YAML configs.
 
+    Arguments are checked here, before any replica starts: ``device=cuda`` with no CUDA device in sight is a
+    ``ValueError`` naming ``device`` (see :func:`efftx.serving.devices.resolve_build_devices`).
+
     ``text_deployment`` / ``image_deployment``: the deployments to bind (tests pass subclasses of these)."""
     known = {"target", "draft", "name", "limits", "max_batch_size", "batch_wait_timeout_s", "dalle", "image_limits",
-             "image_max_batch_size", "image_batch_wait_timeout_s"}
+             "image_max_batch_size", "image_batch_wait_timeout_s", "batching", "device", "num_gpus", "image_num_gpus"}
     unknown = set(args) - known
     if unknown or "target" not in args:
-        raise ValueError(f"arguments: target=PATH (required), draft=PATH, name=..., max_batch_size=N, "
-                         f"batch_wait_timeout_s=S, limits=JSON, dalle=PATH, image_limits=JSON, "
-                         f"image_max_batch_size=N, image_batch_wait_timeout_s=S; got {sorted(args)}")
+        raise ValueError(f"arguments: target=PATH (required), draft=PATH, name=..., batching=continuous|static, "
+                         f"max_batch_size=N, batch_wait_timeout_s=S, limits=JSON, device=auto|cpu|cuda, num_gpus=G, "
+                         f"dalle=PATH, image_limits=JSON, image_max_batch_size=N, image_batch_wait_timeout_s=S, "
+                         f"image_num_gpus=G; got {sorted(args)}")
 
     def as_dict(value):
         return json.loads(value) if isinstance(value, str) else value
 
+    batching = str(args.get("batching") or "continuous").strip().lower()
+    if batching not in BATCHING:
+        raise ValueError(f"batching must be one of {', '.join(BATCHING)}; got {args.get('batching')!r}")
+    device, text_gpus, image_gpus = resolve_build_devices(args.get("device"), args.get("num_gpus"),
+                                                          args.get("image_num_gpus"))
+    max_batch_size, batch_wait_timeout_s = batch_defaults(batching, args.get("max_batch_size"),
+                                                          args.get("batch_wait_timeout_s"))
     images = None
     if args.get("dalle"):
-        images = image_deployment.bind(args["dalle"], int(args.get("image_max_batch_size", 8)),
-                                       float(args.get("image_batch_wait_timeout_s", 0.05)))
-    return text_deployment.bind(
+        images = with_gpus(image_deployment, image_gpus).bind(
+            args["dalle"], int(args.get("image_max_batch_size", 8)),
+            float(args.get("image_batch_wait_timeout_s", 0.05)), device=device)
+    return with_gpus(text_deployment, text_gpus).bind(
         args["target"], args.get("draft") or None, args.get("name"), as_dict(args.get("limits")),
-        int(args.get("max_batch_size", 8)), float(args.get("batch_wait_timeout_s", 0.02)),
-        images, as_dict(args.get("image_limits")))
+        max_batch_size, batch_wait_timeout_s, images, as_dict(args.get("image_limits")), device=device,
+        batching=batching)

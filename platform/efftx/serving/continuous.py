@@ -1,0 +1,602 @@
+"""Continuous batching: iteration-level scheduling of the text app's decoding.
+
+A :class:`Scheduler` per replica keeps **running batches** and one background thread (off the replica's event
+loop) that repeats: admit the requests that arrived, then run one decoding step of every running batch.
+
+* **Joining.** A request that arrives while others decode joins at the next step: its prompt is prefilled (all
+  arrivals of that moment in one ragged pass), its cache rows are appended to the running batch's, and from then
+  on it decodes with the rest. Base decoding draws its first token from the prefill, so a short request's first
+  token never waits for a long request to finish.
+* **Leaving.** A row that has its ``max_new_tokens`` leaves at once: its result is handed back in the step that
+  finished it, and its cache rows are dropped from the batch.
+* **Batches.** One running batch for base decoding (target only), and one per ``gamma`` for speculative decoding
+  (target + draft; rows of one batch draft ``gamma`` tokens in the same passes and are verified in one target
+  pass, each row with its own acceptance and its own rewind, as in
+  :func:`~efftx.generation.speculative.iter_speculative_rows`). Sampling settings (temperature, top-k, top-p)
+  are per row: rows share every forward pass whatever their settings, and the logits are turned into
+  distributions per group of rows with equal settings. Every row draws from its own generator (``seed``), so
+  each request's tokens, and in speculative decoding its acceptance, are exactly those it gets alone.
+* **Streams** are rows like any other: their ``on_step`` callback receives each step's tokens as they are
+  produced.
+* **Caches.** Backends with ragged, splittable caches (full attention, Performer:
+  :func:`~efftx.generation.decode.splittable`) run each step as one batched forward pass; their rows are taken
+  apart and joined with :meth:`~efftx.generation.decode.Rows.select` / ``concat``. Backends whose caches are
+  not ragged (Sinkhorn, NSA) fall back to **row by row**: each row keeps its own batch-1 cache and a step runs
+  the rows one after another; rows still join and leave at every step, so a short request is not held up by a
+  long one, but there is no batched pass.
+* **Containment.** If a batched step (or a prefill) raises, the caches are rewound to where they were and every
+  generator restored, then the step is run for each row alone: only the row at fault fails (a
+  :class:`~efftx.serving.isolation.RowFailure`: 422 for a ``ValueError``, else 500), the others go on with
+  exactly the tokens they would have had.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from efftx.generation.decode import Rows, splittable
+from efftx.generation.sampling import draw, is_greedy, probabilities
+from efftx.generation.speculative import SpecStats, verify
+from efftx.serving.isolation import RowFailure, row_failure
+
+logger = logging.getLogger("ray.serve")
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+def _groups(samplings: Sequence[Sampling]) -> dict[Sampling, list[int]]:
+    groups: dict[Sampling, list[int]] = {}
+    for i, s in enumerate(samplings):
+        groups.setdefault(s, []).append(i)
+    return groups
+
+
+def row_probabilities(logits: torch.Tensor, samplings: Sequence[Sampling]) -> torch.Tensor:
+    """(B, ..., V) logits -> distributions, row b with ``samplings[b]`` (rows of equal settings in one call, so a
+    row's distribution is the one it gets alone)."""
+    groups = _groups(samplings)
+    if len(groups) == 1:
+        s = samplings[0]
+        return probabilities(logits, s.temperature, s.top_k, s.top_p)
+    parts = []
+    for s, idx in groups.items():
+        rows = torch.tensor(idx, device=logits.device)
+        parts.append((rows, probabilities(logits.index_select(0, rows), s.temperature, s.top_k, s.top_p)))
+    dtype = parts[0][1].dtype
+    for _, p in parts[1:]:
+        dtype = torch.promote_types(dtype, p.dtype)
+    out = torch.empty(logits.shape, dtype=dtype, device=logits.device)
+    for rows, p in parts:
+        out[rows] = p.to(dtype)
+    return out
+
+
+def row_tokens(logits: torch.Tensor, samplings: Sequence[Sampling], gens: Sequence[torch.Generator | None]
+               ) -> torch.Tensor:
+    """(B, V) logits -> (B,) next tokens as :func:`~efftx.generation.decode.iter_generate` picks them, per row:
+    the argmax for greedy settings, else a draw from the row's distribution with the row's generator."""
+    groups = _groups(samplings)
+    out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    for s, idx in groups.items():
+        rows = torch.tensor(idx, device=logits.device)
+        part = logits if len(groups) == 1 else logits.index_select(0, rows)
+        if is_greedy(s.temperature):
+            picked = part.argmax(-1)
+        else:
+            picked = draw(probabilities(part, s.temperature, s.top_k, s.top_p), [gens[i] for i in idx])
+        if len(groups) == 1:
+            return picked
+        out[rows] = picked
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- jobs
+class Job:
+    """One request's decoding in one mode. Callbacks run on the decoding thread and must not block:
+    ``on_step(tokens, accepted)`` per step (``accepted`` is None in base decoding), ``on_done(job)`` once, when the
+    job has its tokens or has failed (``job.failure`` / ``job.error``) or was cancelled."""
+
+    def __init__(self, prompt: Sequence[int], max_new_tokens: int, sampling: Sampling = Sampling(),
+                 seed: int | None = None, gamma: int | None = None, *,
+                 on_step: Callable[[list[int], int | None], None] | None = None,
+                 on_done: Callable[["Job"], None] | None = None, tag: Any = None):
+        self.prompt = [int(t) for t in prompt]
+        self.max_new = int(max_new_tokens)
+        self.sampling = sampling
+        self.seed = seed
+        self.gamma = gamma
+        self.on_step, self.on_done, self.tag = on_step, on_done, tag
+        self.out: list[int] = []
+        self.stats = SpecStats(gamma=gamma) if gamma is not None else None
+        self.steps = 0
+        self.generator: torch.Generator | None = None
+        self.batch_size = 0  # the most rows it shared a step with (itself included)
+        self.submitted = time.perf_counter()
+        self.first_token: float | None = None
+        self.finished: float | None = None
+        self.failure: RowFailure | None = None
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self.done = False
+
+    @property
+    def speculative(self) -> bool:
+        return self.gamma is not None
+
+    @property
+    def mode(self) -> str:
+        return "speculative" if self.speculative else "base"
+
+    @property
+    def latency_s(self) -> float:
+        return (self.finished or time.perf_counter()) - self.submitted
+
+    @property
+    def first_token_s(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.submitted
+
+    def _push(self, tokens: list[int], accepted: int | None, batch: int) -> bool:
+        """Record one step's tokens; True when the job is complete (then its result is handed back)."""
+        self.steps += 1
+        self.batch_size = max(self.batch_size, batch)
+        if tokens and self.first_token is None:
+            self.first_token = time.perf_counter()
+        self.out.extend(tokens)
+        if self.on_step is not None:
+            _call(self.on_step, tokens, accepted)
+        if len(self.out) >= self.max_new:
+            self._finish()
+            return True
+        return False
+
+    def _finish(self) -> None:
+        if not self.done:
+            self.done = True
+            self.finished = time.perf_counter()
+            if self.on_done is not None:
+                _call(self.on_done, self)
+
+    def _fail(self, exc: BaseException, what: str) -> None:
+        self.error = exc
+        self.failure = row_failure(exc, what)
+        self._finish()
+
+
+def _call(fn, *args) -> None:
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001 - a callback (e.g. a closed event loop) must not stop the decoding
+        logger.exception("a continuous-batching callback failed")
+
+
+def _generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+    return None if seed is None else torch.Generator(device=device).manual_seed(int(seed))
+
+
+def _gen_states(jobs: Sequence[Job]) -> list:
+    return [None if j.generator is None else j.generator.get_state() for j in jobs]
+
+
+def _set_gen_states(jobs: Sequence[Job], states: list) -> None:
+    for job, state in zip(jobs, states):
+        if state is not None:
+            job.generator.set_state(state)
+
+
+class _State:
+    """The rows of a running batch: per model a :class:`Rows`, each row's last token (base: the token to feed
+    next; speculative: the pending token) and its job."""
+
+    def __init__(self, rows: list[Rows], last: torch.Tensor, jobs: list[Job]):
+        self.rows, self.last, self.jobs = rows, last, jobs
+
+    def select(self, index: list[int]) -> "_State":
+        if index == list(range(len(self.jobs))):
+            return self
+        rows = torch.tensor(index, dtype=torch.long, device=self.last.device)
+        return _State([r.select(index) for r in self.rows], self.last.index_select(0, rows),
+                      [self.jobs[i] for i in index])
+
+    @staticmethod
+    def concat(states: list["_State"]) -> "_State":
+        if len(states) == 1:
+            return states[0]
+        return _State([Rows.concat([s.rows[m] for s in states]) for m in range(len(states[0].rows))],
+                      torch.cat([s.last for s in states]), [j for s in states for j in s.jobs])
+
+    def snapshot(self) -> list:
+        return [r.snapshot() for r in self.rows]
+
+    def restore(self, snapshot: list) -> None:
+        for r, snap in zip(self.rows, snapshot):
+            r.restore(snap)
+
+
+# ---------------------------------------------------------------------------------------------- engines
+class _Engine:
+    """One running batch. Subclasses define ``prefill(jobs) -> (state, result)``, ``compute(state) -> result``
+    (the step's forward passes, cache rewinds and draws: all that can fail) and ``commit(state, result, batch)``
+    (host bookkeeping: tokens to the jobs; returns which rows finished)."""
+
+    kind = "?"
+
+    def __init__(self, hook: Callable[[str, list[Job]], None] | None):
+        self.hook = hook
+        self.state: _State | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.state is None else len(self.state.jobs)
+
+    def _hook(self, jobs: list[Job]) -> None:
+        if self.hook is not None:
+            self.hook(self.kind, jobs)
+
+    def _merge(self, parts: list[tuple[_State, Any]], batch: int) -> None:
+        kept = [] if self.state is None else [self.state]
+        for state, result in parts:
+            finished = self.commit(state, result, batch)
+            keep = [i for i, f in enumerate(finished) if not f]
+            if keep:
+                kept.append(state.select(keep))
+        self.state = _State.concat(kept) if kept else None
+
+    def admit(self, jobs: list[Job]) -> None:
+        """Prefill ``jobs`` and add them to the running batch (a failing prefill is retried job by job)."""
+        batch = len(self) + len(jobs)
+        try:
+            parts = [self.prefill(jobs)]
+        except Exception as exc:  # noqa: BLE001 - contained below
+            parts = self._alone(jobs, exc)
+        self._merge(parts, batch)
+
+    def step(self) -> None:
+        """One decoding step of every running row; finished rows leave."""
+        state = self.state
+        if state is None:
+            return
+        cancelled = [i for i, j in enumerate(state.jobs) if j.cancelled]
+        if cancelled:
+            for i in cancelled:
+                state.jobs[i]._finish()
+            keep = [i for i in range(len(state.jobs)) if i not in set(cancelled)]
+            self.state = state = state.select(keep) if keep else None
+            if state is None:
+                return
+        batch = len(state.jobs)
+        snapshot, gens = state.snapshot(), _gen_states(state.jobs)
+        try:
+            parts = [(state, self.compute(state))]
+        except Exception as exc:  # noqa: BLE001 - contained below
+            state.restore(snapshot)
+            _set_gen_states(state.jobs, gens)
+            parts = self._alone(state.jobs, exc, state)
+        self.state = None
+        self._merge(parts, batch)
+
+    def _alone(self, jobs: list[Job], exc: Exception, state: _State | None = None) -> list[tuple[_State, Any]]:
+        """A batched prefill (``state`` None) or step raised: run it for each row alone; a row that fails alone
+        fails (only it)."""
+        what = f"{self.kind} decoding"
+        if len(jobs) > 1:
+            logger.warning("%s of a batch of %d failed (%s: %s); running its rows one by one",
+                           what, len(jobs), type(exc).__name__, exc)
+        parts = []
+        for i, job in enumerate(jobs):
+            try:
+                if len(jobs) == 1:
+                    raise exc
+                if state is None:
+                    parts.append(self.prefill([job]))
+                else:
+                    sub = state.select([i])
+                    parts.append((sub, self.compute(sub)))
+            except Exception as own:  # noqa: BLE001 - this row's own failure
+                job._fail(own, what)
+        return parts
+
+    def fail_all(self, exc: BaseException) -> None:
+        if self.state is not None:
+            for job in self.state.jobs:
+                job._fail(exc, f"{self.kind} decoding")
+        self.state = None
+
+    # subclasses
+    def prefill(self, jobs: list[Job]) -> tuple[_State, Any]:
+        raise NotImplementedError
+
+    def compute(self, state: _State) -> Any:
+        raise NotImplementedError
+
+    def commit(self, state: _State, result: Any, batch: int) -> list[bool]:
+        raise NotImplementedError
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+class BaseEngine(_Engine):
+    """Base decoding: one target pass per step, one new token per row."""
+
+    kind = "base"
+
+    def __init__(self, model, hook=None):
+        super().__init__(hook)
+        self.model = model
+        self.batched = splittable(model)
+
+    def _capacity(self, job: Job) -> int:
+        return self.model.max_seq_len if self.batched else len(job.prompt) + job.max_new
+
+    def prefill(self, jobs):
+        self._hook(jobs)
+        device = _device(self.model)
+        for job in jobs:
+            if not job.prompt:
+                raise ValueError("the prompt is empty")
+            total = len(job.prompt) + job.max_new
+            if total > self.model.max_seq_len:
+                raise ValueError(f"prompt ({len(job.prompt)}) + max_new_tokens ({job.max_new}) = {total} "
+                                 f"exceeds the model's max_seq_len={self.model.max_seq_len}")
+            job.generator = _generator(job.seed, device)
+        if self.batched:
+            rows = Rows(self.model, len(jobs), self.model.max_seq_len, True)
+        else:
+            rows = Rows.concat([Rows(self.model, 1, self._capacity(j), False) for j in jobs])
+        logits = rows.prefill([j.prompt for j in jobs])
+        tokens = row_tokens(logits, [j.sampling for j in jobs], [j.generator for j in jobs])
+        return _State([rows], tokens, list(jobs)), tokens
+
+    def compute(self, state):
+        self._hook(state.jobs)
+        logits = state.rows[0].forward(state.last[:, None])[:, -1]
+        return row_tokens(logits, [j.sampling for j in state.jobs], [j.generator for j in state.jobs])
+
+    def commit(self, state, tokens, batch):
+        state.last = tokens
+        return [job._push([t], None, batch) for job, t in zip(state.jobs, tokens.tolist())]
+
+
+class SpeculativeEngine(_Engine):
+    """Speculative decoding with one ``gamma``: ``gamma`` batched draft passes and one batched target pass per
+    step, acceptance and rewinds per row (:func:`~efftx.generation.speculative.iter_speculative_rows`'s step)."""
+
+    kind = "speculative"
+
+    def __init__(self, target, draft, gamma: int, hook=None):
+        super().__init__(hook)
+        if gamma < 1:
+            raise ValueError(f"gamma must be >= 1, got {gamma}")
+        self.target, self.draft, self.gamma = target, draft, gamma
+        self.batched = splittable(target) and splittable(draft)
+
+    def prefill(self, jobs):
+        self._hook(jobs)
+        device = _device(self.target)
+        limit = min(self.target.max_seq_len, self.draft.max_seq_len)
+        for job in jobs:
+            if not job.prompt:
+                raise ValueError("the prompt is empty")
+            longest = len(job.prompt) + job.max_new
+            if longest + self.gamma > limit:
+                raise ValueError(f"prompt + max_new_tokens ({longest}) + gamma ({self.gamma}) "
+                                 f"exceeds the models' max_seq_len={limit}")
+            job.generator = _generator(job.seed, device)
+        if self.batched:
+            t = Rows(self.target, len(jobs), self.target.max_seq_len, True)
+            d = Rows(self.draft, len(jobs), self.draft.max_seq_len, True)
+        else:
+            caps = [len(j.prompt) + j.max_new + self.gamma + 1 for j in jobs]
+            t = Rows.concat([Rows(self.target, 1, c, False) for c in caps])
+            d = Rows.concat([Rows(self.draft, 1, c, False) for c in caps])
+        prefixes = [j.prompt[:-1] for j in jobs]  # the caches hold every prompt token but the last: "pending"
+        t.prefill(prefixes)
+        d.prefill(prefixes)
+        pending = torch.tensor([j.prompt[-1] for j in jobs], device=device)
+        return _State([t, d], pending, list(jobs)), None
+
+    def compute(self, state):
+        self._hook(state.jobs)
+        t_rows, d_rows = state.rows
+        gamma, jobs = self.gamma, state.jobs
+        samplings, gens = [j.sampling for j in jobs], [j.generator for j in jobs]
+        pending = state.last
+        tokens, q = [], []
+        token = pending
+        for _ in range(gamma):
+            dist = row_probabilities(d_rows.forward(token[:, None])[:, -1], samplings)  # (B, V)
+            token = draw(dist, gens)
+            tokens.append(token)
+            q.append(dist)
+        drafted, q = torch.stack(tokens, 1), torch.stack(q, 1)  # (B, gamma), (B, gamma, V)
+        p = row_probabilities(t_rows.forward(torch.cat([pending[:, None], drafted], 1)), samplings)
+        picked = drafted[..., None]
+        ratios = (p[:, :gamma].gather(-1, picked) / q.gather(-1, picked).clamp_min(1e-30))[..., 0].tolist()
+        drafted_list = drafted.tolist()
+        emitted, accepted, keep = [], [], []
+        for r, job in enumerate(jobs):
+            out, n = verify(p[r], q[r], drafted_list[r], ratios[r], gens[r])
+            out = out[: job.max_new - len(job.out)]
+            emitted.append(out)
+            accepted.append(n)
+            keep.append(min(n, len(out) - 1))  # tokens the caches keep after pending (fewer when cut)
+        t_rows.rewind([gamma - k for k in keep])  # the target saw pending + gamma drafted tokens
+        held = gamma  # the draft saw pending + gamma - 1 drafted; a row that keeps all needs the last one too
+        if gamma in keep:
+            d_rows.forward(drafted[:, -1:])
+            held = gamma + 1
+        d_rows.rewind([held - 1 - k for k in keep])
+        return emitted, accepted, keep
+
+    def commit(self, state, result, batch):
+        if result is None:  # the prefill: counted as a pass of each model when there was a prompt prefix
+            for job in state.jobs:
+                if len(job.prompt) > 1:
+                    job.stats.target_calls += 1
+                    job.stats.draft_calls += 1
+            return [False] * len(state.jobs)
+        emitted, accepted, keep = result
+        finished = []
+        for job, out, n, k in zip(state.jobs, emitted, accepted, keep):
+            st = job.stats
+            st.steps += 1
+            st.accepted.append(n)
+            st.target_calls += 1
+            st.draft_calls += self.gamma + (1 if k == self.gamma else 0)  # as it would alone
+            finished.append(job._push(out, n, batch))
+        state.last = torch.tensor([e[-1] if e else int(t) for e, t in zip(emitted, state.last.tolist())],
+                                  device=state.last.device)
+        return finished
+
+
+# ---------------------------------------------------------------------------------------------- scheduler
+class Scheduler:
+    """Continuous batching over a target (and a draft) for one replica; see the module docstring.
+
+    ``max_rows``: the most rows of one running batch (the rest wait in the queue, in order).
+    ``admit_wait_s``: when nothing is running, the first arrival waits up to this long for others to join it
+    (0: start at once). ``hook(kind, jobs)``: called before every prefill and step with the rows it covers
+    (tests use it to inject faults)."""
+
+    def __init__(self, target, draft=None, *, max_rows: int = 32, admit_wait_s: float = 0.0,
+                 hook: Callable[[str, list[Job]], None] | None = None):
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        self.target, self.draft = target, draft
+        self.max_rows, self.admit_wait_s, self.hook = int(max_rows), float(admit_wait_s), hook
+        self.base = BaseEngine(target, hook)
+        self.spec: dict[int, SpeculativeEngine] = {}
+        self._queue: deque[Job] = deque()
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.steps = 0  # decoding steps run (all batches)
+
+    # -- the outside (any thread)
+    def submit(self, job: Job) -> Job:
+        if job.speculative and self.draft is None:
+            raise ValueError("speculative decoding needs a draft model")
+        job.submitted = time.perf_counter()
+        with self._cv:
+            self._queue.append(job)
+            self._cv.notify()
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """Drop ``job`` at the next step (e.g. its client went away)."""
+        job.cancelled = True
+        with self._cv:
+            self._cv.notify()
+
+    def start(self) -> "Scheduler":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="efftx-continuous-batching", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    @property
+    def running(self) -> int:
+        return len(self.base) + sum(len(e) for e in self.spec.values())
+
+    # -- the decoding thread
+    def _engine(self, job: Job) -> _Engine:
+        if not job.speculative:
+            return self.base
+        if job.gamma not in self.spec:
+            self.spec[job.gamma] = SpeculativeEngine(self.target, self.draft, job.gamma, self.hook)
+        return self.spec[job.gamma]
+
+    def _take(self) -> dict[_Engine, list[Job]]:
+        """The queued jobs that fit in their batches (in arrival order); the others stay queued."""
+        taken: dict[_Engine, list[Job]] = {}
+        with self._cv:
+            waiting: deque[Job] = deque()
+            while self._queue:
+                job = self._queue.popleft()
+                if job.cancelled or job.max_new <= 0:
+                    job._finish()
+                    continue
+                if job.speculative and (job.gamma is None or job.gamma < 1):
+                    job._fail(ValueError(f"gamma must be >= 1, got {job.gamma}"), "speculative decoding")
+                    continue
+                engine = self._engine(job)
+                group = taken.setdefault(engine, [])
+                if len(engine) + len(group) < self.max_rows:
+                    group.append(job)
+                else:
+                    waiting.append(job)
+            self._queue = waiting
+        return {e: jobs for e, jobs in taken.items() if jobs}
+
+    def run_once(self) -> int:
+        """Admit what arrived, then one step of every running batch. Returns the rows still running."""
+        for engine, jobs in self._take().items():
+            self._guarded(engine, engine.admit, jobs)
+        for engine in [self.base, *self.spec.values()]:
+            if len(engine):
+                self._guarded(engine, engine.step)
+                self.steps += 1
+        for gamma in [g for g, e in self.spec.items() if not len(e)]:
+            del self.spec[gamma]
+        return self.running
+
+    @staticmethod
+    def _guarded(engine: _Engine, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - a fault outside the contained passes: fail this batch, go on
+            logger.exception("continuous batching: the %s batch failed outside its rows' passes", engine.kind)
+            for job in (args[0] if args else []):
+                if not job.done:
+                    job._fail(exc, f"{engine.kind} decoding")
+            engine.fail_all(exc)
+
+    def _loop(self) -> None:
+        with torch.no_grad():  # grad mode is per thread
+            while True:
+                with self._cv:
+                    while not self._stop and not self._queue and not self.running:
+                        self._cv.wait()
+                    if self._stop:
+                        return
+                    if not self.running and self.admit_wait_s > 0 and self._queue:
+                        deadline = self._queue[0].submitted + self.admit_wait_s
+                        while not self._stop and len(self._queue) < self.max_rows:
+                            left = deadline - time.perf_counter()
+                            if left <= 0:
+                                break
+                            self._cv.wait(left)
+                try:
+                    self.run_once()
+                except Exception:  # noqa: BLE001 - the loop must outlive anything
+                    logger.exception("continuous batching: a scheduling round failed")
+
+    def drain(self, limit: int = 100000) -> None:
+        """Run rounds on the calling thread until nothing is queued or running (tests; no thread started)."""
+        with torch.no_grad():
+            for _ in range(limit):
+                if not self._queue and not self.running:
+                    return
+                self.run_once()
+        raise RuntimeError("the scheduler did not drain")

@@ -1,0 +1,99 @@
+"""Which device a Serve replica decodes on, and the GPU share it asks Ray for.
+
+The app builder (:func:`efftx.serving.text.build`) takes
+
+* ``num_gpus`` / ``image_num_gpus``: the GPU share of each text / image replica (``ray_actor_options.num_gpus``;
+  fractions such as 0.5 let two replicas share one GPU). 0 (the default) asks for none.
+* ``device``: ``auto`` (the default), ``cpu`` or ``cuda``. ``auto`` is CUDA when the replica was given a GPU
+  share (Ray then lists a GPU id for it) and torch sees a CUDA device, else the CPU; so on CPU-only machines
+  nothing changes. ``cuda`` is checked when the app is built: with no CUDA device in sight (torch sees none here
+  and the connected Ray cluster has no ``GPU`` resource) it is an error naming the argument, not a crash inside
+  a replica; ``cuda`` without a ``num_gpus`` gives each deployment half a GPU (text and image replicas share one).
+
+The models are loaded onto the replica's device (``load_export(path, device)``) and every tensor of a request is
+made there; ``GET /models/info`` names each model's device (``"cpu"``, ``"cuda:0"``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+DEVICES = ("auto", "cpu", "cuda")
+CUDA_DEFAULT_SHARE = 0.5  # num_gpus of each deployment when device=cuda and no share is given
+
+
+def gpu_share(value, name: str) -> float | None:
+    """A ``num_gpus``-like builder argument as a float >= 0 (None when not given)."""
+    if value is None or value == "":
+        return None
+    try:
+        share = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number of GPUs per replica (for example 1 or 0.5), got {value!r}") from None
+    if not share >= 0 or share != share or share == float("inf"):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return share
+
+
+def cuda_in_sight() -> bool:
+    """Whether a CUDA device can serve: torch sees one here, or the connected Ray cluster offers GPUs."""
+    if torch.cuda.is_available():
+        return True
+    try:
+        import ray
+
+        return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
+    except Exception:  # noqa: BLE001 - no cluster to ask: only this machine counts
+        return False
+
+
+def resolve_build_devices(device: str | None, num_gpus, image_num_gpus) -> tuple[str, float | None, float | None]:
+    """Check the builder's ``device`` / ``num_gpus`` / ``image_num_gpus``; return them with the defaults applied
+    (None: leave the deployment's own ``ray_actor_options`` alone)."""
+    device = str(device or "auto").strip().lower()
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {device!r}")
+    text_share, image_share = gpu_share(num_gpus, "num_gpus"), gpu_share(image_num_gpus, "image_num_gpus")
+    if device == "cuda":
+        if not cuda_in_sight():
+            raise ValueError("device=cuda, but there is no CUDA device: torch sees none on this machine and the Ray "
+                             "cluster offers no GPU resources (use device=auto or device=cpu)")
+        for name, share in (("num_gpus", text_share), ("image_num_gpus", image_share)):
+            if share == 0:
+                raise ValueError(f"device=cuda with {name}=0: a replica without a GPU share cannot decode on CUDA")
+        text_share = CUDA_DEFAULT_SHARE if text_share is None else text_share
+        image_share = CUDA_DEFAULT_SHARE if image_share is None else image_share
+    return device, text_share, image_share
+
+
+def replica_device(requested: str = "auto") -> torch.device:
+    """The device this process (a Serve replica) decodes on; see the module docstring."""
+    if requested == "cpu":
+        return torch.device("cpu")
+    if requested == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("device=cuda, but torch sees no CUDA device in this replica (was it given num_gpus?)")
+        return torch.device("cuda", torch.cuda.current_device())
+    if requested != "auto":
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {requested!r}")
+    if _given_a_gpu() and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _given_a_gpu() -> bool:
+    try:
+        import ray
+
+        return ray.is_initialized() and bool(ray.get_gpu_ids())
+    except Exception:  # noqa: BLE001 - outside Ray: no GPU was given
+        return False
+
+
+def with_gpus(deployment, share: float | None):
+    """``deployment`` with ``num_gpus=share`` added to its ``ray_actor_options`` (unchanged for None)."""
+    if share is None:
+        return deployment
+    options = dict(deployment.ray_actor_options or {})
+    options["num_gpus"] = share
+    return deployment.options(ray_actor_options=options)

@@ -1,0 +1,284 @@
+"""Continuous batching at library level (fast, no Ray): :class:`efftx.serving.continuous.Scheduler`.
+
+Requests arrive at different decoding steps, with different prompt and output lengths, seeds, sampling settings,
+modes and ``gamma``; each must get exactly the tokens (and, in speculative decoding, the acceptance and pass
+counts) it gets decoded alone by the library's own entry points (``generate`` / ``speculative_generate``). Also:
+rows leave the moment they are done and stream their tokens step by step, a failing row fails alone (even when
+the failure comes after the batched pass has written the caches), and non-ragged backends fall back to row by
+row.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from efftx import recipes
+from efftx.generation.decode import Rows, generate, splittable
+from efftx.generation.speculative import speculative_generate
+from efftx.models.lm import LM
+from efftx.serving import continuous
+from efftx.serving.continuous import Job, Sampling, Scheduler
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: tests/conftest.py
+
+CONTRACT = {  # small blocks / buckets, so that the short sequences cross several (as tests/test_speculative.py)
+    "sinkhorn": {"attention.sinkhorn.bucket_size": 8, "attention.sinkhorn.n_local_attn_heads": 2},
+    "performer": {"attention.performer.nb_features": 32, "attention.performer.chunk_size": 8},
+    "nsa": {"attention.nsa.compress_block_size": 4, "attention.nsa.compress_stride": 2,
+            "attention.nsa.selection_block_size": 4, "attention.nsa.num_selected_blocks": 2,
+            "attention.nsa.sliding_window_size": 6, "attention.nsa.compress_mlp_mult": 0.5},
+}
+
+
+def lm(seed: int, depth: int = 2, kind: str = "full") -> LM:
+    cfg = recipes.get("lm_debug").override({"model.depth": depth, "attention.kind": kind, **CONTRACT.get(kind, {})})
+    torch.manual_seed(seed)
+    return LM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def pairs():
+    return {}
+
+
+def pair(pairs, kind: str):
+    if kind not in pairs:
+        pairs[kind] = (lm(0, 2, kind), lm(1, 1, kind))
+    return pairs[kind]
+
+
+GREEDY, HOT, NUCLEUS = Sampling(0.0), Sampling(1.0, 20, 1.0), Sampling(0.8, 0, 0.9)
+
+# (arrival round, prompt, max_new_tokens, sampling, seed, gamma or None for base decoding)
+MIXED = [
+    (0, [5, 6, 7], 14, HOT, 1, None),
+    (0, [9] * 12, 20, GREEDY, 2, None),
+    (0, [1, 2], 9, NUCLEUS, 3, 3),
+    (1, [42], 15, HOT, 4, 3),
+    (2, [3, 1, 4, 1, 5], 12, HOT, 5, 2),
+    (2, [8, 8], 6, GREEDY, 6, 3),
+    (4, [7, 7, 7, 7], 25, NUCLEUS, 7, None),
+    (5, [2], 1, HOT, 8, None),
+    (5, [2, 4, 6, 8, 10, 12, 14], 18, HOT, 9, 3),
+    (9, [11, 13], 5, HOT, 10, None),
+]
+
+
+def run_rounds(scheduler: Scheduler, plan, make_job=None) -> list[Job]:
+    """Submit each planned request at its round; run rounds until everything is done."""
+    make_job = make_job or (lambda p: Job(p[1], p[2], p[3], p[4], p[5], tag=p))
+    jobs, r = [], 0
+    last = max(p[0] for p in plan)
+    with torch.no_grad():
+        while r <= last or scheduler.running or scheduler._queue:
+            jobs += [scheduler.submit(make_job(p)) for p in plan if p[0] == r]
+            scheduler.run_once()
+            r += 1
+            assert r < 1000
+    return jobs
+
+
+def solo(target, draft, p):
+    """(tokens, stats or None) of one planned request decoded alone by the library."""
+    _, prompt, n, s, seed, gamma = p[:6]
+    sampling = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "seed": seed}
+    if gamma is None:
+        return generate(target, [prompt], n, **sampling)[0].tolist(), None
+    out, stats = speculative_generate(target, draft, [prompt], n, gamma=gamma, **sampling)
+    return out[0], stats
+
+
+def assert_alone(target, draft, jobs):
+    for job in jobs:
+        assert job.done and job.failure is None, (job.tag, job.failure)
+        tokens, stats = solo(target, draft, job.tag)
+        assert job.out == tokens, job.tag
+        if stats is not None:  # the same acceptance, step for step, and the passes it would take alone
+            assert job.stats.accepted == stats.accepted, job.tag
+            assert job.stats.histogram == stats.histogram
+            assert (job.stats.target_calls, job.stats.draft_calls) == (stats.target_calls, stats.draft_calls)
+
+
+# ---------------------------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("kind", ["full", "performer", "sinkhorn", "nsa"])
+def test_requests_joining_at_different_steps_get_their_solo_output(pairs, kind):
+    target, draft = pair(pairs, kind)
+    scheduler = Scheduler(target, draft, max_rows=8)
+    jobs = run_rounds(scheduler, MIXED)
+    assert_alone(target, draft, jobs)
+    batched = scheduler.base.batched
+    assert batched == (kind in ("full", "performer")) == splittable(target)  # Sinkhorn / NSA: row by row
+    # rows really shared steps: more than one row in a running batch, and fewer steps than rows decoded alone
+    assert max(j.batch_size for j in jobs if j.gamma is None) >= 3
+    assert max(j.batch_size for j in jobs if j.gamma == 3) >= 2
+
+
+def test_rows_leave_at_once_and_stream_their_tokens():
+    target, draft = lm(0), lm(1, 1)
+    scheduler = Scheduler(target, draft)
+    seen: dict[str, list] = {"long": [], "short": [], "spec": []}
+    finished_at: dict[str, int] = {}
+    rounds = [0]
+
+    def job(name, n, gamma=None):
+        return Job([1, 2, 3], n, HOT, 7, gamma, tag=name,
+                   on_step=lambda toks, acc: seen[name].append((rounds[0], list(toks), acc)),
+                   on_done=lambda j: finished_at.setdefault(name, rounds[0]))
+
+    jobs = [scheduler.submit(job("long", 40)), scheduler.submit(job("short", 4)), scheduler.submit(job("spec", 10, 4))]
+    with torch.no_grad():
+        while scheduler.running or scheduler._queue:
+            scheduler.run_once()
+            rounds[0] += 1
+    # round 0 prefills (the first token) and runs a step (the second); the short request's result is handed back
+    # in the round that produced its 4th token, long before the long one is done
+    assert finished_at["short"] == 2 and finished_at["long"] == 38
+    # one step per round, its tokens pushed as produced; base steps carry no acceptance
+    assert [r for r, _, _ in seen["long"]] == [0] + list(range(39)) and all(a is None for *_, a in seen["long"])
+    assert [t for _, toks, _ in seen["long"] for t in toks] == jobs[0].out
+    spec = seen["spec"]
+    assert all(acc is not None and len(toks) <= acc + 1 for _, toks, acc in spec)
+    assert [t for _, toks, _ in spec for t in toks] == jobs[2].out and len(jobs[2].out) == 10
+    assert jobs[1].first_token_s is not None and jobs[1].first_token_s <= jobs[1].latency_s
+    for j in jobs:
+        j.tag = (0, [1, 2, 3], j.max_new, HOT, 7, j.gamma)
+    assert_alone(target, draft, jobs)
+
+
+def test_the_batch_cap_queues_the_rest_in_order():
+    target, draft = lm(0), lm(1, 1)
+    scheduler = Scheduler(target, draft, max_rows=2)
+    plan = [(0, [i + 1, i + 2], 5 + i, HOT, i, None) for i in range(5)]
+    jobs = run_rounds(scheduler, plan)
+    assert max(j.batch_size for j in jobs) == 2
+    assert_alone(target, draft, jobs)
+
+
+def test_the_scheduler_thread_serves_concurrent_submitters():
+    target, draft = lm(0), lm(1, 1)
+    scheduler = Scheduler(target, draft, max_rows=8).start()
+    try:
+        done = []
+        events = []
+
+        def submit(p):
+            ev = threading.Event()
+            events.append(ev)
+            done.append(scheduler.submit(Job(p[1], p[2], p[3], p[4], p[5], tag=p, on_done=lambda j: ev.set())))
+
+        threads = [threading.Thread(target=submit, args=(p,)) for p in MIXED]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(ev.wait(60) for ev in events)
+        assert_alone(target, draft, done)
+    finally:
+        scheduler.close()
+
+
+def test_rows_taken_apart_and_joined_decode_as_before():
+    """Rows.select / Rows.concat (the cache surgery behind joining and leaving) keep each row's own history."""
+    for kind in ("full", "performer"):
+        model = lm(0, 2, kind)
+        prompts = [[5, 6, 7, 8, 9], [42], [1, 2, 3]]
+        a = Rows(model, 2, model.max_seq_len, True)
+        a.prefill(prompts[:2])
+        b = Rows(model, 1, model.max_seq_len, True)
+        b.prefill(prompts[2:])
+        joined = Rows.concat([a, b]).select([2, 0])  # row 1 leaves; the others swap places
+        logits = joined.forward(torch.tensor([[4], [10]]))[:, -1]
+        for row, prompt in zip(logits, ([1, 2, 3, 4], [5, 6, 7, 8, 9, 10])):
+            alone = model(torch.tensor([prompt]))[0, -1]
+            torch.testing.assert_close(row, alone, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- containment
+def test_a_failing_row_fails_alone_and_the_others_keep_their_tokens(monkeypatch):
+    """Three culprits share the running batches with valid rows: a seed the generator refuses (422, at its
+    prefill), a fault raised by the step hook (500), and faults raised *after* the batched forward passes wrote
+    the caches (in the draw of base decoding and in the verification of speculative decoding: the caches are
+    rewound and every generator restored before the rows run alone). The valid rows get exactly their solo
+    output."""
+    target, draft = lm(0), lm(1, 1)
+    culprits: dict[str, Job] = {}
+
+    def hook(kind, jobs):
+        if any(j.tag[0] == "hook" for j in jobs):
+            raise RuntimeError("injected fault")
+
+    real_draw, real_verify = continuous.draw, continuous.verify
+
+    def faulty_draw(probs, gens):
+        late = culprits.get("draw")
+        if late is not None and late.generator in gens and late.steps == 3:
+            raise RuntimeError("late fault in base decoding")
+        return real_draw(probs, gens)
+
+    def faulty_verify(p, q, drafted, ratios, generator):
+        late = culprits.get("verify")
+        if late is not None and generator is late.generator and late.steps == 2:
+            raise RuntimeError("late fault in speculative decoding")
+        return real_verify(p, q, drafted, ratios, generator)
+
+    monkeypatch.setattr(continuous, "draw", faulty_draw)
+    monkeypatch.setattr(continuous, "verify", faulty_verify)
+    scheduler = Scheduler(target, draft, hook=hook)
+    valid = [p for p in MIXED if p[0] <= 5]
+    bad = [(1, [4, 4], 9, HOT, 2**64, None, "seed"), (2, [4, 5], 9, HOT, 1, 3, "hook"),
+           (1, [6, 6, 6], 12, HOT, 11, None, "draw"), (1, [6, 1], 12, HOT, 12, 3, "verify")]
+
+    def make(p):
+        if len(p) == 7:
+            job = Job(p[1], p[2], p[3], p[4], p[5], tag=(p[6],))
+            culprits[p[6]] = job
+            return job
+        return Job(p[1], p[2], p[3], p[4], p[5], tag=p)
+
+    jobs = run_rounds(scheduler, valid + bad, make)
+    by_name = {j.tag[0]: j for j in jobs if len(j.tag) == 1}
+    assert by_name["seed"].failure.status == 422 and "Overflow" in str(by_name["seed"].failure.detail)
+    assert by_name["hook"].failure.status == 500 and "RuntimeError" in str(by_name["hook"].failure.detail)
+    assert by_name["draw"].failure.status == 500 and by_name["draw"].steps == 3
+    assert by_name["verify"].failure.status == 500 and by_name["verify"].steps == 2
+    monkeypatch.setattr(continuous, "draw", real_draw)
+    monkeypatch.setattr(continuous, "verify", real_verify)
+    assert_alone(target, draft, [j for j in jobs if len(j.tag) != 1])
+
+
+def test_requests_the_decoder_refuses_fail_alone():
+    target, draft = lm(0), lm(1, 1)
+    scheduler = Scheduler(target, draft)
+    too_long = Job([1] * 100, target.max_seq_len, HOT, 1, tag="long")
+    spec_too_long = Job([1] * 100, target.max_seq_len - 100, HOT, 1, 5, tag="spec")
+    empty = Job([], 4, HOT, 1, tag="empty")
+    fine = Job([1, 2], 6, HOT, 3, tag=(0, [1, 2], 6, HOT, 3, None))
+    for job in (too_long, spec_too_long, empty, fine):
+        scheduler.submit(job)
+    scheduler.drain()
+    for job in (too_long, spec_too_long, empty):
+        assert job.failure.status == 422, job.tag
+    assert "max_seq_len" in str(too_long.failure.detail) and "gamma" in str(spec_too_long.failure.detail)
+    assert_alone(target, draft, [fine])
+
+
+def test_cancelled_rows_leave_the_batch():
+    target, draft = lm(0), lm(1, 1)
+    scheduler = Scheduler(target, draft)
+    keep = scheduler.submit(Job([1, 2], 12, HOT, 3, tag=(0, [1, 2], 12, HOT, 3, None)))
+    gone = scheduler.submit(Job([3, 4], 30, HOT, 4, 3, tag="gone"))
+    queued = Job([5], 5, HOT, 5, tag="queued")
+    with torch.no_grad():
+        scheduler.run_once()
+        scheduler.run_once()
+        scheduler.cancel(gone)
+        scheduler.submit(queued)
+        scheduler.cancel(queued)
+        scheduler.run_once()
+    assert gone.done and gone.cancelled and len(gone.out) < 30 and queued.done and not queued.out
+    assert not scheduler.spec  # its batch was emptied and dropped
+    scheduler.drain()
+    assert_alone(target, draft, [keep])
