@@ -1,19 +1,24 @@
 """Native Sparse Attention vs full attention: one layer, the selected-block kernel, one training step.
 
-    python bench/nsa.py [--quick] [--cpu-lengths 512 2048 8192 16384] [--gpu-lengths ... 65536] [--no-cpu] [--repeats N]
+    python bench/nsa.py [--quick] [--cpu-lengths 2048 4096 8192 16384 32768] [--gpu-lengths ... 65536]
+                        [--no-cpu] [--repeats N] [--rounds N] [--composed]
 
 One attention layer of the NSA seed (8 query heads, 4 kv heads, head dim 64, compressed blocks of 16,
-selection blocks of 16, 4 selected, window 64; batch 1, causal) against `full` (torch SDPA), side by side:
+selection blocks of 16, 4 selected, window 64; batch 1, causal), with its projections (q, kv, output,
+rotary: the layer the model runs), against the same layer with `full` (torch SDPA), side by side:
 
-1. CPU, float32: forward+backward time and peak memory at each T (NSA's selected branch on its torch
-   reference), and the selected-block attention alone on its reference (the Triton kernel needs CUDA).
+1. CPU, float32: forward+backward time and peak memory at each T (NSA on its chunked CPU autograd.Function,
+   efftx/attention/nsa_cpu.py; ``--composed``: on the branch-by-branch composition, the numbers before it),
+   the goals of issue 17 marked met or not; and the selected-block attention alone on its torch reference
+   (the Triton kernel needs CUDA), up to T = 8192 (it gathers every query's blocks at once).
 2. CUDA only (skipped without a GPU), bfloat16: forward time, forward+backward time and peak memory of
    NSA (Triton selected-block kernel) vs SDPA (flash) up to T = 65536; the kernel vs its torch reference;
    one optimizer step (forward, backward, AdamW) of the nsa_enwik8 recipe vs nsa_full_enwik8.
 
 Every point runs in a fresh subprocess so its peak memory is its own: on CUDA the allocator's peak
 above the inputs, on CPU the peak RSS above the RSS before the first pass. Times are medians of
---repeats passes after one warm-up. A point that fails (e.g. out of memory) prints its error line.
+--repeats passes after one warm-up; with --rounds N (CPU layer table) every point is measured N times,
+interleaved, and the best time and peak are kept. A point that fails (e.g. out of memory) prints its error line.
 """
 
 from __future__ import annotations
@@ -28,24 +33,27 @@ from measure import timed_peak  # bench/measure.py
 RECIPE = "nsa_enwik8"  # the layer's shape and NSA options come from the seed recipe
 
 
-def measure_layer(kind: str, t: int, device: str, repeats: int) -> dict:
-    """One attention layer: forward time, forward+backward time, peak memory of forward+backward."""
+def measure_layer(kind: str, t: int, device: str, repeats: int, composed: bool = False) -> dict:
+    """One attention layer with its projections: forward time, forward+backward time, peak memory of
+    forward+backward."""
     import torch
 
-    from efftx import attention, recipes
+    from attention_scaling import layer_point  # bench/attention_scaling.py
+    from efftx import recipes
     from efftx.attention.base import AttentionSpec
+    from efftx.models.layers import Attention, Rotary
 
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     cfg = recipes.get(RECIPE).override({"attention.kind": kind, "model.max_seq_len": t})
-    backend = attention.build(AttentionSpec.from_config(cfg)).to(device=device, dtype=dtype).train()
-    m = cfg.model
-    q = torch.randn(1, t, m.heads, m.head_dim, device=device, dtype=dtype, requires_grad=True)
-    k, v = (torch.randn(1, t, m.kv_heads, m.head_dim, device=device, dtype=dtype, requires_grad=True) for _ in "kv")
-    x = torch.randn(1, t, m.dim, device=device, dtype=dtype)
-    fwd_bwd, peak = timed_peak(lambda: backend(q, k, v, x=x).float().sum().backward(), device, repeats)
+    result = layer_point(cfg, t, device, repeats, composed)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    spec = AttentionSpec.from_config(cfg)
+    layer = Attention(spec, Rotary(spec.head_dim, t)).to(device=device, dtype=dtype).train()
+    if composed and hasattr(layer.inner, "chunked"):
+        layer.inner.chunked = False
+    x = torch.randn(1, t, spec.dim, device=device, dtype=dtype)
     with torch.no_grad():
-        fwd, _ = timed_peak(lambda: backend(q, k, v, x=x), device, repeats)
-    return {"fwd_s": fwd, "fwd_bwd_s": fwd_bwd, "peak_mb": peak}
+        fwd, _ = timed_peak(lambda: layer(x), device, repeats)
+    return {"fwd_s": fwd, "fwd_bwd_s": result["seconds"], "peak_mb": result["peak_mb"]}
 
 
 def measure_kernel(impl: str, t: int, device: str, repeats: int) -> dict:
@@ -102,9 +110,10 @@ def measure_step(recipe: str, device: str, repeats: int) -> dict:
 MEASURES = {"layer": measure_layer, "kernel": measure_kernel, "step": measure_step}
 
 
-def point(what: str, *args, repeats: int) -> dict:
-    """Run ``MEASURES[what](*args, repeats)`` in a fresh subprocess; {"error": line} if it fails."""
-    proc = subprocess.run([sys.executable, __file__, "--point", json.dumps([what, *args, repeats])],
+def point(what: str, *args, repeats: int, composed: bool = False) -> dict:
+    """Run ``MEASURES[what](*args, repeats[, composed])`` in a fresh subprocess; {"error": line} if it fails."""
+    extra = [composed] if composed else []
+    proc = subprocess.run([sys.executable, __file__, "--point", json.dumps([what, *args, repeats, *extra])],
                           capture_output=True, text=True)
     if proc.returncode != 0:
         lines = proc.stderr.strip().splitlines() or ["no output"]
@@ -125,12 +134,29 @@ def _cell(r: dict, key: str, scale: float = 1e3, fmt: str = "{:.1f}") -> str:
     return fmt.format(r[key] * scale) if key in r else r.get("error", "-")[:24]
 
 
-def layer_table(device: str, lengths: list[int], repeats: int) -> None:
-    rows = [(t, point("layer", "full", t, device, repeats=repeats), point("layer", "nsa", t, device, repeats=repeats))
-            for t in lengths]
-    impl = "Triton selected-block kernel" if device == "cuda" else "torch reference"
+# issue 17, CPU float32: (what, T or None = every T, bound on nsa/full)
+GOALS = [("time", 4096, 1.0, None), ("time", 16384, 1 / 3, None), ("time", 32768, 1 / 5, None),
+         ("memory", None, 2.0, 0)]
+
+
+def layer_table(device: str, lengths: list[int], repeats: int, rounds: int = 1, composed: bool = False) -> None:
+    from attention_scaling import best_of, goal_lines  # bench/attention_scaling.py
+
+    runs: dict[tuple[str, int], list[dict]] = {}
+    for _ in range(rounds):
+        for t in lengths:
+            for kind in ("full", "nsa"):
+                runs.setdefault((kind, t), []).append(point("layer", kind, t, device, repeats=repeats,
+                                                            composed=composed))
+    res = {key: best_of(rs) for key, rs in runs.items()}
+    rows = [(t, res["full", t], res["nsa", t]) for t in lengths]
+    if device == "cuda":
+        impl = "Triton selected-block kernel"
+    else:
+        impl = "branch-by-branch composition (--composed)" if composed else "chunked CPU autograd.Function"
     dtype = "bfloat16" if device == "cuda" else "float32"
-    print(f"\none attention layer, batch 1, 8 heads / 4 kv heads, head dim 64, {dtype}, {device}; nsa = {impl}")
+    print(f"\none attention layer with projections, batch 1, 8 heads / 4 kv heads, head dim 64, {dtype}, {device}; "
+          f"nsa = {impl}; best of {rounds} round(s)")
     print(f"{'T':>7} | {'fwd ms full':>11} {'nsa':>9} {'nsa/full':>8} | {'fwd+bwd ms full':>15} {'nsa':>9} "
           f"{'nsa/full':>8} | {'peak MiB full':>13} {'nsa':>9} {'nsa/full':>8}")
     for t, full, nsa in rows:
@@ -140,6 +166,9 @@ def layer_table(device: str, lengths: list[int], repeats: int) -> None:
     print("speed-up of nsa over full (full / nsa): "
           + ", ".join(f"T={t}: fwd {_ratio(full, nsa, 'fwd_s')}, fwd+bwd {_ratio(full, nsa, 'fwd_bwd_s')}"
                       for t, full, nsa in rows))
+    if device == "cpu":
+        print("goals (issue 17, CPU float32, ratios against full in this run):")
+        print("\n".join(goal_lines(res, "fwd_bwd_s", "peak_mb", [("nsa", *g) for g in GOALS], lengths)))
 
 
 def kernel_table(device: str, lengths: list[int], repeats: int) -> None:
@@ -175,10 +204,12 @@ def step_table(repeats: int) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small lengths, one repeat: a smoke run")
-    p.add_argument("--cpu-lengths", type=int, nargs="+", default=[512, 2048, 8192, 16384])
+    p.add_argument("--cpu-lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
     p.add_argument("--gpu-lengths", type=int, nargs="+", default=[512, 2048, 8192, 16384, 32768, 65536])
     p.add_argument("--no-cpu", action="store_true", help="skip the CPU tables (e.g. on a GPU machine)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=2, help="CPU layer table: measure every point this many times")
+    p.add_argument("--composed", action="store_true", help="CPU: nsa on its branch-by-branch composition")
     p.add_argument("--point", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.point:
@@ -189,10 +220,10 @@ def main() -> None:
     import torch
 
     if args.quick:
-        args.cpu_lengths, args.gpu_lengths, args.repeats = [256, 1024], [1024, 4096], 1
+        args.cpu_lengths, args.gpu_lengths, args.repeats, args.rounds = [256, 1024], [1024, 4096], 1, 1
     if not args.no_cpu:
-        layer_table("cpu", args.cpu_lengths, args.repeats)
-        kernel_table("cpu", args.cpu_lengths, args.repeats)
+        layer_table("cpu", args.cpu_lengths, args.repeats, args.rounds, args.composed)
+        kernel_table("cpu", [t for t in args.cpu_lengths if t <= 8192], args.repeats)
     if torch.cuda.is_available():
         layer_table("cuda", args.gpu_lengths, args.repeats)
         kernel_table("cuda", args.gpu_lengths, args.repeats)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from efftx import attention, recipes
+from efftx.attention import nsa_cpu
 from efftx.attention.base import AttentionSpec
 from efftx.attention.nsa import (NativeSparseAttention, NSACache, complete_blocks, overlap_to_selection,
                                  sliding_window_attention)
@@ -57,13 +58,15 @@ def naive_selection(importance, own, n_sel):
 
 
 def naive_nsa(backend, q, k, v, x):
-    """Every branch with dense masks in float64, the selection by Python sorting; (output, selections)."""
+    """Every branch with dense masks in float64, the selection by Python sorting; (output, selections).
+
+    Differentiable (in q, k, v, x and the backend's parameters) when the inputs need gradients: the
+    selection, as in the backend, is a discrete choice the gradients do not go through."""
     b, t, h, d = q.shape
     hkv = k.shape[2]
     rep = h // hkv
     cb, st, sb, w = backend.block, backend.stride, backend.sel_block, backend.window
-    with torch.no_grad():
-        ck, cv = backend.compress_k(k), backend.compress_v(v)
+    ck, cv = backend.compress_k(k), backend.compress_v(v)
     nc = ck.shape[1]
     pos = torch.arange(t)
     up = lambda z: z.repeat_interleave(rep, dim=2)  # noqa: E731  kv heads -> query heads
@@ -75,7 +78,7 @@ def naive_nsa(backend, q, k, v, x):
     for j in range(nc):
         for s in range(n_blocks):
             overlap[j, s] = len(set(range(j * st, j * st + cb)) & set(range(s * sb, (s + 1) * sb))) / cb
-    importance = (probs.view(b, hkv, rep, t, nc).sum(2) @ overlap).tolist()  # (B, Hkv, T, n_blocks)
+    importance = (probs.detach().view(b, hkv, rep, t, nc).sum(2) @ overlap).tolist()  # (B, Hkv, T, n_blocks)
     chosen = [[[naive_selection(importance[i][g][p], p // sb, backend.n_sel) for g in range(hkv)]
                for p in range(t)] for i in range(b)]
     key_block = torch.arange(t) // sb
@@ -234,6 +237,131 @@ def test_backend_equals_naive_dense_reference(block, stride, sel, n_sel, window)
         idx = backend.select(q, backend.compress_k(k), torch.arange(26), 26)
     assert as_sets(idx) == chosen
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ the chunked CPU path
+
+# (block, stride, sel, n_sel, window, heads, kv_heads, head_dim): the seed's settings (16/16/16, 4 blocks, window
+# 64) with GQA groups of 2 and of 1, overlapping compressed blocks, selection blocks smaller than compressed ones
+CHUNKED_CASES = [(16, 16, 16, 4, 64, 4, 2, 16), (16, 16, 16, 4, 64, 4, 4, 8), (8, 4, 8, 2, 6, 4, 2, 8),
+                 (16, 8, 8, 3, 12, 6, 2, 8)]
+
+
+def chunked(case, chunk=None, dtype=torch.float32):
+    block, stride, sel, n_sel, window, heads, kv_heads, head_dim = case
+    backend = make(heads=heads, kv_heads=kv_heads, head_dim=head_dim, block=block, stride=stride, sel=sel,
+                   n_sel=n_sel, window=window).to(dtype)
+    backend.chunk_size = chunk
+    assert backend.uses_chunked_path(torch.zeros(1))
+    return backend
+
+
+@pytest.fixture
+def small_subchunks(monkeypatch):
+    """Sub-chunks of the selected branch of 3 queries (with B * Hkv = 4), so they end inside chunks."""
+    monkeypatch.setattr(nsa_cpu, "SELECTED_ROWS", 12)
+
+
+# T = 150: the default chunk (64) leaves a partial last chunk; 150 is no multiple of any block size
+@pytest.mark.parametrize("case", CHUNKED_CASES)
+@pytest.mark.parametrize("chunk", [None, 1, 5, 16])
+def test_chunked_path_equals_naive_reference_forward_and_selection(case, chunk, small_subchunks):
+    backend = chunked(case, chunk)
+    t = 150 if chunk in (None, 16) else 45
+    q, k, v, x = inputs(t, heads=case[5], kv_heads=case[6], head_dim=case[7])
+    want, chosen = naive_nsa(backend, q, k, v, x)
+    with torch.no_grad():
+        got = backend(q, k, v, x=x)
+        idx = backend.select(q, backend.compress_k(k), torch.arange(t), t)
+    assert as_sets(idx) == chosen
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    backend64 = chunked(case, chunk, torch.float64)  # float64 throughout: equal to rounding
+    q, k, v, x = (z.double() for z in (q, k, v, x))
+    with torch.no_grad():
+        want, chosen = naive_nsa(backend64, q, k, v, x)
+        got = backend64(q, k, v, x=x)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-11)
+
+
+def grads(backend, q, k, v, x, fn):
+    """(output, gradients of q, k, v, x and every parameter) of ``fn(backend, q, k, v, x)`` under a fixed
+    random output gradient."""
+    backend.zero_grad()
+    q, k, v, x = (z.detach().requires_grad_() for z in (q, k, v, x))
+    out = fn(backend, q, k, v, x)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64).to(out.dtype)
+    (out * weight).sum().backward()
+    named = {"q": q.grad, "k": k.grad, "v": v.grad, "x": x.grad}
+    named.update({n: p.grad.clone() for n, p in backend.named_parameters()})
+    return out, named
+
+
+@pytest.mark.parametrize("case", CHUNKED_CASES)
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_chunked_path_gradients_equal_float64_reference(case, chunk, small_subchunks):
+    t = 150 if chunk is None else 45
+    q, k, v, x = (z.double() for z in inputs(t, heads=case[5], kv_heads=case[6], head_dim=case[7]))
+    backend = chunked(case, chunk, torch.float64).train()
+    want, want_grads = grads(backend, q, k, v, x, lambda bk, *a: naive_nsa(bk, *a[:3], a[3])[0])
+    got, got_grads = grads(backend, q, k, v, x, lambda bk, q, k, v, x: bk(q, k, v, x=x))
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-11)
+    assert set(got_grads) == {"q", "k", "v", "x", "gate.weight", "gate.bias", *(
+        f"compress_{kv}.{p}" for kv in "kv" for p in ("pos", "w1", "b1", "w2", "b2"))}
+    for name, g in want_grads.items():
+        # a bias shared by every compressed key shifts each query's compressed scores equally: no gradient
+        assert name == "compress_k.b2" or g.abs().sum() > 0, name
+        torch.testing.assert_close(got_grads[name], g, rtol=1e-9, atol=1e-10, msg=name)
+    # float32, as trained: the same gradients to float32 rounding
+    backend32 = chunked(case, chunk).train()
+    backend32.load_state_dict(backend.state_dict())
+    got32, got32_grads = grads(backend32, *(z.float() for z in (q, k, v, x)),
+                               lambda bk, q, k, v, x: bk(q, k, v, x=x))
+    torch.testing.assert_close(got32.double(), want, rtol=1e-4, atol=1e-5)
+    for name, g in want_grads.items():
+        torch.testing.assert_close(got32_grads[name].double(), g, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_chunked_path_equals_the_branch_composition_forward_and_backward():
+    """The chunked path against the branch-by-branch path CUDA runs (SDPA + the selected-block reference)."""
+    backend = chunked(CHUNKED_CASES[0]).train()
+    q, k, v, x = inputs(200, heads=4, kv_heads=2, head_dim=16)
+    got, got_grads = grads(backend, q, k, v, x, lambda bk, q, k, v, x: bk(q, k, v, x=x))
+    backend.chunked = False
+    assert not backend.uses_chunked_path(q)
+    want, want_grads = grads(backend, q, k, v, x, lambda bk, q, k, v, x: bk(q, k, v, x=x))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for name, g in want_grads.items():
+        torch.testing.assert_close(got_grads[name], g, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_chunked_path_keeps_only_its_inputs_and_the_selections_for_the_backward():
+    """Nothing of size (T, selected keys, D) or (T, compressed blocks) is saved: the backward recomputes."""
+    t, case = 300, CHUNKED_CASES[0]
+    backend = chunked(case).train()
+    q, k, v, x = (z.requires_grad_() for z in inputs(t, heads=4, kv_heads=2, head_dim=16))
+    out = backend(q, k, v, x=x)
+    node = out.grad_fn
+    assert type(node).__name__ == "_NSAFunctionBackward"
+    saved = node.saved_tensors
+    big = [tuple(z.shape) for z in saved if z.numel() > q.numel()]
+    assert big == [], big
+    sel = [z for z in saved if z.dtype == torch.int32]
+    assert [tuple(z.shape) for z in sel] == [(t, 2, 2, 4)]  # (T, B, Hkv, n_sel) block indices
+    assert sum(z.numel() for z in saved) <= 3 * q.numel() + sel[0].numel() + x.numel()
+
+
+@pytest.mark.parametrize("prefill", [1, 70, 150])
+def test_chunked_path_cached_decoding_equals_full_forward(prefill):
+    backend = chunked(CHUNKED_CASES[0])
+    q, k, v, x = inputs(160, heads=4, kv_heads=2, head_dim=16)
+    with torch.no_grad():
+        full = backend(q, k, v, x=x)
+        cache = backend.new_cache(2, 160, torch.device("cpu"), torch.float32)
+        parts = [backend(q[:, :prefill], k[:, :prefill], v[:, :prefill], cache=cache, x=x[:, :prefill])]
+        for i in range(prefill, 160, 3):  # decode a few tokens at a time
+            j = min(i + 3, 160)
+            parts.append(backend(q[:, i:j], k[:, i:j], v[:, i:j], cache=cache, x=x[:, i:j]))
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-5, atol=1e-5)
 
 
 def test_early_queries_get_nothing_from_the_compressed_branch():

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from efftx.attention import performer
 from efftx.attention.base import AttentionSpec, recomputing
 from efftx.attention.performer import PerformerAttention, PerformerCache, feature_map
 from efftx.config import PerformerOptions
@@ -237,3 +238,85 @@ def test_gqa_equals_repeated_kv_heads(causal):
     repeated = make(heads=4, kv_heads=4, causal=causal)(q, k.repeat_interleave(2, dim=2),
                                                          v.repeat_interleave(2, dim=2))
     torch.testing.assert_close(grouped, repeated, rtol=1e-5, atol=1e-6)
+
+
+# --- the chunked CPU autograd.Function -----------------------------------------------------------
+
+
+def favor_grads(fn, q, k, v, seed=5):
+    """Output and (dq, dk, dv) of ``fn(q, k, v)`` under a fixed random output gradient (drawn in float64)."""
+    q, k, v = (z.detach().requires_grad_() for z in (q, k, v))
+    out = fn(q, k, v)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    (out * weight.to(out.dtype)).sum().backward()
+    return out, (q.grad, k.grad, v.grad)
+
+
+@pytest.mark.parametrize("segment_budget", [None, 1, 768])  # default: one segment; 1: a chunk per segment
+@pytest.mark.parametrize("chunk_size", [1, 3, 4, 5, 13, 64])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (4, 4)])
+def test_chunked_function_equals_naive_reference_forward_and_gradients(chunk_size, heads, kv_heads, segment_budget,
+                                                                       monkeypatch):
+    """T = 13 is no multiple of the chunk (nor, with a budget of 768 = segments of 2 chunks at chunk 3, of the
+    segment); float64 throughout, so equal to rounding."""
+    if segment_budget is not None:
+        monkeypatch.setattr(performer, "SEGMENT_BUDGET", segment_budget)
+    backend = make(heads=heads, kv_heads=kv_heads, chunk_size=chunk_size).train()
+    assert backend.uses_chunked_path(torch.zeros(1))
+    q, k, v = qkv(t=13, h=heads, hkv=kv_heads, dtype=torch.float64)
+    got, got_grads = favor_grads(lambda *a: backend(*a), q, k, v)
+    want, want_grads = favor_grads(lambda *a: naive_favor(*a, backend.projection), q, k, v)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+    for name, g, w in zip("qkv", got_grads, want_grads):
+        assert w.abs().sum() > 0
+        torch.testing.assert_close(g, w, rtol=1e-8, atol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize("segment_budget", [None, 1])
+def test_chunked_function_float32_at_bench_settings_equals_float64_reference(segment_budget, monkeypatch):
+    """256 features, chunks of 128 (the bench's settings), T = 300: three chunks, the last partial; by default
+    in segments of two chunks (the second segment partial), with a budget of 1 one chunk per segment."""
+    if segment_budget is not None:
+        monkeypatch.setattr(performer, "SEGMENT_BUDGET", segment_budget)
+    backend = make(heads=4, kv_heads=2, head_dim=16, nb_features=256, chunk_size=128).train()
+    q, k, v = qkv(b=2, t=300, h=4, hkv=2, d=16, scale=0.7)
+    assert performer.segment_length(2, 4, 256, 128) == (256 if segment_budget is None else 128)
+    got, got_grads = favor_grads(lambda *a: backend(*a), q, k, v)
+    want, want_grads = favor_grads(lambda *a: naive_favor(*a, backend.projection), *(z.double() for z in (q, k, v)))
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+    for name, g, w in zip("qkv", got_grads, want_grads):
+        torch.testing.assert_close(g.double(), w, rtol=1e-3, atol=1e-4, msg=name)
+
+
+def test_chunked_function_equals_the_autograd_composition_with_clamped_keys():
+    """Keys whose feature exponent hits KEY_EXP_MAX pass no gradient through it, as with autograd's clamp."""
+    backend = make(heads=1, kv_heads=1, head_dim=256, nb_features=32, chunk_size=4).train()
+    w = backend.projection
+    k = torch.randn(1, 10, 1, 256, dtype=torch.float64)
+    k[:, 3] = w[w.norm(dim=1).argmax()].double() * 256 ** 0.25  # the worst key: a clamped exponent
+    q, v = torch.randn(1, 10, 1, 256, dtype=torch.float64), torch.randn(1, 10, 1, 256, dtype=torch.float64)
+    assert (feature_map(k, w.double(), is_query=False) * math.sqrt(32)).max() == pytest.approx(math.exp(50))
+    got, got_grads = favor_grads(lambda *a: backend(*a), q, k, v)
+    backend.chunked = False
+    assert not backend.uses_chunked_path(q)
+    want, want_grads = favor_grads(lambda *a: backend(*a), q, k, v)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+    for g, wg in zip(got_grads, want_grads):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, wg, rtol=1e-8, atol=1e-10)
+
+
+def test_chunked_function_saves_only_its_inputs_and_segment_states(monkeypatch):
+    """No feature of any token is kept for the backward: it recomputes them from q and k and the state entering
+    each segment."""
+    monkeypatch.setattr(performer, "SEGMENT_BUDGET", 2 * 4 * 64 * 8)  # segments of 8 tokens (2 chunks)
+    backend = make(nb_features=64, chunk_size=4).train()
+    q, k, v = (z.requires_grad_() for z in qkv(t=40))
+    out = backend(q, k, v)
+    node = out.grad_fn
+    assert type(node).__name__ == "_CausalFavorBackward"
+    segments = 40 // performer.segment_length(2, 4, 64, 4)
+    assert segments == 5
+    assert sorted(tuple(z.shape) for z in node.saved_tensors) == sorted(
+        [tuple(q.shape), tuple(k.shape), tuple(v.shape), tuple(backend.projection.shape), (segments, 2, 2, 64, 9)])

@@ -30,6 +30,16 @@ the normed hidden state ``x`` (a ``Linear(dim, 3 * heads)``; the backend must be
   included), computed chunk by chunk (queries in chunks of ``c <= w``, each against its ``c + w``
   neighbouring keys), so memory is O(T * w), never T x T.
 
+Where it runs: on CPU tensors (``impl`` auto or reference) all three branches, the selection and the gating
+run in one chunked ``torch.autograd.Function``, :func:`efftx.attention.nsa_cpu.nsa_attention`: queries in
+chunks, the compressed scores computed once for both the compressed output and the selection, each
+chunk's selected blocks gathered once per GQA group, nothing of size (T, selected keys, D) kept, the
+backward recomputing scores from the inputs and the saved block indices. Elsewhere (CUDA, or
+``impl=triton``) the branches are composed one by one as described above (SDPA, the selection in
+:meth:`NativeSparseAttention.select`, :func:`efftx.kernels.selected_attention`), and so on CPU with
+``backend.chunked = False``. Both compute the same function (tests/test_nsa.py holds both to a float64
+reference, forward and gradients).
+
 Rotary positions are applied to q and k by the outer attention module, so the compressed branch
 compresses rotated keys and scores them with rotated queries. Attention dropout does not apply.
 
@@ -54,6 +64,7 @@ from torch import nn
 from efftx.attention import register
 from efftx.attention.base import AttentionBackend, AttentionSpec
 from efftx.attention.cache import KVCache
+from efftx.attention.nsa_cpu import nsa_attention
 from efftx.config import NSAOptions
 from efftx.errors import ConfigError
 
@@ -236,6 +247,14 @@ class NativeSparseAttention(AttentionBackend):
         args = (spec.kv_heads, spec.head_dim, self.block, self.stride, opts.compress_mlp_mult)
         self.compress_k, self.compress_v = BlockCompressor(*args), BlockCompressor(*args)
         self.gate = nn.Linear(spec.dim, 3 * spec.heads)  # per head: compressed, selected, window
+        # CPU: all three branches in one chunked autograd.Function (nsa_cpu.py); False = the branch-by-branch
+        # composition below (SDPA + selected_attention reference), which CUDA always uses.
+        self.chunked = True
+        self.chunk_size: int | None = None  # queries per chunk of the chunked path (None: its default)
+
+    def uses_chunked_path(self, q: torch.Tensor) -> bool:
+        """True where the forward runs :func:`efftx.attention.nsa_cpu.nsa_attention` (CPU tensors, not Triton)."""
+        return self.chunked and q.device.type == "cpu" and self.impl != "triton"
 
     def new_cache(self, batch_size, max_len, device, dtype) -> NSACache:
         s = self.spec
@@ -303,10 +322,15 @@ class NativeSparseAttention(AttentionBackend):
         else:
             ck, cv = self.compress_k(k), self.compress_v(v)  # (B, Nc, Hkv, D)
         tk = k.shape[1]
+        g = torch.sigmoid(self.gate(x)).view(b, tq, h, 3)
+        if self.uses_chunked_path(q):
+            return nsa_attention(q, k, v, ck, cv, g.to(q.dtype), block=self.block, stride=self.stride,
+                                 sel_block=self.sel_block, n_sel=self.n_sel, window=self.window, scale=self.scale,
+                                 chunk=self.chunk_size)
         pos = torch.arange(tk - tq, tk, device=q.device)  # absolute positions of the queries
         out_cmp = self.compressed(q, ck, cv, tk - tq)
         idx = self.select(q, ck, pos, tk)
         out_sel = self._selected_attention(q, k, v, idx, self.sel_block, scale=self.scale, impl=self.impl)
         out_win = sliding_window_attention(q, k, v, self.window, self.scale)
-        g = torch.sigmoid(self.gate(x)).view(b, tq, h, 3, 1).to(q.dtype)
+        g = g.unsqueeze(-1).to(q.dtype)
         return g[:, :, :, 0] * out_cmp + g[:, :, :, 1] * out_sel + g[:, :, :, 2] * out_win  # (B, T, H, D)

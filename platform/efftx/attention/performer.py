@@ -31,6 +31,12 @@ passes; the pass numbered n (from 0) uses draw ``n // feature_redraw_interval`` 
 redraw). The redraw happens at the start of a pass, so a reversible/checkpointed recompute
 (:func:`efftx.attention.base.recomputing`) sees the same features and does not count.
 
+Training/prefill on CPU (causal, no cache): :func:`chunked_causal_favor`, one autograd.Function computing
+the same sums from raw q, k, v chunk by chunk (chunks batched in segments), which saves only its inputs and
+the state entering each segment and recomputes every feature in the backward; the composition above
+(autograd through ``feature_map`` and ``causal_linear_attention``, which keeps every token's features and
+every chunk's intra-chunk products) runs elsewhere, for caches, and with ``backend.chunked = False``.
+
 Decoding: :class:`PerformerCache` carries S (B, Hkv, m, D) and z (B, Hkv, m), so a new token
 costs O(m·D) whatever the prompt length. It also keeps each token's phi(k) and v, used only
 by ``rewind(n)``, which recomputes S and z from the first ``length - n`` of them.
@@ -136,6 +142,191 @@ def causal_linear_attention(qf: torch.Tensor, kf: torch.Tensor, v: torch.Tensor,
     return out, s_incl[:, -1], z_incl[:, -1]
 
 
+def _features(x: torch.Tensor, w: torch.Tensor, is_query: bool):
+    """:func:`feature_map` of (..., D) rows in few passes; returns (phi, x̂) and, for keys, the mask of
+    exponents clamped at ``KEY_EXP_MAX`` (for the backward).
+
+    Queries: the row maximum is subtracted, so the row constant -|x̂|²/2 cancels and is left out; keys: the
+    1/sqrt(m) factor goes into the exponent (clamped at ``KEY_EXP_MAX`` - log sqrt(m), the same bound)."""
+    log_norm = 0.5 * math.log(w.shape[0])
+    xh = x * x.shape[-1] ** -0.25
+    logits = xh @ w.T  # (..., m)
+    if is_query:
+        logits -= logits.amax(-1, keepdim=True) + log_norm
+        return logits.exp_(), xh, None
+    logits -= (xh * xh).sum(-1, keepdim=True) / 2 + log_norm
+    bound = KEY_EXP_MAX - log_norm
+    clamped = logits > bound
+    return logits.clamp_(max=bound).exp_(), xh, clamped
+
+
+def _features_backward(dphi: torch.Tensor, phi: torch.Tensor, xh: torch.Tensor, w: torch.Tensor,
+                       clamped: torch.Tensor | None) -> torch.Tensor:
+    """Gradient of x from that of phi = exp(W x̂ - |x̂|²/2 [- max]) / sqrt(m), x̂ = x D^-0.25 (the query's
+    maximum is a constant, as in :func:`feature_map`; clamped key exponents pass no gradient)."""
+    dlogits = dphi.mul_(phi)
+    if clamped is not None and bool(clamped.any()):
+        dlogits.masked_fill_(clamped, 0.0)
+    return (dlogits @ w - xh * dlogits.sum(-1, keepdim=True)).mul_(xh.shape[-1] ** -0.25)
+
+
+SEGMENT_BUDGET = 1 << 19  # elements of a segment's (B, H, tokens, m) query features, at most
+
+
+def segment_length(batch: int, heads: int, nb_features: int, chunk: int) -> int:
+    """Tokens per segment of :func:`chunked_causal_favor`: whole chunks, as many as keep the segment's query
+    features within ``SEGMENT_BUDGET`` elements (at least one chunk)."""
+    return chunk * max(1, SEGMENT_BUDGET // (batch * heads * nb_features * chunk))
+
+
+class _CausalFavor(torch.autograd.Function):
+    """Causal FAVOR+ from raw q (B, T, H, D), k, v (B, T, Hkv, D) and the projection W (m, D).
+
+    Tokens go in chunks of ``c`` (the chunk size of :func:`causal_linear_attention`, same sums), and chunks in
+    segments of several chunks processed as one batch (few, large operations); the state carries from one
+    segment to the next. Per kv head the group's query heads are stacked as rows, and values carry an extra
+    column of ones, so one state ``S = Σ phi(k) [v, 1]`` (m, D + 1) and one product give both the numerator
+    and the denominator. The forward saves its inputs and the state entering each segment
+    ((T / segment) x m x (D + 1) per kv head), never a token's features; the backward walks the segments
+    backwards with the running gradient of the state, recomputing each segment's features, its chunks'
+    states (from the segment's entering state) and its intra-chunk products from q, k and v.
+    """
+
+    @staticmethod
+    def _segment(q, k, v, w, a, e, chunk):
+        """Chunk-batched pieces of tokens [a, e), padded to whole chunks: query features qf and x̂
+        (B, Hkv, n, R * c, m / D), key features kf and x̂ (B, Hkv, n, c, m / D), the keys' clamp mask,
+        v_aug (B, Hkv, n, c, D + 1) (padded tokens: zero features, zero values, zero ones column)."""
+        b, _, h, d = q.shape
+        hkv = k.shape[2]
+        r = h // hkv
+        length = e - a
+        n = -(-length // chunk)
+        pad = n * chunk - length
+        qs = F.pad(q[:, a:e], (0, 0, 0, 0, 0, pad)).view(b, n, chunk, hkv, r, d)
+        qs = qs.permute(0, 3, 1, 4, 2, 5).reshape(b, hkv, n, r * chunk, d)
+        qf, qh, _ = _features(qs, w, is_query=True)
+        ks = F.pad(k[:, a:e], (0, 0, 0, 0, 0, pad)).view(b, n, chunk, hkv, d).permute(0, 3, 1, 2, 4)
+        kf, kh, clamped = _features(ks, w, is_query=False)
+        vs = v[:, a:e].transpose(1, 2)
+        v_aug = vs.new_zeros(b, hkv, n * chunk, d + 1)
+        v_aug[:, :, :length, :d] = vs
+        v_aug[:, :, :length, d] = 1
+        v_aug = v_aug.view(b, hkv, n, chunk, d + 1)
+        if pad:
+            kf.view(b, hkv, n * chunk, -1)[:, :, length:] = 0
+        return qf, qh, kf, kh, clamped, v_aug
+
+    @staticmethod
+    def _segments(t: int, chunk: int, seg: int):
+        return [(a, min(a + seg, t)) for a in range(0, t, seg)]
+
+    @staticmethod
+    def _states_before(kv: torch.Tensor, s0: torch.Tensor) -> torch.Tensor:
+        """The state entering each chunk of a segment: s0 + the exclusive prefix sum of its chunks' kv."""
+        out = torch.empty_like(kv)
+        out[:, :, 0] = s0
+        if kv.shape[2] > 1:
+            torch.add(kv[:, :, :-1].cumsum(2), s0[:, :, None], out=out[:, :, 1:])
+        return out
+
+    @staticmethod
+    def _unrows(x: torch.Tensor, b: int, h: int, r: int, chunk: int, length: int) -> torch.Tensor:
+        """(B, Hkv, n, R * c, D) -> (B, length, H, D)."""
+        n, d = x.shape[2], x.shape[-1]
+        x = x.view(b, -1, n, r, chunk, d).permute(0, 2, 4, 1, 3, 5).reshape(b, n * chunk, h, d)
+        return x[:, :length]
+
+    @staticmethod
+    def forward(ctx, q, k, v, w, chunk: int, seg: int):
+        b, t, h, d = q.shape
+        hkv = k.shape[2]
+        r = h // hkv
+        out = q.new_empty(q.shape)
+        segments = _CausalFavor._segments(t, chunk, seg)
+        entering = q.new_empty(len(segments), b, hkv, w.shape[0], d + 1)  # the state entering each segment
+        state = q.new_zeros(b, hkv, w.shape[0], d + 1)
+        for i, (a, e) in enumerate(segments):
+            entering[i] = state
+            qf, _, kf, _, _, v_aug = _CausalFavor._segment(q, k, v, w, a, e, chunk)
+            n = qf.shape[2]
+            kv = kf.transpose(-1, -2) @ v_aug  # (B, Hkv, n, m, D + 1)
+            before = _CausalFavor._states_before(kv, state)
+            att = (qf @ kf.transpose(-1, -2)).view(b, hkv, n, r, chunk, chunk).tril_().view(b, hkv, n, r * chunk, chunk)
+            num = (att @ v_aug).add_(qf @ before)  # (B, Hkv, n, R * c, D + 1)
+            o = num[..., :d] / num[..., d:].clamp_min(EPS)
+            out[:, a:e] = _CausalFavor._unrows(o, b, h, r, chunk, e - a)
+            state = before[:, :, -1] + kv[:, :, -1]
+        ctx.save_for_backward(q, k, v, w, entering)
+        ctx.chunk, ctx.seg = chunk, seg
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, w, entering = ctx.saved_tensors
+        chunk, seg = ctx.chunk, ctx.seg
+        b, t, h, d = q.shape
+        hkv = k.shape[2]
+        r = h // hkv
+        m = w.shape[0]
+        segments = _CausalFavor._segments(t, chunk, seg)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dstate = q.new_zeros(b, hkv, m, d + 1)  # gradient of the state leaving the current segment
+        for i in reversed(range(len(segments))):
+            a, e = segments[i]
+            length = e - a
+            qf, qh, kf, kh, clamped, v_aug = _CausalFavor._segment(q, k, v, w, a, e, chunk)
+            n = qf.shape[2]
+            kv = kf.transpose(-1, -2) @ v_aug
+            before = _CausalFavor._states_before(kv, entering[i])
+            del kv
+            att = (qf @ kf.transpose(-1, -2)).view(b, hkv, n, r, chunk, chunk).tril_().view(b, hkv, n, r * chunk, chunk)
+            num = (att @ v_aug).add_(qf @ before)  # (B, Hkv, n, R * c, D + 1)
+            den = num[..., d:]
+            den_c = den.clamp_min(EPS)
+            go = F.pad(grad_out[:, a:e], (0, 0, 0, 0, 0, n * chunk - length)).view(b, n, chunk, hkv, r, d)
+            go = go.permute(0, 3, 1, 4, 2, 5).reshape(b, hkv, n, r * chunk, d)
+            dnum = torch.empty_like(num)
+            torch.div(go, den_c, out=dnum[..., :d])
+            # d out / d den = -out / den with out = num / den_c; no gradient where the floor EPS applies
+            torch.mul((dnum[..., :d] * num[..., :d]).sum(-1, keepdim=True), (den >= EPS) / -den_c, out=dnum[..., d:])
+            del num, den, den_c, go
+            datt = (dnum @ v_aug.transpose(-1, -2)).view(b, hkv, n, r, chunk, chunk).tril_()
+            datt = datt.view(b, hkv, n, r * chunk, chunk)
+            dqf = (datt @ kf).add_(dnum @ before.transpose(-1, -2))  # (B, Hkv, n, R * c, m)
+            dbefore = qf.transpose(-1, -2) @ dnum  # (B, Hkv, n, m, D + 1)
+            # gradient reaching chunk j's keys through the state: every later chunk's, and the later segments'
+            after = torch.empty_like(dbefore)
+            after[:, :, -1] = dstate
+            if n > 1:
+                torch.add(dbefore[:, :, 1:].flip(2).cumsum(2).flip(2), dstate[:, :, None], out=after[:, :, :-1])
+            dstate = after[:, :, 0] + dbefore[:, :, 0]
+            del dbefore
+            dkf = (datt.transpose(-1, -2) @ qf).add_(v_aug @ after.transpose(-1, -2))  # (B, Hkv, n, c, m)
+            dv_aug = (att.transpose(-1, -2) @ dnum).add_(kf @ after)  # (B, Hkv, n, c, D + 1)
+            del datt, att, after
+            dqs = _features_backward(dqf, qf, qh, w, None)  # (B, Hkv, n, R * c, D)
+            dq[:, a:e] = _CausalFavor._unrows(dqs, b, h, r, chunk, length)
+            dks = _features_backward(dkf, kf, kh, w, clamped).reshape(b, hkv, n * chunk, d)
+            dk[:, a:e] = dks[:, :, :length].transpose(1, 2)
+            dv[:, a:e] = dv_aug.view(b, hkv, n * chunk, d + 1)[:, :, :length, :d].transpose(1, 2)
+        return dq, dk, dv, None, None, None
+
+
+def chunked_causal_favor(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, projection: torch.Tensor,
+                         chunk_size: int) -> torch.Tensor:
+    """Causal FAVOR+ attention of q (B, T, H, D) over k, v (B, T, Hkv, D) with features ``projection`` (m, D),
+    as :func:`feature_map` + :func:`causal_linear_attention`, in a memory-lean autograd.Function (q, k and v
+    are differentiable; the projection is a fixed draw). Computed in q's dtype (at least float32)."""
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    q, k, v, w = (z.to(dtype) for z in (q, k, v, projection))
+    b, t, h, _ = q.shape
+    chunk = max(1, min(chunk_size, t))
+    seg = segment_length(b, h, w.shape[0], chunk)
+    with torch.autocast(q.device.type, enabled=False):
+        return _CausalFavor.apply(q, k, v, w, chunk, seg)
+
+
 def global_linear_attention(qf: torch.Tensor, kf: torch.Tensor, v: torch.Tensor,
                             s0: torch.Tensor | None = None, z0: torch.Tensor | None = None):
     """Non-causal FAVOR+: every query sees every key (and the cached ones). Shapes as above."""
@@ -213,7 +404,14 @@ class PerformerAttention(AttentionBackend):
             raise ConfigError(f"heads={spec.heads} is not a multiple of kv_heads={spec.kv_heads}")
         self.register_buffer("projection", self.draw(0))  # (m, D)
         self.register_buffer("calls", torch.zeros((), dtype=torch.long))  # training forward passes
+        # CPU: causal training/prefill runs the memory-lean autograd.Function (chunked_causal_favor); False =
+        # the autograd composition (feature_map + causal_linear_attention), which CUDA always uses.
+        self.chunked = True
         self._calls = 0  # host mirror of ``calls``: reading a GPU buffer every pass would sync
+
+    def uses_chunked_path(self, q: torch.Tensor) -> bool:
+        """True where a causal forward without a cache runs :func:`chunked_causal_favor` (CPU tensors)."""
+        return self.chunked and q.device.type == "cpu"
 
     def draw(self, redraw: int) -> torch.Tensor:
         """The features of redraw number ``redraw`` (0 = the initial draw), float32 on the CPU."""
@@ -241,6 +439,8 @@ class PerformerAttention(AttentionBackend):
         b, t, h, d = q.shape
         hkv = k.shape[2]
         dtype = torch.promote_types(q.dtype, torch.float32)
+        if cache is None and self.spec.causal and self.uses_chunked_path(q):
+            return chunked_causal_favor(q, k, v, self.projection, self.chunk_size).to(q.dtype)
         with torch.autocast(q.device.type, enabled=False):
             w = self.projection.to(dtype)
             qf = feature_map(q.to(dtype), w, is_query=True)  # (B, T, H, m)

@@ -1,0 +1,327 @@
+"""Chunked NSA attention for CPUs: the three branches of :mod:`efftx.attention.nsa` in one pass over query chunks.
+
+:func:`nsa_attention` takes the queries, keys, values, compressed keys/values and the three per-head gates and
+returns ``g_cmp * compressed + g_sel * selected + g_win * window``, exactly the composition the NSA backend
+defines (block selection included), but computed chunk by chunk inside one ``torch.autograd.Function``:
+
+* Queries go in chunks of ``chunk`` positions. For a chunk, the **compressed** branch is one dense block of
+  attention over the compressed keys its last query can see (per GQA group, all the group's heads stacked as
+  rows of one matrix product); only the columns of the blocks that complete inside the chunk need a causal
+  mask. The chunk's softmax probabilities are also the block importances: summed over the group's heads and
+  mapped onto selection blocks they give each query's top ``n_sel`` past blocks right there, so the
+  compressed scores are computed once, not again for the selection.
+* The **selected** branch gathers each query's selected key/value blocks once per GQA group
+  (``index_select`` of whole blocks from a kv-head-major copy of the keys, in sub-chunks of
+  ``SELECTED_ROWS`` (query, kv head) pairs so the gathered blocks stay in cache) and attends with batched
+  (heads of the group x selected keys) products. Keys after the query (in its own block) are masked.
+* The **window** branch is a dense block of the chunk's queries against the ``chunk + window - 1`` keys
+  they can reach, band-masked.
+
+Nothing of size (T, selected keys, D) or (T, compressed blocks) is ever held for the whole sequence: the
+forward keeps the output and the selections (T x Hkv x n_sel block indices) and nothing else (and a
+kv-head-major copy of k and v while it runs). The backward
+walks the chunks again and recomputes every score and probability from the inputs (the saved selections
+make it skip the top-k), then uses ``rowsum(P * dP)`` for both the softmax backward and the gates' gradients,
+so no branch output is stored either. The gates scale small (rows x D) operands, never a score matrix.
+
+Arithmetic is in the input dtype (float32 or float64; half precision is computed in float32); softmax in
+that dtype. The selection ranks importances in float64 with the same tie-break (most recent block) as
+:meth:`efftx.attention.nsa.NativeSparseAttention.select`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+TIE_BREAK = 1e-12  # per block index, added in float64: exact importance ties go to the most recent block
+DEFAULT_CHUNK = 64  # queries per chunk (compressed and window branches)
+SCORE_BUDGET = 1 << 21  # elements of one chunk's (B, H, chunk, compressed blocks) score matrix, at most
+SELECTED_ROWS = 64  # (query, kv head) pairs per sub-chunk of the selected branch: its gathered keys stay in cache
+
+
+def _visible(pos: torch.Tensor | int, block: int, stride: int):
+    """How many compressed blocks ``[j * stride, j * stride + block)`` end at or before position ``pos``."""
+    if isinstance(pos, int):
+        return 0 if pos < block - 1 else (pos - block + 1) // stride + 1
+    return ((pos - block + 1).div(stride, rounding_mode="floor") + 1).clamp(min=0)
+
+
+def _to_selection(imp: torch.Tensor, block: int, stride: int, sel_block: int, n_blocks: int) -> torch.Tensor:
+    """(..., nv) compressed-block importances -> (..., n_blocks) selection-block importances (by token overlap)."""
+    nv = imp.shape[-1]
+    if block == stride == sel_block:  # the identity; blocks no compressed block covers yet score 0
+        return imp[..., :n_blocks] if nv >= n_blocks else F.pad(imp, (0, n_blocks - nv))
+    from efftx.attention.nsa import overlap_to_selection
+
+    return overlap_to_selection(imp, block, stride, sel_block, n_blocks)
+
+
+class _Layout:
+    """Shapes, options and the layouts shared by the forward and the backward of one call.
+
+    Two per-chunk layouts of query-side tensors (queries, gates, output gradients):
+
+    * *rows* (B, Hkv, G * c, X): a GQA group's heads stacked as the rows of one matrix, for the dense blocks
+      of the compressed and window branches;
+    * *per query* (c * B * Hkv, G, X): one batch entry per (query, kv head), for the selected branch (a view
+      of the (B, c, H, X) tensor when B = 1; consecutive queries are contiguous, so sub-chunks are slices).
+    """
+
+    def __init__(self, q, k, ck, block, stride, sel_block, n_sel, window, scale, start, chunk):
+        self.b, self.tq, self.h, self.d = q.shape
+        self.tk, self.hkv = k.shape[1], k.shape[2]
+        self.g = self.h // self.hkv
+        self.bh = self.b * self.hkv
+        self.nc = ck.shape[1]
+        self.block, self.stride, self.sel_block, self.n_sel, self.window = block, stride, sel_block, n_sel, window
+        self.slots = n_sel + 1
+        self.scale, self.start = scale, start
+        if chunk is None:
+            chunk = DEFAULT_CHUNK
+            while chunk > 16 and self.b * self.h * chunk * max(self.nc, 1) > SCORE_BUDGET:
+                chunk //= 2
+        self.chunk = max(1, min(chunk, self.tq))
+        self.sub = max(1, SELECTED_ROWS // self.bh)
+        self.nblk = -(-self.tk // sel_block)
+        self.device = q.device
+
+    def chunks(self):
+        for a in range(0, self.tq, self.chunk):
+            yield a, min(a + self.chunk, self.tq)
+
+    def heads_major(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, Tk, Hkv, D) -> (B, Hkv, nblk * sel_block, D), zero-padded to whole selection blocks."""
+        out = t.new_empty(self.b, self.hkv, self.nblk * self.sel_block, self.d)
+        out[:, :, :self.tk] = t.transpose(1, 2)
+        out[:, :, self.tk:] = 0
+        return out
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, c, H, X) -> (B, Hkv, G * c, X)."""
+        b, c, _, x = t.shape
+        return t.view(b, c, self.hkv, self.g, x).permute(0, 2, 3, 1, 4).reshape(b, self.hkv, self.g * c, x)
+
+    def unrows(self, t: torch.Tensor, c: int) -> torch.Tensor:
+        """Inverse of :meth:`rows` as a view: (B, Hkv, G * c, X) -> (B, c, Hkv, G, X)."""
+        return t.view(self.b, self.hkv, self.g, c, -1).permute(0, 3, 1, 2, 4)
+
+    def per_query(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, c, H, X) -> (c * B * Hkv, G, X)."""
+        b, c, _, x = t.shape
+        return t.transpose(0, 1).reshape(c * self.bh, self.g, x)
+
+    def unper_query(self, t: torch.Tensor, c: int) -> torch.Tensor:
+        """Inverse of :meth:`per_query` as a view: -> (B, c, Hkv, G, X)."""
+        return t.view(c, self.b, self.hkv, self.g, -1).transpose(0, 1)
+
+    # ------------------------------------------------------------------ masks and selections
+    def cmp_mask(self, pos: torch.Tensor, first: int, nv: int) -> torch.Tensor:
+        """(c, nv - first) True = compressed block ``first + j`` not yet complete for the query at ``pos``."""
+        cols = torch.arange(first, nv, device=self.device)
+        return cols[None, :] >= _visible(pos, self.block, self.stride)[:, None]
+
+    def window_mask(self, pos: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """(c, hi - lo) True = key outside the query's window ``(p - window, p]``."""
+        key = torch.arange(lo, hi, device=self.device)[None, :]
+        p = pos[:, None]
+        return (key > p) | (key <= p - self.window)
+
+    def select(self, probs: torch.Tensor | None, pos: torch.Tensor, p1: int) -> torch.Tensor:
+        """Top past selection blocks (c, B, Hkv, n_sel), -1 = unused, from a chunk's compressed probabilities
+        (B, Hkv, G * c, nv) (None when no compressed block is visible yet)."""
+        c = pos.shape[0]
+        out = torch.full((c, self.b, self.hkv, self.n_sel), -1, dtype=torch.int64, device=self.device)
+        cand = (p1 - 1) // self.sel_block  # blocks before the last query's own block
+        k_top = min(self.n_sel, cand)
+        if k_top == 0:
+            return out
+        tie = torch.arange(cand, device=self.device, dtype=torch.float64) * TIE_BREAK
+        if probs is None:
+            rank = tie.expand(self.b, self.hkv, c, cand).clone()
+        else:
+            imp = probs.view(self.b, self.hkv, self.g, c, -1)
+            imp = imp[:, :, 0] if self.g == 1 else imp.sum(2)  # (B, Hkv, c, nv)
+            rank = _to_selection(imp, self.block, self.stride, self.sel_block, cand) + tie  # float64
+        own = pos // self.sel_block
+        first = int(own[0])  # blocks before it are candidates of every query of the chunk
+        if first < cand:
+            later = torch.arange(first, cand, device=self.device)[None, :] >= own[:, None]
+            rank[..., first:].masked_fill_(later, float("-inf"))
+        top = rank.topk(k_top, dim=-1, sorted=False)
+        out[..., :k_top] = top.indices.masked_fill_(top.values == float("-inf"), -1).permute(2, 0, 1, 3)
+        return out
+
+
+class _Chunk:
+    """Recomputed pieces of one query chunk: positions, scaled queries in both layouts, compressed probabilities."""
+
+    def __init__(self, lay: _Layout, q: torch.Tensor, a: int, e: int, ck_t: torch.Tensor):
+        self.a, self.e, self.c = a, e, e - a
+        self.p0, self.p1 = lay.start + a, lay.start + e
+        self.pos = torch.arange(self.p0, self.p1, device=lay.device)
+        qc = q[:, a:e] * lay.scale
+        self.qr = lay.rows(qc)  # (B, Hkv, G * c, D)
+        self.qs = lay.per_query(qc)  # (c * B * Hkv, G, D)
+        self.nv = min(_visible(self.p1 - 1, lay.block, lay.stride), lay.nc)
+        self.probs = None
+        if self.nv:
+            first = min(_visible(self.p0, lay.block, lay.stride), self.nv)  # blocks every query of the chunk sees
+            s = torch.matmul(self.qr, ck_t[:, :, :self.nv].transpose(-1, -2))  # (B, Hkv, G * c, nv)
+            if first < self.nv:
+                tail = s.view(lay.b, lay.hkv, lay.g, self.c, self.nv)[..., first:]
+                tail.masked_fill_(lay.cmp_mask(self.pos, first, self.nv), float("-inf"))
+            self.probs = torch.softmax(s, -1)
+            if first == 0:  # queries that see no complete block yet: all-masked rows, zeros
+                self.probs.nan_to_num_(0.0)
+
+
+def _selected(lay: _Layout, ch: _Chunk, kt_blocks: torch.Tensor, vt_blocks: torch.Tensor, sel: torch.Tensor):
+    """The selected branch of a chunk, by sub-chunks of ``lay.sub`` queries. Yields, per sub-chunk, its slice of
+    the per-query layout, the flat block ids (into the (B * Hkv * nblk, l' * D) block tables), the gathered keys
+    and values (m, S * l', D) and the probabilities (m, G, S * l'); ``sel`` (c, B, Hkv, n_sel)."""
+    c, bh, n, l = ch.c, lay.bh, lay.slots, lay.sel_block
+    own = (ch.pos // l).view(c, 1, 1, 1).expand(c, lay.b, lay.hkv, 1)
+    idx = torch.cat([own, sel.long()], -1)  # (c, B, Hkv, S); slot 0 = the query's own block
+    unused = None
+    if ch.p0 < lay.n_sel * l:  # later queries fill every slot
+        unused = (idx < 0).view(c, bh, 1, n, 1)
+        idx = idx.clamp(min=0)
+    flat = (idx + (torch.arange(bh, device=lay.device) * lay.nblk).view(1, lay.b, lay.hkv, 1)).view(c, -1)
+    after = torch.arange(l, device=lay.device)[None, :] > (ch.pos % l)[:, None]  # (c, l'): own block, after p
+    for a in range(0, c, lay.sub):
+        e = min(a + lay.sub, c)
+        f = flat[a:e].reshape(-1)
+        ks = kt_blocks.index_select(0, f).view(-1, n * l, lay.d)
+        vs = vt_blocks.index_select(0, f).view(-1, n * l, lay.d)
+        s = torch.bmm(ch.qs[a * bh:e * bh], ks.transpose(1, 2))  # (m, G, S * l')
+        s5 = s.view(e - a, bh, lay.g, n, l)
+        s5[:, :, :, 0].masked_fill_(after[a:e, None, None], float("-inf"))
+        if unused is not None:
+            s5.masked_fill_(unused[a:e], float("-inf"))
+        yield a * bh, e * bh, f, ks, vs, torch.softmax(s, -1)  # the query's own key is always readable
+
+
+def _window_probs(lay: _Layout, ch: _Chunk, kt, vt):
+    lo, hi = max(0, ch.p0 - lay.window + 1), ch.p1
+    kw, vw = kt[:, :, lo:hi], vt[:, :, lo:hi]
+    s = torch.matmul(ch.qr, kw.transpose(-1, -2))  # (B, Hkv, G * c, L)
+    s.view(lay.b, lay.hkv, lay.g, ch.c, hi - lo).masked_fill_(lay.window_mask(ch.pos, lo, hi), float("-inf"))
+    return lo, hi, kw, vw, torch.softmax(s, -1)
+
+
+class _NSAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ck, cv, gates, lay: _Layout):
+        kt, vt = lay.heads_major(k), lay.heads_major(v)  # (B, Hkv, nblk * l', D)
+        kt_blocks = kt.view(-1, lay.sel_block * lay.d)  # (B * Hkv * nblk, l' * D): one row per block
+        vt_blocks = vt.view(-1, lay.sel_block * lay.d)
+        ck_t, cv_t = ck.transpose(1, 2).contiguous(), cv.transpose(1, 2).contiguous()  # (B, Hkv, Nc, D)
+        out = q.new_empty(q.shape)
+        sel_all = torch.empty(lay.tq, lay.b, lay.hkv, lay.n_sel, dtype=torch.int32, device=lay.device)
+        for a, e in lay.chunks():
+            ch = _Chunk(lay, q, a, e, ck_t)
+            gc = gates[:, a:e].view(lay.b, ch.c, lay.hkv, lay.g, 3)
+            sel = lay.select(ch.probs, ch.pos, ch.p1)
+            sel_all[a:e] = sel
+            o = out[:, a:e].view(lay.b, ch.c, lay.hkv, lay.g, lay.d)
+            sub = lay.sub
+            for i, (r0, r1, _, _, vs, ps) in enumerate(_selected(lay, ch, kt_blocks, vt_blocks, sel)):
+                a2 = i * sub
+                torch.mul(lay.unper_query(torch.bmm(ps, vs), (r1 - r0) // lay.bh), gc[:, a2:a2 + sub, ..., 1:2],
+                          out=o[:, a2:a2 + sub])
+            _, _, _, vw, pw = _window_probs(lay, ch, kt, vt)
+            o.addcmul_(lay.unrows(torch.matmul(pw, vw), ch.c), gc[..., 2:3])
+            if ch.probs is not None:
+                o.addcmul_(lay.unrows(torch.matmul(ch.probs, cv_t[:, :, :ch.nv]), ch.c), gc[..., 0:1])
+        ctx.save_for_backward(q, k, v, ck, cv, gates, sel_all)
+        ctx.lay = lay
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, ck, cv, gates, sel_all = ctx.saved_tensors
+        lay: _Layout = ctx.lay
+        dtype = q.dtype
+        kt, vt = lay.heads_major(k), lay.heads_major(v)
+        kt_blocks, vt_blocks = kt.view(-1, lay.sel_block * lay.d), vt.view(-1, lay.sel_block * lay.d)
+        ck_t, cv_t = ck.transpose(1, 2).contiguous(), cv.transpose(1, 2).contiguous()
+        dq = torch.empty_like(q)
+        dkt, dvt = torch.zeros_like(kt), torch.zeros_like(vt)
+        dkt_blocks, dvt_blocks = dkt.view_as(kt_blocks), dvt.view_as(vt_blocks)
+        dck_t, dcv_t = torch.zeros_like(ck_t), torch.zeros_like(cv_t)
+        dgates = torch.empty_like(gates)  # (B, T, H, 3)
+        blk = lay.sel_block * lay.d
+        for a, e in lay.chunks():
+            ch = _Chunk(lay, q, a, e, ck_t)
+            c = ch.c
+            gc = gates[:, a:e]
+            go = grad_out[:, a:e].contiguous()  # (a sum's gradient arrives expanded, with zero strides)
+            dor, dos = lay.rows(go), lay.per_query(go)  # dO in both layouts
+            dg = dgates[:, a:e].view(lay.b, c, lay.hkv, lay.g, 3)
+
+            # selected branch: dq in the per-query layout, dk/dv added block by block
+            g_s = lay.per_query(gc[..., 1:2])  # (c * B * Hkv, G, 1)
+            dq_s = torch.empty_like(ch.qs)
+            delta_s = dq_s.new_empty(c * lay.bh, lay.g)
+            for r0, r1, f, ks, vs, ps in _selected(lay, ch, kt_blocks, vt_blocks, sel_all[a:e]):
+                do_r, g_r = dos[r0:r1], g_s[r0:r1]
+                dp = torch.bmm(do_r, vs.transpose(1, 2))  # (m, G, N)
+                delta_s[r0:r1] = torch.linalg.vecdot(ps, dp)  # = dO . O_sel: the gate's gradient
+                ds = torch._softmax_backward_data(dp, ps, -1, dtype)
+                torch.bmm(ds, ks, out=dq_s[r0:r1]).mul_(g_r * lay.scale)
+                dkt_blocks.index_add_(0, f, torch.bmm(ds.transpose(1, 2), ch.qs[r0:r1] * g_r).view(-1, blk))
+                dvt_blocks.index_add_(0, f, torch.bmm(ps.transpose(1, 2), do_r * g_r).view(-1, blk))
+            dg[..., 1] = lay.unper_query(delta_s, c)[..., 0]
+
+            # window branch
+            g_r = lay.rows(gc[..., 2:3])
+            lo, hi, kw, vw, pw = _window_probs(lay, ch, kt, vt)
+            dp = torch.matmul(dor, vw.transpose(-1, -2))  # (B, Hkv, G * c, L)
+            dg[..., 2] = lay.unrows(torch.linalg.vecdot(pw, dp)[..., None], c)[..., 0]
+            ds = torch._softmax_backward_data(dp, pw, -1, dtype)
+            del dp
+            dq_r = torch.matmul(ds, kw).mul_(g_r * lay.scale)
+            dkt[:, :, lo:hi] += torch.matmul(ds.transpose(-1, -2), ch.qr * g_r)
+            dvt[:, :, lo:hi] += torch.matmul(pw.transpose(-1, -2), dor * g_r)
+            del pw, ds
+
+            # compressed branch
+            if ch.probs is not None:
+                g_r = lay.rows(gc[..., 0:1])
+                nv, pc = ch.nv, ch.probs
+                dp = torch.matmul(dor, cv_t[:, :, :nv].transpose(-1, -2))  # (B, Hkv, G * c, nv)
+                dg[..., 0] = lay.unrows(torch.linalg.vecdot(pc, dp)[..., None], c)[..., 0]
+                ds = torch._softmax_backward_data(dp, pc, -1, dtype)
+                del dp
+                dq_r += torch.matmul(ds, ck_t[:, :, :nv]).mul_(g_r * lay.scale)
+                dck_t[:, :, :nv] += torch.matmul(ds.transpose(-1, -2), ch.qr * g_r)
+                dcv_t[:, :, :nv] += torch.matmul(pc.transpose(-1, -2), dor * g_r)
+                del ds
+            else:
+                dg[..., 0] = 0
+            ch.probs = None
+            dq_c = dq[:, a:e].view(lay.b, c, lay.hkv, lay.g, lay.d)
+            torch.add(lay.unrows(dq_r, c), lay.unper_query(dq_s, c), out=dq_c)
+        dk = dkt[:, :, :lay.tk].transpose(1, 2)
+        dv = dvt[:, :, :lay.tk].transpose(1, 2)
+        return dq, dk, dv, dck_t.transpose(1, 2), dcv_t.transpose(1, 2), dgates, None
+
+
+def nsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor,
+                  gates: torch.Tensor, *, block: int, stride: int, sel_block: int, n_sel: int, window: int,
+                  scale: float, chunk: int | None = None) -> torch.Tensor:
+    """NSA attention of q (B, Tq, H, D) over k, v (B, Tk, Hkv, D) and compressed ck, cv (B, Nc, Hkv, D).
+
+    Query ``i`` sits at position ``Tk - Tq + i``. ``gates`` (B, Tq, H, 3): the compressed, selected and window
+    gates (after the sigmoid). Returns (B, Tq, H, D) in q's dtype; differentiable in q, k, v, ck, cv, gates
+    (the block selection itself is discrete). ``chunk``: queries per chunk (default: 64, halved while one
+    chunk's compressed scores exceed ``SCORE_BUDGET`` elements).
+    """
+    dtype = q.dtype
+    work = torch.promote_types(dtype, torch.float32)
+    q, k, v, ck, cv, gates = (t.to(work) for t in (q, k, v, ck, cv, gates))
+    lay = _Layout(q, k, ck, block, stride, sel_block, n_sel, window, scale, k.shape[1] - q.shape[1], chunk)
+    with torch.autocast(q.device.type, enabled=False):
+        out = _NSAFunction.apply(q, k, v, ck, cv, gates, lay)
+    return out.to(dtype)
