@@ -152,14 +152,3 @@ def test_ray_job_submit_to_ray_start_head(head_cluster, efftx_home):
     # the job ran in the cluster's venv with the client's environment: outputs in the test's efftx home
     assert Path(summary["export_path"]).is_relative_to(efftx_home)
     assert Path(summary["export_path"], "model.safetensors").is_file()
-
-
-def test_dalle_job_submit_trains_the_dvae_then_dalle(head_cluster, efftx_home):
-    short = ["--set", "train.steps=10", "--set", "train.eval_every=5"]
-    both = submit(head_cluster, "jobs/train_dalle.py", "--recipe", "dalle_shapes_debug", "--run-name", "submitted",
-                  *short, "--vae-set", "train.steps=10", "--vae-set", "train.eval_every=5")
-    assert both["dvae"]["final_step"] == both["dalle"]["final_step"] == 10
-    assert both["dalle"]["run_name"] == "submitted-dalle"
-    export = Path(both["dalle"]["export_path"])
-    assert export.is_relative_to(efftx_home) and (export / "model.safetensors").is_file()
-    assert json.loads((export / "config.json").read_text())["config"]["dalle"]["vae_path"] == both["dvae"]["export_path"]

@@ -1,14 +1,16 @@
 """Resume is bit-exact end to end, where it is easiest to get wrong: Performer feature redraws on both sides of
-the resume point, Sinkhorn with attention and residual dropout (reversible layers recompute under a replayed
-RNG), and ZeRO-2 in bf16 (fp32 master weights partitioned in the optimizer).
+the resume point; Sinkhorn with attention and residual dropout (reversible layers recompute under a replayed
+RNG) trained with ZeRO-2 in bf16 (fp32 master weights partitioned in the optimizer).
 
 Each case trains once through the real path (Ray Train TorchTrainer, 2 workers, DeepSpeed on CPU, MLflow) with
-an injected failure before step FAIL_AT, after which Ray Train restarts the workers from the step-5 checkpoint.
-The steps between the checkpoint and the failure therefore run twice, first from the live state and then from
-the restored one: their losses must be equal bit for bit. Two re-run steps make the check cover both the restored
-forward state (first re-run step: weights, RNG, redraw counter) and the restored optimizer state (second re-run
-step: it sees the first one's update, fp32 master weights and Adam moments included). A deliberately wrong
-restore (features redrawn from zero, an RNG not restored, master weights rebuilt from bf16) changes them.
+an injected failure before step FAIL_AT (the Performer case raises in the worker, the other one kills the worker
+process), after which Ray Train restarts the workers from the step-5 checkpoint, found in the run folder by its
+manifest even when Ray Train had not yet polled its report. The steps between the checkpoint and the failure
+therefore run twice, first from the live state and then from the restored one: their losses must be equal bit
+for bit. Two re-run steps make the check cover both the restored forward state (first re-run step: weights, RNG,
+redraw counter) and the restored optimizer state (second re-run step: it sees the first one's update, fp32
+master weights and Adam moments included). A deliberately wrong restore (features redrawn from zero, an RNG not
+restored, master weights rebuilt from bf16) changes them.
 """
 
 from __future__ import annotations
@@ -23,16 +25,17 @@ from efftx.train.launch import launch
 
 pytestmark = pytest.mark.slow
 
-STEPS, CHECKPOINT_EVERY, FAIL_AT = 14, 5, 8
+STEPS, CHECKPOINT_EVERY, FAIL_AT = 9, 5, 8
 # Performer: 2 training forward passes per step (train.grad_accum), features redrawn every 6 passes, i.e. at the
-# start of steps 4, 7, 10 and 13: one redraw before the step-5 checkpoint, one between the resume and the
-# failure (run twice), two after the failure.
+# start of steps 4 and 7: one redraw before the step-5 checkpoint, one between the resume and the failure (run
+# twice).
 REDRAW_PASSES = 6
 
 CASES = {
     "performer_redraws": ("performer_debug", {"attention.performer.feature_redraw_interval": REDRAW_PASSES}),
-    "sinkhorn_dropout": ("sinkhorn_debug", {"attention.dropout": 0.1, "model.dropout": 0.1}),
-    "zero2_bf16": ("lm_debug", {"engine.zero_stage": 2, "engine.precision": "bf16"}),
+    "sinkhorn_dropout_zero2_bf16": ("sinkhorn_debug", {"attention.dropout": 0.1, "model.dropout": 0.1,
+                                                       "engine.zero_stage": 2, "engine.precision": "bf16",
+                                                       "train.fail_mode": "exit"}),
 }
 
 
@@ -69,6 +72,8 @@ def test_steps_rerun_after_resume_equal_their_first_run_exactly(ray_cluster, cas
     for step in rerun:
         first, again = got[step]
         assert first == again, (step, first, again)
+    run = Path(resumed["checkpoint"]).parent  # no orphaned checkpoint beyond train.keep_checkpoints (2)
+    assert len([p for p in run.glob("checkpoint_*") if p.is_dir()]) == 2
     if case == "performer_redraws":
         # every rank counted exactly the passes of the steps the run kept: the counter, and the features drawn
         # from it, came back from the checkpoint (not from zero, not from the failed attempt's extra passes)
