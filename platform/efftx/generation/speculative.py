@@ -48,6 +48,11 @@ class SpecStats:
             counts[n] += 1
         return counts
 
+    def result_fields(self) -> dict:
+        """The acceptance fields of a serving result (ModeResult, StreamDone)."""
+        return {"mean_accepted": self.mean_accepted, "acceptance_histogram": self.histogram,
+                "draft_calls": self.draft_calls, "target_calls": self.target_calls}
+
     def to_dict(self) -> dict:
         return {"gamma": self.gamma, "steps": self.steps, "mean_accepted": self.mean_accepted,
                 "histogram": self.histogram, "draft_calls": self.draft_calls, "target_calls": self.target_calls}

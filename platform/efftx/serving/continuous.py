@@ -272,7 +272,7 @@ class _Engine:
         if cancelled:
             for i in cancelled:
                 state.jobs[i]._finish()
-            keep = [i for i in range(len(state.jobs)) if i not in set(cancelled)]
+            keep = [i for i, j in enumerate(state.jobs) if not j.cancelled]
             self.state = state = state.select(keep) if keep else None
             if state is None:
                 return
@@ -537,7 +537,7 @@ class Scheduler:
                 if job.cancelled or job.max_new <= 0:
                     job._finish()
                     continue
-                if job.speculative and (job.gamma is None or job.gamma < 1):
+                if job.speculative and job.gamma < 1:
                     job._fail(ValueError(f"gamma must be >= 1, got {job.gamma}"), "speculative decoding")
                     continue
                 engine = self._engine(job)

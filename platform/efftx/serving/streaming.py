@@ -68,8 +68,7 @@ class StepMarks:
     def done(self, stats: SpecStats | None, **extra) -> StreamDone:
         secs = time.perf_counter() - self.t0
         if stats is not None:
-            extra.update(mean_accepted=stats.mean_accepted, acceptance_histogram=stats.histogram,
-                         draft_calls=stats.draft_calls, target_calls=stats.target_calls)
+            extra.update(stats.result_fields())
         return StreamDone(mode=self.mode, steps=self.n, text=decode_bytes(self.out),
                           tail=self.decoder.decode(b"", final=True), tokens=len(self.out), latency_ms=secs * 1e3,
                           tokens_per_s=len(self.out) / secs, **extra)
@@ -105,22 +104,31 @@ async def job_events(steps: AsyncIterable[tuple], mode: str, t0: float | None = 
             yield marks.done(a.stats, **extra)
 
 
+_EVENT_NAMES = {StreamStep: "step", StreamDone: "done"}
+
+
+def _event(ev: BaseModel) -> str:
+    return f"event: {_EVENT_NAMES[type(ev)]}\ndata: {ev.model_dump_json()}\n\n"
+
+
+def _error_event(exc: Exception) -> str:
+    return f"event: error\ndata: {json.dumps({'detail': f'{type(exc).__name__}: {exc}'})}\n\n"
+
+
 def sse(events: Iterable[BaseModel]) -> Iterator[str]:
     """Server-sent events from StreamStep/StreamDone models; an exception mid-stream becomes an ``error`` event
     (the status line has gone out already, so the client learns of it in the stream)."""
-    names = {StreamStep: "step", StreamDone: "done"}
     try:
         for ev in events:
-            yield f"event: {names[type(ev)]}\ndata: {ev.model_dump_json()}\n\n"
+            yield _event(ev)
     except Exception as exc:  # noqa: BLE001 - reported to the client, the replica keeps serving
-        yield f"event: error\ndata: {json.dumps({'detail': f'{type(exc).__name__}: {exc}'})}\n\n"
+        yield _error_event(exc)
 
 
 async def sse_async(events: AsyncIterable[BaseModel]) -> AsyncIterator[str]:
     """:func:`sse` for an async event source."""
-    names = {StreamStep: "step", StreamDone: "done"}
     try:
         async for ev in events:
-            yield f"event: {names[type(ev)]}\ndata: {ev.model_dump_json()}\n\n"
+            yield _event(ev)
     except Exception as exc:  # noqa: BLE001 - reported to the client, the replica keeps serving
-        yield f"event: error\ndata: {json.dumps({'detail': f'{type(exc).__name__}: {exc}'})}\n\n"
+        yield _error_event(exc)

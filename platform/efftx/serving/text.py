@@ -161,11 +161,7 @@ def _resolve(future: asyncio.Future, value) -> None:
 def _mode_result(job: Job) -> ModeResult:
     """A continuous-batching row's result (latency from its arrival to its last token)."""
     secs = max(job.latency_s, 1e-9)
-    extra = {}
-    if job.stats is not None:
-        st = job.stats
-        extra = {"mean_accepted": st.mean_accepted, "acceptance_histogram": st.histogram,
-                 "draft_calls": st.draft_calls, "target_calls": st.target_calls}
+    extra = {} if job.stats is None else job.stats.result_fields()
     first = job.first_token_s
     return ModeResult(text=decode_bytes(job.out), tokens=len(job.out), latency_ms=secs * 1e3,
                       tokens_per_s=len(job.out) / secs, batch_size=max(job.batch_size, 1),
@@ -271,9 +267,7 @@ class TextGenerator:
                 row.extend(toks)
         secs = time.perf_counter() - t0
         return [ModeResult(text=decode_bytes(row), tokens=len(row), latency_ms=secs * 1e3,
-                           tokens_per_s=len(row) / secs, batch_size=len(reqs), mean_accepted=st.mean_accepted,
-                           acceptance_histogram=st.histogram, draft_calls=st.draft_calls,
-                           target_calls=st.target_calls)
+                           tokens_per_s=len(row) / secs, batch_size=len(reqs), **st.result_fields())
                 for row, st in zip(out, row_stats)]
 
     def _run(self, requests: list[GenerateRequest]) -> list[GenerateResponse | RowFailure]:
