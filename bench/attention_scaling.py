@@ -49,7 +49,7 @@ def layer_point(cfg, t: int, device: str, repeats: int, composed: bool = False) 
     from efftx.models.layers import Attention, Rotary
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    spec = AttentionSpec.from_config(cfg)
+    spec = AttentionSpec.from_config(cfg.model, cfg.attention, seed=cfg.train.seed)
     torch.manual_seed(0)
     layer = Attention(spec, Rotary(spec.head_dim, t)).to(device=device, dtype=dtype).train()
     if composed and hasattr(layer.inner, "chunked"):

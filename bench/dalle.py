@@ -111,7 +111,7 @@ def measure_train(which: str, device: str, batch: int, steps: int) -> dict:
     """One model's training step: median seconds, images/s, tokens/s, GFLOP/s, peak MiB."""
     import torch
 
-    from efftx.models.dalle import DALLE
+    from efftx import models
     from efftx.models.dvae import DiscreteVAE
     from efftx.train.engine import param_groups
 
@@ -119,7 +119,7 @@ def measure_train(which: str, device: str, batch: int, steps: int) -> dict:
     run_cfg = vae_cfg if which == "dvae" else cfg
     meter = Meter(device)
     torch.manual_seed(0)
-    model = (DiscreteVAE(vae_cfg.vae) if which == "dvae" else DALLE(cfg)).to(device).train()
+    model = (DiscreteVAE(vae_cfg.vae) if which == "dvae" else models.build(cfg)).to(device).train()
     t = run_cfg.train
     opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2))
     images = torch.rand(batch, 3, 64, 64, device=device)
@@ -149,12 +149,12 @@ def measure_generate(device: str, images: int, cond_scale: float, use_cache: boo
     import torch
 
     from efftx.generation.images import generate_image_tokens
-    from efftx.models.dalle import DALLE
+    from efftx import models
 
     _, cfg = configs()
     meter = Meter(device)
     torch.manual_seed(0)
-    model = DALLE(cfg).to(device).eval()
+    model = models.build(cfg).to(device).eval()
     text = _caption(1, cfg.dalle.text_seq_len).to(device)
     with torch.no_grad():  # warm-up: one forward over the whole sequence (kernels, allocator)
         rows = images * (2 if cond_scale != 1 else 1)

@@ -227,7 +227,7 @@ def _data(cfg, text_seq_len: int):
 def load_export_of(source: str, family: str):
     """(model, cfg) of an export folder or models:/ URI, which must be of ``family``; ExportError otherwise."""
     from efftx.errors import ExportError
-    from efftx.train.checkpoint import load_export, resolve_export
+    from efftx.export import load_export, resolve_export
 
     model, cfg, _ = load_export(resolve_export(source))
     if cfg.model.family != family:
@@ -242,7 +242,7 @@ def build_models(args) -> tuple[torch.nn.Module, object, dict]:
     from efftx.models.dvae import DiscreteVAE, temperature
 
     if args.dalle:
-        from efftx.generate_images import DalleGenerator
+        from efftx.generation.text_to_image import DalleGenerator
 
         gen = DalleGenerator.load(args.dalle)
         return gen.model, gen.tokenizer, {"dalle": args.dalle}
@@ -263,7 +263,7 @@ def build_models(args) -> tuple[torch.nn.Module, object, dict]:
                         "loss": [round(losses[0], 4), round(float(np.mean(losses[-10:])), 4)]}
         vae.eval()
         if args.save:
-            from efftx.train.checkpoint import export
+            from efftx.export import export
 
             export(vae, vae_cfg, Path(args.save) / "dvae", {"trained_by": "bench/dalle_eval.py"})
 
@@ -274,14 +274,14 @@ def build_models(args) -> tuple[torch.nn.Module, object, dict]:
     cfg.name = "dalle_eval"
     cfg.validate()
     torch.manual_seed(cfg.train.seed)
-    model = DALLE(cfg, vae=vae)
+    model = DALLE(cfg.model, cfg.attention, cfg.dalle, cfg.vae, seed=cfg.train.seed, vae=vae)
     steps = args.dalle_steps or cfg.train.steps
     t0 = time.perf_counter()
     losses = train_in_process(model, cfg, data, lambda m, images, text, _: m(text, images)[0], steps, "dalle")
     done["dalle"] = {"recipe": cfg.recipe, "steps": steps, "seconds": round(time.perf_counter() - t0),
                      "loss": [round(losses[0], 4), round(float(np.mean(losses[-10:])), 4)]}
     if args.save:
-        from efftx.train.checkpoint import export
+        from efftx.export import export
 
         export(model, cfg, Path(args.save) / "dalle", {"trained_by": "bench/dalle_eval.py"})
     return model.eval(), data.tokenizer, done

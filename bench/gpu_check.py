@@ -223,8 +223,8 @@ def check_decode(args, summaries: dict) -> list[Row]:
     from efftx import recipes
     from efftx.generation.decode import generate
     from efftx.generation.speculative import speculative_generate
-    from efftx.models.lm import LM
-    from efftx.train.checkpoint import load_export
+    from efftx.models import build as build_model
+    from efftx.export import load_export
 
     device = args.device
     source = "trained pair"
@@ -234,8 +234,8 @@ def check_decode(args, summaries: dict) -> list[Row]:
     else:
         source = "untrained debug pair"
         torch.manual_seed(0)
-        target = LM(recipes.get("spec_target_debug")).to(device).eval()
-        draft = LM(recipes.get("spec_draft_debug")).to(device).eval()
+        target = build_model(recipes.get("spec_target_debug")).to(device).eval()
+        draft = build_model(recipes.get("spec_draft_debug")).to(device).eval()
     rows = []
     new = args.new_tokens
     g = torch.Generator().manual_seed(0)

@@ -46,7 +46,7 @@ def measure_layer(kind: str, t: int, device: str, repeats: int, composed: bool =
     cfg = recipes.get(RECIPE).override({"attention.kind": kind, "model.max_seq_len": t})
     result = layer_point(cfg, t, device, repeats, composed)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    spec = AttentionSpec.from_config(cfg)
+    spec = AttentionSpec.from_config(cfg.model, cfg.attention, seed=cfg.train.seed)
     layer = Attention(spec, Rotary(spec.head_dim, t)).to(device=device, dtype=dtype).train()
     if composed and hasattr(layer.inner, "chunked"):
         layer.inner.chunked = False
@@ -87,11 +87,11 @@ def measure_step(recipe: str, device: str, repeats: int) -> dict:
     import torch.nn.functional as F
 
     from efftx import recipes
-    from efftx.models.lm import LM
+    from efftx.models import build as build_model
 
     cfg = recipes.get(recipe)
     torch.manual_seed(0)
-    model = LM(cfg).to(device)
+    model = build_model(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
     b, t = cfg.train.micro_batch_size, cfg.data.seq_len
     data = torch.randint(0, cfg.model.vocab_size, (b, t + 1), device=device)

@@ -135,7 +135,7 @@ def step_costs(paths: dict, rows: int, modes: list[str]) -> dict[str, tuple[floa
     """In-process, no HTTP: ms per decoding step of the continuous-batching scheduler with 1 row and with ``rows``
     rows (what a short request's latency scales with when it shares the running batch)."""
     from efftx.serving.continuous import Job, Sampling, Scheduler
-    from efftx.train.checkpoint import load_export
+    from efftx.export import load_export
 
     torch.set_num_threads(1)  # as a replica
     target = load_export(paths["target"])[0]
@@ -157,8 +157,8 @@ def step_costs(paths: dict, rows: int, modes: list[str]) -> dict[str, tuple[floa
 
 def export_models(size: str) -> tuple[dict, str]:
     from efftx import recipes
-    from efftx.models.lm import LM
-    from efftx.train.checkpoint import export
+    from efftx.models import build as build_model
+    from efftx.export import export
 
     root = tempfile.mkdtemp(prefix="efftx-serve-load-")
     paths = {}
@@ -167,7 +167,7 @@ def export_models(size: str) -> tuple[dict, str]:
         if cfg.model.max_seq_len < 256:
             cfg = cfg.override({"model.max_seq_len": 256})  # room for 128 new tokens + prompt + gamma
         torch.manual_seed(seed)
-        paths[role] = str(export(LM(cfg), cfg, f"{root}/{role}", {}))
+        paths[role] = str(export(build_model(cfg), cfg, f"{root}/{role}", {}))
     note = (f"models: untrained spec_target_{size} / spec_draft_{size} exported by this bench to {root} "
             f"(pass --target/--draft to load others)")
     return paths, note
@@ -198,6 +198,8 @@ def main() -> None:
     import ray
     from ray import serve
 
+    from efftx.serving.app_args import TextAppArgs
+    from efftx.serving.schemas import Limits
     from efftx.serving.text import build
 
     if args.target:
@@ -214,11 +216,11 @@ def main() -> None:
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     url = f"http://127.0.0.1:{port}"
-    limits = json.dumps({"max_new_tokens": 256, "max_prompt_bytes": 512})
+    limits = Limits(max_new_tokens=256, max_prompt_bytes=512)
     results: dict[tuple[str, str], dict] = {}
     try:
         for name, cfg in configs:
-            serve.run(build({**paths, "name": "load", "limits": limits, **{k: str(v) for k, v in cfg.items()}}),
+            serve.run(build(TextAppArgs(**paths, name="load", limits=limits, **cfg)),
                       name="load", route_prefix="/")
             for mode in modes:
                 one(url, body_for(0, 16, mode), False, args.timeout)  # warm-up

@@ -21,7 +21,7 @@ from efftx.generation.decode import generate
 from efftx.generation.sampling import sample
 from efftx.generation.speculative import speculative_generate
 from efftx.paths import default_data_dir
-from efftx.train.checkpoint import load_export, resolve_export
+from efftx.export import load_export, resolve_export
 
 
 @torch.no_grad()

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from efftx import recipes
 from efftx.flops import measure_matmul_peak
 from efftx.train.engine import lr_lambda, param_groups
-from efftx.train.tasks import get as get_task
+from efftx import models
 
 
 def main() -> None:
@@ -39,7 +39,7 @@ def main() -> None:
     peak = max(measure_matmul_peak("cpu", torch.float32, n=n) for n in (1024, 2048))
 
     torch.manual_seed(0)
-    model = get_task(cfg.model.family).build_model(cfg)
+    model = models.build(cfg)
     opt = torch.optim.AdamW(param_groups(model, cfg.train.weight_decay), lr=cfg.train.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     b, t = cfg.train.micro_batch_size, cfg.data.seq_len

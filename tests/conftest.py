@@ -56,19 +56,18 @@ def debug_exports(tmp_path_factory) -> dict[str, str]:
     import torch
 
     from efftx import recipes
-    from efftx.models.dalle import DALLE
-    from efftx.models.lm import LM
-    from efftx.train.checkpoint import export
+    from efftx.models import build as build_model
+    from efftx.export import export
 
     root = tmp_path_factory.mktemp("exports")
     paths = {}
     for role, seed in (("target", 0), ("draft", 1)):
         cfg = recipes.get(f"spec_{role}_debug")
         torch.manual_seed(seed)
-        paths[role] = str(export(LM(cfg), cfg, root / role, {}))
+        paths[role] = str(export(build_model(cfg), cfg, root / role, {}))
     cfg = recipes.get("dalle_shapes_debug").override({"model.vocab_size": 257})  # the byte tokenizer's ids
     torch.manual_seed(2)
-    paths["dalle"] = str(export(DALLE(cfg), cfg, root / "dalle", {}))
+    paths["dalle"] = str(export(build_model(cfg), cfg, root / "dalle", {}))
     return paths
 
 

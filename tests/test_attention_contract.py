@@ -7,29 +7,20 @@ import torch
 
 from efftx import attention, recipes
 from efftx.attention.base import AttentionSpec
+from efftx.models import build as build_model
 from efftx.models.lm import LM
 
 # Every backend a language model can use; the DALL-E image patterns (efftx/attention/patterns.py) need a
 # text/image layout and get the same checks inside the DALL-E model in tests/test_dalle.py.
 BACKENDS = [n for n in attention.names() if not getattr(attention.get(n), "requires_image_layout", False)]
 
-# Per-backend options that make the tiny test model exercise the backend's structure (several buckets,
-# several chunks) at the short lengths used here.
-CONTRACT_OVERRIDES = {
-    "sinkhorn": {"attention.sinkhorn.bucket_size": 8, "attention.sinkhorn.n_local_attn_heads": 2},
-    "performer": {"attention.performer.nb_features": 32, "attention.performer.chunk_size": 8},
-    # overlapping compressed blocks (stride 4 < block 8), 2 of up to 3 past selection blocks, a short window
-    "nsa": {"attention.nsa.compress_block_size": 8, "attention.nsa.compress_stride": 4,
-            "attention.nsa.selection_block_size": 8, "attention.nsa.num_selected_blocks": 2,
-            "attention.nsa.sliding_window_size": 6, "attention.nsa.compress_mlp_mult": 0.5},
-}
-
 
 def tiny_lm(kind: str, seed: int = 0) -> LM:
-    cfg = recipes.get("lm_debug").override({"attention.kind": kind, "model.max_seq_len": 64,
-                                            **CONTRACT_OVERRIDES.get(kind, {})})
+    # the backend's own small-size options (contract_options): several buckets, chunks, windows at these lengths
+    small = {f"attention.{kind}.{key}": value for key, value in attention.get(kind).contract_options.items()}
+    cfg = recipes.get("lm_debug").override({"attention.kind": kind, "model.max_seq_len": 64, **small})
     torch.manual_seed(seed)
-    return LM(cfg).eval()
+    return build_model(cfg).eval()
 
 
 def tokens(b=2, t=24, seed=1):
@@ -39,7 +30,7 @@ def tokens(b=2, t=24, seed=1):
 
 @pytest.mark.parametrize("kind", BACKENDS)
 def test_backend_shapes_with_gqa(kind):
-    spec = AttentionSpec.from_config(tiny_lm(kind).cfg, kind=kind)
+    spec = AttentionSpec.from_config(tiny_lm(kind).model_cfg, tiny_lm(kind).attention_cfg, kind=kind)
     backend = attention.build(spec)
     h, hkv, d = spec.heads, spec.kv_heads, spec.head_dim
     assert hkv < h

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from efftx import recipes
+from efftx import export as ex
 from efftx.train import checkpoint as ck
 
 
@@ -135,22 +136,22 @@ def torn_writes(monkeypatch):
 def test_export_config_json_is_replaced_atomically(tmp_path, monkeypatch, one_thread):
     import torch
 
-    from efftx.models.lm import LM
+    from efftx.models import build as build_model
 
     cfg = recipes.get("lm_debug")
     torch.manual_seed(0)
-    out = ck.export(LM(cfg), cfg, tmp_path / "export", {"step": 10}, files={"notes.json": "{}"})
-    before = (out / ck.CONFIG_FILE).read_text()
+    out = ex.export(build_model(cfg), cfg, tmp_path / "export", {"step": 10}, files={"notes.json": "{}"})
+    before = (out / ex.CONFIG_FILE).read_text()
     with monkeypatch.context() as m:
         torn_writes(m)
         with pytest.raises(OSError, match="No space left"):
-            ck.export(LM(cfg), cfg, out, {"step": 20}, files={"notes.json": '{"a": 1}'})
+            ex.export(build_model(cfg), cfg, out, {"step": 20}, files={"notes.json": '{"a": 1}'})
     # the old export is whole: config.json (and the task's files) were never torn in place
-    assert (out / ck.CONFIG_FILE).read_text() == before
-    assert ck.read_export_config(out)[1] == {"step": 10}
+    assert (out / ex.CONFIG_FILE).read_text() == before
+    assert ex.read_export_config(out)[1] == {"step": 10}
     assert (out / "notes.json").read_text() == "{}"
     assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
-    ck.load_export(out)
+    ex.load_export(out)
 
 
 def test_registering_a_resumed_runs_export_again_makes_no_second_version(tmp_path):

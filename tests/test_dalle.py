@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from efftx import attention
+from efftx import attention, models
 from efftx.attention.base import AttentionSpec
-from efftx.attention.patterns import ImageLayout, pattern_names
-from efftx.config import Config, ConvLikeOptions, SparseOptions
+from efftx.attention.patterns import ConvLikeOptions, ImageLayout, SparseOptions, pattern_names
+from efftx.config import Config
 from efftx.errors import ConfigError
 from efftx.generation.images import generate_image_tokens, generate_images, top_k_of_thres
 from efftx.models.dalle import DALLE
@@ -42,7 +42,7 @@ def config(**overrides) -> Config:
 
 def tiny(seed: int = 0, **overrides) -> DALLE:
     torch.manual_seed(seed)
-    return DALLE(config(**overrides)).eval()
+    return models.build(config(**overrides)).eval()
 
 
 def captions(b: int = 2, seed: int = 1) -> torch.Tensor:
@@ -363,18 +363,19 @@ def test_null_conditioning_drops_about_the_configured_fraction():
 def test_export_round_trip_rebuilds_dalle_and_its_dvae(tmp_path):
     from safetensors.torch import load_file
 
-    from efftx.train.checkpoint import WEIGHTS_FILE, export, read_export_config
+    from efftx.export import WEIGHTS_FILE, export, read_export_config
 
     torch.manual_seed(5)
     vae = DiscreteVAE(config().vae)  # "trained" weights, given to DALL-E
-    model = DALLE(config(**MIXED, **{"dalle.shift_tokens": True, "dalle.shared_ff_ids": "a,b"}), vae=vae).eval()
+    cfg0 = config(**MIXED, **{"dalle.shift_tokens": True, "dalle.shared_ff_ids": "a,b"})
+    model = DALLE(cfg0.model, cfg0.attention, cfg0.dalle, cfg0.vae, vae=vae).eval()
     assert model.vae is vae and torch.equal(model.vae.codebook.weight, vae.codebook.weight)  # not re-initialised
-    export(model, model.cfg, tmp_path, {"step": 0})
+    export(model, cfg0, tmp_path, {"step": 0})
     cfg, _ = read_export_config(tmp_path)
-    assert cfg.vae == model.cfg.vae and cfg.dalle == model.cfg.dalle
+    assert cfg.vae == cfg0.vae and cfg.dalle == cfg0.dalle
     state = load_file(str(tmp_path / WEIGHTS_FILE))
     assert any(k.startswith("vae.") for k in state)
-    rebuilt = DALLE(cfg).eval()
+    rebuilt = models.build(cfg).eval()
     rebuilt.load_state_dict(state, strict=True)
     text = captions()
     a = generate_image_tokens(model, text, cond_scale=2.0, seed=3)
@@ -387,7 +388,8 @@ def test_export_round_trip_rebuilds_dalle_and_its_dvae(tmp_path):
 def test_a_dvae_with_another_config_is_refused():
     vae = DiscreteVAE(config(**{"vae.num_tokens": 32}).vae)
     with pytest.raises(ConfigError, match="different config than vae"):
-        DALLE(config(), vae=vae)
+        cfg = config()
+        DALLE(cfg.model, cfg.attention, cfg.dalle, cfg.vae, vae=vae)
 
 
 # ------------------------------------------------------------------------------------------ generation

@@ -22,11 +22,11 @@ import pytest
 import torch
 from PIL import Image
 
-from efftx import recipes
+from efftx import models, recipes
 from efftx.config import Config
 from efftx.errors import ConfigError, ExportError
 from efftx.generation.png import grid, png_bytes
-from efftx.train import checkpoint
+from efftx.export import export, load_export
 from efftx.train.engine import Schedule
 from efftx.train.launch import resolve
 from efftx.train.loop import to_device
@@ -149,8 +149,8 @@ def dvae_export(tmp_path_factory):
     """An (untrained) dvae_shapes_debug export and its resolved config."""
     cfg = resolve(recipes.get("dvae_shapes_debug").override({"name": "unit-dvae"}))
     torch.manual_seed(0)
-    model = DVAETask.build_model(cfg)
-    out = checkpoint.export(model, cfg, tmp_path_factory.mktemp("dvae") / "export", {"step": 0})
+    model = models.build(cfg)
+    out = export(model, cfg, tmp_path_factory.mktemp("dvae") / "export", {"step": 0})
     return out, cfg, model
 
 
@@ -191,7 +191,7 @@ def test_dalle_configure_takes_the_dvae_and_tokenizer_from_their_sources(dvae_ex
     assert resolved.vae == vae_cfg.vae and resolved.model.vocab_size == 257  # the byte tokenizer, pad id 0
     task = DALLETask(resolved, DALLETask.prepare(resolved))
     torch.manual_seed(1)
-    model = DALLETask.build_model(resolved)
+    model = models.build(resolved)
     task.load_pretrained(model)
     assert torch.equal(model.vae.codebook.weight, vae_model.codebook.weight)
     assert not any(p.requires_grad for p in model.vae.parameters())
@@ -218,7 +218,7 @@ def test_vae_path_must_be_a_dvae(tmp_path):
     lm_cfg = resolve(recipes.get("lm_debug").override({"name": "lm"}))
     from efftx.train.tasks import LMTask
 
-    out = checkpoint.export(LMTask.build_model(lm_cfg), lm_cfg, tmp_path / "lm", {})
+    out = export(models.build(lm_cfg), lm_cfg, tmp_path / "lm", {})
     with pytest.raises(ExportError, match="is a 'lm' export, not a dVAE"):
         resolve(dalle_cfg(out))
 
@@ -243,13 +243,13 @@ def _dalle_export(vae_export, tmp_path, **overrides):
     cfg = resolve(dalle_cfg(vae_export, **overrides))
     task = DALLETask(cfg, DALLETask.prepare(cfg))
     torch.manual_seed(2)
-    model = DALLETask.build_model(cfg)
+    model = models.build(cfg)
     task.load_pretrained(model)
-    return checkpoint.export(model, cfg, tmp_path / "dalle", {"step": 0}, files=task.export_files()), cfg, model
+    return export(model, cfg, tmp_path / "dalle", {"step": 0}, files=task.export_files()), cfg, model
 
 
 def test_dalle_export_carries_its_tokenizer(dvae_export, word_tokenizer, tmp_path):
-    from efftx.generate_images import DalleGenerator
+    from efftx.generation.text_to_image import DalleGenerator
 
     export, cfg, _ = _dalle_export(dvae_export[0], tmp_path, **{"data.image.bpe_path": str(word_tokenizer)})
     assert cfg.model.vocab_size < 257  # the word vocabulary + pad, not bytes
@@ -435,8 +435,8 @@ def test_dalle_export_holds_the_frozen_dvae_and_rebuilds_alone(dalle_job):
     from safetensors.torch import load_file
 
     both, _ = dalle_job
-    vae_model, vae_cfg, _ = checkpoint.load_export(both["dvae"]["export_path"])
-    model, cfg, _ = checkpoint.load_export(both["dalle"]["export_path"])  # the DALL-E export's config alone
+    vae_model, vae_cfg, _ = load_export(both["dvae"]["export_path"])
+    model, cfg, _ = load_export(both["dalle"]["export_path"])  # the DALL-E export's config alone
     assert cfg.vae == vae_cfg.vae and cfg.model.family == "dalle"
     weights = load_file(str(Path(both["dalle"]["export_path"], "model.safetensors")))
     assert {k[len("vae."):] for k in weights if k.startswith("vae.")} == set(vae_model.state_dict())

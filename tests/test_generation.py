@@ -4,7 +4,7 @@ import torch
 from efftx import recipes
 from efftx.generation.decode import generate
 from efftx.generation.sampling import filter_logits, probabilities, sample
-from efftx.models.lm import LM
+from efftx.models import build as build_model
 
 
 def test_top_k_keeps_the_k_largest():
@@ -42,7 +42,7 @@ def test_sampled_tokens_follow_the_filtered_distribution():
 
 def test_greedy_generation_with_cache_matches_uncached_argmax():
     torch.manual_seed(0)
-    model = LM(recipes.get("lm_debug")).eval()
+    model = build_model(recipes.get("lm_debug")).eval()
     prompt = torch.randint(0, 256, (2, 9))
     out = generate(model, prompt, 12, temperature=0)
     seq = prompt
@@ -54,7 +54,7 @@ def test_greedy_generation_with_cache_matches_uncached_argmax():
 
 def test_generation_is_reproducible_and_bounded():
     torch.manual_seed(0)
-    model = LM(recipes.get("lm_debug")).eval()
+    model = build_model(recipes.get("lm_debug")).eval()
     prompt = torch.randint(0, 256, (1, 5))
     a = generate(model, prompt, 20, temperature=1.0, top_k=20, seed=7)
     b = generate(model, prompt, 20, temperature=1.0, top_k=20, seed=7)
@@ -70,7 +70,7 @@ def test_ragged_prompts_decode_like_each_prompt_alone(kind):
     options = {"performer": {"attention.performer.nb_features": 32, "attention.performer.chunk_size": 8},
                "sinkhorn": {"attention.sinkhorn.bucket_size": 8}}.get(kind, {})
     torch.manual_seed(0)
-    model = LM(recipes.get("lm_debug").override({"attention.kind": kind, **options})).eval()
+    model = build_model(recipes.get("lm_debug").override({"attention.kind": kind, **options})).eval()
     prompts = [[5, 6, 7, 8, 9, 10, 11], [42], [1, 2, 3]]
     for sampling in ({"temperature": 0}, {"temperature": 1.0, "top_k": 30, "seed": 5}):
         together = generate(model, prompts, 10, **sampling)
@@ -82,7 +82,7 @@ def test_ragged_prompts_decode_like_each_prompt_alone(kind):
 def test_ragged_cache_rewinds_rows_independently():
     """A per-row rewind followed by a batched step gives each row the logits of its own history."""
     torch.manual_seed(0)
-    model = LM(recipes.get("lm_debug")).eval()
+    model = build_model(recipes.get("lm_debug")).eval()
     seqs = torch.randint(0, 256, (2, 12))
     cache = model.new_cache(2, 32)
     model(seqs[:, :10], cache=cache)

@@ -287,7 +287,7 @@ def test_triton_no_grad_and_repeated_blocks():
     torch.testing.assert_close(b, ref)
 
 
-# Every selection block size the config lets the kernel run: efftx.config.NSAOptions.validate accepts any positive
+# Every selection block size the config lets the kernel run: efftx.attention.nsa.NSAOptions.validate accepts any positive
 # multiple of 16 for impl=triton (and impl=auto picks the kernel for those on CUDA), with no upper bound; the sweep
 # covers 16..256. Sizes that are not a power of two (48, 80, 96, ...) end inside a key tile, whose keys past the
 # block's end belong to the next block: they must neither be attended to nor receive dK/dV.
@@ -295,13 +295,15 @@ SWEEP_BLOCK_SIZES = list(range(16, 257, 16))
 
 
 def test_sweep_covers_the_block_sizes_the_config_accepts_for_the_kernel():
-    from efftx.config import NSAOptions
+    from efftx.attention.base import AttentionSpec
+    from efftx.attention.nsa import NSAOptions
     from efftx.errors import ConfigError
 
+    spec = AttentionSpec(kind="nsa", dim=256, heads=4, kv_heads=4, head_dim=64, max_seq_len=256)
     accepted = []
     for bs in range(1, 257):
         try:
-            NSAOptions(selection_block_size=bs, compress_block_size=1, impl="triton").validate(head_dim=64)
+            NSAOptions(selection_block_size=bs, compress_block_size=1, impl="triton").validate(spec)
             accepted.append(bs)
         except ConfigError:
             pass

@@ -14,9 +14,9 @@ import torch
 from efftx import attention, recipes
 from efftx.attention import nsa_cpu
 from efftx.attention.base import AttentionSpec
-from efftx.attention.nsa import (NativeSparseAttention, NSACache, complete_blocks, overlap_to_selection,
+from efftx.attention.nsa import (NativeSparseAttention, NSACache, NSAOptions, complete_blocks, overlap_to_selection,
                                  sliding_window_attention)
-from efftx.config import Config, NSAOptions
+from efftx.config import Config
 from efftx.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,7 +126,7 @@ def test_invalid_block_config_is_a_config_error_naming_the_keys(overrides, messa
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         cfg.validate()
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):  # the backend checks the same
-        NativeSparseAttention(AttentionSpec.from_config(cfg))
+        NativeSparseAttention(AttentionSpec.from_config(cfg.model, cfg.attention))
     cfg.attention.kind = "full"  # the section is only checked when nsa is the attention
     cfg.validate()
 
@@ -464,7 +464,7 @@ def _val_history(summary) -> dict[int, float]:
 @pytest.mark.slow
 def test_nsa_debug_trains_with_falling_validation_loss(ray_cluster):
     from efftx.generate import sample_text
-    from efftx.train.checkpoint import load_export
+    from efftx.export import load_export
     from efftx.train.launch import launch
 
     summary = launch(recipes.get("nsa_debug").override({"name": "nsa-debug-run"}))

@@ -7,8 +7,7 @@ import torch
 
 from efftx.attention import performer
 from efftx.attention.base import AttentionSpec, recomputing
-from efftx.attention.performer import PerformerAttention, PerformerCache, feature_map
-from efftx.config import PerformerOptions
+from efftx.attention.performer import PerformerAttention, PerformerCache, PerformerOptions, feature_map
 
 
 def make(heads=4, kv_heads=2, head_dim=8, nb_features=16, chunk_size=4, redraw=0, causal=True,

@@ -27,7 +27,7 @@ import torch
 from efftx import recipes
 from efftx.generation.decode import decode_bytes, encode_text, generate
 from efftx.generation.speculative import speculative_generate
-from efftx.models.lm import LM
+from efftx.models import build as build_model
 from efftx.serving.playground import mlflow_version
 from efftx.serving.schemas import StreamDone, StreamRequest, StreamStep
 from efftx.serving.streaming import split_step, sse, stream_events
@@ -45,7 +45,7 @@ def pair():
     models = {}
     for role, seed in (("target", 0), ("draft", 1)):
         torch.manual_seed(seed)
-        models[role] = LM(recipes.get(f"spec_{role}_debug")).eval()
+        models[role] = build_model(recipes.get(f"spec_{role}_debug")).eval()
     return models["target"], models["draft"]
 
 
@@ -191,7 +191,7 @@ def test_stream_endpoint_refuses_bad_input_naming_the_field(server, body, field)
 
 @pytest.mark.slow
 def test_models_info_lists_the_loaded_models(server, debug_exports):
-    from efftx.train.checkpoint import load_export
+    from efftx.export import load_export
 
     info = requests.get(f"{server}/models/info", timeout=30).json()
     assert (info["name"], info["speculative"], info["images"]) == ("tiny", True, True)

@@ -78,10 +78,10 @@ def test_steps_rerun_after_resume_equal_their_first_run_exactly(ray_cluster, cas
         # every rank counted exactly the passes of the steps the run kept: the counter, and the features drawn
         # from it, came back from the checkpoint (not from zero, not from the failed attempt's extra passes)
         from efftx.attention.performer import PerformerAttention
-        from efftx.models.lm import LM
+        from efftx.models import build as build_model
 
         passes = STEPS * 2  # train.grad_accum = 2
-        layers = [(name, mod) for name, mod in LM(case_cfg(case, "x")).named_modules()
+        layers = [(name, mod) for name, mod in build_model(case_cfg(case, "x")).named_modules()
                   if isinstance(mod, PerformerAttention)]
         state = final_module_state(resumed)
         for name, mod in layers:

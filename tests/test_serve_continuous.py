@@ -18,6 +18,7 @@ import torch
 from efftx import recipes
 from efftx.generation.decode import Rows, generate, splittable
 from efftx.generation.speculative import speculative_generate
+from efftx.models import build as build_model
 from efftx.models.lm import LM
 from efftx.serving import continuous
 from efftx.serving.continuous import Job, Sampling, Scheduler
@@ -36,7 +37,7 @@ CONTRACT = {  # small blocks / buckets, so that the short sequences cross severa
 def lm(seed: int, depth: int = 2, kind: str = "full") -> LM:
     cfg = recipes.get("lm_debug").override({"model.depth": depth, "attention.kind": kind, **CONTRACT.get(kind, {})})
     torch.manual_seed(seed)
-    return LM(cfg).eval()
+    return build_model(cfg).eval()
 
 
 @pytest.fixture(scope="module")

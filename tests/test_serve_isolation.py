@@ -100,7 +100,7 @@ def poisoned_deployments(gate: str):
 def apps(ray_cluster, debug_exports, tmp_path_factory):
     from ray import serve
 
-    from efftx.serving.text import build
+    from efftx.serving.text import build, build_with
 
     gate = tmp_path_factory.mktemp("gate")
     args = {"target": debug_exports["target"], "draft": debug_exports["draft"], "name": "tiny",
@@ -110,12 +110,12 @@ def apps(ray_cluster, debug_exports, tmp_path_factory):
     serve.run(build(args), name="real", route_prefix="/")
     text, images = poisoned_deployments(str(gate))
     # a long batch window and room for 8 valid + 2 poisoned requests in one batch
-    serve.run(build({**args, "max_batch_size": "16", "batch_wait_timeout_s": "1.0", "image_max_batch_size": "16",
-                     "image_batch_wait_timeout_s": "1.0"}, text_deployment=text, image_deployment=images),
+    serve.run(build_with({**args, "max_batch_size": "16", "batch_wait_timeout_s": "1.0", "image_max_batch_size": "16",
+                          "image_batch_wait_timeout_s": "1.0"}, text_deployment=text, image_deployment=images),
               name="poisoned", route_prefix="/poisoned")
     static = {k: v for k, v in args.items() if k not in ("dalle", "image_limits")}
-    serve.run(build({**static, "batching": "static", "max_batch_size": "16", "batch_wait_timeout_s": "1.0"},
-                    text_deployment=text, image_deployment=images),
+    serve.run(build_with({**static, "batching": "static", "max_batch_size": "16", "batch_wait_timeout_s": "1.0"},
+                         text_deployment=text, image_deployment=images),
               name="poisoned-static", route_prefix="/poisoned-static")
     yield {"real": f"http://127.0.0.1:{port}", "poisoned": f"http://127.0.0.1:{port}/poisoned",
            "poisoned-static": f"http://127.0.0.1:{port}/poisoned-static", "gate": gate}

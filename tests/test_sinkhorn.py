@@ -5,8 +5,7 @@ import torch
 
 from efftx import attention
 from efftx.attention.base import AttentionSpec
-from efftx.attention.sinkhorn import SinkhornAttention, sinkhorn, sort_mask
-from efftx.config import SinkhornOptions
+from efftx.attention.sinkhorn import SinkhornAttention, SinkhornOptions, sinkhorn, sort_mask
 from efftx.errors import ConfigError
 
 N = 4  # bucket size used throughout

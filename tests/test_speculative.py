@@ -12,26 +12,26 @@ from efftx.errors import ConfigError
 from efftx.generation import speculative
 from efftx.generation.decode import generate
 from efftx.generation.speculative import iter_speculative_rows, residual, speculative_generate
+from efftx.models import build as build_model
 from efftx.models.lm import LM
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: tests/conftest.py
 
-# Small blocks / buckets / chunks, so that the short test sequences cross several of them.
-CONTRACT = {
-    "sinkhorn": {"attention.sinkhorn.bucket_size": 8, "attention.sinkhorn.n_local_attn_heads": 2},
-    "performer": {"attention.performer.nb_features": 32, "attention.performer.chunk_size": 8},
-    "nsa": {"attention.nsa.compress_block_size": 4, "attention.nsa.compress_stride": 2,
-            "attention.nsa.selection_block_size": 4, "attention.nsa.num_selected_blocks": 2,
-            "attention.nsa.sliding_window_size": 6, "attention.nsa.compress_mlp_mult": 0.5},
-}
-DECODING_KINDS = ["full", "sinkhorn", "performer", "nsa"]  # every backend a language model can use
+# Every backend a language model can use (the DALL-E image patterns need a text/image layout).
+DECODING_KINDS = [n for n in attention.names() if not getattr(attention.get(n), "requires_image_layout", False)]
+
+
+def small_options(kind: str) -> dict[str, object]:
+    """The backend's contract_options: small blocks / buckets / chunks / windows, so that the short test
+    sequences cross several of them."""
+    return {f"attention.{kind}.{key}": value for key, value in attention.get(kind).contract_options.items()}
 
 
 def lm(seed: int, depth: int = 2, kind: str = "full", **overrides) -> LM:
-    cfg = recipes.get("lm_debug").override({"model.depth": depth, "attention.kind": kind, **CONTRACT.get(kind, {}),
+    cfg = recipes.get("lm_debug").override({"model.depth": depth, "attention.kind": kind, **small_options(kind),
                                             **overrides})
     torch.manual_seed(seed)
-    return LM(cfg).eval()
+    return build_model(cfg).eval()
 
 
 def noisy_pair(kind: str, scale: float = 2.0, noise: float = 0.2, depth: int = 2, **overrides) -> tuple[LM, LM]:
@@ -51,8 +51,8 @@ def noisy_pair(kind: str, scale: float = 2.0, noise: float = 0.2, depth: int = 2
 
 
 def test_every_backend_a_language_model_accepts_is_covered():
-    """DECODING_KINDS is not a hand-picked subset: any registered backend an LM builds with must be in it
-    (the others are DALL-E image patterns, which a language model refuses)."""
+    """DECODING_KINDS, read from the registry, is every registered backend an LM builds with (the others are
+    DALL-E image patterns, which a language model refuses)."""
     usable = []
     for kind in attention.names():
         try:
@@ -264,7 +264,7 @@ def test_bad_arguments():
 
 def test_training_with_a_missing_or_mismatched_draft_is_a_clear_error(tmp_path):
     from efftx.errors import ConfigError, ExportError
-    from efftx.train.checkpoint import export
+    from efftx.export import export
     from efftx.train.tasks import LMTask
 
     cfg = recipes.get("spec_target_debug").override({"data.cache_dir": str(tmp_path / "cache"),
@@ -272,7 +272,7 @@ def test_training_with_a_missing_or_mismatched_draft_is_a_clear_error(tmp_path):
     with pytest.raises(ExportError, match="is not an efftx export"):
         LMTask.prepare(cfg)
     other = recipes.get("lm_debug").override({"model.vocab_size": 100})
-    export(LM(other), other, tmp_path / "draft", {})
+    export(build_model(other), other, tmp_path / "draft", {})
     cfg.speculative.draft = str(tmp_path / "draft")
     with pytest.raises(ConfigError, match="vocabulary of 100"):
         LMTask.prepare(cfg)

@@ -83,7 +83,7 @@ def test_checkpoints_hold_config_and_only_the_last_n_are_kept(baseline):
 
 def test_export_round_trip_and_generate_cli(baseline):
     from efftx.generate import sample_text
-    from efftx.train.checkpoint import load_export
+    from efftx.export import load_export
 
     export = Path(baseline["export_path"])
     assert (export / "model.safetensors").is_file()
@@ -176,7 +176,7 @@ def test_zero3_bf16_run_samples_and_exports_whole_weights(ray_cluster):
     summary = launch(debug_cfg("zero3-bf16", **{"engine.zero_stage": 3, "engine.precision": "bf16",
                                                 "train.steps": 10, "train.eval_every": 10,
                                                 "train.sample_every": 5}))
-    from efftx.train.checkpoint import load_export
+    from efftx.export import load_export
 
     model, cfg, _ = load_export(summary["export_path"])
     assert cfg.engine.zero_stage == 3
@@ -195,7 +195,7 @@ def test_fp16_without_gpu_is_a_clear_error(ray_cluster):
 @pytest.mark.parametrize("recipe, kind", [("sinkhorn_debug", "sinkhorn"), ("performer_debug", "performer")])
 def test_efficient_attention_recipes_train_with_falling_validation_loss(ray_cluster, recipe, kind):
     from efftx.generate import sample_text
-    from efftx.train.checkpoint import load_export
+    from efftx.export import load_export
 
     summary = launch(recipes.get(recipe).override({"name": f"{recipe}-run"}))
     val = history(summary, "val_bpb")

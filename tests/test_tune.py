@@ -14,13 +14,17 @@ from efftx.tuning import SPACES, Space, choose, points, sweep
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_constraints_exclude_invalid_points_before_any_trial():
+def test_points_the_config_rejects_are_left_out_before_any_trial():
+    """No constraint restates a rule: the run config's own validation (here GQA's, in the attention spec)
+    decides, and each left-out point is logged with its reason."""
     base = recipes.get("lm_debug").override({"name": "t"})
-    space = Space("kv heads", "lm_debug", grid={"model.kv_heads": [1, 2, 3, 4], "train.lr": [1e-3, 2e-3]},
-                  constraints=(("divides", "model.kv_heads", "model.heads"),))
-    got = points(space, base)
+    space = Space("kv heads", "lm_debug", grid={"model.kv_heads": [1, 2, 3, 4], "train.lr": [1e-3, 2e-3]})
+    logged = []
+    got = points(space, base, log=logged.append)
     assert sorted({p["model.kv_heads"] for p in got}) == [1, 2, 4]  # 3 does not divide 4 heads
     assert len(got) == 6
+    assert len(logged) == 2 and all("model.kv_heads': 3" in line and "multiple of model.kv_heads=3" in line
+                                    for line in logged)
 
 
 def test_named_spaces_expand_against_their_recipes():
@@ -62,7 +66,8 @@ def test_bad_sweep_input_exits_with_message(args, message):
 
 @pytest.mark.slow
 def test_tiny_sweep_logs_parent_child_runs_and_plot_and_asha_stops_a_hopeless_trial(ray_cluster, monkeypatch):
-    """Two Sinkhorn trials that differ only in learning rate, run one after the other (grid order). The first
+    """Two dVAE trials that differ only in learning rate, run one after the other (grid order), on the dVAE
+    task's metric (validation loss: any family can be swept; the NSA sweep of test_nsa.py is an LM's). The first
     (the recipe's lr) is the first to reach ASHA's rung at step 5 and trains on to step 20; the second
     (lr 1e-7, which cannot learn anything) is worse than it at the rung, so ASHA stops it there. ASHA compares
     a trial with those already recorded at the rung, so the order is what makes this certain. The stop takes a
@@ -70,11 +75,12 @@ def test_tiny_sweep_logs_parent_child_runs_and_plot_and_asha_stops_a_hopeless_tr
     from mlflow import MlflowClient
 
     good, hopeless = 3e-3, 1e-7
-    monkeypatch.setitem(SPACES, "lr_probe", Space("learning rate, one hopeless", "sinkhorn_debug",
+    monkeypatch.setitem(SPACES, "lr_probe", Space("learning rate, one hopeless", "dvae_shapes_debug",
                                                   grid={"train.lr": [good, hopeless]}))
     summary = sweep("lr_probe", max_concurrent=1, name="tiny-sweep",
                     overrides=["train.steps=20", "train.eval_every=5", "train.checkpoint_every=20"])
     assert summary["trials"] == 2 and summary["finished"] == 2  # a stopped trial has results too
+    assert (summary["metric"], summary["mode"]) == ("val_loss", "min") and summary["best_val_loss"] > 0
     assert summary["best"] == {"train.lr": good}  # completed trials win over stopped ones
     client = MlflowClient(tracking_uri=summary["tracking_uri"])
     parent = summary["mlflow_parent_run_id"]
@@ -98,7 +104,7 @@ def test_tiny_sweep_logs_parent_child_runs_and_plot_and_asha_stops_a_hopeless_tr
     def history(child, key):
         return {m.step: m.value for m in client.get_metric_history(child.info.run_id, key)}
 
-    val_good, val_hopeless = history(by_lr[good], "val_bpb"), history(by_lr[hopeless], "val_bpb")
+    val_good, val_hopeless = history(by_lr[good], "val_loss"), history(by_lr[hopeless], "val_loss")
     assert sorted(val_good) == [0, 5, 10, 15, 20] and 20 not in val_hopeless
     assert val_hopeless[5] > val_good[5]  # why ASHA stopped it
     assert max(history(by_lr[hopeless], "loss")) < 20  # its training was stopped too, not only its reports

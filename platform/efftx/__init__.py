@@ -1,3 +1,8 @@
-"""efftx: train, tune and serve efficient-attention transformers on Ray."""
+"""efftx: train, tune and serve efficient-attention transformers on Ray.
+
+"The seed" in a module's comments is the original research script of that module's model family (Sinkhorn
+and Performer on enwik8, Native Sparse Attention, speculative decoding, DALL-E and its dVAE), which efftx
+replaces: its settings and figures carry over into the recipes, its code does not (docs/architecture.md).
+"""
 
 __version__ = "0.1.0"

@@ -77,49 +77,10 @@ def flush_ray_logs() -> None:
 
 
 def _print_epilogue(summary: dict) -> None:
-    from efftx.generate import sample_text
-    from efftx.tracking import ui_command
-    from efftx.train.checkpoint import read_export_config
+    """The run's task says what to print: the headline metric, where the export is, what to do next."""
+    from efftx.train.tasks import get as get_task
 
-    export = summary.get("export_path")
-    family = read_export_config(export)[0].model.family if export else "lm"
-    if family != "lm":
-        _print_image_epilogue(summary, family)
-        return
-    if export:
-        prompt = "def "
-        room = read_export_config(export)[0].model.max_seq_len - len(prompt)
-        text = sample_text(export, prompt=prompt, max_new_tokens=min(200, room), temperature=0.8, top_k=32, seed=0)
-        print(f"\n--- sample from the exported model (prompt {prompt!r}) ---\n{prompt}{text}\n---")
-    bpb, tok_s = summary.get("val_bpb"), summary.get("tokens_per_s")
-    print(f"run:            {summary['run_name']} (step {summary['final_step']}"
-          + (f", validation bits/byte {bpb:.3f}" if bpb is not None else "")
-          + (f", {tok_s:,.0f} tokens/s" if tok_s else "") + ")")
-    print(f"MLflow run:     {summary['mlflow_run_id']} in {summary['tracking_uri']}")
-    print(f"MLflow UI:      {ui_command(summary['tracking_uri'])}")
-    if summary.get("registered_model"):
-        print(f"registered as:  {summary['registered_model']}")
-    print(f"exported model: {export}")
-    print(f"generate:       .venv/bin/python -m efftx.generate --model {export} --prompt 'def ' --max-new-tokens 200")
-
-
-def _print_image_epilogue(summary: dict, family: str) -> None:
-    """What to do with a dVAE or DALL-E export."""
-    from efftx.tracking import ui_command
-
-    export, val = summary.get("export_path"), summary.get("val_loss")
-    print(f"run:            {summary['run_name']} (step {summary['final_step']}"
-          + (f", validation loss {val:.4f}" if val is not None else "") + ")")
-    print(f"MLflow run:     {summary['mlflow_run_id']} in {summary['tracking_uri']} (samples/: PNG grids)")
-    print(f"MLflow UI:      {ui_command(summary['tracking_uri'])}")
-    if summary.get("registered_model"):
-        print(f"registered as:  {summary['registered_model']}")
-    print(f"exported model: {export}")
-    if family == "dalle":
-        print(f"generate:       .venv/bin/python -m efftx.generate_images --model {export} "
-              f"--prompt 'a red circle on a blue background' --num-images 4 --out outputs")
-    else:
-        print(f"train DALL-E:   .venv/bin/python jobs/train_dalle.py --vae {export}")
+    print("\n".join(get_task(summary["family"]).epilogue(summary)), flush=True)
 
 
 def train_dalle_main(argv: list[str] | None = None) -> int:
@@ -136,16 +97,19 @@ def train_dalle_main(argv: list[str] | None = None) -> int:
     def work():
         from efftx.train.launch import default_run_name, launch, resolve
 
+        from efftx.train.tasks import get as get_task
+
         cfg = config_from_args(args)
-        if cfg.model.family != "dalle":
-            raise ConfigError(f"recipe {args.recipe!r} trains model.family={cfg.model.family!r}, not a DALL-E; "
-                              f"choose one of {', '.join(n for n in recipes.names() if n.startswith('dalle'))}")
+        key = get_task(cfg.model.family).pretrained_key  # dalle.vae_path
+        if not key:
+            raise ConfigError(f"recipe {args.recipe!r} trains model.family={cfg.model.family!r}, not a DALL-E (no "
+                              f"pretrained dVAE to train on); choose one of {', '.join(recipes.pairs())}")
         if args.vae:
-            cfg.dalle.vae_path = args.vae
+            cfg.set(key, args.vae)
         name = args.run_name or default_run_name(args.recipe)
         cfg.name = f"{name}-dalle"
         vae_cfg = None
-        if not cfg.dalle.vae_path:
+        if not cfg.get(key):
             shared = [o for o in args.overrides if o.split("=", 1)[0].strip().startswith(SHARED_PREFIXES)]
             vae_cfg = recipes.get(args.vae_recipe or recipes.paired_dvae(args.recipe)).override(shared)
             vae_cfg.override(args.vae_overrides)
@@ -157,13 +121,13 @@ def train_dalle_main(argv: list[str] | None = None) -> int:
                               "dalle.vae_path) it trains none")
         if args.print_config:
             print(json.dumps({"dvae": resolve(vae_cfg).to_dict() if vae_cfg else None,
-                              "dalle": resolve(cfg).to_dict() if cfg.dalle.vae_path else cfg.to_dict()}, indent=2))
+                              "dalle": resolve(cfg).to_dict() if cfg.get(key) else cfg.to_dict()}, indent=2))
             return None
         summaries = {"dvae": None}
         if vae_cfg is not None:
             summaries["dvae"] = launch(vae_cfg)
             _print_epilogue(summaries["dvae"])
-            cfg.dalle.vae_path = summaries["dvae"]["export_path"]
+            cfg.set(key, summaries["dvae"]["export_path"])
         summaries["dalle"] = launch(cfg)
         _print_epilogue(summaries["dalle"])
         return summaries

@@ -20,8 +20,10 @@ import json
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
+from efftx import attention
+from efftx.attention.base import AttentionSpec
 from efftx.errors import ConfigError
 
 
@@ -46,100 +48,15 @@ class ModelConfig:
     ff_chunks: int = 1  # feed-forward applied to this many sequence chunks in turn (lower peak memory)
 
 
-@dataclass
-class SinkhornOptions:
-    """attention.kind=sinkhorn: learned bucket sorting (Tay et al., 2020)."""
-
-    bucket_size: int = 64  # tokens per bucket; sequences are padded to a multiple inside the backend
-    n_local_attn_heads: int = 0  # heads doing local (windowed) attention instead of sorted-bucket attention
-    sinkhorn_iters: int = 8  # row/column normalisation rounds
-    temperature: float = 0.75  # of the sort scores before Sinkhorn normalisation
-
-
-@dataclass
-class PerformerOptions:
-    """attention.kind=performer: FAVOR+ positive orthogonal random features (Choromanski et al., 2021)."""
-
-    nb_features: int = 256  # random features per head
-    feature_redraw_interval: int = 1000  # training forward passes between feature redraws; 0 = never
-    chunk_size: int = 128  # causal prefix sums are computed chunk by chunk (memory linear in T)
-
-
-@dataclass
-class NSAOptions:
-    """attention.kind=nsa: Native Sparse Attention (Yuan et al., 2025), see efftx/attention/nsa.py."""
-
-    compress_block_size: int = 16  # tokens per compressed block
-    compress_stride: int = 0  # tokens between compressed block starts; 0 = compress_block_size (no overlap)
-    compress_mlp_mult: float = 1.0  # hidden width of the compression MLP / (compress_block_size x head_dim)
-    selection_block_size: int = 16  # tokens per selectable key block
-    num_selected_blocks: int = 4  # top-scored past blocks each query attends to, besides its own block
-    sliding_window_size: int = 64  # tokens (the query's own and the previous ones) of the window branch
-    impl: str = "auto"  # selected-block attention: auto (Triton on CUDA when possible) | triton | reference
-
-    @property
-    def stride(self) -> int:
-        return self.compress_stride or self.compress_block_size
-
-    def validate(self, head_dim: int) -> None:
-        """Checks of this section (also run by the backend); errors name the keys."""
-        k = "attention.nsa."
-        positive = {"compress_block_size": self.compress_block_size, "selection_block_size": self.selection_block_size,
-                    "sliding_window_size": self.sliding_window_size, "compress_mlp_mult": self.compress_mlp_mult}
-        for key, value in positive.items():
-            if not value > 0:
-                raise ConfigError(f"{k}{key} must be > 0, got {value}")
-        for key, value in {"compress_stride": self.compress_stride, "num_selected_blocks": self.num_selected_blocks}.items():
-            if value < 0:
-                raise ConfigError(f"{k}{key} must be >= 0, got {value}")
-        if self.stride > self.compress_block_size:
-            raise ConfigError(f"{k}compress_stride={self.compress_stride} exceeds {k}compress_block_size="
-                              f"{self.compress_block_size}: tokens between blocks would never be compressed")
-        # The NSA paper's alignment (stride d divides the compressed block l and the selection block l'):
-        # compressed and selection blocks then start on one grid of d tokens.
-        for key in ("compress_block_size", "selection_block_size"):
-            if getattr(self, key) % self.stride:
-                raise ConfigError(f"{k}{key}={getattr(self, key)} must be a multiple of the compression stride "
-                                  f"({k}compress_stride, or {k}compress_block_size when the stride is 0) = {self.stride}")
-        _choice(f"{k}impl", self.impl, ("auto", "triton", "reference"))
-        if self.impl == "triton":
-            if self.selection_block_size % 16:
-                raise ConfigError(f"{k}impl=triton needs {k}selection_block_size to be a multiple of 16, "
-                                  f"got {self.selection_block_size}")
-            if head_dim > 128:
-                raise ConfigError(f"{k}impl=triton supports head dims up to 128 (model.head_dim), got {head_dim}")
-
-
-@dataclass
-class ConvLikeOptions:
-    """attention.kind=conv_like, a DALL-E layer type (dalle.attn_types): an image token attends to every text
-    token and to the kernel_size x kernel_size window of image tokens ending at its own row and column
-    (above and to the left, itself included), ``dilation`` apart, as the original's convolution-like pattern."""
-
-    kernel_size: int = 5  # odd
-    dilation: int = 1
-
-
-@dataclass
-class SparseOptions:
-    """attention.kind=sparse, a DALL-E layer type: a fixed block-sparse layout over the whole sequence (the
-    original used DeepSpeed's variable sparsity: global text blocks, a local window and random blocks)."""
-
-    block_size: int = 16  # tokens per block
-    local_blocks: int = 4  # an image token sees its own block and the local_blocks - 1 blocks before it
-    random_blocks: int = -1  # older blocks each query block also sees, drawn once from train.seed and the
-    #                          layer index; -1 = (blocks in the sequence) // 4, as the original; 0 = none
-
-
-@dataclass
-class AttentionConfig:
-    kind: str = "full"  # efftx.attention registry name
-    dropout: float = 0.0  # dropout on attention probabilities (training only)
-    sinkhorn: SinkhornOptions = field(default_factory=SinkhornOptions)
-    performer: PerformerOptions = field(default_factory=PerformerOptions)
-    nsa: NSAOptions = field(default_factory=NSAOptions)
-    conv_like: ConvLikeOptions = field(default_factory=ConvLikeOptions)
-    sparse: SparseOptions = field(default_factory=SparseOptions)
+# attention.kind and attention.dropout, then one section per registered backend that has options, named as
+# the backend: the backend's module owns its options dataclass (and its checks), see efftx/attention/registry.py.
+AttentionConfig = dataclasses.make_dataclass(
+    "AttentionConfig",
+    [("kind", str, field(default="full")),  # efftx.attention registry name
+     ("dropout", float, field(default=0.0)),  # dropout on attention probabilities (training only)
+     *((name, options, field(default_factory=options)) for name, options in attention.option_sections().items())],
+)
+AttentionConfig.__module__ = __name__  # pickled (Ray) and compared by its importable name
 
 
 @dataclass
@@ -148,6 +65,8 @@ class SpeculativeConfig:
 
     draft: str = ""  # export folder of a draft model sharing the vocabulary ("" = no measurement)
     gamma: int = 5  # draft tokens proposed per step
+
+    RESUMABLE: ClassVar[frozenset[str]] = frozenset({"*"})  # a measurement beside training, not part of it
 
 
 @dataclass
@@ -194,6 +113,8 @@ class DataConfig:
     cache_dir: str = ""  # where decompressed corpora are cached; "" = <efftx home>/data
     image: ImageDataConfig = field(default_factory=ImageDataConfig)
 
+    RESUMABLE: ClassVar[frozenset[str]] = frozenset({"cache_dir"})
+
 
 @dataclass
 class TrainConfig:
@@ -237,6 +158,13 @@ class TrainConfig:
     fail_at_step: int = 0
     fail_mode: str = "raise"
 
+    # Keys that may change when a run resumes (how long it runs, how often it logs, samples and checkpoints,
+    # and fault handling); every other key must match the run's first attempt (efftx.train.launch).
+    RESUMABLE: ClassVar[frozenset[str]] = frozenset({
+        "steps", "log_every", "eval_every", "eval_batches", "sample_every", "sample_prompt_len", "sample_length",
+        "sample_temperature", "sample_top_k", "sample_images", "sample_filter_thres", "sample_cond_scale",
+        "checkpoint_every", "keep_checkpoints", "max_failures", "fail_at_step", "fail_mode"})
+
 
 @dataclass
 class EngineConfig:
@@ -253,6 +181,8 @@ class TrackingConfig:
     register_model: bool = True
     model_name: str = ""  # registered model name; "" = the recipe name
 
+    RESUMABLE: ClassVar[frozenset[str]] = frozenset({"*"})  # where a run is recorded never changes what it trains
+
 
 @dataclass
 class ScalingConfig:
@@ -260,6 +190,8 @@ class ScalingConfig:
     device: str = "auto"  # auto | cpu | cuda
     cpus_per_worker: float = 1.0
     storage_path: str = ""  # Ray Train storage (checkpoints, exports); "" = <efftx home>/runs
+
+    RESUMABLE: ClassVar[frozenset[str]] = frozenset({"cpus_per_worker", "storage_path", "device"})
 
 
 @dataclass
@@ -367,8 +299,6 @@ class DalleConfig:
         return plan
 
     def validate(self, depth: int) -> None:
-        from efftx import attention  # the registry imports this module
-
         if self.text_seq_len < 1:
             raise ConfigError(f"dalle.text_seq_len must be >= 1, got {self.text_seq_len}")
         if self.loss_img_weight < 0:
@@ -403,6 +333,8 @@ class Config:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     vae: VAEConfig = field(default_factory=VAEConfig)
     dalle: DalleConfig = field(default_factory=DalleConfig)
+
+    RESUMABLE: ClassVar[frozenset[str]] = frozenset({"name"})  # sections declare their own
 
     # ----------------------------------------------------------------- dict round trip
     def to_dict(self) -> dict[str, Any]:
@@ -464,6 +396,13 @@ class Config:
         hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
         raise ConfigError(f"unknown config key '{key}'{hint}")
 
+    def resumable(self, key: str) -> bool:
+        """Whether ``key`` may differ from the run's first attempt when it resumes: declared by each section
+        (its ``RESUMABLE`` field names; "*" = all of them)."""
+        obj, name, _ = self._resolve(key)
+        allowed = getattr(type(obj), "RESUMABLE", frozenset())
+        return "*" in allowed or name in allowed
+
     # ----------------------------------------------------------------- checks
     def validate(self) -> "Config":
         """Cross-field checks; each error names the keys involved."""
@@ -496,11 +435,6 @@ class Config:
         for key, value in non_negative.items():
             if value < 0:
                 raise ConfigError(f"{key} must be >= 0, got {value}")
-        if m.head_dim == 0 and m.dim % m.heads:
-            raise ConfigError(f"model.dim={m.dim} is not divisible by model.heads={m.heads}; set model.head_dim")
-        kv = m.kv_heads or m.heads
-        if m.heads % kv:
-            raise ConfigError(f"model.heads={m.heads} must be a multiple of model.kv_heads={kv}")
         if d.seq_len > m.max_seq_len:
             raise ConfigError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
         if not 0 <= t.min_lr_ratio <= 1:
@@ -526,25 +460,19 @@ class Config:
         if self.attention.dropout >= 1 or m.dropout >= 1:
             raise ConfigError("model.dropout and attention.dropout must be < 1")
         d.image.validate()
-        if self.attention.kind == "nsa":
-            self.attention.nsa.validate(m.head_dim or m.dim // m.heads)
         self.vae.validate()
         self.dalle.validate(m.depth)
-        if m.family == "dalle" and m.emb_dim:
-            raise ConfigError("model.emb_dim (factorised embedding) is not supported by the DALL-E model; set it to 0")
-        for key, value in {"attention.conv_like.kernel_size": self.attention.conv_like.kernel_size,
-                           "attention.conv_like.dilation": self.attention.conv_like.dilation,
-                           "attention.sparse.block_size": self.attention.sparse.block_size,
-                           "attention.sparse.local_blocks": self.attention.sparse.local_blocks}.items():
-            if value < 1:
-                raise ConfigError(f"{key} must be >= 1, got {value}")
-        if self.attention.conv_like.kernel_size % 2 == 0:
-            raise ConfigError(f"attention.conv_like.kernel_size must be odd, got "
-                              f"{self.attention.conv_like.kernel_size}")
-        if self.attention.sparse.random_blocks < -1:
-            raise ConfigError(f"attention.sparse.random_blocks must be >= -1 (-1 = automatic), got "
-                              f"{self.attention.sparse.random_blocks}")
+        # The backends a model may use check the shared rules (heads, head dim; in AttentionSpec) and their own
+        # options section; the sections of the other backends are not checked.
+        for kind in self.attention_kinds():
+            attention.check(AttentionSpec.from_config(m, self.attention, kind=kind))
         return self
+
+    def attention_kinds(self) -> list[str]:
+        """The attention backends a model may use: attention.kind (language models) and each of
+        dalle.attn_types (DALL-E's layer types, "full" unless set), whatever the family."""
+        types = _csv("dalle.attn_types", self.dalle.attn_types)
+        return [self.attention.kind, *(k for k in dict.fromkeys(types) if k != self.attention.kind)]
 
 
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -17,7 +17,7 @@ from efftx.generation.decode import decode_bytes, encode_text, generate
 
 def sample_text(model_path: str, prompt: str, max_new_tokens: int, *, temperature: float = 1.0,
                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, device: str = "cpu") -> str:
-    from efftx.train.checkpoint import load_export
+    from efftx.export import load_export
 
     if not prompt:
         raise ExportError("the prompt is empty")

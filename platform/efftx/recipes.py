@@ -278,16 +278,22 @@ _IMAGE_PAIRS = {  # size suffix -> (data + vae settings shared by the pair, dVAE
          "train.sample_temperature": 1.0},
     ),
 }
+_PAIRS: dict[str, str] = {}  # DALL-E recipe -> its dVAE recipe
 for _size, (_shared, _dvae, _dalle) in _IMAGE_PAIRS.items():
+    _PAIRS[f"dalle{_size}"] = f"dvae{_size}"
     _RECIPES[f"dvae{_size}"] = lambda shared=_shared, own=_dvae: Config().override(
         {"model.family": "dvae", **shared, **own})
     _RECIPES[f"dalle{_size}"] = lambda shared=_shared, own=_dalle: Config().override({**shared, **own})
 
 
+def pairs() -> dict[str, str]:
+    """DALL-E recipe -> the dVAE recipe trained first when it is given no dVAE (declared with the recipes)."""
+    return dict(_PAIRS)
+
+
 def paired_dvae(dalle_recipe: str) -> str:
     """The dVAE recipe of a DALL-E recipe's pair (dalle_shapes_debug -> dvae_shapes_debug)."""
-    name = dalle_recipe.replace("dalle", "dvae", 1)
-    if name == dalle_recipe or name not in _RECIPES:
+    if dalle_recipe not in _PAIRS:
         raise ConfigError(f"no dVAE recipe pairs with {dalle_recipe!r}: give a trained dVAE (--vae) or name its "
-                          f"recipe (--vae-recipe, one of {', '.join(n for n in names() if n.startswith('dvae'))})")
-    return name
+                          f"recipe (--vae-recipe, one of {', '.join(sorted(set(_PAIRS.values())))})")
+    return _PAIRS[dalle_recipe]

@@ -1,11 +1,13 @@
 """Ray Tune sweeps over dotted config keys.
 
-A search space is data (:class:`Space`): a grid over config keys plus constraints that remove invalid
-combinations before any trial starts. Each trial is the same launch as a training job: a TorchTrainer
-(DeepSpeed, N workers) run inside a Tune function trainable, its reports forwarded to Tune by
-``TuneReportCallback`` (the Ray 2.60 pattern: ``Tuner(TorchTrainer)`` no longer works). ASHA stops
-bad trials early on validation bits-per-byte. Every trial is an MLflow run, child of the sweep's
-parent run, which gets the results table, the best config and a plot.
+A search space is data (:class:`Space`): a grid over config keys. Grid points the run config rejects
+(the same validation a job runs: ``Config.validate``, the attention backend's and the task's checks) are
+left out before any trial starts, each reason printed. Each trial is the same launch as a training job: a
+TorchTrainer (DeepSpeed, N workers) run inside a Tune function trainable, its reports forwarded to Tune by
+``TuneReportCallback`` (the Ray 2.60 pattern: ``Tuner(TorchTrainer)`` no longer works). Any family can be
+swept: the objective is its task's headline metric (``Task.metric`` / ``Task.mode``: the LM's validation
+bits per byte, the dVAE's and DALL-E's validation loss), on which ASHA stops bad trials early. Every trial
+is an MLflow run, child of the sweep's parent run, which gets the results table, the best config and a plot.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import operator
 import random
 import tempfile
 import time
@@ -24,25 +25,14 @@ from typing import Any
 from efftx import paths, recipes
 from efftx.config import Config
 from efftx.errors import ConfigError, LaunchError
-
-METRIC = "val_bpb"
-
-# Relations a constraint may use: (relation, key_a, key_b) keeps points where relation(a, b) holds.
-# Keys name swept keys or any key of the base config.
-RELATIONS = {
-    "<=": operator.le,
-    "<": operator.lt,
-    "divides": lambda a, b: a != 0 and b % a == 0,
-    "multiple_of": lambda a, b: b != 0 and a % b == 0,
-}
+from efftx.train.tasks import get as get_task, validate_run
 
 
 @dataclass(frozen=True)
 class Space:
     description: str
-    recipe: str  # default base recipe
-    grid: dict[str, list]  # dotted key -> values
-    constraints: tuple[tuple[str, str, str], ...] = field(default_factory=tuple)
+    recipe: str  # default base recipe (its model.family's task gives the metric)
+    grid: dict[str, list] = field(default_factory=dict)  # dotted key -> values
 
 
 SPACES: dict[str, Space] = {
@@ -50,8 +40,6 @@ SPACES: dict[str, Space] = {
         description="Sinkhorn bucket size x number of local-attention heads",
         recipe="sinkhorn_debug",
         grid={"attention.sinkhorn.bucket_size": [8, 16, 32], "attention.sinkhorn.n_local_attn_heads": [0, 2]},
-        constraints=(("<=", "attention.sinkhorn.n_local_attn_heads", "model.heads"),
-                     ("<=", "attention.sinkhorn.bucket_size", "data.seq_len")),
     ),
     "performer_features": Space(
         description="Performer random features x feature redraw interval",
@@ -59,17 +47,26 @@ SPACES: dict[str, Space] = {
         grid={"attention.performer.nb_features": [16, 64, 256],
               "attention.performer.feature_redraw_interval": [0, 10]},
     ),
-    # The recipe's compress_stride=0 ties the stride to the compressed block (as in the seed), so the config's
-    # "selection block a multiple of the stride" rule reads selection_block_size multiple_of compress_block_size.
+    # The recipe's compress_stride=0 ties the stride to the compressed block (as in the seed): the NSA options'
+    # validation then drops points whose selection block is not a multiple of the compressed block, and
+    # GQA's drops kv_heads that do not divide the heads.
     "nsa_blocks": Space(
         description="NSA compressed block x selection block x selected blocks x window x kv heads (of 4 heads)",
         recipe="nsa_debug",
         grid={"attention.nsa.compress_block_size": [4, 8, 16], "attention.nsa.selection_block_size": [8, 16],
               "attention.nsa.num_selected_blocks": [1, 2, 4], "attention.nsa.sliding_window_size": [8, 32],
               "model.kv_heads": [1, 2, 4]},
-        constraints=(("multiple_of", "attention.nsa.selection_block_size", "attention.nsa.compress_block_size"),
-                     ("divides", "model.kv_heads", "model.heads"),
-                     ("<=", "attention.nsa.sliding_window_size", "data.seq_len")),
+    ),
+    "dvae_codebook": Space(
+        description="dVAE codebook size x hidden width (objective: validation loss)",
+        recipe="dvae_shapes_debug",
+        grid={"vae.num_tokens": [32, 64, 128], "vae.hidden_dim": [16, 32]},
+    ),
+    # DALL-E trains on a trained dVAE: --set dalle.vae_path=EXPORT (e.g. the export of a dvae_shapes_debug run).
+    "dalle_layers": Space(
+        description="DALL-E attention layout x depth (objective: validation loss)",
+        recipe="dalle_shapes_debug",
+        grid={"dalle.attn_types": ["full", "full,axial_row", "axial_row,axial_col,conv_like"], "model.depth": [2, 4]},
     ),
 }
 
@@ -80,28 +77,29 @@ def get_space(name: str) -> Space:
     return SPACES[name]
 
 
-def points(space: Space, base: Config) -> list[dict[str, Any]]:
-    """Every grid point that satisfies the space's constraints, each checked against the config."""
+def points(space: Space, base: Config, log=print) -> list[dict[str, Any]]:
+    """Every grid point the run config accepts (``validate_run``: the config's, the attention backend's and the
+    task's checks), in grid order. Rejected points are left out, each logged with its reason; a grid with no
+    valid point is a ConfigError giving the first reason."""
     keys = list(space.grid)
     for key in keys:
         base.get(key)  # unknown key -> ConfigError naming it
-    for relation, *_ in space.constraints:
-        if relation not in RELATIONS:
-            raise ConfigError(f"constraint relation {relation!r} is unknown; use one of {', '.join(RELATIONS)}")
-    out = []
+    out, rejected = [], []
     for values in itertools.product(*(space.grid[k] for k in keys)):
         point = dict(zip(keys, values))
         cfg = base.copy().override(point)
-
-        def value(key):
-            return point[key] if key in point else cfg.get(key)
-
-        if all(RELATIONS[rel](value(a), value(b)) for rel, a, b in space.constraints):
-            cfg.name = cfg.name or "check"
-            cfg.validate()  # a point the constraints let through must be a valid run
-            out.append(point)
+        cfg.name = cfg.name or "check"
+        try:
+            validate_run(cfg)
+        except ConfigError as exc:
+            rejected.append((point, str(exc)))
+            continue
+        out.append(point)
+    for point, why in rejected:
+        log(f"[efftx] search space: left out {point}: {why}")
     if not out:
-        raise ConfigError("the search space has no valid point under its constraints")
+        raise ConfigError(f"the search space has no valid point: {rejected[0][1]}" if rejected else
+                          "the search space is empty")
     return out
 
 
@@ -141,6 +139,8 @@ def sweep(space_name: str, *, recipe: str | None = None, samples: int = 0, max_c
     sweep_name = name or f"{space_name}-{time.strftime('%Y%m%d-%H%M%S')}"
     base.name = sweep_name
     base = resolve(base)
+    task = get_task(base.model.family)
+    metric, mode = task.metric, task.mode
     chosen = choose(points(space, base), samples, base.train.seed)
 
     ensure_ray()
@@ -167,7 +167,7 @@ def sweep(space_name: str, *, recipe: str | None = None, samples: int = 0, max_c
         tune.with_resources(_trial, {"cpu": 0.01}),  # the trial only waits on its TorchTrainer's workers
         param_space={"base": base.to_dict(), "sweep": sweep_name, "parent_run_id": parent.run_id,
                      "overrides": tune.grid_search(chosen)},
-        tune_config=tune.TuneConfig(metric=METRIC, mode="min", scheduler=scheduler, max_concurrent_trials=concurrent),
+        tune_config=tune.TuneConfig(metric=metric, mode=mode, scheduler=scheduler, max_concurrent_trials=concurrent),
         run_config=tune.RunConfig(name=sweep_name, storage_path=str(paths.home() / "tune"), verbose=0),
     )
     grid = tuner.fit()
@@ -178,32 +178,33 @@ def sweep(space_name: str, *, recipe: str | None = None, samples: int = 0, max_c
         status = "error" if result.error else "complete" if m.get("step") == t.steps else "stopped early"
         if m.get("trial_id"):
             trial_status[f"{sweep_name}-{m['trial_id']}"] = status  # the trial's MLflow run name (see _trial)
-        rows.append({**result.config["overrides"], METRIC: m.get(METRIC), "tokens_per_s": m.get("tokens_per_s"),
+        rows.append({**result.config["overrides"], metric: m.get(metric), "tokens_per_s": m.get("tokens_per_s"),
                      "step": m.get("step"), "status": status,
                      "error": str(result.error).strip().splitlines()[-1][:200] if result.error else ""})
     _close_trial_runs(parent, trial_status)
-    finished = [r for r in rows if r[METRIC] is not None and not r["error"]]
+    finished = [r for r in rows if r[metric] is not None and not r["error"]]
     if not finished:
         parent.finish("FAILED")
         raise LaunchError(f"sweep {sweep_name}: no trial finished; first error: {rows[0]['error'] if rows else 'none'}")
     # ASHA-stopped trials report from an earlier step: compare like with like, completed trials first
     complete = [r for r in finished if r["status"] == "complete"]
-    best = min(complete or finished, key=lambda r: r[METRIC])
+    best = (min if mode == "min" else max)(complete or finished, key=lambda r: r[metric])
     keys = list(space.grid)
-    table = format_table(rows, keys)
+    table = format_table(rows, keys, metric, mode)
     print(table, flush=True)
 
     with tempfile.TemporaryDirectory() as tmp:
         plot = Path(tmp) / f"{space_name}.png"
-        plot_results(rows, keys, plot, title=f"{space_name} ({base.recipe})")
+        plot_results(rows, keys, plot, title=f"{space_name} ({base.recipe})", metric=metric)
         (Path(tmp) / "results.json").write_text(json.dumps(rows, indent=2))
         parent.log_artifacts(tmp, "sweep")
     parent.log_text(table, "sweep/results.txt")
-    parent.log_metrics({f"best_{METRIC}": best[METRIC]}, step=0)
+    parent.log_metrics({f"best_{metric}": best[metric]}, step=0)
     parent.client.log_param(parent.run_id, "sweep.best", json.dumps({k: best[k] for k in keys}))
     parent.finish("FINISHED")
     return {"sweep": sweep_name, "space": space_name, "trials": len(rows), "finished": len(finished),
-            "best": {k: best[k] for k in keys}, f"best_{METRIC}": best[METRIC],
+            "metric": metric, "mode": mode,
+            "best": {k: best[k] for k in keys}, f"best_{metric}": best[metric],
             "mlflow_parent_run_id": parent.run_id, "tracking_uri": base.tracking.uri,
             "plot_artifact": f"sweep/{space_name}.png"}
 
@@ -222,8 +223,9 @@ def _close_trial_runs(parent, trial_status: dict[str, str]) -> None:
             parent.client.set_terminated(child.info.run_id, status="FINISHED" if complete else "KILLED")
 
 
-def format_table(rows: list[dict], keys: list[str]) -> str:
-    cols = keys + [METRIC, "tokens_per_s", "step", "status", "error"]
+def format_table(rows: list[dict], keys: list[str], metric: str, mode: str = "min") -> str:
+    """The results, best first."""
+    cols = keys + [metric, "tokens_per_s", "step", "status", "error"]
     short = {k: k.split(".")[-1] for k in cols}
 
     def cell(v):
@@ -231,14 +233,16 @@ def format_table(rows: list[dict], keys: list[str]) -> str:
             return f"{v:,.4f}" if abs(v) < 100 else f"{v:,.0f}"
         return "" if v is None else str(v)[:40]
 
-    body = [[cell(r.get(c)) for c in cols] for r in sorted(rows, key=lambda r: (r[METRIC] is None, r[METRIC] or 0))]
+    sign = 1 if mode == "min" else -1
+    ranked = sorted(rows, key=lambda r: (r[metric] is None, sign * (r[metric] or 0)))
+    body = [[cell(r.get(c)) for c in cols] for r in ranked]
     widths = [max(len(short[c]), *(len(b[i]) for b in body)) for i, c in enumerate(cols)]
     lines = ["  ".join(short[c].ljust(w) for c, w in zip(cols, widths))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(b, widths)) for b in body]
     return "\n".join(lines)
 
 
-def plot_results(rows: list[dict], keys: list[str], out: Path, title: str) -> None:
+def plot_results(rows: list[dict], keys: list[str], out: Path, title: str, metric: str) -> None:
     """Metric against the first swept key, one line per combination of the other keys."""
     import matplotlib
 
@@ -249,11 +253,11 @@ def plot_results(rows: list[dict], keys: list[str], out: Path, title: str) -> No
     fig, ax = plt.subplots(figsize=(6, 4))
     groups: dict[tuple, list[tuple]] = {}
     for r in rows:
-        if r[METRIC] is not None and not math.isnan(r[METRIC]):
-            groups.setdefault(tuple(r[k] for k in other), []).append((r[x_key], r[METRIC], r.get("status")))
+        if r[metric] is not None and not math.isnan(r[metric]):
+            groups.setdefault(tuple(r[k] for k in other), []).append((r[x_key], r[metric], r.get("status")))
     for group, pts in sorted(groups.items(), key=lambda kv: str(kv[0])):
         pts.sort(key=lambda p: (p[0], p[1]))
-        label = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in zip(other, group)) or METRIC
+        label = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in zip(other, group)) or metric
         (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
         stopped = [p for p in pts if p[2] == "stopped early"]
         if stopped:  # hollow markers: ASHA stopped these trials, their value is from an earlier step
@@ -262,7 +266,7 @@ def plot_results(rows: list[dict], keys: list[str], out: Path, title: str) -> No
     if any(r.get("status") == "stopped early" for r in rows):
         ax.plot([], [], "o", fillstyle="none", color="gray", markersize=11, label="stopped early by ASHA")
     ax.set_xlabel(x_key)
-    ax.set_ylabel(f"validation {METRIC} (last report)")
+    ax.set_ylabel(f"validation {metric} (last report)")
     ax.set_title(title)
     if all(isinstance(r[x_key], (int, float)) and r[x_key] > 0 for r in rows):
         ax.set_xscale("log", base=2)

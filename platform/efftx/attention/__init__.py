@@ -9,48 +9,26 @@ for backends whose routing/gating depends on the input. A backend that decodes t
 owns its cache type: ``new_cache(batch, max_len, device, dtype)`` returns an object with a
 ``length`` (tokens seen) and ``rewind(n)`` (forget the last n tokens, for speculative decoding).
 
-Backends are chosen by ``attention.kind`` in the run config; the registry is the only place that
-maps a name to a class (no string if/elif chains elsewhere).
+Backends are chosen by ``attention.kind`` in the run config; the registry (registry.py) is the only place
+that maps a name to a class (no string if/elif chains elsewhere). A backend is one module of this package:
+it registers itself and its options dataclass (the config section ``attention.<name>``) with
+``@register(name, options=...)``, and importing this package imports every module in it, so adding a
+backend is adding its file.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 from efftx.attention.base import AttentionBackend, AttentionSpec
 from efftx.attention.cache import KVCache, ModelCache
-from efftx.errors import ConfigError
-
-_REGISTRY: dict[str, type[AttentionBackend]] = {}
-
-
-def register(name: str):
-    """Class decorator: ``@register("full")``."""
-
-    def deco(cls: type[AttentionBackend]) -> type[AttentionBackend]:
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"attention backend {name!r} registered twice")
-        _REGISTRY[name] = cls
-        cls.name = name
-        return cls
-
-    return deco
-
-
-def names() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def get(name: str) -> type[AttentionBackend]:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ConfigError(f"attention.kind={name!r} is not a registered backend; choose from {', '.join(names())}") from None
-
-
-def build(spec: AttentionSpec) -> AttentionBackend:
-    return get(spec.kind)(spec)
-
+from efftx.attention.registry import build, check, get, names, option_sections, register
 
 # Importing a backend module registers it.
-from efftx.attention import full, nsa, patterns, performer, sinkhorn  # noqa: E402,F401
+for _module in pkgutil.iter_modules(__path__):
+    if not _module.name.startswith("_"):
+        importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["AttentionBackend", "AttentionSpec", "KVCache", "ModelCache", "build", "get", "names", "register"]
+__all__ = ["AttentionBackend", "AttentionSpec", "KVCache", "ModelCache", "build", "check", "get", "names",
+           "option_sections", "register"]

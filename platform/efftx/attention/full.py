@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from efftx.attention import register
 from efftx.attention.base import AttentionBackend
 from efftx.attention.cache import KVCache
+from efftx.attention.registry import register
 
 
 def causal_offset_mask(t_q: int, t_k: int, device: torch.device) -> torch.Tensor:

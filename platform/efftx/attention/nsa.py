@@ -55,17 +55,17 @@ cache and drops the compressed blocks that lose a token. Rows of one cache stay 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from efftx.attention import register
 from efftx.attention.base import AttentionBackend, AttentionSpec
 from efftx.attention.cache import KVCache
 from efftx.attention.nsa_cpu import nsa_attention
-from efftx.config import NSAOptions
+from efftx.attention.registry import register
 from efftx.errors import ConfigError
 
 # Elements of the (B, H, query chunk, blocks) float32 scores held at once while selecting: 32 MiB on a CPU,
@@ -73,6 +73,53 @@ from efftx.errors import ConfigError
 _SCORE_CHUNK_CPU = 1 << 23
 _SCORE_CHUNK_ACCELERATOR = 1 << 27
 _TIE_BREAK = 1e-12  # per block index, added in float64: exact importance ties go to the most recent block
+
+
+@dataclass
+class NSAOptions:
+    """attention.kind=nsa: Native Sparse Attention (Yuan et al., 2025), see the module docstring."""
+
+    compress_block_size: int = 16  # tokens per compressed block
+    compress_stride: int = 0  # tokens between compressed block starts; 0 = compress_block_size (no overlap)
+    compress_mlp_mult: float = 1.0  # hidden width of the compression MLP / (compress_block_size x head_dim)
+    selection_block_size: int = 16  # tokens per selectable key block
+    num_selected_blocks: int = 4  # top-scored past blocks each query attends to, besides its own block
+    sliding_window_size: int = 64  # tokens (the query's own and the previous ones) of the window branch
+    impl: str = "auto"  # selected-block attention: auto (Triton on CUDA when possible) | triton | reference
+
+    @property
+    def stride(self) -> int:
+        return self.compress_stride or self.compress_block_size
+
+    def validate(self, spec: AttentionSpec) -> None:
+        """Checks of this section for a layer of ``spec``; errors name the keys."""
+        k = "attention.nsa."
+        positive = {"compress_block_size": self.compress_block_size, "selection_block_size": self.selection_block_size,
+                    "sliding_window_size": self.sliding_window_size, "compress_mlp_mult": self.compress_mlp_mult}
+        for key, value in positive.items():
+            if not value > 0:
+                raise ConfigError(f"{k}{key} must be > 0, got {value}")
+        for key, value in {"compress_stride": self.compress_stride, "num_selected_blocks": self.num_selected_blocks}.items():
+            if value < 0:
+                raise ConfigError(f"{k}{key} must be >= 0, got {value}")
+        if self.stride > self.compress_block_size:
+            raise ConfigError(f"{k}compress_stride={self.compress_stride} exceeds {k}compress_block_size="
+                              f"{self.compress_block_size}: tokens between blocks would never be compressed")
+        # The NSA paper's alignment (stride d divides the compressed block l and the selection block l'):
+        # compressed and selection blocks then start on one grid of d tokens.
+        for key in ("compress_block_size", "selection_block_size"):
+            if getattr(self, key) % self.stride:
+                raise ConfigError(f"{k}{key}={getattr(self, key)} must be a multiple of the compression stride "
+                                  f"({k}compress_stride, or {k}compress_block_size when the stride is 0) = {self.stride}")
+        impls = ("auto", "triton", "reference")
+        if self.impl not in impls:
+            raise ConfigError(f"{k}impl must be one of {', '.join(impls)}; got {self.impl!r}")
+        if self.impl == "triton":
+            if self.selection_block_size % 16:
+                raise ConfigError(f"{k}impl=triton needs {k}selection_block_size to be a multiple of 16, "
+                                  f"got {self.selection_block_size}")
+            if spec.head_dim > 128:
+                raise ConfigError(f"{k}impl=triton supports head dims up to 128 (model.head_dim), got {spec.head_dim}")
 
 
 def complete_blocks(length: int, block: int, stride: int) -> int:
@@ -222,14 +269,15 @@ class NSACache:
         self.blocks = min(self.blocks, complete_blocks(self.length, self.block, self.stride))
 
 
-@register("nsa")
+@register("nsa", options=NSAOptions)
 class NativeSparseAttention(AttentionBackend):
+    # overlapping compressed blocks (stride 4 < block 8), 2 of up to 3 past selection blocks, a short window
+    contract_options = {"compress_block_size": 8, "compress_stride": 4, "selection_block_size": 8,
+                        "num_selected_blocks": 2, "sliding_window_size": 6, "compress_mlp_mult": 0.5}
+
     def __init__(self, spec: AttentionSpec):
         super().__init__(spec)
-        opts = spec.options if spec.options is not None else NSAOptions()
-        opts.validate(spec.head_dim)
-        if spec.heads % spec.kv_heads:
-            raise ConfigError(f"model.heads={spec.heads} is not a multiple of model.kv_heads={spec.kv_heads}")
+        opts: NSAOptions = self.spec.options  # checked, defaults filled in
         if not spec.causal:
             raise ConfigError("attention.kind=nsa is causal only")
         self.opts = opts

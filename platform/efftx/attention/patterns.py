@@ -47,12 +47,51 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from efftx.attention import register
+import efftx.attention.registry as registry
 from efftx.attention.base import AttentionBackend, AttentionSpec
 from efftx.attention.cache import KVCache
+from efftx.attention.registry import register
 from efftx.errors import ConfigError
 
 STABLE_ALPHA = 32.0 ** 2
+
+
+@dataclass
+class ConvLikeOptions:
+    """attention.kind=conv_like, a DALL-E layer type (dalle.attn_types): an image token attends to every text
+    token and to the kernel_size x kernel_size window of image tokens ending at its own row and column
+    (above and to the left, itself included), ``dilation`` apart, as the original's convolution-like pattern."""
+
+    kernel_size: int = 5  # odd
+    dilation: int = 1
+
+    def validate(self, spec: AttentionSpec) -> None:
+        """Checks of this section; errors name the keys."""
+        for key, value in {"kernel_size": self.kernel_size, "dilation": self.dilation}.items():
+            if value < 1:
+                raise ConfigError(f"attention.conv_like.{key} must be >= 1, got {value}")
+        if self.kernel_size % 2 == 0:
+            raise ConfigError(f"attention.conv_like.kernel_size must be odd, got {self.kernel_size}")
+
+
+@dataclass
+class SparseOptions:
+    """attention.kind=sparse, a DALL-E layer type: a fixed block-sparse layout over the whole sequence (the
+    original used DeepSpeed's variable sparsity: global text blocks, a local window and random blocks)."""
+
+    block_size: int = 16  # tokens per block
+    local_blocks: int = 4  # an image token sees its own block and the local_blocks - 1 blocks before it
+    random_blocks: int = -1  # older blocks each query block also sees, drawn once from train.seed and the
+    #                          layer index; -1 = (blocks in the sequence) // 4, as the original; 0 = none
+
+    def validate(self, spec: AttentionSpec) -> None:
+        """Checks of this section; errors name the keys."""
+        for key, value in {"block_size": self.block_size, "local_blocks": self.local_blocks}.items():
+            if value < 1:
+                raise ConfigError(f"attention.sparse.{key} must be >= 1, got {value}")
+        if self.random_blocks < -1:
+            raise ConfigError(f"attention.sparse.random_blocks must be >= -1 (-1 = automatic), got "
+                              f"{self.random_blocks}")
 
 
 @dataclass(frozen=True)
@@ -90,11 +129,21 @@ class PatternAttention(AttentionBackend):
     requires_image_layout = True  # spec.options must be an ImageLayout (tests/test_dalle.py runs the contract)
 
     def __init__(self, spec: AttentionSpec):
-        super().__init__(spec)
         if not isinstance(spec.options, ImageLayout):
             raise ConfigError(f"attention kind {self.name!r} is a DALL-E image pattern: use it in dalle.attn_types "
                               f"of a DALL-E model, not as attention.kind of a language model")
-        self.layout = spec.options
+        super().__init__(spec)
+        self.layout: ImageLayout = self.spec.options
+
+    @classmethod
+    def check(cls, spec: AttentionSpec) -> AttentionSpec:
+        """As the base class, for the pattern's own options: inside the ImageLayout (a built layer), or bare
+        (Config.validate, which has no layout)."""
+        layout = spec.options
+        if not isinstance(layout, ImageLayout):
+            return super().check(spec)
+        inner = super().check(dataclasses.replace(spec, options=layout.options)).options
+        return dataclasses.replace(spec, options=dataclasses.replace(layout, options=inner))
 
     def image_allowed(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
         """Bool, broadcast over absolute query positions q (S, 1) and key positions k (1, S): may image
@@ -165,7 +214,7 @@ class AxialColAttention(PatternAttention):
         return self.coords(q)[1] == self.coords(k)[1]
 
 
-@register("conv_like")
+@register("conv_like", options=ConvLikeOptions)
 class ConvLikeAttention(PatternAttention):
     def image_allowed(self, q, k):
         opts = self.layout.options
@@ -177,7 +226,7 @@ class ConvLikeAttention(PatternAttention):
         return ok
 
 
-@register("sparse")
+@register("sparse", options=SparseOptions)
 class SparseAttention(PatternAttention):
     def _key(self) -> tuple:  # the random blocks depend on the seed and the layer
         return super()._key() + (self.spec.seed, self.spec.layer_index)
@@ -205,6 +254,4 @@ class SparseAttention(PatternAttention):
 
 def pattern_names() -> tuple[str, ...]:
     """Registered backends that need an :class:`ImageLayout` (the DALL-E patterns)."""
-    from efftx import attention
-
-    return tuple(n for n in attention.names() if getattr(attention.get(n), "requires_image_layout", False))
+    return tuple(n for n in registry.names() if getattr(registry.get(n), "requires_image_layout", False))

@@ -49,17 +49,37 @@ from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from efftx.attention import register
 from efftx.attention.base import AttentionBackend, AttentionSpec, is_recomputing
 from efftx.attention.cache import RowLengths
+from efftx.attention.registry import register
 from efftx.errors import ConfigError
 
 KEY_EXP_MAX = 50.0  # cap on a key feature's exponent: exp(50) * tokens stays far below float32 max
 EPS = 1e-6  # floor of the attention denominator phi(q)·z
+
+
+@dataclass
+class PerformerOptions:
+    """attention.kind=performer: FAVOR+ positive orthogonal random features (Choromanski et al., 2021)."""
+
+    nb_features: int = 256  # random features per head
+    feature_redraw_interval: int = 1000  # training forward passes between feature redraws; 0 = never
+    chunk_size: int = 128  # causal prefix sums are computed chunk by chunk (memory linear in T)
+
+    def validate(self, spec: AttentionSpec) -> None:
+        """Checks of this section; errors name the keys."""
+        if self.nb_features < 1:
+            raise ConfigError(f"attention.performer.nb_features={self.nb_features} must be >= 1")
+        if self.chunk_size < 1:
+            raise ConfigError(f"attention.performer.chunk_size={self.chunk_size} must be >= 1")
+        if self.feature_redraw_interval < 0:
+            raise ConfigError(f"attention.performer.feature_redraw_interval={self.feature_redraw_interval} "
+                              f"must be >= 0")
 
 
 def draw_seed(seed: int, layer_index: int, redraw: int) -> int:
@@ -382,26 +402,19 @@ class PerformerCache(RowLengths):
         self.z = kept_k.sum(1)
 
 
-@register("performer")
+@register("performer", options=PerformerOptions)
 class PerformerAttention(AttentionBackend):
     """FAVOR+ linear attention; see the module docstring."""
 
     supports_ragged = True
+    contract_options = {"nb_features": 32, "chunk_size": 8}  # several chunks at the contract's lengths
 
     def __init__(self, spec: AttentionSpec):
         super().__init__(spec)
-        opts = spec.options
-        self.nb_features = int(getattr(opts, "nb_features", 256))
-        self.redraw_interval = int(getattr(opts, "feature_redraw_interval", 1000))
-        self.chunk_size = int(getattr(opts, "chunk_size", 128))
-        if self.nb_features < 1:
-            raise ConfigError(f"attention.performer.nb_features={self.nb_features} must be >= 1")
-        if self.chunk_size < 1:
-            raise ConfigError(f"attention.performer.chunk_size={self.chunk_size} must be >= 1")
-        if self.redraw_interval < 0:
-            raise ConfigError(f"attention.performer.feature_redraw_interval={self.redraw_interval} must be >= 0")
-        if spec.heads % spec.kv_heads:
-            raise ConfigError(f"heads={spec.heads} is not a multiple of kv_heads={spec.kv_heads}")
+        opts: PerformerOptions = self.spec.options  # checked, defaults filled in
+        self.nb_features = opts.nb_features
+        self.redraw_interval = opts.feature_redraw_interval
+        self.chunk_size = opts.chunk_size
         self.register_buffer("projection", self.draw(0))  # (m, D)
         self.register_buffer("calls", torch.zeros((), dtype=torch.long))  # training forward passes
         # CPU: causal training/prefill runs the memory-lean autograd.Function (chunked_causal_favor); False =

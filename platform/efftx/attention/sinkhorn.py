@@ -40,18 +40,40 @@ hold new tokens only (a decode step recomputes its own bucket's queries, never a
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from efftx.attention import register
 from efftx.attention.base import AttentionBackend, AttentionSpec
 from efftx.attention.cache import KVCache
-from efftx.config import SinkhornOptions
+from efftx.attention.registry import register
 from efftx.errors import ConfigError
 
 _MASKED = -1e9  # log-space "zero" of the sort matrix: finite, so masked rows/columns stay NaN-free
+
+
+@dataclass
+class SinkhornOptions:
+    """attention.kind=sinkhorn: learned bucket sorting (Tay et al., 2020)."""
+
+    bucket_size: int = 64  # tokens per bucket; sequences are padded to a multiple inside the backend
+    n_local_attn_heads: int = 0  # heads doing local (windowed) attention instead of sorted-bucket attention
+    sinkhorn_iters: int = 8  # row/column normalisation rounds
+    temperature: float = 0.75  # of the sort scores before Sinkhorn normalisation
+
+    def validate(self, spec: AttentionSpec) -> None:
+        """Checks of this section for a layer of ``spec``; errors name the keys."""
+        if self.bucket_size < 1:
+            raise ConfigError(f"attention.sinkhorn.bucket_size={self.bucket_size} must be >= 1")
+        if not 0 <= self.n_local_attn_heads <= spec.heads:
+            raise ConfigError(f"attention.sinkhorn.n_local_attn_heads={self.n_local_attn_heads} must be "
+                              f"between 0 and model.heads={spec.heads}")
+        if self.sinkhorn_iters < 0:
+            raise ConfigError(f"attention.sinkhorn.sinkhorn_iters={self.sinkhorn_iters} must be >= 0")
+        if self.temperature <= 0:
+            raise ConfigError(f"attention.sinkhorn.temperature={self.temperature} must be > 0")
 
 
 def sort_mask(n_buckets: int, causal: bool, device=None) -> torch.Tensor:
@@ -104,22 +126,13 @@ class SortNet(nn.Module):
         return scores / math.sqrt(s.shape[-1])
 
 
-@register("sinkhorn")
+@register("sinkhorn", options=SinkhornOptions)
 class SinkhornAttention(AttentionBackend):
+    contract_options = {"bucket_size": 8, "n_local_attn_heads": 2}  # several buckets, both kinds of heads
+
     def __init__(self, spec: AttentionSpec):
         super().__init__(spec)
-        opts = spec.options if spec.options is not None else SinkhornOptions()
-        if opts.bucket_size < 1:
-            raise ConfigError(f"attention.sinkhorn.bucket_size={opts.bucket_size} must be >= 1")
-        if not 0 <= opts.n_local_attn_heads <= spec.heads:
-            raise ConfigError(f"attention.sinkhorn.n_local_attn_heads={opts.n_local_attn_heads} must be "
-                              f"between 0 and model.heads={spec.heads}")
-        if opts.sinkhorn_iters < 0:
-            raise ConfigError(f"attention.sinkhorn.sinkhorn_iters={opts.sinkhorn_iters} must be >= 0")
-        if opts.temperature <= 0:
-            raise ConfigError(f"attention.sinkhorn.temperature={opts.temperature} must be > 0")
-        if spec.heads % spec.kv_heads:
-            raise ConfigError(f"model.heads={spec.heads} is not a multiple of model.kv_heads={spec.kv_heads}")
+        opts: SinkhornOptions = self.spec.options  # checked, defaults filled in
         self.bucket_size = opts.bucket_size
         self.n_local = opts.n_local_attn_heads
         self.iters = opts.sinkhorn_iters

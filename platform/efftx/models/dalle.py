@@ -68,6 +68,7 @@ from efftx.errors import ConfigError
 from efftx.models.dvae import DiscreteVAE, numel
 from efftx.models.layers import MLP, Attention, Block, Rotary, Shared, make_norm
 from efftx.models.lm import LM
+from efftx.models.registry import register
 from efftx.models.reversible import ReversibleStack, run_blocks
 
 
@@ -158,20 +159,21 @@ class TokenTable(nn.Embedding):
 
 
 class DALLE(nn.Module):
-    """``DALLE(cfg, vae=None)``: from a run config (model.*, dalle.*, vae.*, attention.*). ``vae``: a trained
-    :class:`DiscreteVAE` whose config equals ``cfg.vae`` (default: a fresh one, to be loaded with the weights)."""
+    """``DALLE(model, attention, dalle, vae_cfg, seed=0, vae=None)``: from the model-only sections of a run config
+    (``model.*``, ``attention.*``, ``dalle.*``, ``vae.*``). ``vae``: a trained :class:`DiscreteVAE` whose config
+    equals ``vae_cfg`` (default: a fresh one, to be loaded with the weights). ``seed``: as :class:`LM`'s."""
 
-    def __init__(self, cfg, vae: DiscreteVAE | None = None):
+    def __init__(self, model, attention, dalle, vae_cfg, *, seed: int = 0, vae: DiscreteVAE | None = None):
         super().__init__()
-        m, dc = cfg.model, cfg.dalle
-        cfg.vae.validate()
-        self.cfg = cfg
+        m, dc = model, dalle
+        vae_cfg.validate()
+        self.model_cfg, self.attention_cfg, self.dalle_cfg, self.vae_cfg, self.seed = model, attention, dalle, vae_cfg, seed
         self.vocab_size = m.vocab_size  # caption ids, 0 = padding
         self.text_seq_len = n = dc.text_seq_len
         self.num_text_tokens = m.vocab_size + n  # + one padding token per caption position
-        self.fmap = cfg.vae.fmap_size
+        self.fmap = vae_cfg.fmap_size
         self.image_seq_len = self.fmap ** 2
-        self.num_image_tokens = cfg.vae.num_tokens
+        self.num_image_tokens = vae_cfg.num_tokens
         self.text_len = n + 1  # <bos> + caption: the text positions
         self.seq_len = self.max_seq_len = n + self.image_seq_len
         self.loss_img_weight = dc.loss_img_weight
@@ -187,7 +189,7 @@ class DALLE(nn.Module):
         self.text_pos = None if m.rotary else nn.Embedding(self.text_len, m.dim)
         self.image_row = nn.Embedding(self.fmap, m.dim)  # axial image positions
         self.image_col = nn.Embedding(self.fmap, m.dim)
-        self.blocks = nn.ModuleList(self._build_blocks(cfg))
+        self.blocks = nn.ModuleList(self._build_blocks())
         self.reversible = ReversibleStack(list(self.blocks)) if m.reversible else None
         self.norm = make_norm(m.norm, m.dim)
         self.text_head = None if m.tie_embeddings else nn.Linear(m.dim, self.num_text_tokens, bias=False)
@@ -195,21 +197,21 @@ class DALLE(nn.Module):
         self.apply(LM._init)  # the LMs' initialisation; before the dVAE joins, so a trained one is untouched
 
         if vae is None:
-            vae = DiscreteVAE(cfg.vae)
-        elif vae.cfg != cfg.vae:
+            vae = DiscreteVAE(vae_cfg)
+        elif vae.cfg != vae_cfg:
             raise ConfigError("the dVAE given to DALL-E has a different config than vae.* of the DALL-E config "
                               "(copy the dVAE export's vae section into the DALL-E config)")
         self.vae = vae.requires_grad_(False).eval()
 
-    def _build_blocks(self, cfg) -> list[Block]:
+    def _build_blocks(self) -> list[Block]:
         """One Block per layer of ``dalle.layer_plan``; shared attention / feed-forward modules are owned by
         the first layer of their id. Records each layer's Attention and MLP (``layer_attention``, ``layer_ff``)."""
-        m = cfg.model
+        m = self.model_cfg
         owned_attn: dict[str, Attention] = {}
         owned_ff: dict[str, MLP] = {}
         self.layer_attention, self.layer_ff, blocks = [], [], []
-        for i, (kind, attn_id, ff_id) in enumerate(cfg.dalle.layer_plan(m.depth)):
-            spec = self._spec(cfg, i, kind)
+        for i, (kind, attn_id, ff_id) in enumerate(self.dalle_cfg.layer_plan(m.depth)):
+            spec = self._spec(i, kind)
             attn_fn = Shared(owned_attn[attn_id]) if attn_id in owned_attn else owned_attn.setdefault(
                 attn_id, Attention(spec, self.rotary, m.dropout))
             ff_fn = Shared(owned_ff[ff_id]) if ff_id in owned_ff else owned_ff.setdefault(
@@ -223,11 +225,12 @@ class DALLE(nn.Module):
             self.layer_ff.append(owned_ff[ff_id])
         return blocks
 
-    def _spec(self, cfg, layer_index: int, kind: str) -> AttentionSpec:
-        spec = AttentionSpec.from_config(cfg, layer_index=layer_index, kind=kind)
+    def _spec(self, layer_index: int, kind: str) -> AttentionSpec:
+        spec = AttentionSpec.from_config(self.model_cfg, self.attention_cfg, layer_index=layer_index, kind=kind,
+                                         seed=self.seed)
         options = spec.options
         if getattr(attention.get(kind), "requires_image_layout", False):
-            options = ImageLayout(self.text_len, self.fmap, self.stable, getattr(cfg.attention, kind, None))
+            options = ImageLayout(self.text_len, self.fmap, self.stable, getattr(self.attention_cfg, kind, None))
         return dataclasses.replace(spec, max_seq_len=self.seq_len, options=options)
 
     def train(self, mode: bool = True):
@@ -344,3 +347,8 @@ class DALLE(nn.Module):
         heads = self.dim * (self.num_text_tokens * n + self.num_image_tokens * m) / seq_len
         spec = self.layer_attention[0].spec
         return 6 * (per_layer + heads) + 12 * len(self.blocks) * spec.heads * spec.head_dim * seq_len
+
+
+@register("dalle")
+def _build(cfg) -> DALLE:
+    return DALLE(cfg.model, cfg.attention, cfg.dalle, cfg.vae, seed=cfg.train.seed)

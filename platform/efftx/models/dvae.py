@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from efftx.config import VAEConfig
+from efftx.models.registry import register
 
 
 def numel(p: torch.Tensor) -> int:
@@ -202,3 +203,8 @@ class DiscreteVAE(nn.Module):
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """The train loop's MFU hook; a dVAE's unit of work is one image (``seq_len`` is not used)."""
         return self.flops_per_image()
+
+
+@register("dvae")
+def _build(cfg) -> DiscreteVAE:
+    return DiscreteVAE(cfg.vae)

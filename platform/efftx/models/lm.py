@@ -15,18 +15,24 @@ from torch import nn
 from efftx.attention.base import AttentionSpec
 from efftx.attention.cache import ModelCache
 from efftx.models.layers import Block, Rotary, make_norm
+from efftx.models.registry import register
 from efftx.models.reversible import ReversibleStack, run_blocks
 
 
 class LM(nn.Module):
-    def __init__(self, cfg):
+    """``LM(model, attention, seed=0)``: built from the model-only sections of a run config (``model.*`` and
+    ``attention.*``, :class:`efftx.config.ModelConfig` / ``AttentionConfig``), so an export's config, a test
+    or a benchmark rebuilds it without a run. ``seed`` seeds what backends draw at random (Performer
+    features); runs pass ``train.seed``."""
+
+    def __init__(self, model, attention, *, seed: int = 0):
         super().__init__()
-        m = cfg.model
-        self.cfg = cfg
+        m = model
+        self.model_cfg, self.attention_cfg, self.seed = model, attention, seed
         self.vocab_size = m.vocab_size
         self.max_seq_len = m.max_seq_len
         emb_dim = m.emb_dim or m.dim
-        spec0 = AttentionSpec.from_config(cfg)
+        spec0 = AttentionSpec.from_config(m, attention, seed=seed)
         self.embed = nn.Embedding(m.vocab_size, emb_dim)
         # factorised embedding: a small table, projected up to the model width (and back for the logits)
         self.emb_in = nn.Linear(emb_dim, m.dim, bias=False) if emb_dim != m.dim else None
@@ -34,7 +40,7 @@ class LM(nn.Module):
         self.rotary = Rotary(spec0.head_dim, m.max_seq_len, m.rotary_base) if m.rotary else None
         self.pos = None if m.rotary else nn.Embedding(m.max_seq_len, m.dim)
         self.blocks = nn.ModuleList(
-            Block(AttentionSpec.from_config(cfg, layer_index=i), m.norm, m.mlp_mult, self.rotary, m.dropout,
+            Block(AttentionSpec.from_config(m, attention, layer_index=i, seed=seed), m.norm, m.mlp_mult, self.rotary, m.dropout,
                   m.ff_chunks)
             for i in range(m.depth)
         )
@@ -92,3 +98,8 @@ class LM(nn.Module):
         lookups += self.embed.weight.numel() if self.head is not None else 0
         spec = self.blocks[0].attention.spec
         return 6 * (self.num_params() - lookups) + 12 * len(self.blocks) * spec.heads * spec.head_dim * seq_len
+
+
+@register("lm")
+def _build(cfg) -> LM:
+    return LM(cfg.model, cfg.attention, seed=cfg.train.seed)

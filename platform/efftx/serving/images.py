@@ -162,7 +162,7 @@ def as_image_request(**fields: Any) -> ImageRequest:
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=32)
 class ImageGenerator:
     def __init__(self, model: str, max_batch_size: int = 8, batch_wait_timeout_s: float = 0.05, device: str = "auto"):
-        from efftx.generate_images import DalleGenerator
+        from efftx.generation.text_to_image import DalleGenerator
 
         torch.set_num_threads(1)
         self.device = replica_device(device)  # efftx.serving.devices: CUDA when this replica was given a GPU

@@ -53,7 +53,7 @@ def mlflow_version(source: str) -> tuple[str | None, str | None]:
     if not source.startswith("models:/"):
         return None, None
     from efftx.errors import ExportError
-    from efftx.train.checkpoint import registered_version
+    from efftx.export import registered_version
 
     try:
         return registered_version(source)
@@ -62,9 +62,8 @@ def mlflow_version(source: str) -> tuple[str | None, str | None]:
         return name, version or None
 
 
-def model_card(role: str, model, source: str, model_id: str) -> ModelCard:
-    """The card of a loaded LM (``model.cfg`` is its run config)."""
-    cfg = model.cfg
+def model_card(role: str, model, cfg, source: str, model_id: str) -> ModelCard:
+    """The card of a loaded LM; ``cfg``: the run config of its export."""
     name, version = mlflow_version(source)
     return ModelCard(role=role, id=model_id, source=source, mlflow_model=name, mlflow_version=version,
                      recipe=cfg.recipe, parameters=sum(p.numel() for p in model.parameters()),

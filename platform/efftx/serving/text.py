@@ -1,7 +1,11 @@
 """Text generation on Ray Serve: base vs speculative decoding over HTTP.
 
-    serve run efftx.serving.text:build target=PATH [draft=PATH] [dalle=PATH]
+    serve run efftx.serving.text:build target=PATH [draft=PATH] [dalle=PATH] [key=value ...]
         (PATH: an export folder or models:/NAME/VERSION)
+    serve run serve/text.yaml
+
+The arguments are the typed fields of :class:`~efftx.serving.app_args.TextAppArgs` (a pydantic model: Ray Serve
+converts ``key=value`` strings and YAML values to the fields' types and refuses unknown arguments by name).
 
 Endpoints (FastAPI; OpenAPI docs at /docs and /openapi.json):
 
@@ -78,6 +82,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from efftx.generation.decode import decode_bytes, encode_text, iter_generate
 from efftx.generation.speculative import SpecStats, iter_speculative, iter_speculative_rows
+from efftx.serving.app_args import TextAppArgs
 from efftx.serving.continuous import Job, Sampling, Scheduler
 from efftx.serving.devices import replica_device, resolve_build_devices, with_gpus
 from efftx.serving.images import (ImageGenerator, ImageLimits, ImageRequest, OpenAIImageRequest, as_image_request,
@@ -181,7 +186,7 @@ class TextGenerator:
                  limits: dict[str, Any] | None = None, max_batch_size: int | None = None,
                  batch_wait_timeout_s: float | None = None, images=None, image_limits: dict[str, Any] | None = None,
                  device: str = "auto", batching: str = "continuous"):
-        from efftx.train.checkpoint import load_export, resolve_export
+        from efftx.export import load_export, resolve_export
 
         torch.set_num_threads(1)
         if batching not in BATCHING:
@@ -189,13 +194,14 @@ class TextGenerator:
         max_batch_size, batch_wait_timeout_s = batch_defaults(batching, max_batch_size, batch_wait_timeout_s)
         self.device = replica_device(device)  # efftx.serving.devices: CUDA when this replica was given a GPU
         self.target, self.target_cfg, _ = load_export(resolve_export(target), self.device)
-        self.draft = load_export(resolve_export(draft), self.device)[0] if draft else None
+        self.draft, draft_cfg, _ = load_export(resolve_export(draft), self.device) if draft else (None, None, None)
         if self.draft is not None and self.draft.vocab_size != self.target.vocab_size:
             raise ValueError("target and draft vocabularies differ")
         self.name = name or self.target_cfg.recipe
         self.sources = {"target": target, "draft": draft}
-        self.model_cards = [model_card("target", self.target, target, self.name)] + (
-            [model_card("draft", self.draft, draft, f"{self.name}-speculative")] if self.draft is not None else [])
+        self.model_cards = [model_card("target", self.target, self.target_cfg, target, self.name)] + (
+            [model_card("draft", self.draft, draft_cfg, draft, f"{self.name}-speculative")] if self.draft is not None
+            else [])
         self.limits = Limits(**(limits or {}))
         self.batching = {"mode": batching, "max_batch_size": int(max_batch_size),
                          "batch_wait_timeout_s": float(batch_wait_timeout_s)}
@@ -525,38 +531,37 @@ class TextGenerator:
         return StreamingResponse(events(), media_type="text/event-stream")
 
 
-def build(args: dict[str, str], *, text_deployment=TextGenerator, image_deployment=ImageGenerator) -> serve.Application:
-    """App builder for ``serve run efftx.serving.text:build target=... [draft=...] [dalle=...]`` and YAML configs.
+def build(args: TextAppArgs) -> serve.Application:
+    """App builder for ``serve run efftx.serving.text:build target=... [draft=...] [dalle=...]`` and YAML configs
+    (``import_path: efftx.serving.text:build``, ``args:`` a mapping).
 
-    Arguments are checked here, before any replica starts: ``device=cuda`` with no CUDA device in sight is a
-    ``ValueError`` naming ``device`` (see :func:`efftx.serving.devices.resolve_build_devices`).
+    The arguments are :class:`~efftx.serving.app_args.TextAppArgs`: Ray Serve validates them against it (the
+    annotation above) before calling this, converting the command line's strings to the fields' types; an unknown
+    argument or a bad value is a ``pydantic.ValidationError`` (a ``ValueError``) naming it. Called from Python it
+    takes a plain mapping too (validated the same way). Ray Serve calls a builder with exactly one parameter:
+    :func:`build_with` also takes the deployments to bind."""
+    return build_with(args)
+
+
+def build_with(args: TextAppArgs | dict[str, Any], *, text_deployment=TextGenerator,
+               image_deployment=ImageGenerator) -> serve.Application:
+    """The app for ``args`` (a :class:`~efftx.serving.app_args.TextAppArgs`, or a mapping validated into one).
+
+    Checked here, before any replica starts: ``device=cuda`` with no CUDA device in sight is a ``ValueError``
+    naming ``device`` (see :func:`efftx.serving.devices.resolve_build_devices`).
 
     ``text_deployment`` / ``image_deployment``: the deployments to bind (tests pass subclasses of these)."""
-    known = {"target", "draft", "name", "limits", "max_batch_size", "batch_wait_timeout_s", "dalle", "image_limits",
-             "image_max_batch_size", "image_batch_wait_timeout_s", "batching", "device", "num_gpus", "image_num_gpus"}
-    unknown = set(args) - known
-    if unknown or "target" not in args:
-        raise ValueError(f"arguments: target=PATH (required), draft=PATH, name=..., batching=continuous|static, "
-                         f"max_batch_size=N, batch_wait_timeout_s=S, limits=JSON, device=auto|cpu|cuda, num_gpus=G, "
-                         f"dalle=PATH, image_limits=JSON, image_max_batch_size=N, image_batch_wait_timeout_s=S, "
-                         f"image_num_gpus=G; got {sorted(args)}")
-
-    def as_dict(value):
-        return json.loads(value) if isinstance(value, str) else value
-
-    batching = str(args.get("batching") or "continuous").strip().lower()
-    if batching not in BATCHING:
-        raise ValueError(f"batching must be one of {', '.join(BATCHING)}; got {args.get('batching')!r}")
-    device, text_gpus, image_gpus = resolve_build_devices(args.get("device"), args.get("num_gpus"),
-                                                          args.get("image_num_gpus"))
-    max_batch_size, batch_wait_timeout_s = batch_defaults(batching, args.get("max_batch_size"),
-                                                          args.get("batch_wait_timeout_s"))
+    args = TextAppArgs.model_validate(args)  # a TextAppArgs is returned as it is
+    device, text_gpus, image_gpus = resolve_build_devices(args.device, args.num_gpus, args.image_num_gpus)
+    max_batch_size, batch_wait_timeout_s = batch_defaults(args.batching, args.max_batch_size,
+                                                          args.batch_wait_timeout_s)
     images = None
-    if args.get("dalle"):
+    if args.dalle:
         images = with_gpus(image_deployment, image_gpus).bind(
-            args["dalle"], int(args.get("image_max_batch_size", 8)),
-            float(args.get("image_batch_wait_timeout_s", 0.05)), device=device)
+            args.dalle, args.image_max_batch_size, args.image_batch_wait_timeout_s, device=device)
+    # the limits go to the replicas as plain mappings (the deployments' constructors build their own)
+    limits = None if args.limits is None else dataclasses.asdict(args.limits)
+    image_limits = None if args.image_limits is None else args.image_limits.model_dump()
     return with_gpus(text_deployment, text_gpus).bind(
-        args["target"], args.get("draft") or None, args.get("name"), as_dict(args.get("limits")),
-        max_batch_size, batch_wait_timeout_s, images, as_dict(args.get("image_limits")), device=device,
-        batching=batching)
+        args.target, args.draft, args.name, limits, max_batch_size, batch_wait_timeout_s, images, image_limits,
+        device=device, batching=args.batching)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -18,14 +17,10 @@ from typing import Any
 from efftx import paths
 from efftx.config import Config
 from efftx.errors import ConfigError, EfftxError, LaunchError
-from efftx.train.tasks import get as get_task
+from efftx.train.tasks import get as get_task, validate_run
 
 RUN_FILE = "efftx_run.json"  # in the Ray run folder: MLflow run id and the config of the first attempt
 
-# Keys that may differ when a run is resumed (everything else must match the original run).
-RESUMABLE_CHANGES = re.compile(
-    r"^(name|train\.(steps|log_every|eval_every|eval_batches|sample_.*|checkpoint_every|keep_checkpoints|"
-    r"max_failures|fail_at_step|fail_mode)|tracking\..*|speculative\..*|scaling\.(cpus_per_worker|storage_path|device)|data\.cache_dir)$")
 
 
 def default_run_name(recipe: str) -> str:
@@ -40,7 +35,7 @@ def resolve(cfg: Config) -> Config:
     cfg.tracking.uri = cfg.tracking.uri or paths.default_tracking_uri()
     cfg.scaling.storage_path = str(Path(cfg.scaling.storage_path or paths.default_storage_path()).expanduser().resolve())
     cfg.data.cache_dir = cfg.data.cache_dir or paths.default_data_dir()
-    return get_task(cfg.model.family).configure(cfg).validate()
+    return validate_run(get_task(cfg.model.family).configure(cfg))
 
 
 def run_dir(cfg: Config) -> Path:
@@ -54,7 +49,7 @@ def export_dir(cfg: Config) -> Path:
 def _check_resume_compatible(cfg: Config, previous: dict[str, Any]) -> None:
     old = Config.from_dict(previous).flat()
     new = cfg.flat()
-    changed = [f"{k}: {old[k]!r} -> {new[k]!r}" for k in new if old.get(k) != new[k] and not RESUMABLE_CHANGES.match(k)]
+    changed = [f"{k}: {old[k]!r} -> {new[k]!r}" for k in new if old.get(k) != new[k] and not cfg.resumable(k)]
     if changed:
         raise ConfigError(f"run '{cfg.name}' already exists with a different config, so it cannot be resumed "
                           f"({'; '.join(changed[:6])}). Use a new --run-name, or the original settings.")
@@ -174,9 +169,9 @@ def launch(cfg: Config, *, parent_run_id: str | None = None, callbacks: list | N
     return {
         "run_name": cfg.name,
         "recipe": cfg.recipe,
+        "family": cfg.model.family,
         "final_step": m.get("step"),
-        "val_loss": m.get("val_loss"),
-        "val_bpb": m.get("val_bpb"),
+        **task.summary(m),
         "tokens_per_s": m.get("tokens_per_s"),
         "peak_memory_mb": m.get("peak_memory_mb"),
         "mlflow_run_id": mlflow_run_id,

@@ -30,6 +30,8 @@ import torch.distributed as dist
 from efftx.config import Config
 from efftx.errors import NonFiniteLossError
 from efftx.flops import peak_flops
+from efftx import models
+from efftx.export import export as write_export
 from efftx.train import checkpoint
 from efftx.train import engine as engine_lib
 from efftx.train.tasks import batch_rng, get as get_task
@@ -121,7 +123,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
 
     task = get_task(cfg.model.family)(cfg, payload["prepared"])
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
-    model = task.build_model(cfg)
+    model = models.build(cfg)
     task.load_pretrained(model)  # weights this run does not train (DALL-E's frozen dVAE)
     engine, _, scheduler = engine_lib.initialize(model, cfg)
     dev = engine.device
@@ -244,7 +246,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         if rank == 0:
             meta = {"step": step, "tokens_seen": tokens_seen, "num_params": engine.module.num_params(),
                     "mlflow_run_id": payload["mlflow_run_id"], **last_eval}
-            checkpoint.export(engine.module, cfg, export_dir, meta, files=task.export_files())
+            write_export(engine.module, cfg, export_dir, meta, files=task.export_files())
     if tracker:
         tracker.log_artifacts(export_dir, "export")
         model_uri = tracker.register("export")

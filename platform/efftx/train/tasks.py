@@ -1,19 +1,9 @@
-"""Tasks: how a model family joins the one train loop.
+"""Tasks: how a model family joins the one train loop, and everything else that is family-specific.
 
-A Task turns the run config into a model and batches, a batch into a loss, a fixed validation set
-into metrics, and a model into samples. The loop knows nothing about text or images.
-
-    configure(cfg) -> cfg                     (driver, before validation: keys derived from elsewhere; default: none)
-    prepare(cfg) -> dict                      (driver, once: build/check data; plain data for workers)
-    Task(cfg, prepared)                       (each worker)
-    build_model(cfg) -> nn.Module             (static: an export's config alone rebuilds the model)
-    load_pretrained(model)                    (each worker, before training: weights the run does not train)
-    train_batch(step, micro, rank) -> batch   (a pure function of its arguments: resume is exact)
-    loss(model, batch) -> (loss, metrics)     (metrics: 0-d tensors, logged as means every log_every steps)
-    eval_batches(rank, world) -> [batch]      (this rank's share of the fixed validation set)
-    evaluate(model, batches) -> {name: mean}, weight   (runs on every rank; reports val_loss)
-    sample(model, step) -> ({artifact name: text | PNG bytes | Pillow image}, {metric: value})
-    export_files() -> {file name: text | bytes}   (saved beside the export's weights; default: none)
+A Task turns the run config into batches, a batch into a loss, a fixed validation set into metrics, and a
+model into samples; the loop, the launcher, Tune and the job scripts know nothing about text or images and
+ask the task (:class:`Task` is the whole contract). The model itself comes from the model registry
+(:func:`efftx.models.build`), so inference never imports this module.
 
 A batch is a tensor or a tuple / list / dict of tensors (the loop moves it with ``loop.to_device``).
 ``tokens_per_micro_batch`` is the unit of the loop's tokens/s and MFU (the model's ``flops_per_token``
@@ -24,10 +14,11 @@ Tasks: ``lm`` (:class:`LMTask`), ``dvae`` (:class:`DVAETask`), ``dalle`` (:class
 
 from __future__ import annotations
 
+import abc
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -36,6 +27,7 @@ import torch.nn.functional as F
 
 from efftx.data.bytes import ByteData, CorpusInfo, prepare as prepare_corpus
 from efftx.errors import ConfigError
+from efftx.export import TOKENIZER_FILE
 from efftx.generation.decode import decode_bytes, generate
 from efftx.generation.speculative import speculative_generate
 
@@ -58,30 +50,122 @@ def get(family: str) -> type["Task"]:
         raise ConfigError(f"model.family={family!r} has no task; choose from {', '.join(sorted(_TASKS))}") from None
 
 
+def names() -> list[str]:
+    return sorted(_TASKS)
+
+
+def validate_run(cfg):
+    """What every run config passes before it launches (or becomes a Tune trial): ``Config.validate``, then its
+    family's own checks (:meth:`Task.validate`). Returns ``cfg``."""
+    cfg.validate()
+    get(cfg.model.family).validate(cfg)
+    return cfg
+
+
 def batch_rng(seed: int, rank: int, step: int, micro: int) -> np.random.Generator:
     """The data RNG of one micro batch: a function of its coordinates, so a resumed run sees the same data."""
     return np.random.default_rng([seed, rank, step, micro])
 
 
-class Task:
-    name = "?"
+class Task(abc.ABC):
+    """The contract of a model family. Class-level (driver side, no instance):
+
+    * ``metric`` / ``mode``: the headline validation metric and whether lower or higher is better: what Tune
+      optimises and ASHA stops on, and the first number of the end-of-run summary.
+    * ``summary_metrics``: the validation metrics the end-of-run summary carries (:meth:`summary`).
+    * ``pretrained_key``: the config key naming a frozen pretrained export the model trains on ("" = none);
+      a job may train that export first (jobs/train_dalle.py).
+    * :meth:`configure` (keys derived from elsewhere, before validation), :meth:`validate` (family-only checks,
+      after ``Config.validate``), :meth:`prepare` (build/check data once; plain data for the workers),
+      :meth:`epilogue` (what a job prints after the run).
+
+    Per worker: ``Task(cfg, prepared)``, then :meth:`load_pretrained`, :meth:`train_batch` (a pure function of
+    its arguments, so resume is exact), :meth:`loss`, :meth:`eval_batches`, :meth:`evaluate`, :meth:`sample`,
+    :meth:`export_files`.
+    """
+
+    name: ClassVar[str] = "?"
+    metric: ClassVar[str] = "val_loss"
+    mode: ClassVar[str] = "min"
+    summary_metrics: ClassVar[tuple[str, ...]] = ("val_loss",)
+    pretrained_key: ClassVar[str] = ""
 
     def __init__(self, cfg, prepared: dict[str, Any]):
         self.cfg = cfg
         self.prepared = prepared
 
+    # ------------------------------------------------------------------ driver side
     @classmethod
     def configure(cls, cfg):
+        """Derive keys that come from elsewhere (DALL-E: ``vae.*`` from its dVAE export); default: none."""
         return cfg
 
     @classmethod
-    def prepare(cls, cfg) -> dict[str, Any]:  # pragma: no cover - interface
-        raise NotImplementedError
+    def validate(cls, cfg) -> None:
+        """Checks only this family needs, after ``Config.validate``; errors name the keys. Default: none."""
+
+    @classmethod
+    @abc.abstractmethod
+    def prepare(cls, cfg) -> dict[str, Any]:
+        """Build or check the data once, on the driver; returns plain data handed to every worker."""
+
+    @classmethod
+    def summary(cls, metrics: dict[str, Any]) -> dict[str, Any]:
+        """The family's part of the end-of-run summary: the headline metric and ``summary_metrics``."""
+        return {"metric": cls.metric, "mode": cls.mode,
+                **{k: metrics.get(k) for k in dict.fromkeys((cls.metric, *cls.summary_metrics))}}
+
+    @classmethod
+    def epilogue(cls, summary: dict[str, Any]) -> list[str]:
+        """Lines a job prints after the run: where the run and its export are, and what to do next."""
+        from efftx.tracking import ui_command
+
+        value = summary.get(cls.metric)
+        lines = [f"run:            {summary['run_name']} (step {summary['final_step']}"
+                 + (f", {cls.metric} {value:.4f}" if value is not None else "") + cls._speed(summary) + ")",
+                 f"MLflow run:     {summary['mlflow_run_id']} in {summary['tracking_uri']}",
+                 f"MLflow UI:      {ui_command(summary['tracking_uri'])}"]
+        if summary.get("registered_model"):
+            lines.append(f"registered as:  {summary['registered_model']}")
+        return lines + [f"exported model: {summary.get('export_path')}"]
+
+    @staticmethod
+    def _speed(summary: dict[str, Any]) -> str:
+        tok_s = summary.get("tokens_per_s")
+        return f", {tok_s:,.0f} tokens/s" if tok_s else ""
+
+    # ------------------------------------------------------------------ worker side
+    @property
+    @abc.abstractmethod
+    def tokens_per_micro_batch(self) -> int:
+        """The unit of tokens/s and MFU, per micro batch."""
 
     def load_pretrained(self, model) -> None:
-        pass
+        """Load weights the run does not train (before training, on each worker); default: none."""
+
+    @abc.abstractmethod
+    def train_batch(self, step: int, micro: int, rank: int) -> Any:
+        """The batch of (step, micro batch, rank): a pure function of its arguments (exact resume)."""
+
+    @abc.abstractmethod
+    def loss(self, model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(loss, metrics): metrics are 0-d tensors, logged as means every ``train.log_every`` steps."""
+
+    @abc.abstractmethod
+    def eval_batches(self, rank: int, world: int) -> list[Any]:
+        """This rank's share of the fixed validation set."""
+
+    @abc.abstractmethod
+    def evaluate(self, model, batches) -> tuple[dict[str, float], int]:
+        """({name: mean}, weight) over ``batches``; runs on every rank (may be collective); reports
+        ``val_loss`` and the task's ``metric``."""
+
+    @abc.abstractmethod
+    def sample(self, model, step: int) -> tuple[dict[str, Any], dict[str, float]]:
+        """({artifact name: text | PNG bytes | Pillow image}, {metric: value})."""
 
     def export_files(self) -> dict[str, str | bytes]:
+        """Files saved beside the export's weights; default: none."""
         return {}
 
 
@@ -97,11 +181,30 @@ def _synchronized_clock(device: torch.device) -> float:
 class LMTask(Task):
     """Next-byte prediction on a byte corpus; metrics in nats and bits per byte."""
 
+    metric = "val_bpb"
+    summary_metrics = ("val_loss", "val_bpb")
+
+    @classmethod
+    def epilogue(cls, summary: dict[str, Any]) -> list[str]:
+        """A sample from the export (prompt ``def ``), then the run, and how to generate more."""
+        from efftx.export import read_export_config
+        from efftx.generate import sample_text
+
+        export = summary.get("export_path")
+        lines = []
+        if export:
+            prompt = "def "
+            room = read_export_config(export)[0].model.max_seq_len - len(prompt)
+            text = sample_text(export, prompt=prompt, max_new_tokens=min(200, room), temperature=0.8, top_k=32, seed=0)
+            lines.append(f"\n--- sample from the exported model (prompt {prompt!r}) ---\n{prompt}{text}\n---")
+        return lines + super().epilogue(summary) + [
+            f"generate:       .venv/bin/python -m efftx.generate --model {export} --prompt 'def ' --max-new-tokens 200"]
+
     @classmethod
     def prepare(cls, cfg) -> dict[str, Any]:
         info = prepare_corpus(cfg.data.corpus, cfg.data.cache_dir, cfg.data.seq_len)
         if cfg.speculative.draft:  # a bad draft is a clear error now, not a crash at the first sample
-            from efftx.train.checkpoint import read_export_config
+            from efftx.export import read_export_config
 
             draft_cfg, _ = read_export_config(cfg.speculative.draft)
             if draft_cfg.model.vocab_size != cfg.model.vocab_size:
@@ -117,12 +220,6 @@ class LMTask(Task):
     @property
     def tokens_per_micro_batch(self) -> int:
         return self.cfg.train.micro_batch_size * self.seq_len
-
-    @staticmethod
-    def build_model(cfg):
-        from efftx.models.lm import LM
-
-        return LM(cfg)
 
     def train_batch(self, step: int, micro: int, rank: int) -> torch.Tensor:
         t = self.cfg.train
@@ -186,7 +283,7 @@ class LMTask(Task):
         if not path:
             return None
         if getattr(self, "_draft_model", None) is None:
-            from efftx.train.checkpoint import load_export
+            from efftx.export import load_export
 
             self._draft_model, _, _ = load_export(path, device)
         return self._draft_model
@@ -269,15 +366,16 @@ class DVAETask(_ImageTask):
     whole validation set (code histograms summed over ranks): ``val_perplexity``, ``val_dead_codes``.
     Samples: validation images beside their reconstructions, as one PNG grid. A "token" of tokens/s is an image."""
 
+    summary_metrics = ("val_loss", "val_recon_loss", "val_perplexity", "val_dead_codes")
+
+    @classmethod
+    def epilogue(cls, summary: dict[str, Any]) -> list[str]:
+        return super().epilogue(summary) + [
+            f"train DALL-E:   .venv/bin/python jobs/train_dalle.py --vae {summary.get('export_path')}"]
+
     @property
     def tokens_per_micro_batch(self) -> int:
         return self.cfg.train.micro_batch_size
-
-    @staticmethod
-    def build_model(cfg):
-        from efftx.models.dvae import DiscreteVAE
-
-        return DiscreteVAE(cfg.vae)
 
     def train_batch(self, step: int, micro: int, rank: int) -> dict[str, Any]:
         from efftx.models.dvae import temperature
@@ -338,7 +436,19 @@ class DALLETask(_ImageTask):
     Samples: images generated for validation captions (``train.sample_*``), with their captions, one PNG grid.
     """
 
-    TOKENIZER_FILE = "tokenizer.json"
+    summary_metrics = ("val_loss", "val_loss_text", "val_loss_img")
+    pretrained_key = "dalle.vae_path"
+
+    @classmethod
+    def validate(cls, cfg) -> None:
+        if cfg.model.emb_dim:
+            raise ConfigError("model.emb_dim (factorised embedding) is not supported by the DALL-E model; set it to 0")
+
+    @classmethod
+    def epilogue(cls, summary: dict[str, Any]) -> list[str]:
+        return super().epilogue(summary) + [
+            f"generate:       .venv/bin/python -m efftx.generate_images --model {summary.get('export_path')} "
+            f"--prompt 'a red circle on a blue background' --num-images 4 --out outputs"]
 
     @classmethod
     def _text_seq_len(cls, cfg) -> int:
@@ -348,7 +458,7 @@ class DALLETask(_ImageTask):
     def configure(cls, cfg):
         from efftx.data.text_tokens import load_tokenizer
         from efftx.errors import ExportError
-        from efftx.train.checkpoint import read_export_config
+        from efftx.export import read_export_config
 
         source = cfg.dalle.vae_path
         if not source:
@@ -367,7 +477,7 @@ class DALLETask(_ImageTask):
     def _vae_export(cfg) -> str:
         """The local folder of ``dalle.vae_path`` (a models:/ URI is downloaded); ExportError naming the key."""
         from efftx.errors import ExportError
-        from efftx.train.checkpoint import resolve_export
+        from efftx.export import resolve_export
 
         try:
             return str(resolve_export(cfg.dalle.vae_path, cfg.tracking.uri))
@@ -382,17 +492,11 @@ class DALLETask(_ImageTask):
     def tokens_per_micro_batch(self) -> int:
         return self.cfg.train.micro_batch_size * (self.cfg.dalle.text_seq_len + self.cfg.vae.image_seq_len)
 
-    @staticmethod
-    def build_model(cfg):
-        from efftx.models.dalle import DALLE
-
-        return DALLE(cfg)
-
     def load_pretrained(self, model) -> None:
         """The dVAE's trained weights into ``model.vae`` (from the driver's folder, or fetched again on a
         worker that cannot see it)."""
         from efftx.errors import ExportError
-        from efftx.train.checkpoint import load_export
+        from efftx.export import load_export
 
         folder = self.prepared["vae_export"]
         vae, vae_cfg, _ = load_export(folder if Path(folder).is_dir() else self._vae_export(self.cfg))
@@ -438,4 +542,4 @@ class DALLETask(_ImageTask):
         from efftx.data.text_tokens import HFTokenizer
 
         tokenizer = self.data.tokenizer
-        return {self.TOKENIZER_FILE: tokenizer.to_json()} if isinstance(tokenizer, HFTokenizer) else {}
+        return {TOKENIZER_FILE: tokenizer.to_json()} if isinstance(tokenizer, HFTokenizer) else {}

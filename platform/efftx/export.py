@@ -1,0 +1,149 @@
+"""Exports: what generation, Serve and the model registry load; no training code is imported here.
+
+An export is a folder of ``model.safetensors`` (fp32 weights, no pickle) + ``config.json`` (the run config
+and metadata), plus any files its task adds (DALL-E: ``tokenizer.json`` when it was trained with one), each
+written to a temp file and renamed into place. :func:`load_export` rebuilds the model from the first two
+files alone (through the model registry, :func:`efftx.models.build`). :func:`resolve_export` turns an export
+folder or an MLflow registered-model URI (``models:/NAME/VERSION``, ``/latest``, ``@ALIAS``) into a local folder.
+
+Exports written before the model registry existed load unchanged: their ``config.json`` holds the same keys.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from efftx.config import Config
+from efftx.errors import ExportError
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+TOKENIZER_FILE = "tokenizer.json"  # DALL-E exports trained with a tokenizers JSON carry it
+
+
+def atomic_write(path: str | Path, data: str | bytes) -> None:
+    """Write ``data`` to ``path`` through a temp file in the same folder + ``os.replace``: a reader sees the
+    old file or the whole new one, never a torn one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def export(model: torch.nn.Module, cfg: Config, out_dir: str | Path, meta: dict[str, Any],
+           files: dict[str, str | bytes] | None = None) -> Path:
+    """Write model.safetensors + config.json (+ ``files``: name -> text or bytes) into ``out_dir``
+    (replacing an older export)."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype).contiguous()
+               for k, v in model.state_dict().items()}
+    tmp = out / (WEIGHTS_FILE + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt", "efftx.recipe": cfg.recipe})
+    tmp.replace(out / WEIGHTS_FILE)
+    for name, content in (files or {}).items():
+        atomic_write(out / name, content)
+    atomic_write(out / CONFIG_FILE, json.dumps({"config": cfg.to_dict(), "meta": meta}, indent=2))
+    return out
+
+
+def resolve_export(source: str, tracking_uri: str = "") -> Path:
+    """A local export folder for ``source``: an export folder, or an MLflow registered model
+    ``models:/NAME/VERSION`` (or ``/latest``, or ``models:/NAME@ALIAS``) of ``tracking_uri`` ("" = the default), downloaded
+    once per process. Raises ExportError naming the problem (the folder is checked by :func:`read_export_config`)."""
+    path = _download_registered(source, tracking_uri) if source.startswith("models:/") else Path(source).expanduser()
+    read_export_config(path)
+    return path
+
+
+def registered_version(source: str, tracking_uri: str = "") -> tuple[str, str]:
+    """(name, version) of ``models:/NAME/VERSION``, ``models:/NAME/latest`` (the newest version) or
+    ``models:/NAME@ALIAS``, asked of the registry at ``tracking_uri`` ("" = the default). ExportError otherwise."""
+    from mlflow.exceptions import MlflowException
+
+    from efftx.paths import default_tracking_uri
+    from efftx.tracking import client_for
+
+    uri = tracking_uri or default_tracking_uri()
+    ref = source[len("models:/"):] if source.startswith("models:/") else ""
+    name, sep, version = ref.partition("@") if "@" in ref else ref.partition("/")
+    if not name or not sep or not version or "/" in version:
+        raise ExportError(f"{source!r} is not a registered-model URI: use models:/NAME/VERSION, models:/NAME/latest "
+                          "or models:/NAME@ALIAS")
+    try:
+        client = client_for(uri)
+        if "@" in ref:
+            version = client.get_model_version_by_alias(name, version).version
+        elif version == "latest":
+            versions = client.search_model_versions(f"name='{name}'")
+            if not versions:
+                raise ExportError(f"{source}: the MLflow registry at {uri} has no model {name!r}")
+            version = max(versions, key=lambda v: int(v.version)).version
+        return name, str(version)
+    except MlflowException as exc:
+        raise ExportError(f"cannot fetch {source} from the MLflow registry at {uri}: {exc.message}") from None
+
+
+@functools.lru_cache(maxsize=16)
+def _download_registered(source: str, tracking_uri: str) -> Path:
+    from mlflow.exceptions import MlflowException
+
+    from efftx.paths import default_tracking_uri
+    from efftx.tracking import client_for
+
+    uri = tracking_uri or default_tracking_uri()
+    name, version = registered_version(source, uri)
+    try:
+        download_uri = client_for(uri).get_model_version_download_uri(name, version)
+        import mlflow
+
+        return Path(mlflow.artifacts.download_artifacts(artifact_uri=download_uri, tracking_uri=uri))
+    except MlflowException as exc:
+        raise ExportError(f"cannot fetch {source} from the MLflow registry at {uri}: {exc.message}") from None
+
+
+def read_export_config(path: str | Path) -> tuple[Config, dict[str, Any]]:
+    path = Path(path)
+    cfg_file = path / CONFIG_FILE
+    if not path.is_dir() or not cfg_file.is_file() or not (path / WEIGHTS_FILE).is_file():
+        raise ExportError(f"{path} is not an efftx export (expected a folder with {WEIGHTS_FILE} and {CONFIG_FILE})")
+    try:
+        blob = json.loads(cfg_file.read_text())
+        return Config.from_dict(blob["config"]), blob.get("meta", {})
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ExportError(f"{cfg_file} is not a valid efftx export config: {exc}") from None
+
+
+def load_export(path: str | Path, device: str | torch.device = "cpu") -> tuple[torch.nn.Module, Config, dict]:
+    """Rebuild the model of an export from its config and load its weights (strictly)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from efftx import models
+
+    cfg, meta = read_export_config(path)
+    model = models.build(cfg)
+    try:
+        state = load_file(str(Path(path) / WEIGHTS_FILE), device=str(device))
+    except (SafetensorError, OSError) as exc:
+        raise ExportError(f"cannot read {Path(path) / WEIGHTS_FILE}: {exc}") from None
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ExportError(f"weights in {path} do not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return model.to(device).eval(), cfg, meta

@@ -1,0 +1,110 @@
+"""The arguments of the text app (:func:`efftx.serving.text.build`), as a pydantic model.
+
+Ray Serve's documented way to take application arguments: the builder's one parameter is annotated with a
+pydantic model, and Serve validates the arguments against it before calling the builder, whichever way they
+come in:
+
+* ``serve run efftx.serving.text:build target=PATH max_batch_size=16 limits='{"max_new_tokens": 64}'``: every
+  value is a string; pydantic converts it to the field's type (``"16"`` -> 16; the JSON of ``limits`` /
+  ``image_limits`` is decoded by a validator below).
+* a config file's ``args:`` mapping (``serve run serve/text.yaml``, ``serve deploy``): YAML values, nested
+  mappings for the limits.
+* Python (tests, benchmarks): ``build(TextAppArgs(...))`` or ``build({...})`` with a plain dict, validated the
+  same way.
+
+An unknown argument is an error naming it (``extra="forbid"``), and so is every bad value (pydantic's
+``ValidationError``, a ``ValueError``: its message lists each bad argument's name, then what is wrong with it).
+An empty value (``draft=`` on the command line, ``batching:`` with no value in YAML) means "not given": the
+default applies. Checks that depend on the machine (``device=cuda`` with no CUDA device in sight) are made when
+the app is built (:func:`efftx.serving.devices.resolve_build_devices`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from efftx.serving.devices import DEVICES
+from efftx.serving.images import ImageLimits
+from efftx.serving.schemas import Limits
+
+Batching = Literal["continuous", "static"]
+Device = Literal["auto", "cpu", "cuda"]
+assert get_args(Device) == DEVICES, "Device and efftx.serving.devices.DEVICES disagree"
+
+_PATH = "an export folder or an MLflow registered-model URI (models:/NAME/VERSION or models:/NAME/latest)"
+
+
+class TextAppArgs(BaseModel):
+    """Arguments of ``efftx.serving.text:build``: the models, batching, devices and request limits."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    # ---------------------------------------------------------------- models
+    target: str = Field(min_length=1, description=f"The target model (required): {_PATH}.")
+    draft: str | None = Field(None, description=f"The draft model for speculative decoding: {_PATH}. Without it "
+                                                "only base decoding is served.")
+    name: str | None = Field(None, description="The model name of the OpenAI API (``<name>`` base, "
+                                               "``<name>-speculative`` speculative decoding); default: the "
+                                               "target's recipe.")
+    # ---------------------------------------------------------------- batching
+    batching: Batching = Field("continuous", description=(
+        "``continuous``: iteration-level scheduling, requests join the running batch at the next decoding step and "
+        "leave when they have their tokens. ``static``: ``@serve.batch`` groups requests and a batch is answered "
+        "when its longest request is done."))
+    max_batch_size: int | None = Field(None, gt=0, description=(
+        "continuous: the rows of a running batch (default 32); static: the requests of a batch (default 8)."))
+    batch_wait_timeout_s: float | None = Field(None, ge=0, description=(
+        "continuous: how long the first request of an idle replica waits for others to start with it (default 0); "
+        "static: ``@serve.batch``'s wait (default 0.02 s)."))
+    limits: Limits | None = Field(None, description=(
+        "Request limits of the text endpoints (:class:`efftx.serving.schemas.Limits`; unset fields keep their "
+        "defaults): a mapping, or its JSON text. GET /openapi.json states them as the bounds of the fields."))
+    # ---------------------------------------------------------------- devices
+    device: Device = Field("auto", description=(
+        "Where the models run. ``auto``: CUDA when the replica was given a GPU share and torch sees a CUDA device, "
+        "else the CPU. ``cuda`` with no CUDA device in sight fails when the app is built; without ``num_gpus`` / "
+        "``image_num_gpus`` it asks half a GPU per deployment."))
+    num_gpus: float | None = Field(None, ge=0, description=(
+        "The GPU share of each text replica (``ray_actor_options.num_gpus``; fractions let replicas share a GPU). "
+        "Not given: the deployment's own (none)."))
+    image_num_gpus: float | None = Field(None, ge=0, description="The GPU share of each image replica, like "
+                                                                 "``num_gpus``.")
+    # ---------------------------------------------------------------- images
+    dalle: str | None = Field(None, description=(
+        f"A DALL-E model: {_PATH}. With it the app serves POST /images/generate and /v1/images/generations from an "
+        "ImageGenerator deployment behind the text one."))
+    image_limits: ImageLimits | None = Field(None, description=(
+        "Request limits of the image endpoints (:class:`efftx.serving.images.ImageLimits`): a mapping, or its JSON "
+        "text."))
+    image_max_batch_size: int = Field(8, gt=0, description="The images deployment's ``@serve.batch`` size.")
+    image_batch_wait_timeout_s: float = Field(0.05, ge=0, description="The images deployment's ``@serve.batch`` "
+                                                                      "wait, in seconds.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_is_not_given(cls, data: Any) -> Any:
+        """``draft=`` (an empty string) or a YAML key with no value: the field's default. Unknown keys are kept,
+        so that they are still refused by name."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items()
+                    if not (k in cls.model_fields and (v is None or (isinstance(v, str) and not v.strip())))}
+        return data
+
+    @field_validator("batching", "device", mode="before")
+    @classmethod
+    def _normalized(cls, value: Any) -> Any:
+        return value.strip().lower() if isinstance(value, str) else value
+
+    @field_validator("limits", "image_limits", mode="before")
+    @classmethod
+    def _json_text(cls, value: Any) -> Any:
+        """The command line passes every argument as a string: the limits come as their JSON text."""
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not a JSON object ({exc}); for example '{{\"max_new_tokens\": 64}}'") from None
+        return value

@@ -1,0 +1,180 @@
+"""The text app's arguments (:class:`efftx.serving.app_args.TextAppArgs`), checked the ways Ray Serve passes them,
+without starting Ray: ``serve run efftx.serving.text:build key=value ...`` (strings), ``serve run serve/text.yaml``
+(a YAML mapping) and Python (a dict). The built application is read back without deploying it, as in
+tests/test_serve_devices.py."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+from typing import get_args
+
+import pytest
+import yaml
+from pydantic import ValidationError
+from ray._common.utils import import_attr  # what `serve run` imports the builder with
+from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+from ray.serve._private.build_app import build_app
+from ray.serve.schema import ServeDeploySchema
+from ray.serve.scripts import convert_args_to_dict
+
+from efftx.serving import text
+from efftx.serving.app_args import TextAppArgs
+from efftx.serving.images import ImageLimits
+from efftx.serving.schemas import Limits
+from efftx.serving.text import build
+
+YAML = Path(__file__).resolve().parents[1] / "serve" / "text.yaml"
+TEXT_INIT = ("target", "draft", "name", "limits", "max_batch_size", "batch_wait_timeout_s", "images", "image_limits")
+
+
+def serve_run(*cli_args: str):
+    """What ``serve run efftx.serving.text:build ARG...`` does before it deploys: Ray Serve's own parsing of the
+    ``key=value`` arguments and its builder call (which validates them against the builder's annotation)."""
+    return call_user_app_builder_with_args_if_necessary(import_attr("efftx.serving.text:build"),
+                                                        convert_args_to_dict(cli_args))
+
+
+def bound(app) -> dict:
+    """{name: (init args by name, init kwargs, ray_actor_options)} of a built app's deployments (the text one's
+    ``images`` argument, the bound image deployment, read as whether there is one)."""
+    textdep = app._bound_deployment
+    init = dict(zip(TEXT_INIT, textdep.init_args))
+    images, init["images"] = init["images"], init["images"] is not None
+    out = {"TextGenerator": (init, textdep.init_kwargs, textdep.ray_actor_options)}
+    if images is not None:
+        img = images._bound_deployment
+        out["ImageGenerator"] = (dict(zip(("model", "max_batch_size", "batch_wait_timeout_s"), img.init_args)),
+                                 img.init_kwargs, img.ray_actor_options)
+    return out
+
+
+def named(argument: str, message: str) -> str:
+    """A ``pytest.raises(match=...)`` pattern for pydantic's report of a bad ``argument`` (its dotted location on a
+    line of its own, then the message)."""
+    return rf"(?m)^{re.escape(argument)}\n  {re.escape(message)}"
+
+
+# ================================================================================ the command line
+def test_serve_run_converts_the_command_lines_strings_to_typed_arguments():
+    app = serve_run("target=/nowhere/target", "draft=/nowhere/draft", "name=tiny", "max_batch_size=16",
+                    "batch_wait_timeout_s=0.5", 'limits={"max_new_tokens": 64, "max_temperature": "1.5"}',
+                    "num_gpus=0.5", "dalle=/nowhere/dalle", "image_max_batch_size=4",
+                    "image_batch_wait_timeout_s=0.1", 'image_limits={"max_images": 2}', "batching=STATIC")
+    deps = bound(app)
+    init, kwargs, options = deps["TextGenerator"]
+    assert init["target"] == "/nowhere/target" and init["draft"] == "/nowhere/draft" and init["name"] == "tiny"
+    assert init["max_batch_size"] == 16 and type(init["max_batch_size"]) is int
+    assert init["batch_wait_timeout_s"] == 0.5 and type(init["batch_wait_timeout_s"]) is float
+    assert init["limits"] == {**vars(Limits()), "max_new_tokens": 64, "max_temperature": 1.5}
+    assert init["image_limits"] == ImageLimits(max_images=2).model_dump()
+    assert kwargs == {"device": "auto", "batching": "static"}  # normalized
+    assert options["num_gpus"] == 0.5
+    init, kwargs, options = deps["ImageGenerator"]
+    assert init == {"model": "/nowhere/dalle", "max_batch_size": 4, "batch_wait_timeout_s": 0.1}
+    assert type(init["max_batch_size"]) is int and "num_gpus" not in options
+    # and Serve's own build step (what `serve run` deploys) takes the app
+    assert sorted(d.name for d in build_app(app, name="text").deployments) == ["ImageGenerator", "TextGenerator"]
+
+
+def test_the_builder_is_what_serve_calls():
+    """Ray Serve calls a builder that has exactly one parameter, and converts the arguments only when that
+    parameter is annotated with a pydantic model (ray/serve/_private/api.py)."""
+    (param,) = inspect.signature(build).parameters.values()
+    assert param.annotation is TextAppArgs
+
+
+def test_an_unknown_argument_is_refused_by_name():
+    with pytest.raises(ValidationError, match=named("max_batch", "Extra inputs are not permitted")):
+        serve_run("target=/nowhere/target", "max_batch=16")
+    with pytest.raises(ValueError, match=named("bogus", "Extra inputs are not permitted")):
+        build({"target": "/nowhere/target", "bogus": ""})  # even empty
+    with pytest.raises(ValueError, match=named("limits.max_tokens", "Unexpected keyword argument")):
+        serve_run("target=/nowhere/target", 'limits={"max_tokens": 64}')
+    with pytest.raises(ValueError, match=named("image_limits.images", "Extra inputs are not permitted")):
+        build({"target": "/nowhere/target", "image_limits": {"images": 2}})
+
+
+def test_the_target_is_required():
+    with pytest.raises(ValidationError, match=named("target", "Field required")):
+        serve_run("draft=/nowhere/draft")
+
+
+@pytest.mark.parametrize("argument, value, message", [
+    ("batching", "dynamic", "Input should be 'continuous' or 'static'"),
+    ("device", "tpu", "Input should be 'auto', 'cpu' or 'cuda'"),
+    ("max_batch_size", "0", "Input should be greater than 0"),
+    ("max_batch_size", "2.5", "Input should be a valid integer"),
+    ("batch_wait_timeout_s", "-1", "Input should be greater than or equal to 0"),
+    ("batch_wait_timeout_s", "inf", "Input should be a finite number"),
+    ("num_gpus", "lots", "Input should be a valid number"),
+    ("image_num_gpus", "-0.5", "Input should be greater than or equal to 0"),
+    ("image_max_batch_size", "0", "Input should be greater than 0"),
+    ("image_batch_wait_timeout_s", "nan", "Input should be a finite number"),
+    ("limits", "{max_new_tokens: 64}", "Value error, not a JSON object"),
+    ("limits", "[64]", "Input should be a dictionary or an instance of Limits"),
+    ("limits.max_new_tokens", '{"max_new_tokens": "many"}', "Input should be a valid integer"),
+    ("image_limits", "{", "Value error, not a JSON object"),
+])
+def test_a_bad_value_is_refused_naming_its_argument(argument, value, message):
+    with pytest.raises(ValidationError, match=named(argument, message)):
+        serve_run("target=/nowhere/target", f"{argument.split('.')[0]}={value}")
+
+
+# ================================================================================ defaults
+def test_defaults_follow_the_batching_mode():
+    init, kwargs, _ = bound(build({"target": "/nowhere/target"}))["TextGenerator"]
+    assert (init["max_batch_size"], init["batch_wait_timeout_s"], kwargs["batching"]) == (32, 0.0, "continuous")
+    assert init["draft"] is None and init["name"] is None and not init["images"]
+    assert init["limits"] is None and init["image_limits"] is None  # the deployments' own defaults
+    init, kwargs, _ = bound(build({"target": "/nowhere/target", "batching": "static"}))["TextGenerator"]
+    assert (init["max_batch_size"], init["batch_wait_timeout_s"], kwargs["batching"]) == (8, 0.02, "static")
+    init, _, _ = bound(build({"target": "/nowhere/target", "batching": "static", "max_batch_size": 3}))["TextGenerator"]
+    assert (init["max_batch_size"], init["batch_wait_timeout_s"]) == (3, 0.02)
+
+
+def test_an_empty_value_means_not_given():
+    """``draft: ""`` or ``batching:`` with no value in YAML: the default, as before."""
+    app = build({"target": "/nowhere/target", "draft": "", "dalle": " ", "batching": None, "max_batch_size": "",
+                 "limits": "", "num_gpus": ""})
+    init, kwargs, options = bound(app)["TextGenerator"]
+    assert init["draft"] is None and not init["images"] and init["limits"] is None
+    assert (init["max_batch_size"], kwargs["batching"]) == (32, "continuous") and "num_gpus" not in options
+
+
+def test_a_model_instance_and_its_dict_build_the_same_app():
+    args = TextAppArgs(target="/nowhere/target", dalle="/nowhere/dalle", max_batch_size=4, limits=Limits(max_gamma=4))
+    assert bound(build(args)) == bound(build(args.model_dump(exclude_unset=True) | {"limits": {"max_gamma": 4}}))
+
+
+def test_the_model_matches_the_deployment_and_documents_every_argument():
+    assert get_args(TextAppArgs.model_fields["batching"].annotation) == text.BATCHING
+    undocumented = [name for name, field in TextAppArgs.model_fields.items() if not field.description]
+    assert not undocumented
+
+
+# ================================================================================ the YAML config
+def test_the_yaml_config_builds_as_serve_builds_it():
+    config = ServeDeploySchema.model_validate(yaml.safe_load(YAML.read_text()))  # how `serve run FILE` reads it
+    (application,) = config.applications
+    app = call_user_app_builder_with_args_if_necessary(import_attr(application.import_path), application.args)
+    init, kwargs, _ = bound(app)["TextGenerator"]
+    assert init["target"] == "models:/spec_target_small/latest" and kwargs["batching"] == "continuous"
+    assert init["images"]
+
+
+def test_the_yaml_configs_commented_out_arguments_are_valid_too():
+    """The config's commented-out examples (``# num_gpus: 0.5``, the limits) are arguments the model takes."""
+    out, depth = [], 0  # depth: the braces a flow mapping spread over comment lines has left open
+    for line in YAML.read_text().splitlines():
+        m = re.match(r"^      # (\w+): ", line)
+        if (m and m.group(1) in TextAppArgs.model_fields) or (depth > 0 and line.startswith("      # ")):
+            line = "      " + line[len("      # "):]
+            depth += line.count("{") - line.count("}")
+        out.append(line)
+    args = yaml.safe_load("\n".join(out))["applications"][0]["args"]
+    uncommented = {"num_gpus", "image_num_gpus", "device", "limits", "image_limits"}
+    assert uncommented <= set(args)
+    checked = TextAppArgs.model_validate(args)
+    assert checked.limits == Limits() and checked.image_limits == ImageLimits()  # "these are the defaults"
