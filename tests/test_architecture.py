@@ -209,12 +209,23 @@ def test_family_checks_run_with_the_config_checks():
 
 def test_resumable_keys_are_declared_by_their_sections():
     cfg = Config()
-    for key in ("name", "train.steps", "train.sample_images", "tracking.uri", "speculative.draft",
+    for key in ("name", "train.steps", "data.image.sample_images", "dalle.sample_cond_scale", "tracking.uri",
+                "speculative.draft",
                 "scaling.storage_path", "data.cache_dir"):
         assert cfg.resumable(key), key
     for key in ("model.dim", "train.lr", "train.seed", "attention.kind", "data.seq_len", "scaling.num_workers",
                 "vae.num_tokens", "engine.zero_stage"):
         assert not cfg.resumable(key), key
+
+
+def test_keys_that_moved_to_their_components_section_load_from_old_configs():
+    old = Config().to_dict()  # laid out as before the move: the three keys under train
+    del old["data"]["image"]["sample_images"], old["dalle"]["sample_filter_thres"], old["dalle"]["sample_cond_scale"]
+    old["train"].update({"sample_images": 7, "sample_filter_thres": 0.5, "sample_cond_scale": 3.0})
+    cfg = Config.from_dict(old)
+    assert (cfg.data.image.sample_images, cfg.dalle.sample_filter_thres, cfg.dalle.sample_cond_scale) == (7, 0.5, 3.0)
+    with pytest.raises(ConfigError, match="'train.sample_images' is now 'data.image.sample_images'"):
+        Config().override(["train.sample_images=2"])
 
 
 def test_models_build_from_model_only_sections():

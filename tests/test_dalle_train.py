@@ -115,12 +115,13 @@ def test_cosine_schedule_ignores_validation_losses():
     ("train.schedule", "step", "train.schedule must be one of cosine, plateau"),
     ("train.plateau_factor", "1.5", r"train.plateau_factor must be in \(0, 1\)"),
     ("train.plateau_patience", "-1", "train.plateau_patience must be >= 0"),
-    ("train.sample_filter_thres", "2", r"train.sample_filter_thres must be in \[0, 1\]"),
+    ("dalle.sample_filter_thres", "2", r"dalle.sample_filter_thres must be in \[0, 1\]"),
+    ("train.sample_filter_thres", "0.5", "config key 'train.sample_filter_thres' is now 'dalle.sample_filter_thres'"),
 ])
 def test_schedule_and_sample_keys_are_validated(key, value, match):
-    cfg = recipes.get("dvae_shapes_debug").override([f"{key}={value}"])
-    cfg.name = "x"
     with pytest.raises(ConfigError, match=match):
+        cfg = recipes.get("dvae_shapes_debug").override([f"{key}={value}"])
+        cfg.name = "x"
         cfg.validate()
 
 

@@ -87,6 +87,9 @@ class ImageDataConfig:
     shapes_n: int = 2048  # source=shapes: number of images
     shapes_size: int = 64  # source=shapes: image side in pixels
     shapes_seed: int = 0  # source=shapes: generator seed
+    sample_images: int = 4  # the first N validation images the dVAE reconstructs / captions DALL-E draws, per sample
+
+    RESUMABLE: ClassVar[frozenset[str]] = frozenset({"sample_images"})
 
     def validate(self) -> None:
         """Checks of this section; errors name the keys."""
@@ -104,6 +107,8 @@ class ImageDataConfig:
         if self.shapes_n < 1 or self.shapes_size < 8 or self.shapes_seed < 0:
             raise ConfigError(f"{k}shapes_n must be >= 1, {k}shapes_size >= 8 and {k}shapes_seed >= 0; got "
                               f"{self.shapes_n}, {self.shapes_size}, {self.shapes_seed}")
+        if self.sample_images < 1:
+            raise ConfigError(f"{k}sample_images must be >= 1, got {self.sample_images}")
 
 
 @dataclass
@@ -147,9 +152,6 @@ class TrainConfig:
     sample_length: int = 128
     sample_temperature: float = 0.8
     sample_top_k: int = 32
-    sample_images: int = 4  # image tasks: validation images the dVAE reconstructs / captions DALL-E draws, per sample
-    sample_filter_thres: float = 0.9  # DALL-E samples: top-k keeps the top (1 - thres) of image codes (the seed's 0.9)
-    sample_cond_scale: float = 1.0  # DALL-E samples: classifier-free guidance scale (1 = none)
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
     max_failures: int = 1  # worker failures Ray Train recovers from (restarts from the last checkpoint)
@@ -162,7 +164,7 @@ class TrainConfig:
     # and fault handling); every other key must match the run's first attempt (efftx.train.launch).
     RESUMABLE: ClassVar[frozenset[str]] = frozenset({
         "steps", "log_every", "eval_every", "eval_batches", "sample_every", "sample_prompt_len", "sample_length",
-        "sample_temperature", "sample_top_k", "sample_images", "sample_filter_thres", "sample_cond_scale",
+        "sample_temperature", "sample_top_k",
         "checkpoint_every", "keep_checkpoints", "max_failures", "fail_at_step", "fail_mode"})
 
 
@@ -277,8 +279,12 @@ class DalleConfig:
     shift_tokens: bool = False  # mix in features of the previous text token / the image tokens above and left
     stable_softmax: bool = False  # fp16-minded numerics, see efftx/models/dalle.py
     null_cond_prob: float = 0.0  # training: probability of dropping a caption (classifier-free guidance)
+    sample_filter_thres: float = 0.9  # samples: top-k keeps the top (1 - thres) of image codes (the seed's 0.9)
+    sample_cond_scale: float = 1.0  # samples: classifier-free guidance scale (1 = none)
     vae_path: str = ""  # the trained dVAE (export folder or models:/NAME/VERSION), frozen inside DALL-E; its vae.*
     #                     replace this config's at launch. "" = jobs/train_dalle.py trains one first
+
+    RESUMABLE: ClassVar[frozenset[str]] = frozenset({"sample_filter_thres", "sample_cond_scale"})
 
     def layer_plan(self, depth: int) -> list[tuple[str, str, str]]:
         """(attention type, attention id, feed-forward id) of each of ``depth`` layers; ids default to the
@@ -305,6 +311,10 @@ class DalleConfig:
             raise ConfigError(f"dalle.loss_img_weight must be >= 0, got {self.loss_img_weight}")
         if not 0 <= self.null_cond_prob <= 1:
             raise ConfigError(f"dalle.null_cond_prob must be in [0, 1], got {self.null_cond_prob}")
+        if not 0 <= self.sample_filter_thres <= 1:
+            raise ConfigError(f"dalle.sample_filter_thres must be in [0, 1], got {self.sample_filter_thres}")
+        if not self.sample_cond_scale >= 0:
+            raise ConfigError(f"dalle.sample_cond_scale must be >= 0, got {self.sample_cond_scale}")
         for kind in _csv("dalle.attn_types", self.attn_types):
             if kind not in attention.names():
                 raise ConfigError(f"dalle.attn_types: {kind!r} is not a registered attention backend; choose "
@@ -317,6 +327,15 @@ def _csv(key: str, text: str) -> list[str]:
     if not all(items):
         raise ConfigError(f"{key} must be a comma-separated list without empty items, got {text!r}")
     return items
+
+
+# Keys that moved to the section of the component that uses them: old key -> new key. Stored configs
+# (checkpoints, exports, run records) written before the move load with their values under the new keys.
+MOVED_KEYS = {
+    "train.sample_images": "data.image.sample_images",  # the image tasks' sample set (dVAE and DALL-E)
+    "train.sample_filter_thres": "dalle.sample_filter_thres",  # DALL-E's sampling
+    "train.sample_cond_scale": "dalle.sample_cond_scale",
+}
 
 
 @dataclass
@@ -347,7 +366,7 @@ class Config:
             raise ConfigError(f"a config must be a JSON object, got {type(data).__name__}")
         cfg = cls()
         for key, value in _flatten_dict(data).items():
-            cfg.set(key, value)
+            cfg.set(MOVED_KEYS.get(key, key), value)  # configs written before a key moved still load
         return cfg
 
     def to_json(self) -> str:
@@ -392,6 +411,8 @@ class Config:
             obj = getattr(obj, part)
             if not dataclasses.is_dataclass(obj):
                 break
+        if key in MOVED_KEYS:
+            raise ConfigError(f"config key '{key}' is now '{MOVED_KEYS[key]}'")
         close = difflib.get_close_matches(key, all_keys(), n=3, cutoff=0.6)
         hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
         raise ConfigError(f"unknown config key '{key}'{hint}")
@@ -429,7 +450,6 @@ class Config:
             "train.max_failures": t.max_failures, "train.fail_at_step": t.fail_at_step,
             "train.plateau_patience": t.plateau_patience, "train.plateau_cooldown": t.plateau_cooldown,
             "train.plateau_min_lr": t.plateau_min_lr, "train.plateau_threshold": t.plateau_threshold,
-            "train.sample_cond_scale": t.sample_cond_scale,
             "model.dropout": m.dropout, "attention.dropout": self.attention.dropout, "model.emb_dim": m.emb_dim,
         }
         for key, value in non_negative.items():
@@ -449,10 +469,6 @@ class Config:
         _choice("train.schedule", t.schedule, ("cosine", "plateau"))
         if not 0 < t.plateau_factor < 1:
             raise ConfigError(f"train.plateau_factor must be in (0, 1), got {t.plateau_factor}")
-        if t.sample_images < 1:
-            raise ConfigError(f"train.sample_images must be >= 1, got {t.sample_images}")
-        if not 0 <= t.sample_filter_thres <= 1:
-            raise ConfigError(f"train.sample_filter_thres must be in [0, 1], got {t.sample_filter_thres}")
         if not self.name:
             raise ConfigError("the run has no name (set 'name' or pass --run-name)")
         if "/" in self.name or self.name.startswith("."):

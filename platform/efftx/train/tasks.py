@@ -303,7 +303,7 @@ def _param_device(model) -> torch.device:
 class _ImageTask(Task):
     """What the dVAE and DALL-E tasks share: the image + caption data of ``data.image`` (efftx/data/images.py),
     sized by the model (``vae.image_size``, ``vae.channels``, and DALL-E's ``dalle.text_seq_len``), and a fixed
-    sample set (the first ``train.sample_images`` validation samples, the same on every rank)."""
+    sample set (the first ``data.image.sample_images`` validation samples, the same on every rank)."""
 
     @classmethod
     def _text_seq_len(cls, cfg) -> int:
@@ -340,8 +340,8 @@ class _ImageTask(Task):
         return self.data.val_batches(t.micro_batch_size, rank, world, limit=t.eval_batches * t.micro_batch_size)
 
     def _sample_set(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(images, captions) of the first ``train.sample_images`` validation samples (central crops)."""
-        n = self.cfg.train.sample_images
+        """(images, captions) of the first ``data.image.sample_images`` validation samples (central crops)."""
+        n = self.cfg.data.image.sample_images
         return self.data.val_batches(n, 0, 1, limit=n)[0]
 
     @staticmethod
@@ -532,8 +532,8 @@ class DALLETask(_ImageTask):
 
         t = self.cfg.train
         _, text = self._sample_set()
-        images, _ = generate_images(model, text.to(_param_device(model)), filter_thres=t.sample_filter_thres,
-                                    temperature=t.sample_temperature, cond_scale=t.sample_cond_scale, seed=t.seed + step)
+        images, _ = generate_images(model, text.to(_param_device(model)), filter_thres=self.cfg.dalle.sample_filter_thres,
+                                    temperature=t.sample_temperature, cond_scale=self.cfg.dalle.sample_cond_scale, seed=t.seed + step)
         captions = [decode_tokens(self.data.tokenizer, row) for row in text]
         picture = grid(images, captions, columns=4, cell=max(128, self.cfg.vae.image_size))
         return {f"samples/step_{step:06d}.png": png_bytes(picture)}, {}
