@@ -1,6 +1,9 @@
 """Resume is bit-exact end to end, where it is easiest to get wrong: Performer feature redraws on both sides of
-the resume point; Sinkhorn with attention and residual dropout (reversible layers recompute under a replayed
-RNG) trained with ZeRO-2 in bf16 (fp32 master weights partitioned in the optimizer).
+the resume point, its blocks activation-checkpointed (recomputed in backward, where the redraw counter must not
+count; the recipe's reversible stack is off for it); Sinkhorn with attention and residual dropout (reversible
+layers recompute under a replayed RNG) trained with ZeRO-2 in bf16 (fp32 master weights partitioned in the
+optimizer), from a DeepSpeed config file of its own (DeepSpeed's Adam by name, built by DeepSpeed, and WarmupLR
+still warming up across the resume point).
 
 Each case trains once through the real path (Ray Train TorchTrainer, 2 workers, DeepSpeed on CPU, MLflow) with
 an injected failure before step FAIL_AT (the Performer case raises in the worker, the other one kills the worker
@@ -15,13 +18,16 @@ restored, master weights rebuilt from bf16) changes them.
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from efftx import recipes
-from efftx.train.launch import launch
+from efftx.train.engine import lr_lambda
+from efftx.train.launch import launch, resolve
 
 pytestmark = pytest.mark.slow
 
@@ -31,10 +37,23 @@ STEPS, CHECKPOINT_EVERY, FAIL_AT = 9, 5, 8
 # twice).
 REDRAW_PASSES = 6
 
+# The Sinkhorn case brings its own DeepSpeed config (engine.deepspeed_config; the file wins): ZeRO-2 and bf16,
+# DeepSpeed's Adam by name (engine.optimizer=adam: L2 weight decay) with the seeds' betas / eps, and WarmupLR (log)
+# warming up over 8 steps, so the re-run steps 6 and 7 run at learning rates only a restored schedule gives.
+SINKHORN_DS_CONFIG = Path(os.environ["EFFTX_HOME"], "ds_config_sinkhorn.json")  # the tests' throwaway home
+SINKHORN_DS_CONFIG.write_text(json.dumps({
+    "zero_optimization": {"stage": 2}, "bf16": {"enabled": True},
+    "optimizer": {"type": "Adam", "params": {"lr": 3e-3, "betas": [0.8, 0.999], "eps": 1e-8, "weight_decay": 0.01,
+                                             "adam_w_mode": False}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3, "warmup_num_steps": 8}},
+}))
+
 CASES = {
-    "performer_redraws": ("performer_debug", {"attention.performer.feature_redraw_interval": REDRAW_PASSES}),
+    "performer_redraws_actckpt": ("performer_debug", {"attention.performer.feature_redraw_interval": REDRAW_PASSES,
+                                                      "model.reversible": False,
+                                                      "model.activation_checkpointing": True}),
     "sinkhorn_dropout_zero2_bf16": ("sinkhorn_debug", {"attention.dropout": 0.1, "model.dropout": 0.1,
-                                                       "engine.zero_stage": 2, "engine.precision": "bf16",
+                                                       "engine.deepspeed_config": str(SINKHORN_DS_CONFIG),
                                                        "train.fail_mode": "exit"}),
 }
 
@@ -74,7 +93,11 @@ def test_steps_rerun_after_resume_equal_their_first_run_exactly(ray_cluster, cas
         assert first == again, (step, first, again)
     run = Path(resumed["checkpoint"]).parent  # no orphaned checkpoint beyond train.keep_checkpoints (2)
     assert len([p for p in run.glob("checkpoint_*") if p.is_dir()]) == 2
-    if case == "performer_redraws":
+    # the schedule's step count came back too: the learning rate logged at the last step is the schedule's there
+    # (the re-run steps cannot show it: the optimizer state restores the current learning rate by itself)
+    cfg = resolve(case_cfg(case, "lr-check"))
+    assert history(resumed, "lr")[STEPS] == [pytest.approx(cfg.train.lr * lr_lambda(cfg)(STEPS))]
+    if case == "performer_redraws_actckpt":
         # every rank counted exactly the passes of the steps the run kept: the counter, and the features drawn
         # from it, came back from the checkpoint (not from zero, not from the failed attempt's extra passes)
         from efftx.attention.performer import PerformerAttention

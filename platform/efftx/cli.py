@@ -22,6 +22,9 @@ def parser(description: str, default_recipe: str | None) -> argparse.ArgumentPar
                    help="override a config key, e.g. --set train.lr=3e-4 (repeatable)")
     p.add_argument("--run-name", help="run name; re-using one resumes that run from its last checkpoint")
     p.add_argument("--workers", type=int, help="number of Ray Train workers (scaling.num_workers)")
+    p.add_argument("--deepspeed-config", metavar="PATH",
+                   help="a DeepSpeed config JSON (engine.deepspeed_config): its batch, clipping, precision, ZeRO "
+                        "stage, optimizer and scheduler replace the run config's (the file wins)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     return p
 
@@ -32,6 +35,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         cfg.name = args.run_name
     if args.workers is not None:
         cfg.scaling.num_workers = args.workers
+    if args.deepspeed_config:
+        cfg.engine.deepspeed_config = args.deepspeed_config
     return cfg
 
 
@@ -91,7 +96,8 @@ def train_dalle_main(argv: list[str] | None = None) -> int:
     p.add_argument("--vae-recipe", help="recipe of the dVAE trained first (default: the pair of --recipe)")
     p.add_argument("--vae-set", dest="vae_overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a key of the dVAE run only; --set keys of data.*, scaling.*, engine.*, "
-                        "tracking.uri and tracking.experiment apply to both runs, the others to DALL-E only")
+                        "tracking.uri and tracking.experiment apply to both runs, the others to DALL-E only; "
+                        "--deepspeed-config is DALL-E's (the dVAE's: --vae-set engine.deepspeed_config=PATH)")
     args = p.parse_args(argv)
 
     def work():
@@ -150,6 +156,8 @@ def train_speculative_main(argv: list[str] | None = None) -> int:
                    help="override a config key of both runs (repeatable)")
     p.add_argument("--run-name", help="runs <name>-draft and <name>-target; re-using it resumes them")
     p.add_argument("--workers", type=int)
+    p.add_argument("--deepspeed-config", metavar="PATH",
+                   help="a DeepSpeed config JSON for both runs (engine.deepspeed_config; the file wins)")
     args = p.parse_args(argv)
 
     def work():
@@ -162,6 +170,8 @@ def train_speculative_main(argv: list[str] | None = None) -> int:
             cfg.name = f"{name}-{role}"
             if args.workers is not None:
                 cfg.scaling.num_workers = args.workers
+            if args.deepspeed_config:
+                cfg.engine.deepspeed_config = args.deepspeed_config
             if role == "target":
                 cfg.speculative.draft = summaries["draft"]["export_path"]
             summaries[role] = launch(cfg)

@@ -14,8 +14,10 @@ Unknown keys and values of the wrong type are errors that name the key (and clos
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import functools
 import json
 import types
 import typing
@@ -45,7 +47,20 @@ class ModelConfig:
     tie_embeddings: bool = True
     emb_dim: int = 0  # 0 = dim; smaller = factorised token embedding (vocab x emb_dim, then emb_dim -> dim)
     reversible: bool = False  # reversible blocks: activation memory independent of depth
+    # Training keeps only each block's input and recomputes the block's forward in backward (same dropout
+    # masks; ~1/3 more compute): activation memory per block is one (B, T, dim) tensor. An alternative to reversible.
+    activation_checkpointing: bool = False
     ff_chunks: int = 1  # feed-forward applied to this many sequence chunks in turn (lower peak memory)
+
+    # Memory only, the same gradients (bit for bit on CPU, tests/test_activation_checkpointing.py): a run may
+    # resume with checkpointing turned on (or off).
+    RESUMABLE: ClassVar[frozenset[str]] = frozenset({"activation_checkpointing"})
+
+    def validate(self) -> None:
+        """Checks between model keys that need no other section; errors name the keys."""
+        if self.reversible and self.activation_checkpointing:
+            raise ConfigError("model.reversible and model.activation_checkpointing are alternatives (both save "
+                              "activation memory by recomputing blocks in backward); set one of them to false")
 
 
 # attention.kind and attention.dropout, then one section per registered backend that has options, named as
@@ -132,12 +147,18 @@ class TrainConfig:
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
+    eps: float = 1e-8  # Adam's epsilon
     grad_clip: float = 1.0  # 0 = no clipping
     # Learning-rate schedule after the warmup: "cosine" decays to lr * min_lr_ratio over the run; "plateau"
     # (the DALL-E seed's lr_decay, ReduceLROnPlateau) keeps lr and multiplies it by plateau_factor whenever
     # val_loss has not improved (by a relative plateau_threshold) for more than plateau_patience evaluations
-    # in a row, then waits plateau_cooldown evaluations; never below plateau_min_lr. See train/engine.py.
+    # in a row, then waits plateau_cooldown evaluations; never below plateau_min_lr. "warmup" / "warmup_decay" are
+    # DeepSpeed's WarmupLR (warmup from warmup_min_lr to lr, then constant) / WarmupDecayLR (then linear decay to
+    # warmup_min_lr at train.steps), step for step, with warmup_type "log" (DeepSpeed's default) or "linear";
+    # a DeepSpeed config's scheduler section sets them (train/ds_config.py). See train/engine.py.
     schedule: str = "cosine"
+    warmup_type: str = "linear"  # log: schedules warmup / warmup_decay only
+    warmup_min_lr: float = 0.0  # schedules warmup / warmup_decay only: the learning rate the warmup starts from
     plateau_factor: float = 0.5
     plateau_patience: int = 10  # evaluations (train.eval_every steps apart), not epochs as in the seed
     plateau_cooldown: int = 10
@@ -174,6 +195,15 @@ class EngineConfig:
     precision: str = "fp32"  # fp32 | bf16 | fp16 (CUDA only; dynamic loss scaling) | auto (fp16 on CUDA, else fp32)
     initial_scale_power: int = 16  # fp16 only: initial loss scale 2**power
     loss_scale_window: int = 1000  # fp16 only
+    # torch_adamw: torch's AdamW, built by efftx. adam | adamw | lamb: DeepSpeed's optimizer by name, built by
+    # DeepSpeed from its config (FusedAdam / FusedLamb on CUDA; on CPU adam / adamw are torch's Adam / AdamW
+    # through DeepSpeed's torch_adam option, and lamb is refused). See train/engine.py.
+    optimizer: str = "torch_adamw"
+    # A DeepSpeed config JSON (--deepspeed-config): read on the driver when the run resolves, its values are
+    # written into this config (the file wins; train/ds_config.py), so the path itself may change on resume.
+    deepspeed_config: str = ""
+
+    RESUMABLE: ClassVar[frozenset[str]] = frozenset({"deepspeed_config"})
 
 
 @dataclass
@@ -377,7 +407,7 @@ class Config:
         return _flatten_dict(self.to_dict())
 
     def copy(self) -> "Config":
-        return Config.from_dict(self.to_dict())
+        return copy.deepcopy(self)
 
     # ----------------------------------------------------------------- dotted access
     def get(self, key: str) -> Any:
@@ -435,7 +465,7 @@ class Config:
             "train.grad_accum": t.grad_accum, "train.log_every": t.log_every,
             "train.eval_every": t.eval_every, "train.eval_batches": t.eval_batches,
             "train.checkpoint_every": t.checkpoint_every, "train.keep_checkpoints": t.keep_checkpoints,
-            "scaling.num_workers": s.num_workers, "train.lr": t.lr,
+            "scaling.num_workers": s.num_workers, "train.lr": t.lr, "train.eps": t.eps,
             "scaling.cpus_per_worker": s.cpus_per_worker, "model.ff_chunks": m.ff_chunks,
             "speculative.gamma": self.speculative.gamma,
         }
@@ -451,6 +481,7 @@ class Config:
             "train.plateau_patience": t.plateau_patience, "train.plateau_cooldown": t.plateau_cooldown,
             "train.plateau_min_lr": t.plateau_min_lr, "train.plateau_threshold": t.plateau_threshold,
             "model.dropout": m.dropout, "attention.dropout": self.attention.dropout, "model.emb_dim": m.emb_dim,
+            "train.warmup_min_lr": t.warmup_min_lr,
         }
         for key, value in non_negative.items():
             if value < 0:
@@ -466,7 +497,22 @@ class Config:
         _choice("engine.precision", e.precision, ("fp32", "bf16", "fp16", "auto"))
         _choice("scaling.device", s.device, ("auto", "cpu", "cuda"))
         _choice("train.fail_mode", t.fail_mode, ("raise", "exit"))
-        _choice("train.schedule", t.schedule, ("cosine", "plateau"))
+        _choice("train.schedule", t.schedule, ("cosine", "plateau", "warmup", "warmup_decay"))
+        _choice("train.warmup_type", t.warmup_type, ("linear", "log"))
+        _choice("engine.optimizer", e.optimizer, ("torch_adamw", "adam", "adamw", "lamb"))
+        for key, beta in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):
+            if not 0 <= beta < 1:
+                raise ConfigError(f"{key} must be in [0, 1), got {beta}")
+        if t.schedule in ("warmup", "warmup_decay"):  # DeepSpeed's WarmupLR / WarmupDecayLR
+            if t.warmup_steps < 1:
+                raise ConfigError(f"train.schedule={t.schedule} needs train.warmup_steps >= 1 (DeepSpeed's "
+                                  f"warmup_num_steps), got {t.warmup_steps}")
+            if t.warmup_min_lr > t.lr:
+                raise ConfigError(f"train.warmup_min_lr={t.warmup_min_lr} exceeds train.lr={t.lr}")
+        elif t.warmup_type != "linear" or t.warmup_min_lr:
+            raise ConfigError(f"train.warmup_type and train.warmup_min_lr apply to train.schedule=warmup or "
+                              f"warmup_decay (DeepSpeed's WarmupLR / WarmupDecayLR); train.schedule={t.schedule} "
+                              f"warms up linearly from 0 (leave them at 'linear' and 0)")
         if not 0 < t.plateau_factor < 1:
             raise ConfigError(f"train.plateau_factor must be in (0, 1), got {t.plateau_factor}")
         if not self.name:
@@ -475,6 +521,7 @@ class Config:
             raise ConfigError(f"run name {self.name!r} must not contain '/' or start with '.'")
         if self.attention.dropout >= 1 or m.dropout >= 1:
             raise ConfigError("model.dropout and attention.dropout must be < 1")
+        m.validate()
         d.image.validate()
         self.vae.validate()
         self.dalle.validate(m.depth)
@@ -507,7 +554,9 @@ def all_keys(cls: type = None, prefix: str = "") -> list[str]:
     return keys
 
 
+@functools.lru_cache(maxsize=None)
 def _field_types(cls: type) -> dict[str, Any]:
+    """Field name -> type of a config section (cached: sections are fixed classes; callers must not mutate it)."""
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 

@@ -139,6 +139,12 @@ def sweep(space_name: str, *, recipe: str | None = None, samples: int = 0, max_c
     sweep_name = name or f"{space_name}-{time.strftime('%Y%m%d-%H%M%S')}"
     base.name = sweep_name
     base = resolve(base)
+    from efftx.train import ds_config
+
+    clash = sorted(set(space.grid) & set(ds_config.keys_set(base)))
+    if clash:  # every trial re-reads the file, and the file wins: the sweep would not vary these keys
+        raise ConfigError(f"the sweep varies {', '.join(clash)}, which engine.deepspeed_config "
+                          f"{base.engine.deepspeed_config!r} sets (the file wins); remove them from the file")
     task = get_task(base.model.family)
     metric, mode = task.metric, task.mode
     chosen = choose(points(space, base), samples, base.train.seed)

@@ -24,7 +24,7 @@ text/image layout through ``spec.options``). Layers whose ``dalle.shared_attn_id
 agree share one attention (feed-forward) module; each layer keeps its own norms, and its own cache. Shared
 modules are owned by their first layer and reached through :class:`~efftx.models.layers.Shared` by the
 others, so the state dict holds each weight once. ``model.reversible`` runs the blocks as a reversible
-stack, as for the LMs.
+stack, ``model.activation_checkpointing`` recomputes each block in backward, as for the LMs.
 
 **Positions.** Image tokens always get a learned axial embedding (row + column). Text tokens get a learned
 embedding, or with ``model.rotary`` the rotary embedding of the shared layers over the whole sequence
@@ -191,6 +191,7 @@ class DALLE(nn.Module):
         self.image_col = nn.Embedding(self.fmap, m.dim)
         self.blocks = nn.ModuleList(self._build_blocks())
         self.reversible = ReversibleStack(list(self.blocks)) if m.reversible else None
+        self.activation_checkpointing = m.activation_checkpointing  # recompute each block in backward
         self.norm = make_norm(m.norm, m.dim)
         self.text_head = None if m.tie_embeddings else nn.Linear(m.dim, self.num_text_tokens, bias=False)
         self.image_head = None if m.tie_embeddings else nn.Linear(m.dim, self.num_image_tokens, bias=False)
@@ -289,7 +290,7 @@ class DALLE(nn.Module):
             raise ValueError(f"{offset + seq.shape[1]} positions exceed DALL-E's sequence of {self.seq_len} "
                              f"(text_seq_len + 1 + image tokens - 1)")
         x = self.embed(seq, offset)
-        x = run_blocks(x, self.blocks, self.reversible, cache)
+        x = run_blocks(x, self.blocks, self.reversible, cache, checkpoint=self.activation_checkpointing)
         if self.stable:
             x = x / x.detach().abs().amax(dim=-1, keepdim=True).clamp(min=1e-6)
         return self.norm(x)

@@ -2,6 +2,8 @@
 
     tokens (B, T) -> embed [-> emb_dim to dim] -> depth x Block (plain or reversible) -> norm -> logits (B, T, vocab)
 
+With ``model.activation_checkpointing`` the plain blocks are recomputed in backward instead of storing their activations.
+
 ``forward(tokens, cache=None)``: with a cache (from ``new_cache``) the tokens continue the cached
 sequence, which is how prefill and one-token decoding work for every attention backend.
 """
@@ -45,6 +47,7 @@ class LM(nn.Module):
             for i in range(m.depth)
         )
         self.reversible = ReversibleStack(list(self.blocks)) if m.reversible else None
+        self.activation_checkpointing = m.activation_checkpointing  # recompute each block in backward
         self.norm = make_norm(m.norm, m.dim)
         self.head = None if m.tie_embeddings else nn.Linear(emb_dim, m.vocab_size, bias=False)
         self.apply(self._init)
@@ -78,7 +81,7 @@ class LM(nn.Module):
             x = self.emb_in(x)  # (B, T, dim)
         if self.pos is not None:
             x = x + self.pos(offset + torch.arange(t, device=tokens.device))  # (T,) or (B, T) positions
-        x = run_blocks(x, self.blocks, self.reversible, cache)
+        x = run_blocks(x, self.blocks, self.reversible, cache, checkpoint=self.activation_checkpointing)
         x = self.norm(x)
         if self.emb_out is not None:
             x = self.emb_out(x)  # (B, T, emb_dim)
@@ -91,8 +94,8 @@ class LM(nn.Module):
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 x matmul weights + 12·L·H·D·T for attention (PaLM, appendix B).
 
-        Embedding lookups are not matmuls; the output projection is (tied or not). Reversible blocks
-        recompute their forward in the backward pass: that extra work is not counted (MFU convention).
+        Embedding lookups are not matmuls; the output projection is (tied or not). Reversible and checkpointed
+        blocks recompute their forward in the backward pass: that extra work is not counted (MFU convention).
         """
         lookups = (self.pos.weight.numel() if self.pos is not None else 0)
         lookups += self.embed.weight.numel() if self.head is not None else 0

@@ -8,11 +8,18 @@ pass walks the blocks in reverse, reconstructing inputs and recomputing f and g 
 Randomness (dropout) is replayed exactly: each f/g call records the RNG state it started from.
 Backends with side effects on forward (Performer's feature redraw counter) skip them while
 :func:`efftx.attention.base.recomputing` is true.
+
+The alternative, ``model.activation_checkpointing`` (:func:`run_blocks` with ``checkpoint=True``), keeps the plain
+blocks and stores only each block's input: ``torch.utils.checkpoint`` (non-reentrant, RNG state preserved)
+recomputes the block's forward, under ``recomputing()``, when its backward needs the activations.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from efftx.attention.base import recomputing
@@ -97,12 +104,32 @@ class ReversibleStack:
         return (y1 + y2) / 2
 
 
-def run_blocks(x: torch.Tensor, blocks, reversible: ReversibleStack | None, cache=None) -> torch.Tensor:
+def _recompute_context():
+    """torch.utils.checkpoint's ``context_fn``: nothing around the first forward, ``recomputing()`` around the
+    recompute in backward (so backends with per-pass state, Performer's redraw counter, do not count it)."""
+    return contextlib.nullcontext(), recomputing()
+
+
+def checkpointed(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``block(x)`` keeping only ``x`` for backward: the block's forward runs again when its gradients are
+    needed, with the RNG state of the first run (same dropout masks) and under ``recomputing()``."""
+    return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False, preserve_rng_state=True,
+                                             context_fn=_recompute_context)
+
+
+def run_blocks(x: torch.Tensor, blocks, reversible: ReversibleStack | None, cache=None,
+               checkpoint: bool = False) -> torch.Tensor:
     """The decoder stack of a model: through ``reversible`` when it has one, else block by block;
-    ``cache`` is the model's ModelCache (one layer cache per block) or None."""
+    ``cache`` is the model's ModelCache (one layer cache per block) or None. ``checkpoint``
+    (``model.activation_checkpointing``): recompute each block in backward instead of storing its
+    activations; only when gradients are being recorded and there is no cache, else a plain forward."""
     caches = cache.layers if cache is not None else None
     if reversible is not None:
         return reversible(x, caches)
+    if checkpoint and caches is None and torch.is_grad_enabled():
+        for blk in blocks:
+            x = checkpointed(blk, x)
+        return x
     for i, blk in enumerate(blocks):
         x = blk(x, caches[i] if caches is not None else None)
     return x

@@ -1,9 +1,18 @@
-"""The DeepSpeed engine, built from the run config: ZeRO stage, precision, accumulation, clipping.
+"""The DeepSpeed engine, built from the run config: ZeRO stage, precision, accumulation, clipping, optimizer.
 
-The optimizer is torch's AdamW (DeepSpeed's own fused Adam needs a compile step and CUDA for its
-fast path); the schedule (:class:`Schedule`) is a linear warmup, then either cosine decay to
-``lr * min_lr_ratio`` or the plateau rule (``train.schedule``). Both go to ``deepspeed.initialize`` so
-their state is saved and restored with the DeepSpeed checkpoint.
+The optimizer (``engine.optimizer``) is torch's AdamW built here (``torch_adamw``, the default), or DeepSpeed's
+by name (``adam`` | ``adamw`` | ``lamb``), which DeepSpeed builds from the "optimizer" section of the config this
+module writes. On CUDA that is DeepSpeed's FusedAdam / FusedLamb (not tested on this project's CPU machines). On
+CPU DeepSpeed's FusedAdam is a C++ op compiled at first use and FusedLamb needs CUDA, so ``adam`` / ``adamw``
+ask DeepSpeed for torch's Adam / AdamW (its ``torch_adam`` option: the same config path, no compile step) and
+``lamb`` is refused (:func:`check_optimizer`). Weight decay applies to matrices only (:func:`param_groups`)
+whichever builds the optimizer.
+
+The schedule (:class:`Schedule`, a LambdaLR) is, by ``train.schedule``: a linear warmup, then cosine decay to
+``lr * min_lr_ratio`` or the plateau rule; or DeepSpeed's WarmupLR (``warmup``) / WarmupDecayLR
+(``warmup_decay``) formulas, step for step (:func:`lr_lambda`). Optimizer and schedule go to
+``deepspeed.initialize`` so their state is saved and restored with the DeepSpeed checkpoint (DeepSpeed's own
+scheduler objects are not used: efftx's carries the plateau state and the learning rate it logs).
 """
 
 from __future__ import annotations
@@ -37,6 +46,14 @@ def deepspeed_config(cfg) -> dict:
         "steps_per_print": 10**9,  # the loop does its own logging
         "wall_clock_breakdown": False,
     }
+    if e.optimizer != "torch_adamw":
+        check_optimizer(e.optimizer, select_device(cfg))
+        params = {"lr": t.lr, "betas": [t.beta1, t.beta2], "eps": t.eps, "weight_decay": t.weight_decay}
+        if e.optimizer != "lamb":
+            params["adam_w_mode"] = e.optimizer == "adamw"
+            if select_device(cfg) == "cpu":
+                params["torch_adam"] = True  # torch's Adam / AdamW: DeepSpeed's CPU FusedAdam compiles an op
+        ds["optimizer"] = {"type": {"adam": "Adam", "adamw": "AdamW", "lamb": "Lamb"}[e.optimizer], "params": params}
     if e.precision == "bf16":
         ds["bf16"] = {"enabled": True}
     elif e.precision == "fp16":
@@ -45,10 +62,22 @@ def deepspeed_config(cfg) -> dict:
     return ds
 
 
+def check_optimizer(name: str, device: str) -> None:
+    """engine.optimizer=lamb is DeepSpeed's FusedLamb: a CUDA op."""
+    if name == "lamb" and device != "cuda":
+        from efftx.errors import ConfigError
+
+        raise ConfigError("engine.optimizer=lamb (DeepSpeed's FusedLamb) needs CUDA GPUs; on CPU use adam, adamw "
+                          "or torch_adamw")
+
+
 def lr_lambda(cfg):
-    """Multiplier of train.lr at optimizer step s: linear warmup, then cosine to min_lr_ratio (or 1 with
-    ``train.schedule=plateau``, whose cuts :class:`Schedule` applies on top)."""
+    """Multiplier of train.lr at optimizer step s (0 = the first): linear warmup, then cosine to min_lr_ratio (or
+    1 with ``train.schedule=plateau``, whose cuts :class:`Schedule` applies on top); or DeepSpeed's WarmupLR /
+    WarmupDecayLR (:func:`deepspeed_warmup_lambda`)."""
     t = cfg.train
+    if t.schedule in ("warmup", "warmup_decay"):
+        return deepspeed_warmup_lambda(cfg)
 
     def fn(step: int) -> float:
         if t.warmup_steps and step < t.warmup_steps:
@@ -59,6 +88,32 @@ def lr_lambda(cfg):
         return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return fn
+
+
+def deepspeed_warmup_lambda(cfg):
+    """DeepSpeed's WarmupLR / WarmupDecayLR (deepspeed/runtime/lr_schedules.py), as a multiplier of train.lr.
+
+    DeepSpeed's scheduler starts at iteration -1 (lr = warmup_min_lr) and the engine steps it after every
+    optimizer step, so optimizer step s runs at its iteration i = s - 1. With W = max(2, warmup_steps) and
+    gamma(i) = log(i + 1) / log(W) ("log") or i / W ("linear") for i < W, else 1 (WarmupLR) or
+    max(0, (steps - i) / max(1, steps - W)) (WarmupDecayLR, to warmup_min_lr at train.steps), the learning
+    rate is warmup_min_lr + (lr - warmup_min_lr) * gamma(i), and gamma(-1) = 0. So the first two steps run at
+    warmup_min_lr, as under DeepSpeed.
+    """
+    t = cfg.train
+    w = max(2, t.warmup_steps)
+    low = t.warmup_min_lr / t.lr
+
+    def gamma(i: int) -> float:
+        if i < 0:
+            return 0.0
+        if i < w:
+            return math.log(i + 1) / math.log(w) if t.warmup_type == "log" else i / w
+        if t.schedule == "warmup":
+            return 1.0
+        return max(0.0, (t.steps - i) / max(1, t.steps - w))
+
+    return lambda step: low + (1 - low) * gamma(step - 1)
 
 
 class Plateau:
@@ -152,8 +207,14 @@ def initialize(model: torch.nn.Module, cfg):
     import deepspeed  # after set_accelerator_env
 
     t = cfg.train
-    optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2))
-    scheduler = Schedule(optimizer, cfg)
-    engine, optimizer, _, scheduler = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(cfg))
+    groups = param_groups(model, t.weight_decay)
+    if cfg.engine.optimizer == "torch_adamw":
+        optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+        scheduler = Schedule(optimizer, cfg)
+        engine, optimizer, _, scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(cfg))
+    else:  # DeepSpeed builds its optimizer from the config's "optimizer" section; the schedule wraps it
+        engine, optimizer, _, scheduler = deepspeed.initialize(
+            model=model, model_parameters=groups, lr_scheduler=lambda opt: Schedule(opt, cfg),
+            config=deepspeed_config(cfg))
     return engine, optimizer, scheduler

@@ -17,6 +17,7 @@ from typing import Any
 from efftx import paths
 from efftx.config import Config
 from efftx.errors import ConfigError, EfftxError, LaunchError
+from efftx.train import ds_config
 from efftx.train.tasks import get as get_task, validate_run
 
 RUN_FILE = "efftx_run.json"  # in the Ray run folder: MLflow run id and the config of the first attempt
@@ -28,9 +29,11 @@ def default_run_name(recipe: str) -> str:
 
 
 def resolve(cfg: Config) -> Config:
-    """Fill machine-dependent defaults (paths, URIs, run name), let the task derive the keys that come from
-    elsewhere (DALL-E: vae.* from its dVAE export), and validate. Returns a copy."""
+    """Fill machine-dependent defaults (paths, URIs, run name), merge a DeepSpeed config file
+    (``engine.deepspeed_config``: the file wins, see efftx/train/ds_config.py), let the task derive the keys that
+    come from elsewhere (DALL-E: vae.* from its dVAE export), and validate. Returns a copy."""
     cfg = cfg.copy()
+    ds_config.apply(cfg)
     cfg.name = cfg.name or default_run_name(cfg.recipe)
     cfg.tracking.uri = cfg.tracking.uri or paths.default_tracking_uri()
     cfg.scaling.storage_path = str(Path(cfg.scaling.storage_path or paths.default_storage_path()).expanduser().resolve())
@@ -132,6 +135,9 @@ def launch(cfg: Config, *, parent_run_id: str | None = None, callbacks: list | N
         cfg.engine.precision = "fp16" if use_gpu else "fp32"
     if cfg.engine.precision == "fp16" and not use_gpu:
         raise ConfigError("engine.precision=fp16 needs CUDA GPUs; use bf16 or fp32 on CPU")
+    from efftx.train.engine import check_optimizer
+
+    check_optimizer(cfg.engine.optimizer, "cuda" if use_gpu else "cpu")
     check_resources(cfg, use_gpu)
     if cfg.scaling.device == "auto":
         cfg.scaling.device = "cuda" if use_gpu else "cpu"

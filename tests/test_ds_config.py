@@ -1,0 +1,308 @@
+"""Bringing your own DeepSpeed config (engine.deepspeed_config / --deepspeed-config): the merge rule (the file
+wins and lands in the run config), its errors, DeepSpeed's optimizers by name, and the WarmupLR / WarmupDecayLR
+schedules, step for step against DeepSpeed's own scheduler classes. No Ray."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from efftx import recipes
+from efftx.cli import train_main
+from efftx.errors import ConfigError
+from efftx.train.engine import Schedule, deepspeed_config, lr_lambda
+from efftx.train.launch import resolve
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "ds_config_performer_enwik8.json"
+
+
+def resolved(tmp_path, ds: dict | str, recipe: str = "lm_debug", **overrides):
+    """The lm_debug run (2 workers, micro batch 4, accumulation 2) resolved with ``ds`` as its DeepSpeed config."""
+    file = tmp_path / "ds.json"
+    file.write_text(ds if isinstance(ds, str) else json.dumps(ds))
+    cfg = recipes.get(recipe).override({"name": "t", "engine.deepspeed_config": str(file), **overrides})
+    return resolve(cfg)
+
+
+# ------------------------------------------------------------------------------------------------ merge rule
+
+@pytest.mark.parametrize("ds, expected", [
+    ({"train_micro_batch_size_per_gpu": 3}, {"train.micro_batch_size": 3, "train.grad_accum": 2}),
+    ({"gradient_accumulation_steps": 5}, {"train.grad_accum": 5, "train.micro_batch_size": 4}),
+    ({"train_batch_size": 24}, {"train.micro_batch_size": 6, "train.grad_accum": 2}),  # 24 / (2 x 2 workers)
+    ({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 4}, {"train.grad_accum": 3}),  # DeepSpeed's rule
+    ({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 6},
+     {"train.micro_batch_size": 2, "train.grad_accum": 6}),
+    ({"gradient_clipping": 0.25}, {"train.grad_clip": 0.25}),
+    ({"max_grad_norm": 0.5}, {"train.grad_clip": 0.5}),  # the original examples' (legacy) name
+    ({"gradient_clipping": 0}, {"train.grad_clip": 0.0}),
+    ({"bf16": {"enabled": True}}, {"engine.precision": "bf16"}),
+    ({"bfloat16": {"enabled": True}}, {"engine.precision": "bf16"}),
+    ({"fp16": {"enabled": False}}, {"engine.precision": "fp32"}),
+    ({"fp16": {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 500}},
+     {"engine.precision": "fp16", "engine.initial_scale_power": 12, "engine.loss_scale_window": 500}),
+    ({"zero_optimization": {"stage": 2}}, {"engine.zero_stage": 2}),
+    ({"zero_optimization": False}, {"engine.zero_stage": 0}),
+    ({"zero_optimization": True}, {"engine.zero_stage": 1}),  # DeepSpeed's legacy boolean form
+    ({"optimizer": {"type": "Adam", "params": {"lr": 2e-4, "betas": [0.8, 0.999], "eps": 1e-6,
+                                               "weight_decay": 0.01, "adam_w_mode": False}}},
+     {"engine.optimizer": "adam", "train.lr": 2e-4, "train.beta1": 0.8, "train.beta2": 0.999, "train.eps": 1e-6,
+      "train.weight_decay": 0.01}),
+    ({"optimizer": {"type": "Adam", "params": {"lr": 1e-4}}},  # DeepSpeed's Adam: adam_w_mode defaults to true
+     {"engine.optimizer": "adamw", "train.lr": 1e-4, "train.beta1": 0.9, "train.beta2": 0.999, "train.eps": 1e-8,
+      "train.weight_decay": 0.0}),  # missing params: DeepSpeed's defaults, not the recipe's (0.95, 0.1)
+    ({"optimizer": {"type": "AdamW", "params": {"weight_decay": 0.05}}},
+     {"engine.optimizer": "adamw", "train.lr": 1e-3, "train.weight_decay": 0.05}),
+    ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, {"engine.optimizer": "lamb"}),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3, "warmup_num_steps": 10}}},
+     {"train.schedule": "warmup", "train.lr": 1e-3, "train.warmup_steps": 10, "train.warmup_type": "log",
+      "train.warmup_min_lr": 0.0}),
+    ({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 1e-5, "warmup_max_lr": 1e-3,
+                                                        "warmup_num_steps": 5, "warmup_type": "linear",
+                                                        "total_num_steps": 30}}},
+     {"train.schedule": "warmup_decay", "train.lr": 1e-3, "train.warmup_min_lr": 1e-5, "train.warmup_steps": 5,
+      "train.warmup_type": "linear", "train.steps": 30}),
+    # WarmupLR without warmup_max_lr warms up to the optimizer's lr (the file's, else the run's)
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 5e-4}}, "scheduler": {"type": "WarmupLR",
+                                                                            "params": {"warmup_num_steps": 4}}},
+     {"train.lr": 5e-4, "train.warmup_steps": 4}),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}}}, {"train.lr": 3e-3}),
+    # the scheduler's max lr wins over the optimizer's, as under DeepSpeed
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 5e-4}}, "scheduler": {"type": "WarmupLR", "params": {
+        "warmup_max_lr": 1e-3, "warmup_num_steps": 4}}}, {"train.lr": 1e-3}),
+    ({"steps_per_print": 10, "wall_clock_breakdown": False}, {"train.grad_clip": 1.0}),  # accepted, ignored
+])
+def test_each_deepspeed_key_lands_in_the_run_config(tmp_path, ds, expected):
+    cfg = resolved(tmp_path, ds)
+    got = {key: cfg.get(key) for key in expected}
+    assert got == pytest.approx(expected) if all(isinstance(v, float) for v in expected.values()) else got == expected
+
+
+def test_the_file_wins_over_set_and_keys_it_lacks_stay(tmp_path):
+    cfg = resolved(tmp_path, {"gradient_clipping": 0.3}, **{"train.grad_clip": 2.0, "train.lr": 0.01})
+    assert cfg.train.grad_clip == 0.3  # the file's, over --set
+    assert cfg.train.lr == 0.01 and cfg.engine.optimizer == "torch_adamw" and cfg.train.schedule == "cosine"
+
+
+def test_resolving_twice_is_the_same_and_the_path_is_absolute_and_resumable(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ds.json").write_text(json.dumps({"gradient_clipping": 0.3}))
+    cfg = recipes.get("lm_debug").override({"name": "t", "engine.deepspeed_config": "ds.json"})
+    once = resolve(cfg)
+    assert once.engine.deepspeed_config == str(tmp_path / "ds.json")
+    assert resolve(once).to_dict() == once.to_dict()
+    assert once.resumable("engine.deepspeed_config")  # its values are what the resume check compares
+
+
+def test_performer_example_file_resolves_from_the_command_line(capsys):
+    code = train_main(["--recipe", "performer_enwik8", "--workers", "2", "--run-name", "x",
+                       "--deepspeed-config", str(EXAMPLE), "--print-config"])
+    assert code == 0
+    cfg = json.loads(capsys.readouterr().out)
+    t, e = cfg["train"], cfg["engine"]
+    assert (t["micro_batch_size"], t["grad_accum"]) == (4, 4)  # 32 / (4 x 2 workers)
+    assert t["grad_clip"] == 0.5 and t["lr"] == 2e-4
+    assert (t["beta1"], t["beta2"], t["eps"]) == (0.8, 0.999, 1e-8)
+    assert (t["schedule"], t["warmup_steps"], t["warmup_type"], t["warmup_min_lr"]) == ("warmup", 1000, "log", 0.0)
+    assert t["weight_decay"] == 0.0  # DeepSpeed's Adam default, not the recipe's 0.1
+    assert (e["precision"], e["zero_stage"], e["optimizer"]) == ("fp32", 0, "adamw")
+    assert e["deepspeed_config"] == str(EXAMPLE)
+
+
+# ------------------------------------------------------------------------------------------------ errors
+
+@pytest.mark.parametrize("ds, message", [
+    ('{\n  "train_batch_size": 32,\n  "gradient_clipping": 0.5\n  "fp16": {}\n}',
+     "is not valid JSON: Expecting ',' delimiter at line 4, column 3"),
+    ("[1, 2]", "must hold a JSON object, got list"),
+    ({"gradient_cliping": 1.0}, "DeepSpeed key 'gradient_cliping' is not supported (did you mean 'gradient_clipping'"),
+    ({"activation_checkpointing": {}}, "'activation_checkpointing' is not supported"),
+    ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2},
+     "train_batch_size=30 must equal train_micro_batch_size_per_gpu=4 x gradient_accumulation_steps=2 x "
+     "scaling.num_workers=2 = 16"),
+    ({"train_batch_size": 30}, "train_batch_size=30 is not divisible by gradient_accumulation_steps=2 x "
+                               "scaling.num_workers=2"),
+    ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, "is not a multiple of "
+                                                                    "train_micro_batch_size_per_gpu=4"),
+    ({"train_micro_batch_size_per_gpu": 2.5}, "train_micro_batch_size_per_gpu must be an integer, got 2.5"),
+    ({"gradient_clipping": 0.5, "max_grad_norm": 1.0}, "gradient_clipping=0.5 and max_grad_norm=1.0 disagree"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16.enabled and bf16.enabled are both true"),
+    ({"fp16": {"enabled": "auto"}}, "fp16.enabled must be true or false, got 'auto'"),
+    ({"fp16": {"enabled": True, "loss_scale": 128}}, "fp16.loss_scale=128 is not supported"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+     "'zero_optimization.offload_optimizer' is not supported"),
+    ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage must be 0, 1, 2 or 3"),
+    ({"optimizer": {"type": "OneBitAdam"}}, "optimizer.type 'OneBitAdam' is not supported"),
+    ({"optimizer": {"type": "Adam", "params": {"max_grad_norm": 1.0}}}, "use the top-level gradient_clipping"),
+    ({"optimizer": {"type": "Adam", "params": {"torch_adam": True}}}, "'optimizer.params.torch_adam' is not supported"),
+    ({"optimizer": {"type": "Adam", "params": {"betas": [0.9]}}}, "betas must be a list of two numbers"),
+    ({"scheduler": {"type": "OneCycle"}}, "scheduler.type 'OneCycle' is not supported"),
+    ({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 5}}},
+     "WarmupDecayLR needs scheduler.params.total_num_steps"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_type": "cosine"}}},
+     "warmup_type must be 'log' or 'linear'"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_min_lr": 1.0}}},
+     "train.warmup_min_lr=1.0 exceeds train.lr"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}}, "warmup_num_steps must be >= 1"),
+])
+def test_bad_deepspeed_config_is_a_config_error_naming_the_problem(tmp_path, ds, message):
+    with pytest.raises(ConfigError) as info:
+        resolved(tmp_path, ds)
+    assert message in str(info.value)
+    if "engine.deepspeed_config" in str(info.value) or "ds.json" in str(info.value):
+        assert str(tmp_path / "ds.json") in str(info.value)
+
+
+def test_missing_file_names_it(tmp_path):
+    cfg = recipes.get("lm_debug").override({"name": "t", "engine.deepspeed_config": str(tmp_path / "nope.json")})
+    with pytest.raises(ConfigError, match="engine.deepspeed_config: no such file .*nope.json"):
+        resolve(cfg)
+
+
+def test_deepspeed_only_schedule_keys_are_refused_elsewhere():
+    cfg = recipes.get("lm_debug").override({"name": "t", "train.warmup_type": "log"})
+    with pytest.raises(ConfigError, match="apply to train.schedule=warmup or warmup_decay"):
+        resolve(cfg)
+
+
+# ------------------------------------------------------------------------------------------------ optimizers
+
+def test_deepspeed_optimizers_by_name_go_to_the_deepspeed_config():
+    base = {"name": "t", "scaling.device": "cpu", "train.lr": 1e-3, "train.beta1": 0.8, "train.beta2": 0.999,
+            "train.eps": 1e-6, "train.weight_decay": 0.01}
+    assert "optimizer" not in deepspeed_config(recipes.get("lm_debug").override(base))  # torch_adamw: efftx builds it
+    ds = deepspeed_config(recipes.get("lm_debug").override({**base, "engine.optimizer": "adam"}))
+    assert ds["optimizer"] == {"type": "Adam", "params": {"lr": 1e-3, "betas": [0.8, 0.999], "eps": 1e-6,
+                                                          "weight_decay": 0.01, "adam_w_mode": False,
+                                                          "torch_adam": True}}  # CPU: no op to compile
+    ds = deepspeed_config(recipes.get("lm_debug").override({**base, "engine.optimizer": "adamw",
+                                                            "scaling.device": "cuda"}))
+    assert ds["optimizer"]["type"] == "AdamW" and "torch_adam" not in ds["optimizer"]["params"]  # FusedAdam
+    with pytest.raises(ConfigError, match="engine.optimizer=lamb .* needs CUDA"):
+        deepspeed_config(recipes.get("lm_debug").override({**base, "engine.optimizer": "lamb"}))
+
+
+# ------------------------------------------------------------------------------------------------ schedules
+
+def _lrs(scheduler, optimizer, steps: int) -> list[float]:
+    """The learning rate each of ``steps`` optimizer steps runs at, the scheduler stepped after each (as the
+    DeepSpeed engine does)."""
+    out = []
+    for _ in range(steps):
+        out.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()  # no gradients: changes nothing
+        scheduler.step()
+    return out
+
+
+@pytest.mark.parametrize("kind, params", [
+    ("WarmupLR", {"warmup_min_lr": 0.0, "warmup_max_lr": 2e-4, "warmup_num_steps": 10}),  # log (the default)
+    ("WarmupLR", {"warmup_min_lr": 1e-5, "warmup_max_lr": 1e-3, "warmup_num_steps": 7, "warmup_type": "linear"}),
+    ("WarmupLR", {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 1}),  # DeepSpeed: max(2, n)
+    ("WarmupDecayLR", {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 8, "total_num_steps": 30}),
+    ("WarmupDecayLR", {"warmup_min_lr": 2e-5, "warmup_max_lr": 5e-4, "warmup_num_steps": 6, "warmup_type": "linear",
+                       "total_num_steps": 25}),
+])
+def test_schedule_matches_deepspeeds_scheduler_step_for_step(tmp_path, kind, params):
+    from deepspeed.runtime import lr_schedules
+
+    cfg = resolved(tmp_path, {"scheduler": {"type": kind, "params": params}}, **{"train.steps": 40})
+    steps = cfg.train.steps + 5  # past the end too
+    theirs_opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    theirs = getattr(lr_schedules, kind)(theirs_opt, **params)
+    ours_opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.train.lr)
+    ours = Schedule(ours_opt, cfg)
+    expected = _lrs(theirs, theirs_opt, steps)
+    assert len(set(expected)) > 1  # a real shape, not a constant
+    assert _lrs(ours, ours_opt, steps) == pytest.approx(expected, rel=1e-12, abs=1e-18)
+
+
+def test_warmup_decay_shape():
+    cfg = recipes.get("lm_debug").override({"name": "t", "train.schedule": "warmup_decay", "train.steps": 30,
+                                            "train.warmup_steps": 10, "train.warmup_type": "linear"})
+    f = lr_lambda(cfg)
+    assert [f(s) for s in (0, 1, 2, 6, 10)] == pytest.approx([0, 0, 0.1, 0.5, 0.9])  # DeepSpeed's step - 1 lag
+    assert f(11) == pytest.approx(1.0)
+    decay = [f(s) for s in range(11, 32)]
+    assert all(a > b for a, b in zip(decay[:-2], decay[1:-1]))  # strictly down to ...
+    assert f(31) == 0.0 and f(40) == 0.0  # ... 0 (warmup_min_lr) at train.steps (iteration 30)
+    assert f(21) == pytest.approx((30 - 20) / 20)
+    log = lr_lambda(recipes.get("lm_debug").override({"name": "t", "train.schedule": "warmup",
+                                                      "train.warmup_steps": 10, "train.warmup_type": "log"}))
+    assert log(5) == pytest.approx(math.log(5) / math.log(10)) and log(500) == 1.0
+
+
+DEEPSPEED_BUILDS_ITS_OPTIMIZER = r"""
+import json, os, socket, sys
+import torch, torch.distributed as dist
+from efftx import recipes
+from efftx.train import engine as engine_lib
+
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+dist.init_process_group("gloo", rank=0, world_size=1)
+out = {}
+for name in ("adam", "adamw"):
+    cfg = recipes.get("lm_debug").override({
+        "name": "t", "scaling.device": "cpu", "engine.optimizer": name, "train.lr": 1e-3, "train.beta1": 0.8,
+        "train.beta2": 0.999, "train.eps": 1e-6, "train.weight_decay": 0.01, "train.schedule": "warmup",
+        "train.warmup_type": "log", "train.warmup_steps": 4})
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    engine, optimizer, scheduler = engine_lib.initialize(model, cfg)
+    lrs = []
+    for _ in range(6):
+        lrs.append(engine.basic_optimizer.param_groups[0]["lr"])
+        for _ in range(cfg.train.grad_accum):
+            engine.backward(engine(torch.ones(2, 4)).square().sum())
+            engine.step()
+    groups = engine.basic_optimizer.param_groups
+    out[name] = {"type": type(engine.basic_optimizer).__name__, "lrs": lrs,
+                 "betas": list(groups[0]["betas"]), "eps": groups[0]["eps"],
+                 "decay": [g["weight_decay"] for g in groups], "schedule": type(scheduler).__name__}
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_deepspeed_builds_torch_adam_on_cpu_with_efftx_schedule(tmp_path):
+    """engine.optimizer=adam|adamw: DeepSpeed builds the optimizer from its config (torch's, on CPU: nothing to
+    compile), with efftx's weight-decay groups and Schedule on top. One process, no Ray."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", DEEPSPEED_BUILDS_ITS_OPTIMIZER], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    cfg = recipes.get("lm_debug").override({"name": "t", "train.lr": 1e-3, "train.schedule": "warmup",
+                                            "train.warmup_type": "log", "train.warmup_steps": 4})
+    expected_lrs = [1e-3 * lr_lambda(cfg)(s) for s in range(6)]
+    for name, cls in (("adam", "Adam"), ("adamw", "AdamW")):
+        got = out[name]
+        assert got["type"] == cls and got["schedule"] == "Schedule"
+        assert got["betas"] == [0.8, 0.999] and got["eps"] == 1e-6
+        assert got["decay"] == [0.01, 0.0]  # matrices only
+        assert got["lrs"] == pytest.approx(expected_lrs)
+
+
+def test_a_sweep_over_a_key_the_file_sets_is_refused(tmp_path, monkeypatch):
+    from efftx import tuning
+    from efftx.train import launch
+
+    def no_ray():
+        raise AssertionError("the sweep got as far as starting Ray")
+
+    monkeypatch.setattr(launch, "ensure_ray", no_ray)  # refused before any trial: this test never starts Ray
+    (tmp_path / "ds.json").write_text(json.dumps({"gradient_clipping": 0.5}))
+    monkeypatch.setitem(tuning.SPACES, "clip", tuning.Space("clip", "lm_debug", grid={"train.grad_clip": [0.5, 1.0]}))
+    with pytest.raises(ConfigError, match="the sweep varies train.grad_clip, which engine.deepspeed_config"):
+        tuning.sweep("clip", overrides=[f"engine.deepspeed_config={tmp_path / 'ds.json'}"])
