@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	@echo "installing efftx and its pinned dependencies into $(VENV) (about 4 minutes the first time)..."
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	@# DeepSpeed's CPU ops (shared-memory collective, CPU Adam for ZeRO-Offload), compiled once into the venv
+	$(BIN)/python -m efftx.train.ops
 	touch $(STAMP)
 
 setup: $(STAMP)

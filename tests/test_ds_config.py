@@ -46,7 +46,11 @@ def resolved(tmp_path, ds: dict | str, recipe: str = "lm_debug", **overrides):
     ({"fp16": {"enabled": False}}, {"engine.precision": "fp32"}),
     ({"fp16": {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 500}},
      {"engine.precision": "fp16", "engine.initial_scale_power": 12, "engine.loss_scale_window": 500}),
-    ({"zero_optimization": {"stage": 2}}, {"engine.zero_stage": 2}),
+    ({"zero_optimization": {"stage": 2}}, {"engine.zero_stage": 2, "engine.offload_optimizer": "none"}),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}},
+     {"engine.zero_stage": 2, "engine.offload_optimizer": "cpu", "engine.offload_param": "none"}),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}},
+     {"engine.zero_stage": 3, "engine.offload_optimizer": "cpu", "engine.offload_param": "cpu"}),
     ({"zero_optimization": False}, {"engine.zero_stage": 0}),
     ({"zero_optimization": True}, {"engine.zero_stage": 1}),  # DeepSpeed's legacy boolean form
     ({"optimizer": {"type": "Adam", "params": {"lr": 2e-4, "betas": [0.8, 0.999], "eps": 1e-6,
@@ -134,8 +138,17 @@ def test_performer_example_file_resolves_from_the_command_line(capsys):
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16.enabled and bf16.enabled are both true"),
     ({"fp16": {"enabled": "auto"}}, "fp16.enabled must be true or false, got 'auto'"),
     ({"fp16": {"enabled": True, "loss_scale": 128}}, "fp16.loss_scale=128 is not supported"),
-    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
-     "'zero_optimization.offload_optimizer' is not supported"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}},
+     "offload_optimizer.device must be 'cpu' or 'none', got 'nvme' (NVMe offload is not supported"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "buffer_count": 4}}},
+     "'zero_optimization.offload_optimizer.buffer_count' is not supported"),
+    ({"zero_optimization": {"stage": 2, "overlap_comm": True}}, "'zero_optimization.overlap_comm' is not supported"),
+    ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
+     "engine.offload_optimizer=cpu is ZeRO-Offload: it needs engine.zero_stage 1, 2 or 3, got 0"),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
+     "engine.offload_param=cpu partitions parameters: it needs engine.zero_stage=3, got 2"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "optimizer": {"type": "Lamb"}},
+     "DeepSpeed's CPU Adam, which has no Lamb"),
     ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage must be 0, 1, 2 or 3"),
     ({"optimizer": {"type": "OneBitAdam"}}, "optimizer.type 'OneBitAdam' is not supported"),
     ({"optimizer": {"type": "Adam", "params": {"max_grad_norm": 1.0}}}, "use the top-level gradient_clipping"),
@@ -185,6 +198,15 @@ def test_deepspeed_optimizers_by_name_go_to_the_deepspeed_config():
     assert ds["optimizer"]["type"] == "AdamW" and "torch_adam" not in ds["optimizer"]["params"]  # FusedAdam
     with pytest.raises(ConfigError, match="engine.optimizer=lamb .* needs CUDA"):
         deepspeed_config(recipes.get("lm_debug").override({**base, "engine.optimizer": "lamb"}))
+    # ZeRO-Offload: DeepSpeed must build its CPU Adam (it refuses torch's optimizers with offload)
+    offload = {**base, "engine.optimizer": "adam", "engine.zero_stage": 3, "engine.offload_optimizer": "cpu",
+               "engine.offload_param": "cpu"}
+    ds = deepspeed_config(recipes.get("lm_debug").override(offload))
+    assert "torch_adam" not in ds["optimizer"]["params"]
+    assert ds["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False},
+                                       "offload_param": {"device": "cpu", "pin_memory": False}}
+    ds = deepspeed_config(recipes.get("lm_debug").override({**offload, "scaling.device": "cuda"}))
+    assert ds["zero_optimization"]["offload_optimizer"]["pin_memory"] is True  # pinned host memory on GPUs
 
 
 # ------------------------------------------------------------------------------------------------ schedules
@@ -306,3 +328,106 @@ def test_a_sweep_over_a_key_the_file_sets_is_refused(tmp_path, monkeypatch):
     monkeypatch.setitem(tuning.SPACES, "clip", tuning.Space("clip", "lm_debug", grid={"train.grad_clip": [0.5, 1.0]}))
     with pytest.raises(ConfigError, match="the sweep varies train.grad_clip, which engine.deepspeed_config"):
         tuning.sweep("clip", overrides=[f"engine.deepspeed_config={tmp_path / 'ds.json'}"])
+
+
+# ------------------------------------------------------------------------------------------------ ZeRO-Offload
+
+ZERO_OFFLOAD = r"""
+import json, os, socket, sys, tempfile
+import torch, torch.distributed as dist
+from efftx import recipes
+from efftx.train import engine as engine_lib
+
+engine_lib.set_accelerator_env("cpu")
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+dist.init_process_group("gloo", rank=0, world_size=1)
+CASES = {
+    "none": {},
+    "zero2_torch_adamw": {"engine.zero_stage": 2, "engine.offload_optimizer": "cpu"},
+    "zero2_adamw": {"engine.zero_stage": 2, "engine.offload_optimizer": "cpu", "engine.optimizer": "adamw"},
+    "zero3_params": {"engine.zero_stage": 3, "engine.offload_optimizer": "cpu", "engine.offload_param": "cpu"},
+}
+x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+
+
+def build(over):
+    cfg = recipes.get("lm_debug").override({"name": "t", "scaling.device": "cpu", "train.lr": 1e-2, "train.beta1": 0.8,
+                                            "train.beta2": 0.999, "train.weight_decay": 0.1, "train.grad_accum": 1,
+                                            **over})
+    cfg.validate()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8), torch.nn.LayerNorm(8))
+    return engine_lib.initialize(model, cfg)[0]
+
+
+def train(engine, steps):
+    losses = []
+    for _ in range(steps):
+        loss = engine(x).square().mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    with torch.no_grad():  # the last update too, in float64 so that no rounding hides a difference
+        losses.append(engine(x).double().square().mean().item())
+    return losses
+
+
+out = {}
+for name, over in CASES.items():
+    engine = build(over)
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    out[name] = {"optimizer": type(inner).__name__, "wrapper": type(engine.optimizer).__name__,
+                 "losses": train(engine, 8)}
+    if name != "none":  # save at step 5, a fresh engine resumes: steps 6-8 as the uninterrupted run's (CPU Adam's
+        first = build(over)  # step 6 with betas 0.8 / 0.999 is one where pow(beta, step) and the product differ)
+        train(first, 5)
+        folder = tempfile.mkdtemp()
+        first.save_checkpoint(folder, tag="t")
+        resumed = build(over)
+        resumed.load_checkpoint(folder, tag="t", load_optimizer_states=True, load_lr_scheduler_states=True)
+        out[name]["replayed_to"] = engine_lib.replay_cpu_adam_steps(resumed)
+        out[name]["resumed"] = train(resumed, 3)
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_zero_offload_trains_like_no_offload_and_resumes_exactly(tmp_path):
+    """engine.offload_optimizer / offload_param through DeepSpeed (one process, gloo, no Ray): the optimizer is
+    DeepSpeed's CPU Adam behind the ZeRO optimizer (built by efftx for torch_adamw, by DeepSpeed for adamw), the
+    losses follow the run without offload (the same AdamW math), and a checkpoint taken mid-run resumes with the
+    very same losses (the CPU Adam's bias-correction products replayed: efftx.train.engine.replay_cpu_adam_steps)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", ZERO_OFFLOAD], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    base = out.pop("none")
+    assert base["optimizer"] == "AdamW" and base["losses"][-1] < base["losses"][0] * 0.9  # it learns
+    for name, got in out.items():
+        assert got["optimizer"] == "DeepSpeedCPUAdam", name
+        assert got["wrapper"] == ("DeepSpeedZeroOptimizer_Stage3" if "zero3" in name else "DeepSpeedZeroOptimizer")
+        assert got["losses"] == pytest.approx(base["losses"], rel=1e-5), name
+        assert got["replayed_to"] == 5
+        assert got["resumed"] == got["losses"][5:], name  # bit for bit, and the final weights' loss
+
+
+def test_compiled_ops_are_cached_with_the_venv_unless_the_user_says_otherwise(monkeypatch, tmp_path):
+    import sys
+
+    from efftx.train import ops
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    assert ops.use_venv_cache() == str(Path(sys.prefix) / "torch_extensions")
+    assert ops.os.environ["TORCH_EXTENSIONS_DIR"] == str(Path(sys.prefix) / "torch_extensions")  # workers inherit it
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert ops.use_venv_cache() == str(tmp_path)  # a user's choice stays
+    with pytest.raises(SystemExit) as info:
+        ops.main(["cpu_adamw"])
+    assert info.value.code == 2

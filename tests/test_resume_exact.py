@@ -1,9 +1,9 @@
 """Resume is bit-exact end to end, where it is easiest to get wrong: Performer feature redraws on both sides of
 the resume point, its blocks activation-checkpointed (recomputed in backward, where the redraw counter must not
 count; the recipe's reversible stack is off for it); Sinkhorn with attention and residual dropout (reversible
-layers recompute under a replayed RNG) trained with ZeRO-2 in bf16 (fp32 master weights partitioned in the
-optimizer), from a DeepSpeed config file of its own (DeepSpeed's Adam by name, built by DeepSpeed, and WarmupLR
-still warming up across the resume point).
+layers recompute under a replayed RNG) trained with ZeRO-2 and ZeRO-Offload in bf16 (fp32 master weights
+partitioned and kept in host memory, stepped by DeepSpeed's CPU Adam), from a DeepSpeed config file of its own
+(DeepSpeed's Adam by name, built by DeepSpeed, and WarmupLR still warming up across the resume point).
 
 Each case trains once through the real path (Ray Train TorchTrainer, 2 workers, DeepSpeed on CPU, MLflow) with
 an injected failure before step FAIL_AT (the Performer case raises in the worker, the other one kills the worker
@@ -37,12 +37,12 @@ STEPS, CHECKPOINT_EVERY, FAIL_AT = 9, 5, 8
 # twice).
 REDRAW_PASSES = 6
 
-# The Sinkhorn case brings its own DeepSpeed config (engine.deepspeed_config; the file wins): ZeRO-2 and bf16,
-# DeepSpeed's Adam by name (engine.optimizer=adam: L2 weight decay) with the seeds' betas / eps, and WarmupLR (log)
+# The Sinkhorn case brings its own DeepSpeed config (engine.deepspeed_config; the file wins): ZeRO-2 with the
+# optimizer offloaded to the host (DeepSpeed's CPU Adam) and bf16, DeepSpeed's Adam by name (engine.optimizer=adam: L2 weight decay) with the seeds' betas / eps, and WarmupLR (log)
 # warming up over 8 steps, so the re-run steps 6 and 7 run at learning rates only a restored schedule gives.
 SINKHORN_DS_CONFIG = Path(os.environ["EFFTX_HOME"], "ds_config_sinkhorn.json")  # the tests' throwaway home
 SINKHORN_DS_CONFIG.write_text(json.dumps({
-    "zero_optimization": {"stage": 2}, "bf16": {"enabled": True},
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "bf16": {"enabled": True},
     "optimizer": {"type": "Adam", "params": {"lr": 3e-3, "betas": [0.8, 0.999], "eps": 1e-8, "weight_decay": 0.01,
                                              "adam_w_mode": False}},
     "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3, "warmup_num_steps": 8}},
@@ -52,7 +52,7 @@ CASES = {
     "performer_redraws_actckpt": ("performer_debug", {"attention.performer.feature_redraw_interval": REDRAW_PASSES,
                                                       "model.reversible": False,
                                                       "model.activation_checkpointing": True}),
-    "sinkhorn_dropout_zero2_bf16": ("sinkhorn_debug", {"attention.dropout": 0.1, "model.dropout": 0.1,
+    "sinkhorn_dropout_zero2_offload_bf16": ("sinkhorn_debug", {"attention.dropout": 0.1, "model.dropout": 0.1,
                                                        "engine.deepspeed_config": str(SINKHORN_DS_CONFIG),
                                                        "train.fail_mode": "exit"}),
 }
@@ -97,6 +97,11 @@ def test_steps_rerun_after_resume_equal_their_first_run_exactly(ray_cluster, cas
     # (the re-run steps cannot show it: the optimizer state restores the current learning rate by itself)
     cfg = resolve(case_cfg(case, "lr-check"))
     assert history(resumed, "lr")[STEPS] == [pytest.approx(cfg.train.lr * lr_lambda(cfg)(STEPS))]
+    if case == "sinkhorn_dropout_zero2_offload_bf16":  # the file's offload reached the run config and MLflow
+        from mlflow import MlflowClient
+
+        params = MlflowClient(tracking_uri=resumed["tracking_uri"]).get_run(resumed["mlflow_run_id"]).data.params
+        assert (params["engine.offload_optimizer"], params["engine.zero_stage"]) == ("cpu", "2")
     if case == "performer_redraws_actckpt":
         # every rank counted exactly the passes of the steps the run kept: the counter, and the features drawn
         # from it, came back from the checkpoint (not from zero, not from the failed attempt's extra passes)

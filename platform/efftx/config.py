@@ -202,8 +202,33 @@ class EngineConfig:
     # A DeepSpeed config JSON (--deepspeed-config): read on the driver when the run resolves, its values are
     # written into this config (the file wins; train/ds_config.py), so the path itself may change on resume.
     deepspeed_config: str = ""
+    # ZeRO-Offload (none | cpu). offload_optimizer=cpu keeps the optimizer states and fp32 master weights in host
+    # memory and runs the optimizer step there with DeepSpeed's CPU Adam (a C++ op compiled once, cached with
+    # the venv: python -m efftx.train.ops); needs zero_stage >= 1 and an Adam (torch_adamw becomes CPU Adam in
+    # AdamW mode). offload_param=cpu also keeps the parameters in host memory between uses (zero_stage 3 only).
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
 
     RESUMABLE: ClassVar[frozenset[str]] = frozenset({"deepspeed_config"})
+
+    def validate(self) -> None:
+        """Checks between engine keys; errors name the keys. (Precision and optimizer against the device are
+        checked where the device is known: efftx.train.launch.)"""
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"engine.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        _choice("engine.precision", self.precision, ("fp32", "bf16", "fp16", "auto"))
+        _choice("engine.optimizer", self.optimizer, ("torch_adamw", "adam", "adamw", "lamb"))
+        _choice("engine.offload_optimizer", self.offload_optimizer, ("none", "cpu"))
+        _choice("engine.offload_param", self.offload_param, ("none", "cpu"))
+        if self.offload_optimizer != "none" and self.zero_stage < 1:
+            raise ConfigError(f"engine.offload_optimizer={self.offload_optimizer} is ZeRO-Offload: it needs "
+                              f"engine.zero_stage 1, 2 or 3, got {self.zero_stage}")
+        if self.offload_param != "none" and self.zero_stage != 3:
+            raise ConfigError(f"engine.offload_param={self.offload_param} partitions parameters: it needs "
+                              f"engine.zero_stage=3, got {self.zero_stage}")
+        if self.offload_optimizer != "none" and self.optimizer == "lamb":
+            raise ConfigError("engine.offload_optimizer runs DeepSpeed's CPU Adam, which has no Lamb: use "
+                              "engine.optimizer adam, adamw or torch_adamw with offload")
 
 
 @dataclass
@@ -492,14 +517,10 @@ class Config:
             raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
         if t.warmup_steps > t.steps:
             raise ConfigError(f"train.warmup_steps={t.warmup_steps} exceeds train.steps={t.steps}")
-        if e.zero_stage not in (0, 1, 2, 3):
-            raise ConfigError(f"engine.zero_stage must be 0, 1, 2 or 3, got {e.zero_stage}")
-        _choice("engine.precision", e.precision, ("fp32", "bf16", "fp16", "auto"))
         _choice("scaling.device", s.device, ("auto", "cpu", "cuda"))
         _choice("train.fail_mode", t.fail_mode, ("raise", "exit"))
         _choice("train.schedule", t.schedule, ("cosine", "plateau", "warmup", "warmup_decay"))
         _choice("train.warmup_type", t.warmup_type, ("linear", "log"))
-        _choice("engine.optimizer", e.optimizer, ("torch_adamw", "adam", "adamw", "lamb"))
         for key, beta in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):
             if not 0 <= beta < 1:
                 raise ConfigError(f"{key} must be in [0, 1), got {beta}")
@@ -522,6 +543,7 @@ class Config:
         if self.attention.dropout >= 1 or m.dropout >= 1:
             raise ConfigError("model.dropout and attention.dropout must be < 1")
         m.validate()
+        e.validate()
         d.image.validate()
         self.vae.validate()
         self.dalle.validate(m.depth)

@@ -296,6 +296,9 @@ def restore(engine, rank: int, run_dir: str | Path, keep: int, log: Log = lambda
                                           load_lr_scheduler_states=True)
     if load_path is None:
         raise RuntimeError(f"DeepSpeed found no checkpoint under {chosen}")
+    from efftx.train.engine import replay_cpu_adam_steps
+
+    replay_cpu_adam_steps(engine)
     return state
 
 

@@ -27,7 +27,10 @@ fp16.enabled / bf16.enabled (or bfloat16)       engine.precision fp16 / bf16; bo
 fp16.initial_scale_power, loss_scale_window     engine.initial_scale_power, engine.loss_scale_window
                                                 (loss_scale must be 0 = dynamic, hysteresis 2,
                                                 min_loss_scale 1: the values efftx uses)
-zero_optimization.stage (false = 0, true = 1)   engine.zero_stage (no other ZeRO key: no offload here)
+zero_optimization.stage (false = 0, true = 1)   engine.zero_stage
+zero_optimization.offload_optimizer.device,     engine.offload_optimizer, engine.offload_param: cpu or none
+zero_optimization.offload_param.device          (nvme is refused); pin_memory is accepted and set by efftx
+                                                (true on CUDA); no other ZeRO key
 optimizer.type Adam | AdamW | Lamb              engine.optimizer adam (Adam with adam_w_mode=false) |
                                                 adamw (AdamW, or Adam with DeepSpeed's default
                                                 adam_w_mode=true) | lamb
@@ -74,6 +77,8 @@ OPTIMIZER_PARAMS = ("lr", "betas", "eps", "weight_decay", "adam_w_mode")
 OPTIMIZER_DEFAULTS = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}  # FusedAdam / FusedLamb
 SCHEDULER_TYPES = {"warmuplr": "warmup", "warmupdecaylr": "warmup_decay"}
 SCHEDULER_PARAMS = ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps")
+ZERO_KEYS = ("stage", "offload_optimizer", "offload_param")
+OFFLOAD_KEYS = ("device", "pin_memory")
 FP16_KEYS = ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
 FP16_FIXED = {"loss_scale": 0, "hysteresis": 2, "min_loss_scale": 1}  # what efftx's engine always uses
 
@@ -134,7 +139,7 @@ def run_keys(ds: dict[str, Any], cfg, where: str = "the DeepSpeed config") -> di
         _number(where, "steps_per_print", ds["steps_per_print"], integer=True, low=1)
     _precision(ds, where, out)
     if "zero_optimization" in ds:
-        out["engine.zero_stage"] = _zero_stage(ds["zero_optimization"], where)
+        _zero(ds["zero_optimization"], where, out)
     if "optimizer" in ds:
         _optimizer(ds["optimizer"], where, out)
     if "scheduler" in ds:
@@ -199,15 +204,27 @@ def _precision(ds, where, out) -> None:
                                                   fp16.get("loss_scale_window", 1000), integer=True, low=1)
 
 
-def _zero_stage(zero, where) -> int:
+def _zero(zero, where, out) -> None:
     if isinstance(zero, bool):  # DeepSpeed's legacy form: true = stage 1
-        return int(zero)
-    zero = _section(where, "zero_optimization", zero, ("stage",),
-                    hint="efftx reads only zero_optimization.stage (no ZeRO-Offload or tuning keys)")
+        out["engine.zero_stage"] = int(zero)
+        return
+    zero = _section(where, "zero_optimization", zero, ZERO_KEYS,
+                    hint="efftx reads zero_optimization.stage, offload_optimizer and offload_param (no ZeRO "
+                         "tuning keys: DeepSpeed's defaults apply)")
     stage = _number(where, "zero_optimization.stage", zero.get("stage", 0), integer=True, low=0)
     if stage > 3:
         raise ConfigError(f"{where}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage}")
-    return stage
+    out["engine.zero_stage"] = stage
+    for name in ZERO_KEYS[1:]:
+        key = f"zero_optimization.{name}"
+        section = _section(where, key, zero.get(name, {}), OFFLOAD_KEYS)
+        device = section.get("device", "none")
+        if device not in ("none", "cpu"):
+            raise ConfigError(f"{where}: {key}.device must be 'cpu' or 'none', got {device!r}"
+                              + (" (NVMe offload is not supported by efftx)" if device == "nvme" else ""))
+        if "pin_memory" in section:
+            _bool(where, f"{key}.pin_memory", section["pin_memory"])
+        out[f"engine.{name}"] = device
 
 
 def _optimizer(section, where, out) -> None:

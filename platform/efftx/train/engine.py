@@ -8,6 +8,11 @@ ask DeepSpeed for torch's Adam / AdamW (its ``torch_adam`` option: the same conf
 ``lamb`` is refused (:func:`check_optimizer`). Weight decay applies to matrices only (:func:`param_groups`)
 whichever builds the optimizer.
 
+ZeRO-Offload (``engine.offload_optimizer=cpu``, ``engine.offload_param=cpu``; :func:`zero_config`) keeps the
+optimizer states and fp32 master weights (and with ZeRO-3 the parameters) in host memory and steps there with
+DeepSpeed's CPU Adam (DeepSpeed requires it): built by DeepSpeed for ``adam`` / ``adamw``, by efftx in AdamW
+mode for ``torch_adamw``. Its C++ op compiles once per venv (:mod:`efftx.train.ops`).
+
 The schedule (:class:`Schedule`, a LambdaLR) is, by ``train.schedule``: a linear warmup, then cosine decay to
 ``lr * min_lr_ratio`` or the plateau rule; or DeepSpeed's WarmupLR (``warmup``) / WarmupDecayLR
 (``warmup_decay``) formulas, step for step (:func:`lr_lambda`). Optimizer and schedule go to
@@ -32,8 +37,12 @@ def select_device(cfg) -> str:
 
 
 def set_accelerator_env(device: str) -> None:
-    """DeepSpeed picks its accelerator from DS_ACCELERATOR at import: must run before importing it."""
+    """DeepSpeed picks its accelerator from DS_ACCELERATOR at import: must run before importing it. Its compiled
+    ops are cached with the venv (efftx.train.ops)."""
+    from efftx.train.ops import use_venv_cache
+
     os.environ["DS_ACCELERATOR"] = "cuda" if device == "cuda" else "cpu"
+    use_venv_cache()
 
 
 def deepspeed_config(cfg) -> dict:
@@ -42,7 +51,7 @@ def deepspeed_config(cfg) -> dict:
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": t.grad_accum,
         "gradient_clipping": t.grad_clip,
-        "zero_optimization": {"stage": e.zero_stage},
+        "zero_optimization": zero_config(cfg),
         "steps_per_print": 10**9,  # the loop does its own logging
         "wall_clock_breakdown": False,
     }
@@ -51,8 +60,9 @@ def deepspeed_config(cfg) -> dict:
         params = {"lr": t.lr, "betas": [t.beta1, t.beta2], "eps": t.eps, "weight_decay": t.weight_decay}
         if e.optimizer != "lamb":
             params["adam_w_mode"] = e.optimizer == "adamw"
-            if select_device(cfg) == "cpu":
+            if select_device(cfg) == "cpu" and e.offload_optimizer == "none":
                 params["torch_adam"] = True  # torch's Adam / AdamW: DeepSpeed's CPU FusedAdam compiles an op
+                # (with offload DeepSpeed builds its CPU Adam, which ZeRO-Offload requires)
         ds["optimizer"] = {"type": {"adam": "Adam", "adamw": "AdamW", "lamb": "Lamb"}[e.optimizer], "params": params}
     if e.precision == "bf16":
         ds["bf16"] = {"enabled": True}
@@ -60,6 +70,26 @@ def deepspeed_config(cfg) -> dict:
         ds["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": e.initial_scale_power,
                       "loss_scale_window": e.loss_scale_window, "hysteresis": 2, "min_loss_scale": 1}
     return ds
+
+
+def zero_config(cfg) -> dict:
+    """The "zero_optimization" section: the stage, and ZeRO-Offload's targets (pinned host memory on CUDA)."""
+    e = cfg.engine
+    zero: dict = {"stage": e.zero_stage}
+    pin = select_device(cfg) == "cuda"
+    if e.offload_optimizer != "none":
+        zero["offload_optimizer"] = {"device": e.offload_optimizer, "pin_memory": pin}
+    if e.offload_param != "none":
+        zero["offload_param"] = {"device": e.offload_param, "pin_memory": pin}
+    return zero
+
+
+def offload_label(cfg) -> str:
+    """' (offload: optimizer -> cpu, params -> cpu)' for the start-of-run log line; '' without offload."""
+    e = cfg.engine
+    parts = [f"{what} -> {where}" for what, where in (("optimizer", e.offload_optimizer), ("params", e.offload_param))
+             if where != "none"]
+    return f" (offload: {', '.join(parts)})" if parts else ""
 
 
 def check_optimizer(name: str, device: str) -> None:
@@ -209,7 +239,12 @@ def initialize(model: torch.nn.Module, cfg):
     t = cfg.train
     groups = param_groups(model, t.weight_decay)
     if cfg.engine.optimizer == "torch_adamw":
-        optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+        if cfg.engine.offload_optimizer != "none":  # ZeRO-Offload steps on the host, with DeepSpeed's CPU Adam
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            optimizer = DeepSpeedCPUAdam(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, adamw_mode=True)
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
         scheduler = Schedule(optimizer, cfg)
         engine, optimizer, _, scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(cfg))
@@ -218,3 +253,31 @@ def initialize(model: torch.nn.Module, cfg):
             model=model, model_parameters=groups, lr_scheduler=lambda opt: Schedule(opt, cfg),
             config=deepspeed_config(cfg))
     return engine, optimizer, scheduler
+
+
+def replay_cpu_adam_steps(engine) -> int:
+    """After a checkpoint load: bring DeepSpeed's CPU Adam (ZeRO-Offload) to the bias-correction state of the
+    uninterrupted run, so the resumed run is bit-exact; returns the step replayed to (0 = nothing to do).
+
+    Its C++ side keeps beta1**step and beta2**step as float32 products, multiplied once per step, and the step's
+    own counter restored from the checkpoint makes it jump straight to ``pow(beta, step)`` instead: a different
+    rounding (a ~1e-7 relative change of the next update). Stepping the C++ counter 1..step over empty tensors
+    rebuilds the same products and changes no parameter or moment.
+    """
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    optimizer = next((o for o in (getattr(engine, "basic_optimizer", None), engine.optimizer,
+                                  getattr(engine.optimizer, "optimizer", None)) if isinstance(o, DeepSpeedCPUAdam)),
+                     None)
+    if optimizer is None:
+        return 0
+    steps = [int(state["step"]) for state in optimizer.state.values() if "step" in state]
+    if not steps:
+        return 0
+    step, group, empty = max(steps), optimizer.param_groups[0], torch.empty(0)
+    beta1, beta2 = group["betas"]
+    for k in range(1, step + 1):
+        optimizer.ds_opt_adam.adam_update(optimizer.opt_id, k, group["lr"], beta1, beta2, group["eps"],
+                                          group["weight_decay"], group["bias_correction"], empty, empty, empty,
+                                          empty)
+    return step

@@ -141,7 +141,8 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         tracker = Tracker(cfg, run_id=payload["mlflow_run_id"])
     log(rank, f"{'resumed at' if resumed else 'starting'} step {start}/{cfg.train.steps} "
               f"({model.num_params():,} parameters, {world} workers, {device}, {cfg.engine.precision}, "
-              f"ZeRO-{cfg.engine.zero_stage}, {cfg.engine.optimizer}, {cfg.train.schedule} schedule)")
+              f"ZeRO-{cfg.engine.zero_stage}{engine_lib.offload_label(cfg)}, {cfg.engine.optimizer}, "
+              f"{cfg.train.schedule} schedule)")
 
     t = cfg.train
     tokens_per_step = world * t.grad_accum * task.tokens_per_micro_batch
