@@ -119,3 +119,53 @@ def test_corrupt_archives(tmp_path):
         prepare(str(tmp_path / "bad.zip"), tmp_path / "cache", SEQ)
     # nothing half-written is left in the cache
     assert not any(p.name.endswith(".tmp") for p in (tmp_path / "cache").iterdir())
+
+
+# ------------------------------------------------------------------------------------------------ enwik8 check
+
+def _fake_enwik8(path, size=100_000_000, header=b'<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.3/"'):
+    """An enwik8-shaped zip: the header, then filler, 10^8 bytes unpacked (as distributed: one member)."""
+    body = header + b"x" * (size - len(header))
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as zf:
+        zf.writestr("enwik8", body)
+    return body
+
+
+def test_prepare_enwik8_accepts_the_real_shape_and_prints_its_sha256(tmp_path, capsys):
+    import hashlib
+    import json
+
+    from efftx.data.prepare import main
+
+    body = _fake_enwik8(tmp_path / "enwik8.zip")
+    assert main(["enwik8", str(tmp_path / "enwik8.zip"), "--cache-dir", str(tmp_path / "cache")]) == 0
+    out = capsys.readouterr().out
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["ok"] and report["bytes"] == 100_000_000
+    assert report["sha256"] == hashlib.sha256(body).hexdigest() and f"sha256 {report['sha256']}" in out
+    # unpacked where training looks: the corpus cache gives the same flat file, not a second copy
+    assert prepare(str(tmp_path / "enwik8.zip"), tmp_path / "cache", 64).path == report["unpacked"]
+    assert "--recipe sinkhorn_enwik8 --set data.corpus=" in out
+
+
+@pytest.mark.parametrize("size, header, message", [
+    (99_999_999, b"<mediawiki xmlns", "it has 99,999,999 bytes once unpacked; enwik8 has 100,000,000"),
+    (100_000_000, b"<?xml version", "it starts with b'<?xml versi', not enwik8's b'<mediawiki ' header"),
+])
+def test_prepare_enwik8_refuses_another_file_saying_what_differs(tmp_path, capsys, size, header, message):
+    from efftx.data.prepare import main
+
+    _fake_enwik8(tmp_path / "enwik8.zip", size, header)
+    assert main(["enwik8", str(tmp_path / "enwik8.zip"), "--cache-dir", str(tmp_path / "cache")]) == 1
+    err = capsys.readouterr().err
+    assert message in err and "mattmahoney.net/dc/enwik8.zip" in err
+
+
+def test_prepare_enwik8_missing_or_corrupt_file_is_exit_2(tmp_path, capsys):
+    from efftx.data.prepare import main
+
+    assert main(["enwik8", str(tmp_path / "nope.zip"), "--cache-dir", str(tmp_path)]) == 2
+    assert "corpus not found" in capsys.readouterr().err
+    (tmp_path / "bad.zip").write_bytes(b"not a zip")
+    assert main(["enwik8", str(tmp_path / "bad.zip"), "--cache-dir", str(tmp_path)]) == 2
+    assert "not a readable zip file" in capsys.readouterr().err
