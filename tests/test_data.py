@@ -169,3 +169,19 @@ def test_prepare_enwik8_missing_or_corrupt_file_is_exit_2(tmp_path, capsys):
     (tmp_path / "bad.zip").write_bytes(b"not a zip")
     assert main(["enwik8", str(tmp_path / "bad.zip"), "--cache-dir", str(tmp_path)]) == 2
     assert "not a readable zip file" in capsys.readouterr().err
+
+
+def test_a_text_run_on_a_tiny_corpus_warns_once_naming_the_key(tmp_path, capsys):
+    from efftx import recipes
+    from efftx.train.launch import resolve
+    from efftx.train.tasks import get
+
+    (tmp_path / "tiny.txt").write_bytes(b"hello world\n" * 170)  # 2,040 bytes: 28 training windows of 64
+    cfg = resolve(recipes.get("lm_debug").override({"name": "t", "data.corpus": str(tmp_path / "tiny.txt"),
+                                                    "data.cache_dir": str(tmp_path / "cache")}))
+    get("lm").prepare(cfg)
+    out = capsys.readouterr().out
+    assert out.count("warning: the training data is tiny for this run") == 1
+    assert "training windows of data.seq_len bytes" in out and "give more data (data.corpus)" in out
+    get("lm").prepare(resolve(recipes.get("lm_debug").override({"name": "t", "data.cache_dir": str(tmp_path)})))
+    assert "warning" not in capsys.readouterr().out  # the bundled corpus is plenty for the debug run

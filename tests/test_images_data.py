@@ -80,9 +80,8 @@ def messy_folder(tmp_path) -> Path:
     return root
 
 
-def test_folder_reader_counts_and_skips(tmp_path, messy_folder, caplog):
-    with caplog.at_level(logging.WARNING, logger="efftx.data.images"):
-        data = _data(_data_cfg(tmp_path, str(messy_folder)))
+def test_folder_reader_counts_and_skips(tmp_path, messy_folder):
+    data = _data(_data_cfg(tmp_path, str(messy_folder)))
     st = data.stats
     assert data.format == "folder"
     assert sorted(Path(s.name).name for s in data.samples) == ["a.PNG", "b.JpG", "c.webp", "d.bmp", "e.jpeg"]
@@ -92,9 +91,33 @@ def test_folder_reader_counts_and_skips(tmp_path, messy_folder, caplog):
     assert st.examples["unreadable_image"].endswith("corrupt.png")
     assert st.examples["missing_caption"].endswith("nocap.png")
     assert st.examples["missing_image"].endswith("orphan.txt")
-    assert "5 of 10 samples usable" in caplog.text and "unreadable_image" in caplog.text
+    assert "5 of 10 samples usable" in st.summary() and "1 unreadable_image (e.g." in st.summary()
     a = next(s for s in data.samples if s.name.endswith("a.PNG"))
     assert a.texts == ("a red box", "the colour red", "red")
+
+
+def test_a_run_reports_its_image_data_once_and_warns_when_it_is_tiny(tmp_path, messy_folder, capsys, caplog):
+    """The driver prints the scan's summary once (the workers' loads print nothing), and warns that 7 training
+    images are too few for a run, naming the key to change; a run on enough images gets no warning."""
+    from efftx import recipes
+    from efftx.train.launch import resolve
+    from efftx.train.tasks import DVAETask
+
+    cfg = resolve(recipes.get("dvae_shapes_debug").override({
+        "name": "tiny", "data.image.source": str(messy_folder), "data.cache_dir": str(tmp_path / "cache")}))
+    with caplog.at_level(logging.DEBUG, logger="efftx.data.images"):
+        prepared = DVAETask.prepare(cfg)
+        out = capsys.readouterr().out
+        DVAETask(cfg, prepared).train_batch(0, 0, 0)  # a worker's first batch loads the data again
+    assert out.count("image data: 8 of 9 samples usable") == 1 and prepared["train_images"] == 7  # no captions
+    assert "warning: the training data is tiny for this run: 7 training images" in out
+    assert "give more data (data.image.source)" in out
+    assert capsys.readouterr().out == ""  # the worker's load printed nothing
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    enough = resolve(recipes.get("dvae_shapes_debug").override({"name": "enough",
+                                                               "data.cache_dir": str(tmp_path / "cache")}))
+    DVAETask.prepare(enough)
+    assert "warning" not in capsys.readouterr().out
 
 
 def test_folder_caption_lines_picked_at_random_reproducibly(tmp_path, messy_folder):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -126,6 +127,9 @@ def test_torn_checkpoint_is_skipped_and_the_rerun_resumes_from_the_previous_one(
     assert f"resuming from checkpoint {saved[10]} (step 10" in second.stdout
     assert "resumed at step 10/40" in second.stdout
     assert f"checkpoint saved at step 20: {run}/checkpoint_00000020_" in second.stdout  # the log names each save
+    # not at a terminal (a pipe, as in `ray job submit` logs and CI): plain step lines, each with the time left
+    assert re.search(r"\[efftx\] step 30/40 loss \S+ lr \S+ tok/s \S+ mfu \S+ eta \d+s\n", second.stdout)
+    assert "\x1b[2K" not in second.stdout and "built successfully" not in second.stdout + second.stderr
     summary = json.loads(second.stdout.strip().splitlines()[-1])
     assert summary["final_step"] == 40
     ref, got = history(baseline), history(summary)
@@ -156,20 +160,55 @@ def test_non_finite_loss_stops_with_clear_error(ray_cluster):
         launch(cfg)
 
 
-@pytest.mark.parametrize("script, recipe", [("train_lm.py", "lm_debug")])  # the scripts share efftx.cli's main
-def test_job_script_prints_json_summary_last(ray_cluster, script, recipe):
+def run_in_terminal(cmd: list[str], env: dict, timeout: float = 600) -> tuple[int, str]:
+    """Run ``cmd`` with its stdout and stderr on a pseudo-terminal, as a user at a shell runs it; -> (exit
+    code, everything it wrote, line endings as \\n)."""
+    import pty
+    import select
+    import time
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
+    os.close(slave)
+    chunks, deadline = [], time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if not select.select([master], [], [], 0.5)[0]:
+                if proc.poll() is not None:
+                    break  # exited and nothing left to read
+                continue
+            try:
+                data = os.read(master, 1 << 16)
+            except OSError:  # EIO: every writer of the terminal is gone
+                break
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        os.close(master)
+    code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    return code, b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
+
+
+def test_job_script_at_a_terminal_draws_a_progress_bar_and_prints_json_summary_last(ray_cluster):
     env = {**os.environ, "RAY_ADDRESS": ray_cluster}
-    cmd = [sys.executable, f"jobs/{script}", "--recipe", recipe, "--run-name", f"job-{recipe}",
+    env.pop("EFFTX_PROGRESS", None)
+    cmd = [sys.executable, "jobs/train_lm.py", "--recipe", "lm_debug", "--run-name", "job-lm_debug",
            "--workers", "2", "--set", "train.steps=10", "--set", "train.eval_every=5"]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
-    summary = json.loads(lines[-1])
-    assert summary["run_name"] == f"job-{recipe}" and summary["final_step"] == 10
+    code, out = run_in_terminal(cmd, env)
+    assert code == 0, out[-3000:]
+    summary = json.loads(next(ln for ln in reversed(out.splitlines()) if ln.startswith("{")))
+    assert summary["run_name"] == "job-lm_debug" and summary["final_step"] == 10
     for key in ("val_bpb", "tokens_per_s", "mlflow_run_id", "export_path"):
         assert summary[key], key
     assert Path(summary["export_path"], "model.safetensors").is_file()
-    assert "sample from the exported model" in proc.stdout and "mlflow ui" in proc.stdout
+    assert "sample from the exported model" in out and "mlflow ui" in out
+    # at a terminal the step lines are one bar redrawn in place (with the time left), ending full at the last step
+    assert re.search(r"\r\x1b\[2K\[#{12}\.{12}\] step 5/10 loss \S+ tok/s \S+ eta \d+s", out), out[-3000:]
+    assert re.search(r"\r\x1b\[2K\[#{24}\] step 10/10 loss \S+ tok/s \S+ eta 0s\n", out)
+    assert "[efftx] step 5/10" not in out  # not also printed as a plain line
+    # and none of the lines a user cannot act on
+    assert "built successfully" not in out and "PreemptionWatcher" not in out
 
 
 def test_zero3_bf16_run_samples_and_exports_whole_weights(ray_cluster):

@@ -415,7 +415,8 @@ class ImageTextData:
                 hint = (f"; the shards' samples hold keys {', '.join(sorted(stats.keys_seen))} "
                         f"(data.image.wds_keys={cfg.wds_keys!r})")
             raise DataError(f"no usable {'image+caption ' if captions else 'image '}samples: {stats.summary()}{hint}")
-        (logger.warning if stats.skipped else logger.info)("image data: %s", stats.summary())
+        # debug: a training run prints the summary once, on the driver (train/tasks.py), not once per worker load
+        logger.debug("image data: %s", stats.summary())
         self._split(samples, cfg.val_fraction)
         return self
 

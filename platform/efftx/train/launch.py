@@ -82,6 +82,9 @@ def ensure_ray() -> None:
 
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True)
+    from efftx.console import filter_worker_logs
+
+    filter_worker_logs()  # the workers' lines a user cannot act on (DeepSpeed's op builds, a Ray-internal warning)
 
 
 def check_resources(cfg: Config, use_gpu: bool) -> None:

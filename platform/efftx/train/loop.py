@@ -37,6 +37,16 @@ from efftx.train import engine as engine_lib
 from efftx.train.tasks import batch_rng, get as get_task
 
 
+def duration(seconds: float) -> str:
+    """'42s', '3m05s', '2h07m'."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
 def log(rank: int, message: str) -> None:
     """Progress lines from rank 0 (written to stdout directly: Ray Train re-routes print to logging)."""
     if rank == 0:
@@ -187,6 +197,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     engine.train()
     interval_time, interval_steps, run_time, run_tokens = 0.0, 0, 0.0, 0
     step = start
+    wall_start = time.perf_counter()  # the ETA counts evaluations, samples and checkpoints too
     while step < t.steps:
         _inject_failure(cfg, step + 1, rank, world, resumed)
         t0 = time.perf_counter()
@@ -221,9 +232,10 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
             metrics.update(task_means)
             if tracker:
                 tracker.log_metrics(metrics, step)
+            eta = (t.steps - step) * (time.perf_counter() - wall_start) / (step - start)
             log(rank, f"step {step}/{t.steps} loss {loss_value:.4f} lr {metrics['lr']:.2e} "
                       f"tok/s {tok_s:,.0f} mfu {metrics['mfu']:.2%}"
-                      + "".join(f" {k} {v:.4g}" for k, v in task_means.items()))
+                      + "".join(f" {k} {v:.4g}" for k, v in task_means.items()) + f" eta {duration(eta)}")
             interval_time, interval_steps = 0.0, 0
         else:
             # still logged to MLflow every step: the resume test reads the loss of any step

@@ -62,6 +62,12 @@ def validate_run(cfg):
     return cfg
 
 
+# Data below TINY_COUNT units (images, or seq_len windows of text), or that a run draws TINY_EPOCHS times or more
+# over, gets one warning on the driver (Task.warn_if_tiny): such a run memorises rather than learns.
+TINY_COUNT = 16
+TINY_EPOCHS = 20
+
+
 def batch_rng(seed: int, rank: int, step: int, micro: int) -> np.random.Generator:
     """The data RNG of one micro batch: a function of its coordinates, so a resumed run sees the same data."""
     return np.random.default_rng([seed, rank, step, micro])
@@ -108,6 +114,19 @@ class Task(abc.ABC):
     @abc.abstractmethod
     def prepare(cls, cfg) -> dict[str, Any]:
         """Build or check the data once, on the driver; returns plain data handed to every worker."""
+
+    @staticmethod
+    def warn_if_tiny(cfg, what: str, available: int, drawn_per_step: int, key: str) -> str | None:
+        """One warning line (printed, and returned) when the training data is tiny for the run: fewer than
+        ``TINY_COUNT`` units, or a run that goes over them ``TINY_EPOCHS`` times or more; else None."""
+        epochs = cfg.train.steps * drawn_per_step / max(available, 1)
+        if available >= TINY_COUNT and epochs < TINY_EPOCHS:
+            return None
+        line = (f"[efftx] warning: the training data is tiny for this run: {available:,} {what}, each drawn about "
+                f"{epochs:,.0f} times ({cfg.train.steps} steps x {drawn_per_step:,} per step); the model will "
+                f"memorise it rather than learn: give more data ({key})")
+        print(line, flush=True)
+        return line
 
     @classmethod
     def summary(cls, metrics: dict[str, Any]) -> dict[str, Any]:
@@ -210,6 +229,9 @@ class LMTask(Task):
             if draft_cfg.model.vocab_size != cfg.model.vocab_size:
                 raise ConfigError(f"speculative.draft has a vocabulary of {draft_cfg.model.vocab_size}, "
                                   f"the target {cfg.model.vocab_size}: they must be the same")
+        t = cfg.train
+        cls.warn_if_tiny(cfg, "training windows of data.seq_len bytes", info.train_bytes // cfg.data.seq_len,
+                         t.micro_batch_size * t.grad_accum * cfg.scaling.num_workers, "data.corpus")
         return {"corpus": info.to_dict()}
 
     def __init__(self, cfg, prepared):
@@ -324,6 +346,9 @@ class _ImageTask(Task):
         data.indices(0, 0, cfg.train.micro_batch_size, 0, cfg.scaling.num_workers)  # every worker gets images
         print(f"[efftx] image data: {data.stats.summary()} ({len(data.train_ids)} for training, "
               f"{len(data.val_ids)} for validation)", flush=True)
+        t = cfg.train
+        cls.warn_if_tiny(cfg, "training images", len(data.train_ids),
+                         t.micro_batch_size * t.grad_accum * cfg.scaling.num_workers, "data.image.source")
         return {"images": data.stats.to_dict(), "train_images": int(len(data.train_ids)),
                 "val_images": int(len(data.val_ids))}
 
