@@ -10,6 +10,9 @@ os.environ["EFFTX_HOME"] = tempfile.mkdtemp(prefix="efftx-test-home-")
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# Ray Train's controller polls its workers every 2 s by default: every phase of every short test run (start,
+# reports, the end) waits for a poll. 0.5 s keeps the same behaviour with less idle time per run.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 # Ray 2.60 turns token authentication on for a new local cluster and, without a token, writes one to
 # ~/.ray/auth_token. The tests bring their own (a throwaway file made as `make cluster-up` makes one), so they
 # neither read nor write ~/.ray: what passes here passes on a machine that never ran Ray.

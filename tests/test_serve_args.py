@@ -160,7 +160,7 @@ def test_the_yaml_config_builds_as_serve_builds_it():
     (application,) = config.applications
     app = call_user_app_builder_with_args_if_necessary(import_attr(application.import_path), application.args)
     init, kwargs, _ = bound(app)["TextGenerator"]
-    assert init["target"] == "models:/spec_target_small/latest" and kwargs["batching"] == "continuous"
+    assert init["target"] == "models:/spec_target_small@champion" and kwargs["batching"] == "continuous"
     assert init["images"]
 
 

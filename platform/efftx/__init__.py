@@ -6,3 +6,9 @@ replaces: its settings and figures carry over into the recipes, its code does no
 """
 
 __version__ = "0.1.0"
+
+import os as _os
+
+# No phone-home: MLflow 3 sends usage telemetry to its servers from every client unless told not to, and efftx
+# runs offline (a user who wants it sets MLFLOW_DISABLE_TELEMETRY=false). Set before efftx imports MLflow.
+_os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")

@@ -6,6 +6,11 @@ written to a temp file and renamed into place. :func:`load_export` rebuilds the 
 files alone (through the model registry, :func:`efftx.models.build`). :func:`resolve_export` turns an export
 folder or an MLflow registered-model URI (``models:/NAME/VERSION``, ``/latest``, ``@ALIAS``) into a local folder.
 
+A registered version is either layout: an MLflow model (what training logs since efftx.mlflow_model: an
+``MLmodel`` file and the export under ``artifacts/``, loadable with ``mlflow.pyfunc.load_model``) or, for
+versions registered before, the plain export folder. :func:`export_folder` finds the export in either, and every
+loader here goes through it.
+
 Exports written before the model registry existed load unchanged: their ``config.json`` holds the same keys.
 """
 
@@ -26,6 +31,7 @@ from efftx.errors import ExportError
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"  # DALL-E exports trained with a tokenizers JSON carry it
+MLMODEL_FILE = "MLmodel"  # an MLflow model folder (efftx.mlflow_model): the export is one of its artifacts
 
 
 def atomic_write(path: str | Path, data: str | bytes) -> None:
@@ -68,8 +74,26 @@ def resolve_export(source: str, tracking_uri: str = "") -> Path:
     ``models:/NAME/VERSION`` (or ``/latest``, or ``models:/NAME@ALIAS``) of ``tracking_uri`` ("" = the default), downloaded
     once per process. Raises ExportError naming the problem (the folder is checked by :func:`read_export_config`)."""
     path = _download_registered(source, tracking_uri) if source.startswith("models:/") else Path(source).expanduser()
+    path = export_folder(path)
     read_export_config(path)
     return path
+
+
+def export_folder(path: str | Path) -> Path:
+    """The export inside ``path``: ``path`` itself, or for an MLflow model folder (an ``MLmodel`` file) the folder
+    of its ``config`` artifact (``artifacts/``). Reads the MLmodel YAML only: no MLflow import, no model load."""
+    path = Path(path)
+    mlmodel = path / MLMODEL_FILE
+    if not mlmodel.is_file() or (path / CONFIG_FILE).is_file():
+        return path
+    import yaml
+
+    try:
+        spec = yaml.safe_load(mlmodel.read_text())
+        return path / Path(spec["flavors"]["python_function"]["artifacts"]["config"]["path"]).parent
+    except (yaml.YAMLError, KeyError, TypeError) as exc:
+        raise ExportError(f"{path} is an MLflow model but not one of an efftx export (no 'config' artifact in its "
+                          f"{MLMODEL_FILE}: {exc!r})") from None
 
 
 def registered_version(source: str, tracking_uri: str = "") -> tuple[str, str]:
@@ -100,26 +124,34 @@ def registered_version(source: str, tracking_uri: str = "") -> tuple[str, str]:
         raise ExportError(f"cannot fetch {source} from the MLflow registry at {uri}: {exc.message}") from None
 
 
-@functools.lru_cache(maxsize=16)
 def _download_registered(source: str, tracking_uri: str) -> Path:
-    from mlflow.exceptions import MlflowException
-
+    """The local folder of a registered version. The alias or ``latest`` is asked of the registry on every call
+    (an alias moves: ``@champion`` after ``python -m efftx.promote``); a version is downloaded once per process."""
     from efftx.paths import default_tracking_uri
-    from efftx.tracking import client_for
 
     uri = tracking_uri or default_tracking_uri()
     name, version = registered_version(source, uri)
+    return _download_version(name, version, uri)
+
+
+@functools.lru_cache(maxsize=16)
+def _download_version(name: str, version: str, uri: str) -> Path:
+    from mlflow.exceptions import MlflowException
+
+    from efftx.tracking import client_for
+
     try:
         download_uri = client_for(uri).get_model_version_download_uri(name, version)
         import mlflow
 
         return Path(mlflow.artifacts.download_artifacts(artifact_uri=download_uri, tracking_uri=uri))
     except MlflowException as exc:
-        raise ExportError(f"cannot fetch {source} from the MLflow registry at {uri}: {exc.message}") from None
+        raise ExportError(f"cannot fetch models:/{name}/{version} from the MLflow registry at {uri}: {exc.message}"
+                          ) from None
 
 
 def read_export_config(path: str | Path) -> tuple[Config, dict[str, Any]]:
-    path = Path(path)
+    path = export_folder(path)
     cfg_file = path / CONFIG_FILE
     if not path.is_dir() or not cfg_file.is_file() or not (path / WEIGHTS_FILE).is_file():
         raise ExportError(f"{path} is not an efftx export (expected a folder with {WEIGHTS_FILE} and {CONFIG_FILE})")
@@ -131,12 +163,14 @@ def read_export_config(path: str | Path) -> tuple[Config, dict[str, Any]]:
 
 
 def load_export(path: str | Path, device: str | torch.device = "cpu") -> tuple[torch.nn.Module, Config, dict]:
-    """Rebuild the model of an export from its config and load its weights (strictly)."""
+    """Rebuild the model of an export from its config and load its weights (strictly). ``path``: an export folder,
+    an MLflow model folder, or a registered-model URI of the default registry (``models:/NAME@champion``)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     from efftx import models
 
+    path = resolve_export(path) if str(path).startswith("models:/") else export_folder(path)
     cfg, meta = read_export_config(path)
     model = models.build(cfg)
     try:

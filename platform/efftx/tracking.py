@@ -4,8 +4,10 @@
 * metrics: per step (train loss, lr, tokens/s, MFU) and per evaluation (val loss, bits-per-byte);
 * artifacts: samples under ``samples/`` (text, or PNG images from the image tasks), the exported model
   under ``export/``;
-* the model registry: each run's export registered under the recipe name (``tracking.model_name``), once
-  per run (a resumed run that exports again reuses its version).
+* the model registry: each run's export logged as an MLflow model (efftx.mlflow_model: a pyfunc whose
+  artifacts are the export's files) and registered under the recipe name (``tracking.model_name``), once per
+  run (a resumed run that exports again reuses its version); the new version gets the alias ``candidate``
+  (:data:`CANDIDATE`), and ``python -m efftx.promote NAME VERSION`` moves ``champion`` (:data:`CHAMPION`) to it.
 
 The default tracking URI is a sqlite file in the efftx home (``.efftx/mlflow.db`` in a checkout);
 ``MLFLOW_TRACKING_URI`` or ``tracking.uri`` override it. With a sqlite store, artifacts go next to
@@ -19,6 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from efftx.errors import ConfigError
+
+CANDIDATE = "candidate"  # the alias a training run sets on the version it registers
+CHAMPION = "champion"  # the alias serve/text.yaml serves; moved by efftx.promote
 
 
 def artifact_root_for(uri: str) -> str | None:
@@ -102,10 +107,15 @@ class Tracker:
     def log_artifacts(self, local_dir: str, path: str) -> None:
         self.client.log_artifacts(self.run_id, local_dir, path)
 
-    def register(self, artifact_path: str) -> str | None:
-        """Register the logged artifact folder as a version of ``tracking.model_name``, once: when this run
-        already registered the same source (a resumed run that had exported before), that version is returned
-        and no new one is made."""
+    def register(self, artifact_path: str, export_dir: str | None = None) -> str | None:
+        """Register this run's export as a version of ``tracking.model_name`` (default: the recipe), once, and
+        point the alias ``candidate`` at the new version; returns ``models:/NAME/VERSION``.
+
+        ``export_dir`` given (the local export folder; what training does): the export is logged as an MLflow
+        model (efftx.mlflow_model) and that model is registered. Without it: the run's artifact folder
+        ``artifact_path`` is registered as it is (a plain export folder: the layout of versions registered before
+        MLflow models; efftx.export still loads those). When this run already registered a version (a resumed
+        run that had exported before), that version is returned and nothing new is made."""
         if not self.cfg.tracking.register_model:
             return None
         name = self.cfg.tracking.model_name or self.cfg.recipe
@@ -115,13 +125,26 @@ class Tracker:
             self.client.create_registered_model(name)
         except MlflowException:
             pass  # already registered
-        source = f"{self.client.get_run(self.run_id).info.artifact_uri}/{artifact_path}"
-        existing = [v for v in self.client.search_model_versions(f"name='{name}' and run_id='{self.run_id}'")
-                    if v.source == source]
-        if existing:
-            return f"models:/{name}/{min(int(v.version) for v in existing)}"
-        version = self.client.create_model_version(name, source=source, run_id=self.run_id,
-                                                   tags={"efftx.run_name": self.cfg.name})
+        ours = self.client.search_model_versions(f"name='{name}' and run_id='{self.run_id}'")
+        tags = {"efftx.run_name": self.cfg.name}
+        if export_dir is not None:
+            if ours:
+                return f"models:/{name}/{min(int(v.version) for v in ours)}"
+            from efftx import mlflow_model
+
+            logged = mlflow_model.log_export(self.client, self.run_id, export_dir, name=name,
+                                             step=self.cfg.train.steps)
+            # source = the LoggedModel's storage location, not models:/<model_id>: MLflow's sqlite registry
+            # resolves the latter against the global tracking URI, not this client's
+            version = self.client.create_model_version(name, source=logged.artifact_location, run_id=self.run_id,
+                                                       tags=tags, model_id=logged.model_id)
+        else:
+            source = f"{self.client.get_run(self.run_id).info.artifact_uri}/{artifact_path}"
+            existing = [v for v in ours if v.source == source]
+            if existing:
+                return f"models:/{name}/{min(int(v.version) for v in existing)}"
+            version = self.client.create_model_version(name, source=source, run_id=self.run_id, tags=tags)
+        self.client.set_registered_model_alias(name, CANDIDATE, version.version)
         return f"models:/{name}/{version.version}"
 
     def finish(self, status: str = "FINISHED") -> None:

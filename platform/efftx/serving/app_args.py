@@ -34,7 +34,8 @@ Batching = Literal["continuous", "static"]
 Device = Literal["auto", "cpu", "cuda"]
 assert get_args(Device) == DEVICES, "Device and efftx.serving.devices.DEVICES disagree"
 
-_PATH = "an export folder or an MLflow registered-model URI (models:/NAME/VERSION or models:/NAME/latest)"
+_PATH = ("an export folder or an MLflow registered-model URI (models:/NAME@champion, models:/NAME/VERSION or "
+         "models:/NAME/latest)")
 
 
 class TextAppArgs(BaseModel):

@@ -262,7 +262,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
             write_export(engine.module, cfg, export_dir, meta, files=task.export_files())
     if tracker:
         tracker.log_artifacts(export_dir, "export")
-        model_uri = tracker.register("export")
+        model_uri = tracker.register("export", export_dir)  # an MLflow model (efftx.mlflow_model), alias @candidate
         log(rank, f"exported to {export_dir}" + (f", registered as {model_uri}" if model_uri else ""))
     # The last checkpoint carries the run's final metrics (Ray's Result.metrics are the latest checkpoint's).
     save(step, {"step": step, "tokens_per_s": run_tokens / run_time if run_time else 0.0,
