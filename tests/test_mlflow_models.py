@@ -252,3 +252,24 @@ def test_versions_registered_as_plain_folders_still_resolve(registry, tmp_path):
     with torch.no_grad():
         logits = model(torch.tensor(expected["tokens"]))
     assert logits.double().sum().item() == pytest.approx(expected["logits_sum"], rel=1e-6)
+
+
+def test_serving_what_is_not_registered_says_what_is_missing_and_how_to_train_it(registry, tmp_path):
+    """A fresh registry (what `serve run serve/text.yaml` meets on a new checkout): the error names the model and
+    the job that trains it; a model trained but never promoted: the error says how to promote it."""
+    with pytest.raises(ExportError) as info:
+        resolve_export("models:/spec_target_small@champion", registry)
+    assert "has no model 'spec_target_small'; train it with: python jobs/train_speculative.py --size small" in \
+        str(info.value)
+    with pytest.raises(ExportError, match="'dalle_shapes_small'; train it with: python jobs/train_dalle.py --recipe "
+                                          "dalle_shapes_small"):
+        resolve_export("models:/dalle_shapes_small@champion", registry)
+    with pytest.raises(ExportError) as info:
+        resolve_export("models:/my_own_name/latest", registry)  # no recipe of that name: no command to suggest
+    assert str(info.value).endswith("has no model 'my_own_name'")  # (nothing else registered: no model ids)
+    train_and_register(registry, tmp_path, "unpromoted", 2.0, seed=0)
+    with pytest.raises(ExportError) as info:
+        resolve_export("models:/unpromoted@champion", registry)
+    assert ("unpromoted has versions 1 but no @champion (aliases: @candidate); promote one with: "
+            "python -m efftx.promote unpromoted candidate") in str(info.value)
+    assert resolve_export("models:/unpromoted@candidate", registry).is_dir()

@@ -112,16 +112,32 @@ def registered_version(source: str, tracking_uri: str = "") -> tuple[str, str]:
                           "or models:/NAME@ALIAS")
     try:
         client = client_for(uri)
+        versions = client.search_model_versions(f"name='{name}'")
+        if not versions:
+            raise ExportError(f"{source}: the MLflow registry at {uri} has no model {name!r}" + _train_hint(name))
         if "@" in ref:
-            version = client.get_model_version_by_alias(name, version).version
+            aliases = client.get_registered_model(name).aliases
+            if version not in aliases:
+                have = ", ".join(f"@{a}" for a in sorted(aliases)) or "none"
+                numbers = ", ".join(str(n) for n in sorted(int(v.version) for v in versions))
+                raise ExportError(f"{source}: {name} has versions {numbers} but no @{version} (aliases: {have})" + (
+                                      f"; promote one with: python -m efftx.promote {name} candidate"
+                                      if version == "champion" else ""))
+            version = aliases[version]
         elif version == "latest":
-            versions = client.search_model_versions(f"name='{name}'")
-            if not versions:
-                raise ExportError(f"{source}: the MLflow registry at {uri} has no model {name!r}")
             version = max(versions, key=lambda v: int(v.version)).version
         return name, str(version)
     except MlflowException as exc:
         raise ExportError(f"cannot fetch {source} from the MLflow registry at {uri}: {exc.message}") from None
+
+
+def _train_hint(name: str) -> str:
+    """'; train it with: <command>' for a recipe name, '' otherwise."""
+    from efftx import recipes
+
+    command = recipes.train_command(name)
+    return (f"; train it with: {command} (it registers {name} with @candidate; then python -m efftx.promote {name} "
+            f"candidate)") if command else ""
 
 
 def _download_registered(source: str, tracking_uri: str) -> Path:

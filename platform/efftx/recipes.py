@@ -291,6 +291,25 @@ def pairs() -> dict[str, str]:
     return dict(_PAIRS)
 
 
+_JOBS = {"sinkhorn": "train_sinkhorn.py", "performer": "train_performer.py", "nsa": "train_nsa.py"}  # else train_lm.py
+
+
+def train_command(name: str) -> str | None:
+    """The job command that trains (and registers, under this name) the recipe ``name``; None for a name that is
+    no recipe (a model registered under a tracking.model_name of its own)."""
+    spec = name.removeprefix("spec_target_").removeprefix("spec_draft_")
+    if spec != name and spec in _SPEC_PAIRS:
+        return f"python jobs/train_speculative.py --size {spec}"
+    if name not in _RECIPES:
+        return None
+    if name in _PAIRS:
+        return f"python jobs/train_dalle.py --recipe {name}"
+    cfg = get(name)
+    if cfg.model.family == "dvae":
+        return f"python jobs/train_vae.py --recipe {name}"
+    return f"python jobs/{_JOBS.get(cfg.attention.kind, 'train_lm.py')} --recipe {name}"
+
+
 def paired_dvae(dalle_recipe: str) -> str:
     """The dVAE recipe of a DALL-E recipe's pair (dalle_shapes_debug -> dvae_shapes_debug)."""
     if dalle_recipe not in _PAIRS:
