@@ -470,14 +470,17 @@ class Scheduler:
     ``max_rows``: the most rows of one running batch (the rest wait in the queue, in order).
     ``admit_wait_s``: when nothing is running, the first arrival waits up to this long for others to join it
     (0: start at once). ``hook(kind, jobs)``: called before every prefill and step with the rows it covers
-    (tests use it to inject faults)."""
+    (tests use it to inject faults). ``observe(kind, rows)``: called after every decoding step of a running batch
+    with its kind (``base`` | ``speculative``) and its rows (the app's metrics, :mod:`efftx.serving.metrics`)."""
 
     def __init__(self, target, draft=None, *, max_rows: int = 32, admit_wait_s: float = 0.0,
-                 hook: Callable[[str, list[Job]], None] | None = None):
+                 hook: Callable[[str, list[Job]], None] | None = None,
+                 observe: Callable[[str, int], None] | None = None):
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         self.target, self.draft = target, draft
         self.max_rows, self.admit_wait_s, self.hook = int(max_rows), float(admit_wait_s), hook
+        self.observe = observe
         self.base = BaseEngine(target, hook)
         self.spec: dict[int, SpeculativeEngine] = {}
         self._queue: deque[Job] = deque()
@@ -554,9 +557,12 @@ class Scheduler:
         for engine, jobs in self._take().items():
             self._guarded(engine, engine.admit, jobs)
         for engine in [self.base, *self.spec.values()]:
-            if len(engine):
+            rows = len(engine)
+            if rows:
                 self._guarded(engine, engine.step)
                 self.steps += 1
+                if self.observe is not None:
+                    _call(self.observe, engine.kind, rows)
         for gamma in [g for g, e in self.spec.items() if not len(e)]:
             del self.spec[gamma]
         return self.running

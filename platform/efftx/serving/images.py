@@ -31,6 +31,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from ray import serve
 
 from efftx.generation.png import png_bytes, to_pil
+from efftx.serving import metrics
 from efftx.serving.devices import replica_device
 from efftx.serving.isolation import RowFailure, contained
 from efftx.serving.schemas import SEED_MAX, Seed, Temperature, TopP, encodable
@@ -182,6 +183,7 @@ class ImageGenerator:
         from efftx.generation.images import generate_images
 
         first = reqs[0]
+        metrics.batch("static", "image", len(reqs))
         t0 = time.perf_counter()
         text, cut = self.gen.encode([r.prompt for r in reqs])
         counts = torch.tensor([r.n for r in reqs], device=self.device)
@@ -211,6 +213,8 @@ class ImageGenerator:
         for rows in groups.values():  # a failing group is drawn again request by request: only its culprit fails
             for i, res in zip(rows, contained(self._draw, [requests[i] for i in rows], "image generation")):
                 results[i] = res
+                if isinstance(res, ImageResponse):
+                    metrics.images(len(res.images))
         return results
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.05)

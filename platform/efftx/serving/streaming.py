@@ -29,6 +29,7 @@ from pydantic import BaseModel
 
 from efftx.generation.decode import decode_bytes, iter_generate
 from efftx.generation.speculative import SpecStats, iter_speculative
+from efftx.serving import metrics
 from efftx.serving.schemas import StreamDone, StreamRequest, StreamStep
 
 
@@ -87,7 +88,11 @@ def stream_events(target, draft, prompt: list[int], req: StreamRequest) -> Itera
         steps = ([int(t[0])] for t in iter_generate(target, [prompt], req.max_new_tokens, **sampling))
     for toks in steps:
         yield marks.step(toks, stats.accepted[-1] if speculative else None)
-    yield marks.done(stats if speculative else None)
+    done = marks.done(stats if speculative else None)
+    metrics.batch("static", req.mode, 1)  # a stream decodes alone
+    metrics.decoded(req.mode, done.tokens, done.latency_ms / 1e3, stats.mean_accepted if speculative else None,
+                    stats.draft_calls)
+    yield done
 
 
 async def job_events(steps: AsyncIterable[tuple], mode: str, t0: float | None = None) -> AsyncIterator[BaseModel]:

@@ -82,6 +82,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from efftx.generation.decode import decode_bytes, encode_text, iter_generate
 from efftx.generation.speculative import SpecStats, iter_speculative, iter_speculative_rows
+from efftx.serving import metrics
 from efftx.serving.app_args import TextAppArgs
 from efftx.serving.continuous import Job, Sampling, Scheduler
 from efftx.serving.devices import replica_device, resolve_build_devices, with_gpus
@@ -112,6 +113,7 @@ def _body_limit() -> int:
 
 
 app.add_middleware(BodyLimit, limit=_body_limit)
+app.add_middleware(metrics.RequestMetrics)  # outermost: counts every answer (413s and handlers' 4xx included)
 
 
 class _AsciiJSON(JSONResponse):
@@ -209,7 +211,8 @@ class TextGenerator:
         if batching == "continuous":
             self.scheduler = Scheduler(self.target, self.draft, max_rows=max_batch_size,
                                        admit_wait_s=batch_wait_timeout_s,
-                                       hook=lambda kind, jobs: self._step_hook(kind, [j.tag for j in jobs])).start()
+                                       hook=lambda kind, jobs: self._step_hook(kind, [j.tag for j in jobs]),
+                                       observe=lambda kind, rows: metrics.batch("continuous", kind, rows)).start()
         else:
             self._batched.set_max_batch_size(max_batch_size)
             self._batched.set_batch_wait_timeout_s(batch_wait_timeout_s)
@@ -286,11 +289,13 @@ class TextGenerator:
                     key = (r.temperature, r.top_k, r.top_p) + ((r.gamma,) if mode == "speculative" else ())
                     groups.setdefault(key, []).append(i)
             for rows in groups.values():  # a failing group is decoded again request by request: only its culprit fails
+                metrics.batch("static", mode, len(rows))
                 for i, res in zip(rows, contained(run, [requests[i] for i in rows], f"{mode} decoding")):
                     if isinstance(res, RowFailure):
                         failed[i] = res
                     else:
                         results[i][mode] = res
+                        metrics.decoded(mode, res.tokens, res.latency_ms / 1e3, res.mean_accepted, res.draft_calls or 0)
         return [failed.get(i) or GenerateResponse(prompt=r.prompt, results=res)
                 for i, (r, res) in enumerate(zip(requests, results))]
 
@@ -322,10 +327,12 @@ class TextGenerator:
         job.on_done = lambda j: loop.call_soon_threadsafe(_resolve, done, j)
         self.scheduler.submit(job)
         try:
-            return await done
+            job = await done
         except asyncio.CancelledError:  # the client went away: the row leaves the batch at the next step
             self.scheduler.cancel(job)
             raise
+        metrics.decoded_job(job)
+        return job
 
     async def _decode_continuous(self, req: GenerateRequest) -> GenerateResponse:
         modes = ("base", "speculative") if req.mode == "both" else (req.mode,)
@@ -355,6 +362,7 @@ class TextGenerator:
                         raise job.error
                     if job.cancelled:
                         raise RuntimeError("the decoding was cancelled")
+                    metrics.decoded_job(job)
                     yield item
                     return
                 yield item
@@ -464,12 +472,14 @@ class TextGenerator:
                     {"prompt": "prompt", "max_new_tokens": "max_new_tokens"})
         return await self._decode(req)
 
-    def _completion_steps(self, tokens: list[int], req: CompletionRequest, speculative: bool, gamma: int):
+    def _completion_steps(self, tokens: list[int], req: CompletionRequest, speculative: bool, gamma: int,
+                          stats: SpecStats | None = None):
         """The tokens of each decoding step of a streamed completion (a lazy generator: decoding happens as the
-        response is iterated, in Starlette's thread pool)."""
+        response is iterated, in Starlette's thread pool); ``stats``: speculative decoding's acceptance."""
         sampling = {"temperature": req.temperature, "top_p": req.top_p, "seed": req.seed}
         if speculative:
-            return iter_speculative(self.target, self.draft, tokens, req.max_tokens, gamma=gamma, **sampling)
+            return iter_speculative(self.target, self.draft, tokens, req.max_tokens, gamma=gamma, stats=stats,
+                                    **sampling)
         return ([int(t[0])] for t in iter_generate(self.target, [tokens], req.max_tokens, **sampling))
 
     @app.post("/v1/completions")
@@ -513,18 +523,24 @@ class TextGenerator:
 
             return StreamingResponse(chunks(), media_type="text/event-stream")
 
-        steps = self._completion_steps(tokens, req, speculative, gamma)
+        stats = SpecStats(gamma=gamma)
+        steps = self._completion_steps(tokens, req, speculative, gamma, stats)
 
         def events():  # a sync generator: Starlette runs it in its thread pool, off the event loop
             decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            t0, n = time.perf_counter(), 0
             try:
                 for step in steps:
+                    n += len(step)
                     piece = decoder.decode(bytes(step))
                     if piece:
                         yield f"data: {json.dumps(body(piece, None))}\n\n"
             except Exception as exc:  # noqa: BLE001 - the 200 has gone out: the client learns of it in the stream
                 yield _completion_error(exc)
                 return
+            metrics.batch("static", mode, 1)  # a stream decodes alone
+            metrics.decoded(mode, n, time.perf_counter() - t0, stats.mean_accepted if speculative else None,
+                            stats.draft_calls)
             yield f"data: {json.dumps(body(decoder.decode(b'', final=True), 'length', usage))}\n\n"
             yield "data: [DONE]\n\n"
 
