@@ -207,7 +207,8 @@ def test_dalle_configure_takes_the_dvae_and_tokenizer_from_their_sources(dvae_ex
 @pytest.mark.parametrize("source, error, match", [
     ("", ConfigError, "dalle.vae_path is empty"),
     ("/no/such/export", ExportError, "dalle.vae_path: /no/such/export is not an efftx export"),
-    ("models:/no-such-dvae/1", ExportError, "cannot fetch models:/no-such-dvae/1 from the MLflow registry"),
+    ("models:/no-such-dvae/1", ExportError, "models:/no-such-dvae/1: the MLflow registry at .* has no model "
+                                            "'no-such-dvae'"),
     ("models:/just-a-name", ExportError, "not a registered-model URI"),
 ])
 def test_bad_vae_path_is_a_clear_error_at_configuration(source, error, match):

@@ -21,6 +21,10 @@ pytestmark = pytest.mark.slow
 DEADLINE_S = 120  # Ray's export interval is 10 s by default; the first export of a new replica can take longer
 
 
+# Names no other test's app has: Ray keeps exporting the counters of an app's earlier replicas in the session, and
+# the test counts from zero.
+TEXT, STATIC = "metrics-text", "metrics-static"
+
 @pytest.fixture(scope="module")
 def apps(ray_cluster, debug_exports):
     from ray import serve
@@ -31,11 +35,11 @@ def apps(ray_cluster, debug_exports):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build({"target": paths["target"], "draft": paths["draft"], "name": "tiny", "dalle": paths["dalle"]}),
-              name="text", route_prefix="/")
+              name=TEXT, route_prefix="/")
     serve.run(build({"target": paths["target"], "draft": paths["draft"], "name": "tiny", "batching": "static"}),
-              name="static", route_prefix="/static")
+              name=STATIC, route_prefix="/static")
     yield f"http://127.0.0.1:{port}"
-    serve.delete("static")
+    serve.delete(STATIC)
     serve.shutdown()
 
 
@@ -76,7 +80,7 @@ def test_metrics_move_after_requests(apps):
     url = metrics_url()
     before = scrape(url)
     for name in ("efftx_requests", "efftx_generated_tokens"):  # counters of fresh apps: nothing counted yet
-        assert total(before, f"ray_{name}_total", application="text") == 0
+        assert total(before, f"ray_{name}_total", application=TEXT) == 0
 
     # continuous batching (app "text"): base, speculative, one 4xx, two images
     base = post(f"{apps}/generate", json={"prompt": "def ", "max_new_tokens": 9, "temperature": 0, "mode": "base"})
@@ -104,7 +108,7 @@ def test_metrics_move_after_requests(apps):
         def moved(name, **labels):
             return total(now, name, **labels) - total(before, name, **labels)
 
-        text, static = {"application": "text"}, {"application": "static"}
+        text, static = {"application": TEXT}, {"application": STATIC}
         return {
             "requests /generate 200": (moved("ray_efftx_requests_total", endpoint="/generate", status=200, **text), 2),
             "requests /generate 422": (moved("ray_efftx_requests_total", endpoint="/generate", status=422, **text), 1),

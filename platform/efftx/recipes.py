@@ -304,10 +304,9 @@ def train_command(name: str) -> str | None:
         return None
     if name in _PAIRS:
         return f"python jobs/train_dalle.py --recipe {name}"
-    cfg = get(name)
-    if cfg.model.family == "dvae":
+    if name in _PAIRS.values():
         return f"python jobs/train_vae.py --recipe {name}"
-    return f"python jobs/{_JOBS.get(cfg.attention.kind, 'train_lm.py')} --recipe {name}"
+    return f"python jobs/{_JOBS.get(get(name).attention.kind, 'train_lm.py')} --recipe {name}"
 
 
 def paired_dvae(dalle_recipe: str) -> str:
