@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.efftx-installed
 # and `ray`, `python`, `mlflow` in recipes below are the venv's.
 export PATH := $(BIN):$(PATH)
 
-.PHONY: setup browser demo test test-fast bench gpu-check cluster-up cluster-down submit-example clean-runs
+.PHONY: setup browser demo test test-fast bench gpu-check serve cluster-up cluster-down submit-example clean-runs
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,15 @@ bench: setup
 
 gpu-check: setup                  ## every CUDA path in one command, one table (needs a CUDA GPU; see bench/gpu_check.py)
 	$(BIN)/python bench/gpu_check.py $(ARGS)
+
+# The Serve app of serve/text.yaml (or SERVE_CONFIG=...): its models are trained (jobs/train_speculative.py --size
+# small, jobs/train_dalle.py --recipe dalle_shapes_small) and promoted to @champion first when the registry has
+# none (python -m efftx.serving.ready says which and how long it took), then `serve run` (Ctrl-C stops it).
+SERVE_CONFIG ?= serve/text.yaml
+serve: setup                      ## serve/text.yaml's app, training and promoting its models first if missing
+	$(BIN)/python -m efftx.serving.ready $(SERVE_CONFIG)
+	@echo "serving $(SERVE_CONFIG): the playground is http://127.0.0.1:8000/ once the app is up (Ctrl-C stops it)"
+	$(BIN)/serve run $(SERVE_CONFIG)
 
 cluster-up: setup                 ## a real local Ray cluster running from the venv, token auth on (token made if none)
 	$(BIN)/python -m efftx.cluster up --num-cpus 2
