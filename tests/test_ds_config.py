@@ -265,6 +265,7 @@ import torch, torch.distributed as dist
 from efftx import recipes
 from efftx.train import engine as engine_lib
 
+engine_lib.set_accelerator_env("cpu")  # as a worker does: DeepSpeed's compiled ops from the venv's cache
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
