@@ -129,11 +129,26 @@ class ImageDataConfig:
 @dataclass
 class DataConfig:
     corpus: str = "bundled"  # "bundled", or a path: enwik8(.zip/.gz), any text file, a folder of them
-    seq_len: int = 256
+    seq_len: int = 256  # in tokens (bytes when data.tokenizer is "")
     cache_dir: str = ""  # where decompressed corpora are cached; "" = <efftx home>/data
+    # The language models' tokenizer: "" = UTF-8 bytes (model.vocab_size 256), else a Hugging Face tokenizers JSON
+    # (python -m efftx.data.train_tokenizer makes one); model.vocab_size then comes from it. efftx/data/lm_tokenizer.py
+    tokenizer: str = ""
     image: ImageDataConfig = field(default_factory=ImageDataConfig)
 
     RESUMABLE: ClassVar[frozenset[str]] = frozenset({"cache_dir"})
+
+    def validate(self) -> None:
+        """Checks of this section (the tokenizer file itself is read when the run is configured); errors name
+        the keys."""
+        from efftx.data.lm_tokenizer import check_key
+        from efftx.errors import DataError
+
+        try:
+            check_key(self.tokenizer)
+        except DataError as exc:
+            raise ConfigError(str(exc)) from None
+        self.image.validate()
 
 
 @dataclass
@@ -544,7 +559,7 @@ class Config:
             raise ConfigError("model.dropout and attention.dropout must be < 1")
         m.validate()
         e.validate()
-        d.image.validate()
+        d.validate()
         self.vae.validate()
         self.dalle.validate(m.depth)
         # The backends a model may use check the shared rules (heads, head dim; in AttentionSpec) and their own

@@ -2,6 +2,9 @@
 
     python -m efftx.generate --model PATH --prompt TEXT --max-new-tokens N [--temperature T]
                              [--top-k K] [--top-p P] [--seed S]
+
+A byte model reads and writes UTF-8 bytes; a token model (trained with ``data.tokenizer``) encodes the prompt and
+decodes its tokens with the ``tokenizer.json`` its export carries. ``--max-new-tokens`` counts the model's tokens.
 """
 
 from __future__ import annotations
@@ -12,12 +15,13 @@ import sys
 import torch
 
 from efftx.errors import EfftxError, ExportError
-from efftx.generation.decode import decode_bytes, encode_text, generate
+from efftx.generation.decode import generate
 
 
 def sample_text(model_path: str, prompt: str, max_new_tokens: int, *, temperature: float = 1.0,
                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, device: str = "cpu") -> str:
-    from efftx.export import load_export
+    from efftx.data.lm_tokenizer import export_codec
+    from efftx.export import load_export, resolve_export
 
     if not prompt:
         raise ExportError("the prompt is empty")
@@ -25,14 +29,18 @@ def sample_text(model_path: str, prompt: str, max_new_tokens: int, *, temperatur
         raise ExportError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
         raise ExportError("temperature must be >= 0, top_k >= 0 and top_p in (0, 1]")
-    model, cfg, _ = load_export(model_path, device)
-    tokens = encode_text(prompt)
+    folder = resolve_export(model_path)
+    model, cfg, _ = load_export(folder, device)
+    codec = export_codec(folder, cfg)
+    tokens = codec.encode(prompt)
+    if not tokens:
+        raise ExportError(f"the prompt {prompt!r} encodes to no tokens with {codec.source}")
     if len(tokens) + max_new_tokens > model.max_seq_len:
-        raise ExportError(f"prompt ({len(tokens)} bytes) + max_new_tokens ({max_new_tokens}) exceeds the "
+        raise ExportError(f"prompt ({len(tokens)} {codec.unit}) + max_new_tokens ({max_new_tokens}) exceeds the "
                           f"model's max_seq_len={model.max_seq_len}")
     prompt_t = torch.tensor([tokens], dtype=torch.long, device=device)
     out = generate(model, prompt_t, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    return decode_bytes(out[0].tolist())
+    return codec.continuation(tokens, out[0].tolist())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -263,14 +263,16 @@ class EfftxModel(mlflow.pyfunc.PythonModel):
     def _text(self, rows: list[dict]) -> list[str]:
         """As :func:`efftx.generate.sample_text` per row (same checks, same tokens), rows that share their sampling
         arguments decoded together (row r with its own seed: the same tokens as alone)."""
-        from efftx.generation.decode import decode_bytes, encode_text, generate
+        from efftx.data.lm_tokenizer import export_codec
+        from efftx.generation.decode import generate
 
+        codec = export_codec(self.export_dir, self.cfg)  # bytes, or the export's tokenizer.json
         groups: dict[tuple, list[tuple[int, list[int], int | None]]] = {}
         for i, row in enumerate(rows):
             prompt = row.get("prompt")
             if not isinstance(prompt, str) or not prompt:
                 raise ExportError(f"row {i}: the prompt is empty")
-            tokens = encode_text(prompt)
+            tokens = codec.encode(prompt)
             a = {**TEXT_DEFAULTS, **row}
             room = self.model.max_seq_len - len(tokens)
             max_new = _number(row, "max_new_tokens", i, whole=True) if "max_new_tokens" in row else min(
@@ -282,8 +284,8 @@ class EfftxModel(mlflow.pyfunc.PythonModel):
             if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
                 raise ExportError(f"row {i}: temperature must be >= 0, top_k >= 0 and top_p in (0, 1]")
             if max_new > room:
-                raise ExportError(f"row {i}: prompt ({len(tokens)} bytes) + max_new_tokens ({max_new}) exceeds the "
-                                  f"model's max_seq_len={self.model.max_seq_len}")
+                raise ExportError(f"row {i}: prompt ({len(tokens)} {codec.unit}) + max_new_tokens ({max_new}) exceeds "
+                                  f"the model's max_seq_len={self.model.max_seq_len}")
             seed = None if a["seed"] is None else _number(a, "seed", i, whole=True)
             groups.setdefault((max_new, temperature, top_k, top_p), []).append((i, tokens, seed))
         out: list[str] = [""] * len(rows)
@@ -292,8 +294,8 @@ class EfftxModel(mlflow.pyfunc.PythonModel):
                 chunk = items[start:start + self.max_batch]
                 new = generate(self.model, [t for _, t, _ in chunk], max_new, temperature=temperature, top_k=top_k,
                                top_p=top_p, seed=[s for _, _, s in chunk])
-                for (i, _, _), tokens in zip(chunk, new.tolist()):
-                    out[i] = decode_bytes(tokens)
+                for (i, prompt_ids, _), tokens in zip(chunk, new.tolist()):
+                    out[i] = codec.continuation(prompt_ids, tokens)
         return out
 
     def _images(self, rows: list[dict]) -> list[str]:

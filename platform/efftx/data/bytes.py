@@ -92,14 +92,11 @@ def prepare(source: str, cache_dir: str | os.PathLike, seq_len: int) -> CorpusIn
                       train_bytes=n_train, val_bytes=n_val)
 
 
-class ByteData:
-    """Memory-mapped train/validation views of a prepared corpus, and window sampling."""
+class WindowData:
+    """Window sampling over a ``train`` and a ``val`` array of token ids (bytes, or a tokenizer's ids)."""
 
-    def __init__(self, info: CorpusInfo | dict):
-        self.info = info if isinstance(info, CorpusInfo) else CorpusInfo(**info)
-        data = np.memmap(self.info.path, dtype=np.uint8, mode="r")
-        self.train = data[: self.info.train_bytes]
-        self.val = data[self.info.train_bytes: self.info.train_bytes + self.info.val_bytes]
+    train: np.ndarray
+    val: np.ndarray
 
     @staticmethod
     def windows(split: np.ndarray, starts: np.ndarray, seq_len: int) -> torch.Tensor:
@@ -111,10 +108,30 @@ class ByteData:
         starts = rng.integers(0, len(self.train) - seq_len - 1, size=batch_size, endpoint=True)
         return self.windows(self.train, starts, seq_len)
 
+    def val_starts(self, n: int, seq_len: int) -> np.ndarray:
+        return np.linspace(0, len(self.val) - seq_len - 1, num=n).astype(np.int64)
+
     def val_windows(self, n: int, seq_len: int) -> torch.Tensor:
         """A fixed validation set: ``n`` windows evenly spaced over the validation split."""
-        starts = np.linspace(0, len(self.val) - seq_len - 1, num=n).astype(np.int64)
-        return self.windows(self.val, starts, seq_len)
+        return self.windows(self.val, self.val_starts(n, seq_len), seq_len)
+
+    def val_target_bytes(self, n: int, seq_len: int) -> int:
+        """UTF-8 bytes of text that the predicted tokens (each window's last ``seq_len``) of
+        ``val_windows(n, seq_len)`` cover: the denominator of bits per byte."""
+        raise NotImplementedError
+
+
+class ByteData(WindowData):
+    """Memory-mapped train/validation views of a prepared corpus, and window sampling."""
+
+    def __init__(self, info: CorpusInfo | dict):
+        self.info = info if isinstance(info, CorpusInfo) else CorpusInfo(**info)
+        data = np.memmap(self.info.path, dtype=np.uint8, mode="r")
+        self.train = data[: self.info.train_bytes]
+        self.val = data[self.info.train_bytes: self.info.train_bytes + self.info.val_bytes]
+
+    def val_target_bytes(self, n: int, seq_len: int) -> int:
+        return n * seq_len  # one token, one byte
 
 
 # ------------------------------------------------------------------------------------------ sources

@@ -64,38 +64,43 @@ class HFTokenizer:
 
     name = "hf"
 
-    def __init__(self, json_text: str, source: str = "<string>"):
+    def __init__(self, json_text: str, source: str = "<string>", *, offset: int = _OFFSET,
+                 key: str = "data.image.bpe_path"):
+        """``offset``: added to the tokenizer's ids (1 for captions, so 0 stays padding; the language models'
+        tokenizer, efftx.data.lm_tokenizer, uses 0). ``key``: the config key named in errors."""
         try:
             from tokenizers import Tokenizer as _HF
         except ImportError:  # pragma: no cover - it is a dependency in pyproject.toml
-            raise DataError("data.image.bpe_path needs the 'tokenizers' package: pip install tokenizers") from None
+            raise DataError(f"{key} needs the 'tokenizers' package: pip install tokenizers") from None
         try:
             self._tok = _HF.from_str(json_text)
         except Exception as exc:  # tokenizers raises a plain Exception on bad JSON
-            raise DataError(f"{source} is not a Hugging Face tokenizers JSON file: {exc}") from None
+            raise DataError(f"{source} is not a Hugging Face tokenizers JSON file ({key}): {exc}") from None
         self.source = source
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True) + _OFFSET
+        self.offset = offset
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True) + offset
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike) -> "HFTokenizer":
+    def from_file(cls, path: str | os.PathLike, *, offset: int = _OFFSET, key: str = "data.image.bpe_path"
+                  ) -> "HFTokenizer":
         path = Path(path).expanduser()
         try:
             text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
-            raise DataError(f"tokenizer file not found: {path} (data.image.bpe_path)") from None
+            raise DataError(f"tokenizer file not found: {path} ({key})") from None
         except (OSError, UnicodeDecodeError) as exc:
-            raise DataError(f"cannot read tokenizer file {path} (data.image.bpe_path): {exc}") from None
-        return cls(text, source=str(path))
+            raise DataError(f"cannot read tokenizer file {path} ({key}): {exc}") from None
+        return cls(text, source=str(path), offset=offset, key=key)
 
     def to_json(self) -> str:
         """The tokenizer as JSON text (store it in an export; :class:`HFTokenizer` rebuilds it)."""
         return self._tok.to_str()
 
     def encode(self, text: str) -> list[int]:
-        return [i + _OFFSET for i in self._tok.encode(text, add_special_tokens=False).ids]
+        return [i + self.offset for i in self._tok.encode(text, add_special_tokens=False).ids]
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode([int(i) - _OFFSET for i in ids if _OFFSET <= int(i) < self.vocab_size])
+        return self._tok.decode([int(i) - self.offset for i in ids if self.offset <= int(i) < self.vocab_size])
 
 
 def load_tokenizer(bpe_path: str = "") -> Tokenizer:

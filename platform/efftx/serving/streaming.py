@@ -20,14 +20,14 @@ decoding never runs on the replica's event loop (``/healthz`` answers meanwhile)
 
 from __future__ import annotations
 
-import codecs
 import json
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 
 from pydantic import BaseModel
 
-from efftx.generation.decode import decode_bytes, iter_generate
+from efftx.data.lm_tokenizer import ByteCodec
+from efftx.generation.decode import iter_generate
 from efftx.generation.speculative import SpecStats, iter_speculative
 from efftx.serving import metrics
 from efftx.serving.schemas import StreamDone, StreamRequest, StreamStep
@@ -47,20 +47,25 @@ def split_step(tokens: list[int], accepted: int | None) -> tuple[int, int]:
 
 
 class StepMarks:
-    """Turns one decoding run's steps into :class:`StreamStep` events and its end into a :class:`StreamDone`."""
+    """Turns one decoding run's steps into :class:`StreamStep` events and its end into a :class:`StreamDone`.
 
-    def __init__(self, mode: str, t0: float | None = None):
+    ``codec`` (efftx.data.lm_tokenizer: bytes by default, or the export's tokenizer) decodes incrementally after
+    ``prompt``: a character whose bytes are spread over tokens or steps is sent once it is complete."""
+
+    def __init__(self, mode: str, t0: float | None = None, codec=None, prompt: list[int] = ()):
         self.mode = mode
         self.t0 = time.perf_counter() if t0 is None else t0
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may span steps
+        self.codec = codec or ByteCodec()
+        self.prompt = list(prompt)
+        self.decoder = self.codec.decoder(self.prompt)  # a character may span steps
         self.out: list[int] = []
         self.n = 0
 
     def step(self, toks: list[int], accepted: int | None) -> StreamStep:
         self.n += 1
         drafted, from_target = split_step(toks, accepted)
-        draft_text = self.decoder.decode(bytes(toks[:drafted]))
-        target_text = self.decoder.decode(bytes(toks[drafted:]))
+        draft_text = self.decoder.decode(toks[:drafted])
+        target_text = self.decoder.decode(toks[drafted:])
         self.out.extend(toks)
         return StreamStep(mode=self.mode, step=self.n, text=draft_text + target_text, draft_text=draft_text,
                           target_text=target_text, drafted_accepted=drafted, from_target=from_target,
@@ -70,17 +75,18 @@ class StepMarks:
         secs = time.perf_counter() - self.t0
         if stats is not None:
             extra.update(stats.result_fields())
-        return StreamDone(mode=self.mode, steps=self.n, text=decode_bytes(self.out),
-                          tail=self.decoder.decode(b"", final=True), tokens=len(self.out), latency_ms=secs * 1e3,
+        return StreamDone(mode=self.mode, steps=self.n, text=self.codec.continuation(self.prompt, self.out),
+                          tail=self.decoder.flush(), tokens=len(self.out), latency_ms=secs * 1e3,
                           tokens_per_s=len(self.out) / secs, **extra)
 
 
-def stream_events(target, draft, prompt: list[int], req: StreamRequest) -> Iterator[BaseModel]:
-    """Decode ``prompt`` in ``req.mode``; yield a StreamStep per decoding step, then a StreamDone."""
+def stream_events(target, draft, prompt: list[int], req: StreamRequest, codec=None) -> Iterator[BaseModel]:
+    """Decode ``prompt`` in ``req.mode``; yield a StreamStep per decoding step, then a StreamDone. ``codec``: the
+    model's (bytes by default)."""
     sampling = {"temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p, "seed": req.seed}
     speculative = req.mode == "speculative"
     stats = SpecStats(gamma=req.gamma)
-    marks = StepMarks(req.mode)
+    marks = StepMarks(req.mode, codec=codec, prompt=prompt)
     if speculative:
         steps: Iterable[list[int]] = iter_speculative(target, draft, prompt, req.max_new_tokens, gamma=req.gamma,
                                                       stats=stats, **sampling)
@@ -95,10 +101,11 @@ def stream_events(target, draft, prompt: list[int], req: StreamRequest) -> Itera
     yield done
 
 
-async def job_events(steps: AsyncIterable[tuple], mode: str, t0: float | None = None) -> AsyncIterator[BaseModel]:
+async def job_events(steps: AsyncIterable[tuple], mode: str, t0: float | None = None, codec=None,
+                     prompt: list[int] = ()) -> AsyncIterator[BaseModel]:
     """StreamStep events from a continuous-batching row's ``("step", tokens, accepted)`` items, then a StreamDone
     from its final ``("done", job, None)`` (a :class:`~efftx.serving.continuous.Job`)."""
-    marks = StepMarks(mode, t0)
+    marks = StepMarks(mode, t0, codec, prompt)
     async for kind, a, b in steps:
         if kind == "step":
             yield marks.step(a, b)

@@ -62,7 +62,6 @@ request can take the replica down, and no request can fail another:
 
 import asyncio
 import base64
-import codecs
 import copy
 import dataclasses
 import json
@@ -80,7 +79,8 @@ from fastapi.utils import is_body_allowed_for_status_code
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from efftx.generation.decode import decode_bytes, encode_text, iter_generate
+from efftx.data.lm_tokenizer import export_codec, same_tokenizer
+from efftx.generation.decode import iter_generate
 from efftx.generation.speculative import SpecStats, iter_speculative, iter_speculative_rows
 from efftx.serving import metrics
 from efftx.serving.app_args import TextAppArgs
@@ -165,12 +165,12 @@ def _resolve(future: asyncio.Future, value) -> None:
         future.set_result(value)
 
 
-def _mode_result(job: Job) -> ModeResult:
-    """A continuous-batching row's result (latency from its arrival to its last token)."""
+def _mode_result(job: Job, text: str) -> ModeResult:
+    """A continuous-batching row's result (latency from its arrival to its last token); ``text``: its decoded tokens."""
     secs = max(job.latency_s, 1e-9)
     extra = {} if job.stats is None else job.stats.result_fields()
     first = job.first_token_s
-    return ModeResult(text=decode_bytes(job.out), tokens=len(job.out), latency_ms=secs * 1e3,
+    return ModeResult(text=text, tokens=len(job.out), latency_ms=secs * 1e3,
                       tokens_per_s=len(job.out) / secs, batch_size=max(job.batch_size, 1),
                       first_token_ms=None if first is None else first * 1e3, **extra)
 
@@ -195,10 +195,18 @@ class TextGenerator:
             raise ValueError(f"batching must be one of {', '.join(BATCHING)}; got {batching!r}")
         max_batch_size, batch_wait_timeout_s = batch_defaults(batching, max_batch_size, batch_wait_timeout_s)
         self.device = replica_device(device)  # efftx.serving.devices: CUDA when this replica was given a GPU
-        self.target, self.target_cfg, _ = load_export(resolve_export(target), self.device)
-        self.draft, draft_cfg, _ = load_export(resolve_export(draft), self.device) if draft else (None, None, None)
-        if self.draft is not None and self.draft.vocab_size != self.target.vocab_size:
-            raise ValueError("target and draft vocabularies differ")
+        target_dir = resolve_export(target)
+        self.target, self.target_cfg, _ = load_export(target_dir, self.device)
+        # text <-> ids: UTF-8 bytes, or the tokenizer.json a token LM's export carries (efftx.data.lm_tokenizer)
+        self.codec = export_codec(target_dir, self.target_cfg)
+        draft_dir = resolve_export(draft) if draft else None
+        self.draft, draft_cfg, _ = load_export(draft_dir, self.device) if draft else (None, None, None)
+        if self.draft is not None:
+            problem = same_tokenizer(self.codec, export_codec(draft_dir, draft_cfg))
+            if problem is None and self.draft.vocab_size != self.target.vocab_size:
+                problem = "target and draft vocabularies differ"
+            if problem:
+                raise ValueError(f"draft={draft} cannot draft for target={target}: {problem}")
         self.name = name or self.target_cfg.recipe
         self.sources = {"target": target, "draft": draft}
         self.model_cards = [model_card("target", self.target, self.target_cfg, target, self.name)] + (
@@ -225,9 +233,12 @@ class TextGenerator:
     def _check(self, prompt: str, max_new: int, temperature: float, gamma: int, speculative: bool,
                names: dict[str, str]) -> list[int]:
         lim = self.limits
-        tokens = encode_text(prompt)
-        if len(tokens) > lim.max_prompt_bytes:
-            raise _field_error(names["prompt"], f"the prompt has {len(tokens)} bytes; the limit is {lim.max_prompt_bytes}")
+        size = len(prompt.encode("utf-8"))
+        if size > lim.max_prompt_bytes:
+            raise _field_error(names["prompt"], f"the prompt has {size} bytes; the limit is {lim.max_prompt_bytes}")
+        tokens = self.codec.encode(prompt)
+        if not tokens:
+            raise _field_error(names["prompt"], "the prompt encodes to no tokens")
         if max_new > lim.max_new_tokens:
             raise _field_error(names["max_new_tokens"], f"at most {lim.max_new_tokens}, got {max_new}")
         if temperature > lim.max_temperature:
@@ -238,8 +249,8 @@ class TextGenerator:
             raise _field_error("mode", "speculative decoding needs a draft model; this server has none")
         room = self.target.max_seq_len - (gamma + 1 if speculative else 0)
         if len(tokens) + max_new > room:
-            raise _field_error(names["max_new_tokens"], f"prompt ({len(tokens)} bytes) + {max_new} new tokens "
-                                                        f"exceed the model's context of {room}")
+            raise _field_error(names["max_new_tokens"], f"prompt ({len(tokens)} {self.codec.unit}) + {max_new} new "
+                                                        f"tokens exceed the model's context of {room}")
         return tokens
 
     # ------------------------------------------------------------------ decoding
@@ -251,7 +262,8 @@ class TextGenerator:
         t0 = time.perf_counter()
         out: list[list[int]] = [[] for _ in reqs]
         first = reqs[0]
-        steps = iter_generate(self.target, [encode_text(r.prompt) for r in reqs], max(r.max_new_tokens for r in reqs),
+        prompts = [self.codec.encode(r.prompt) for r in reqs]
+        steps = iter_generate(self.target, prompts, max(r.max_new_tokens for r in reqs),
                               temperature=first.temperature, top_k=first.top_k, top_p=first.top_p,
                               seed=[r.seed for r in reqs])
         for tokens in steps:
@@ -259,25 +271,26 @@ class TextGenerator:
                 if len(row) < r.max_new_tokens:
                     row.append(tok)
         secs = time.perf_counter() - t0
-        return [ModeResult(text=decode_bytes(row), tokens=len(row), latency_ms=secs * 1e3,
-                           tokens_per_s=len(row) / secs, batch_size=len(reqs)) for row in out]
+        return [ModeResult(text=self.codec.continuation(prompt, row), tokens=len(row), latency_ms=secs * 1e3,
+                           tokens_per_s=len(row) / secs, batch_size=len(reqs)) for prompt, row in zip(prompts, out)]
 
     def _speculative_rows(self, reqs: list[GenerateRequest]) -> list[ModeResult]:
         first = reqs[0]
         row_stats = [SpecStats(gamma=first.gamma) for _ in reqs]
         out: list[list[int]] = [[] for _ in reqs]
         t0 = time.perf_counter()
+        prompts = [self.codec.encode(r.prompt) for r in reqs]
         steps = iter_speculative_rows(
-            self.target, self.draft, [encode_text(r.prompt) for r in reqs], [r.max_new_tokens for r in reqs],
+            self.target, self.draft, prompts, [r.max_new_tokens for r in reqs],
             gamma=first.gamma, temperature=first.temperature, top_k=first.top_k, top_p=first.top_p,
             seed=[r.seed for r in reqs], row_stats=row_stats)
         for step in steps:
             for row, toks in zip(out, step):
                 row.extend(toks)
         secs = time.perf_counter() - t0
-        return [ModeResult(text=decode_bytes(row), tokens=len(row), latency_ms=secs * 1e3,
+        return [ModeResult(text=self.codec.continuation(prompt, row), tokens=len(row), latency_ms=secs * 1e3,
                            tokens_per_s=len(row) / secs, batch_size=len(reqs), **st.result_fields())
-                for row, st in zip(out, row_stats)]
+                for prompt, row, st in zip(prompts, out, row_stats)]
 
     def _run(self, requests: list[GenerateRequest]) -> list[GenerateResponse | RowFailure]:
         results: list[dict[str, ModeResult]] = [{} for _ in requests]
@@ -314,7 +327,7 @@ class TextGenerator:
     # ------------------------------------------------------------------ continuous batching
     def _job(self, req: GenerateRequest, mode: str, on_step=None) -> Job:
         """The scheduler's row for one mode of a request (its ``tag`` is the request: hooks see it)."""
-        return Job(encode_text(req.prompt), req.max_new_tokens, Sampling(req.temperature, req.top_k, req.top_p),
+        return Job(self.codec.encode(req.prompt), req.max_new_tokens, Sampling(req.temperature, req.top_k, req.top_p),
                    req.seed, req.gamma if mode == "speculative" else None, on_step=on_step, tag=req)
 
     def _step_hook(self, mode: str, requests: list) -> None:
@@ -340,7 +353,8 @@ class TextGenerator:
         for job in jobs:
             if job.failure is not None:
                 raise job.failure.exception()
-        return GenerateResponse(prompt=req.prompt, results={job.mode: _mode_result(job) for job in jobs})
+        return GenerateResponse(prompt=req.prompt, results={
+            job.mode: _mode_result(job, self.codec.continuation(job.prompt, job.out)) for job in jobs})
 
     async def _job_steps(self, req: GenerateRequest, mode: str):
         """A row of the running batch as an async stream: ``("step", tokens, accepted)`` per decoding step, then
@@ -461,9 +475,9 @@ class TextGenerator:
                              {"prompt": "prompt", "max_new_tokens": "max_new_tokens"})
         if self.scheduler is not None:  # a row of the running batch; its steps are pushed as they are decoded
             t0 = time.perf_counter()
-            return StreamingResponse(sse_async(job_events(self._job_steps(req, req.mode), req.mode, t0)),
-                                     media_type="text/event-stream")
-        return StreamingResponse(sse(stream_events(self.target, self.draft, tokens, req)),
+            return StreamingResponse(sse_async(job_events(self._job_steps(req, req.mode), req.mode, t0, self.codec,
+                                                          tokens)), media_type="text/event-stream")
+        return StreamingResponse(sse(stream_events(self.target, self.draft, tokens, req, self.codec)),
                                  media_type="text/event-stream")
 
     @app.post("/generate", response_model=GenerateResponse)
@@ -509,16 +523,16 @@ class TextGenerator:
 
         if self.scheduler is not None:  # a row of the running batch, its tokens sent as they are decoded
             async def chunks():
-                decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+                decoder = self.codec.decoder(tokens)  # a character may span tokens and steps
                 try:
                     async for kind, toks, _ in self._job_steps(gen, mode):
-                        piece = decoder.decode(bytes(toks)) if kind == "step" else ""
+                        piece = decoder.decode(toks) if kind == "step" else ""
                         if piece:
                             yield f"data: {json.dumps(body(piece, None))}\n\n"
                 except Exception as exc:  # noqa: BLE001 - the 200 has gone out: the client learns of it here
                     yield _completion_error(exc)
                     return
-                yield f"data: {json.dumps(body(decoder.decode(b'', final=True), 'length', usage))}\n\n"
+                yield f"data: {json.dumps(body(decoder.flush(), 'length', usage))}\n\n"
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(chunks(), media_type="text/event-stream")
@@ -527,12 +541,12 @@ class TextGenerator:
         steps = self._completion_steps(tokens, req, speculative, gamma, stats)
 
         def events():  # a sync generator: Starlette runs it in its thread pool, off the event loop
-            decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            decoder = self.codec.decoder(tokens)  # a character may span tokens and steps
             t0, n = time.perf_counter(), 0
             try:
                 for step in steps:
                     n += len(step)
-                    piece = decoder.decode(bytes(step))
+                    piece = decoder.decode(step)
                     if piece:
                         yield f"data: {json.dumps(body(piece, None))}\n\n"
             except Exception as exc:  # noqa: BLE001 - the 200 has gone out: the client learns of it in the stream
@@ -541,7 +555,7 @@ class TextGenerator:
             metrics.batch("static", mode, 1)  # a stream decodes alone
             metrics.decoded(mode, n, time.perf_counter() - t0, stats.mean_accepted if speculative else None,
                             stats.draft_calls)
-            yield f"data: {json.dumps(body(decoder.decode(b'', final=True), 'length', usage))}\n\n"
+            yield f"data: {json.dumps(body(decoder.flush(), 'length', usage))}\n\n"
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")

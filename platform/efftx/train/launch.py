@@ -68,7 +68,7 @@ def _mlflow_run(cfg: Config, prepared: dict[str, Any], parent_run_id: str | None
         _check_resume_compatible(cfg, record["config"])
         if record.get("tracking_uri") == cfg.tracking.uri:
             return Tracker(cfg, run_id=record["mlflow_run_id"]).run_id
-    extra = {"data.sha256": prepared.get("corpus", {}).get("sha256", "")}
+    extra = {"data.sha256": prepared.get("corpus", {}).get("sha256", ""), **prepared.get("params", {})}
     tracker = Tracker(cfg, extra_params=extra, parent_run_id=parent_run_id)
     record_file.parent.mkdir(parents=True, exist_ok=True)
     record_file.write_text(json.dumps({"mlflow_run_id": tracker.run_id, "tracking_uri": cfg.tracking.uri,

@@ -26,9 +26,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from efftx.data.bytes import ByteData, CorpusInfo, prepare as prepare_corpus
+from efftx.data.lm_tokenizer import ByteCodec, TokenizerCodec, configure_vocab, load_codec, same_tokenizer
+from efftx.data.token_corpus import TokenData, prepare_tokens
 from efftx.errors import ConfigError
 from efftx.export import TOKENIZER_FILE
-from efftx.generation.decode import decode_bytes, generate
+from efftx.generation.decode import generate
 from efftx.generation.speculative import speculative_generate
 
 _TASKS: dict[str, type["Task"]] = {}
@@ -188,6 +190,12 @@ class Task(abc.ABC):
         return {}
 
 
+def bits_per_byte(nats_per_token: float, tokens_per_byte: float) -> float:
+    """Bits per byte of text from the mean nats per predicted token and the predicted tokens per byte they
+    cover: (total nats / tokens) x (tokens / bytes) / ln 2 = total nats / bytes / ln 2."""
+    return nats_per_token * tokens_per_byte / math.log(2)
+
+
 def _synchronized_clock(device: torch.device) -> float:
     """``time.perf_counter()`` once the device has finished its queued work: CUDA kernels run asynchronously,
     so a clock read without a synchronize under-measures GPU time."""
@@ -198,10 +206,28 @@ def _synchronized_clock(device: torch.device) -> float:
 
 @register("lm")
 class LMTask(Task):
-    """Next-byte prediction on a byte corpus; metrics in nats and bits per byte."""
+    """Next-token prediction on a corpus of bytes, or of a tokenizer's tokens (``data.tokenizer``).
+
+    ``val_loss`` is in nats per token; ``val_bpb`` (the headline metric) in bits per byte of text: the nats of
+    every predicted validation token, summed, over the UTF-8 bytes those tokens cover, over ln 2. For a byte model
+    every token is one byte and ``val_bpb`` is ``val_loss / ln 2``; a token model is validated on the same text
+    split (efftx/data/token_corpus.py), so the two compare."""
 
     metric = "val_bpb"
     summary_metrics = ("val_loss", "val_bpb")
+
+    @classmethod
+    def configure(cls, cfg):
+        """``model.vocab_size`` from ``data.tokenizer`` (a value set on purpose that differs is an error)."""
+        if cfg.data.tokenizer:
+            from efftx import recipes
+
+            try:
+                recipe_vocab = recipes.get(cfg.recipe).model.vocab_size
+            except ConfigError:  # not a named recipe
+                recipe_vocab = None
+            configure_vocab(cfg, load_codec(cfg.data.tokenizer), recipe_vocab)
+        return cfg
 
     @classmethod
     def epilogue(cls, summary: dict[str, Any]) -> list[str]:
@@ -221,23 +247,57 @@ class LMTask(Task):
 
     @classmethod
     def prepare(cls, cfg) -> dict[str, Any]:
+        """The byte corpus; with ``data.tokenizer``, its tokens too (cached by corpus and tokenizer SHA-256).
+        ``params``: MLflow params the driver logs with the run (the tokenizer's hash and vocabulary)."""
         info = prepare_corpus(cfg.data.corpus, cfg.data.cache_dir, cfg.data.seq_len)
+        codec = load_codec(cfg.data.tokenizer)
+        if codec.vocab_size != cfg.model.vocab_size and cfg.data.tokenizer:  # configure sets it; a stale config
+            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} but data.tokenizer={cfg.data.tokenizer} has "
+                              f"a vocabulary of {codec.vocab_size}")
         if cfg.speculative.draft:  # a bad draft is a clear error now, not a crash at the first sample
-            from efftx.export import read_export_config
+            from efftx.data.lm_tokenizer import export_codec
+            from efftx.export import read_export_config, resolve_export
 
-            draft_cfg, _ = read_export_config(cfg.speculative.draft)
+            folder = resolve_export(cfg.speculative.draft, cfg.tracking.uri)
+            draft_cfg, _ = read_export_config(folder)
             if draft_cfg.model.vocab_size != cfg.model.vocab_size:
                 raise ConfigError(f"speculative.draft has a vocabulary of {draft_cfg.model.vocab_size}, "
                                   f"the target {cfg.model.vocab_size}: they must be the same")
+            problem = same_tokenizer(codec, export_codec(folder, draft_cfg), ("target", "speculative.draft"))
+            if problem:
+                raise ConfigError(f"{problem} (data.tokenizer={cfg.data.tokenizer or '(bytes)'})")
         t = cfg.train
+        drawn = t.micro_batch_size * t.grad_accum * cfg.scaling.num_workers
+        if isinstance(codec, TokenizerCodec):
+            tokens = prepare_tokens(info, codec, cfg.data.cache_dir, cfg.data.seq_len, cfg.data.tokenizer)
+            print(f"[efftx] tokenized corpus: {tokens.train_tokens:,} training and {tokens.val_tokens:,} validation "
+                  f"tokens ({tokens.bytes_per_token:.2f} bytes per token, vocabulary {codec.vocab_size:,}; "
+                  f"cached in {tokens.path})", flush=True)
+            cls.warn_if_tiny(cfg, "training windows of data.seq_len tokens", tokens.train_tokens // cfg.data.seq_len,
+                             drawn, "data.corpus")
+            params = {"data.tokenizer_sha256": codec.sha256, "data.tokenizer_vocab": codec.vocab_size,
+                      "data.bytes_per_token": round(tokens.bytes_per_token, 4)}
+            return {"corpus": info.to_dict(), "tokens": tokens.to_dict(), "params": params}
         cls.warn_if_tiny(cfg, "training windows of data.seq_len bytes", info.train_bytes // cfg.data.seq_len,
-                         t.micro_batch_size * t.grad_accum * cfg.scaling.num_workers, "data.corpus")
+                         drawn, "data.corpus")
         return {"corpus": info.to_dict()}
 
     def __init__(self, cfg, prepared):
         super().__init__(cfg, prepared)
-        self.data = ByteData(CorpusInfo(**prepared["corpus"]))
         self.seq_len = cfg.data.seq_len
+        if prepared.get("tokens"):
+            self.data = TokenData(prepared["tokens"])
+            self.codec = TokenizerCodec(self.data.tokenizer_json(), source=cfg.data.tokenizer)
+        else:
+            self.data = ByteData(CorpusInfo(**prepared["corpus"]))
+            self.codec = ByteCodec()
+        # tokens per byte over the whole validation set (every rank knows every window): evaluate turns nats per
+        # token into bits per byte with it, so the ranks' weighted mean is total nats / total bytes / ln 2.
+        # Bytes: exactly 1.0, so val_bpb is val_loss / ln 2 to the bit.
+        t = cfg.train
+        n_windows = t.eval_batches * t.micro_batch_size
+        n_tokens, n_bytes = n_windows * self.seq_len, self.data.val_target_bytes(n_windows, self.seq_len)
+        self.val_tokens_per_byte = 1.0 if n_tokens == n_bytes else n_tokens / n_bytes
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -267,7 +327,7 @@ class LMTask(Task):
             total += loss.item() * batch.shape[0]
             n += batch.shape[0]
         mean = total / n if n else 0.0
-        return {"val_loss": mean, "val_bpb": mean / math.log(2)}, n
+        return {"val_loss": mean, "val_bpb": bits_per_byte(mean, self.val_tokens_per_byte)}, n
 
     @torch.no_grad()
     def sample(self, model, step: int) -> tuple[dict[str, str], dict[str, float]]:
@@ -283,7 +343,8 @@ class LMTask(Task):
         t0 = _synchronized_clock(device)
         out = generate(model, prompt.to(device), length, seed=t.seed + step, **sampling)
         base_s = _synchronized_clock(device) - t0
-        prompt_text, text = decode_bytes(prompt[0]), decode_bytes(out[0])
+        prompt_ids = prompt[0].tolist()
+        prompt_text, text = self.codec.decode(prompt_ids), self.codec.continuation(prompt_ids, out[0].tolist())
         report = f"{prompt_text}\n{'-' * 40}\n{text}\n"
         metrics: dict[str, float] = {}
         draft = self._draft(device)
@@ -296,8 +357,13 @@ class LMTask(Task):
             metrics = {"decode_base_ms": base_s * 1e3, "decode_spec_ms": spec_s * 1e3,
                        "spec_speedup": base_s / spec_s, "spec_mean_accepted": stats.mean_accepted}
             report += (f"{'-' * 40} speculative (gamma {gamma}): {stats.mean_accepted:.2f} accepted per step, "
-                       f"{spec_s * 1e3:.0f} ms vs base {base_s * 1e3:.0f} ms\n{decode_bytes(spec[0])}\n")
+                       f"{spec_s * 1e3:.0f} ms vs base {base_s * 1e3:.0f} ms\n"
+                       f"{self.codec.continuation(prompt_ids, spec[0].tolist())}\n")
         return {f"samples/step_{step:06d}.txt": report}, metrics
+
+    def export_files(self) -> dict[str, str | bytes]:
+        """A token LM's export carries its tokenizer (generation and Serve decode with it)."""
+        return {TOKENIZER_FILE: self.codec.to_json()} if isinstance(self.codec, TokenizerCodec) else {}
 
     def _draft(self, device):
         """The draft model of ``speculative.draft``, loaded once per worker."""
