@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.efftx-installed
 # and `ray`, `python`, `mlflow` in recipes below are the venv's.
 export PATH := $(BIN):$(PATH)
 
-.PHONY: setup browser demo test test-fast bench gpu-check serve cluster-up cluster-down submit-example clean-runs
+.PHONY: setup browser demo test test-fast bench gpu-check serve redeploy cluster-up cluster-down submit-example clean-runs
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -65,8 +65,12 @@ gpu-check: setup                  ## every CUDA path in one command, one table (
 SERVE_CONFIG ?= serve/text.yaml
 serve: setup                      ## serve/text.yaml's app, training and promoting its models first if missing
 	$(BIN)/python -m efftx.serving.ready $(SERVE_CONFIG)
-	@echo "serving $(SERVE_CONFIG): the playground is http://127.0.0.1:8000/ once the app is up (Ctrl-C stops it)"
-	$(BIN)/serve run $(SERVE_CONFIG)
+	@echo "serving $(SERVE_CONFIG) (its aliases pinned to versions; after efftx.promote, \`make redeploy\` moves the" \
+	      "running app onto the new champions): the playground is http://127.0.0.1:8000/ once the app is up (Ctrl-C stops it)"
+	pinned=$$($(BIN)/python -m efftx.serving.deploy --pin-only $(SERVE_CONFIG)) && $(BIN)/serve run "$$pinned"
+
+redeploy: setup                   ## the running app of SERVE_CONFIG onto the versions its aliases name now, no request dropped
+	$(BIN)/python -m efftx.serving.deploy $(SERVE_CONFIG) $(ARGS)
 
 cluster-up: setup                 ## a real local Ray cluster running from the venv, token auth on (token made if none)
 	$(BIN)/python -m efftx.cluster up --num-cpus 2

@@ -160,7 +160,10 @@ def as_image_request(**fields: Any) -> ImageRequest:
                                                       "type": err["type"]} for err in exc.errors()]) from None
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=32)
+# A replica being replaced (a redeploy onto a new model version, a scale-down) stops taking requests and waits for
+# its running ones to finish for up to graceful_shutdown_timeout_s: long CPU generations must not be cut off.
+@serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=32, graceful_shutdown_timeout_s=60,
+                  graceful_shutdown_wait_loop_s=0.5)
 class ImageGenerator:
     def __init__(self, model: str, max_batch_size: int = 8, batch_wait_timeout_s: float = 0.05, device: str = "auto"):
         from efftx.generation.text_to_image import DalleGenerator

@@ -40,8 +40,8 @@ class Need:
     promote: bool = False  # registered, no @champion: promote its @candidate
 
 
-def model_sources(config_file: str | Path) -> list[tuple[str, str]]:
-    """(argument, value) of every model argument of the efftx applications of a Serve config file."""
+def read_config(config_file: str | Path) -> dict:
+    """A Serve config file as a mapping with an ``applications`` list; ExportError naming the file otherwise."""
     import yaml
 
     path = Path(config_file)
@@ -54,13 +54,18 @@ def model_sources(config_file: str | Path) -> list[tuple[str, str]]:
     apps = (config or {}).get("applications") if isinstance(config, dict) else None
     if not isinstance(apps, list):
         raise ExportError(f"{path} has no 'applications' list (a Serve config file, like serve/text.yaml)")
+    return config
+
+
+def model_sources(config_file: str | Path) -> list[tuple[str, str]]:
+    """(argument, value) of every model argument of the efftx applications of a Serve config file."""
     out = []
-    for app in apps:
+    for app in read_config(config_file)["applications"]:
         if isinstance(app, dict) and app.get("import_path") == APP_IMPORT:
             args = app.get("args") or {}
             out += [(arg, str(args[arg])) for arg in MODEL_ARGS if args.get(arg)]
     if not out:
-        raise ExportError(f"{path} has no {APP_IMPORT} application with a model")
+        raise ExportError(f"{config_file} has no {APP_IMPORT} application with a model")
     return out
 
 
@@ -80,10 +85,12 @@ def plan(config_file: str | Path, tracking_uri: str = "") -> list[Need]:
         name = source[len("models:/"):].split("@")[0].split("/")[0]
         need = Need(arg, source, name)
         try:
+            if not registry_exists(uri):  # asking MLflow would create an empty registry file
+                raise ExportError(f"{source}: there is no MLflow registry at {uri} yet")
             resolve_export(source, uri)
         except ExportError as exc:
             need.problem = str(exc)
-            if _registered(client_for(uri), name) if _db_exists(uri) else False:
+            if registry_exists(uri) and _registered(client_for(uri), name):
                 need.promote = True
             else:
                 need.command = recipes.train_command(name)
@@ -95,7 +102,7 @@ def plan(config_file: str | Path, tracking_uri: str = "") -> list[Need]:
     return needs
 
 
-def _db_exists(uri: str) -> bool:
+def registry_exists(uri: str) -> bool:
     return not uri.startswith("sqlite:///") or Path(uri[len("sqlite:///"):]).is_file()
 
 

@@ -67,6 +67,7 @@ import dataclasses
 import json
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -112,6 +113,31 @@ def _body_limit() -> int:
         return Limits().max_body_bytes
 
 
+class ServedBy:
+    """ASGI middleware: every answer names the model that produced it in ``X-Efftx-Model`` (``NAME/VERSION`` of a
+    registered model, else the export folder's name), streams included. During a redeploy onto a new version both
+    old and new replicas answer for a while: a client (or test) can tell which version served each request."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        try:
+            value = serve.get_replica_context().servable_object.served_by
+        except Exception:  # noqa: BLE001 - not in a replica: nothing to name
+            value = b""
+        if scope["type"] != "http" or not value:
+            return await self.app(scope, receive, send)
+
+        async def send_named(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-efftx-model", value)]}
+            await send(message)
+
+        await self.app(scope, receive, send_named)
+
+
+app.add_middleware(ServedBy)
 app.add_middleware(BodyLimit, limit=_body_limit)
 app.add_middleware(metrics.RequestMetrics)  # outermost: counts every answer (413s and handlers' 4xx included)
 
@@ -181,7 +207,10 @@ def _completion_error(exc: BaseException) -> str:
     return f"event: error\ndata: {json.dumps({'error': error})}\n\n"
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=32)
+# A replica being replaced (a redeploy onto a new model version, a scale-down) stops taking requests and waits for
+# its running ones to finish for up to graceful_shutdown_timeout_s: long CPU generations must not be cut off.
+@serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=32, graceful_shutdown_timeout_s=120,
+                  graceful_shutdown_wait_loop_s=0.5)
 @serve.ingress(app)
 class TextGenerator:
     def __init__(self, target: str, draft: str | None = None, name: str | None = None,
@@ -212,6 +241,9 @@ class TextGenerator:
         self.model_cards = [model_card("target", self.target, self.target_cfg, target, self.name)] + (
             [model_card("draft", self.draft, draft_cfg, draft, f"{self.name}-speculative")] if self.draft is not None
             else [])
+        card = self.model_cards[0]
+        self.served_by = (f"{card.mlflow_model}/{card.mlflow_version}" if card.mlflow_model
+                          else Path(str(target)).name).encode("ascii", "replace")
         self.limits = Limits(**(limits or {}))
         self.batching = {"mode": batching, "max_batch_size": int(max_batch_size),
                          "batch_wait_timeout_s": float(batch_wait_timeout_s)}
