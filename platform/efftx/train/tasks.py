@@ -358,7 +358,7 @@ class LMTask(Task):
                        "spec_speedup": base_s / spec_s, "spec_mean_accepted": stats.mean_accepted}
             report += (f"{'-' * 40} speculative (gamma {gamma}): {stats.mean_accepted:.2f} accepted per step, "
                        f"{spec_s * 1e3:.0f} ms vs base {base_s * 1e3:.0f} ms\n"
-                       f"{self.codec.continuation(prompt_ids, spec[0].tolist())}\n")
+                       f"{self.codec.continuation(prompt_ids, list(spec[0]))}\n")
         return {f"samples/step_{step:06d}.txt": report}, metrics
 
     def export_files(self) -> dict[str, str | bytes]:
