@@ -83,3 +83,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-compatible server (moto's standalone server, tests/s3server.py) on 127.0.0.1 for the session."""
+    import s3server
+
+    server = s3server.start()
+    yield server
+    server.stop()

@@ -261,9 +261,16 @@ class ScalingConfig:
     num_workers: int = 2
     device: str = "auto"  # auto | cpu | cuda
     cpus_per_worker: float = 1.0
-    storage_path: str = ""  # Ray Train storage (checkpoints, exports); "" = <efftx home>/runs
+    storage_path: str = ""  # Ray Train storage (checkpoints, exports): a path or URI (s3://, gs://, file://, ...;
+    # efftx/storage.py); "" = <efftx home>/runs
+    storage_endpoint: str = ""  # S3-compatible stores: http(s)://host[:port]; "" = $AWS_ENDPOINT_URL or AWS
 
-    RESUMABLE: ClassVar[frozenset[str]] = frozenset({"cpus_per_worker", "storage_path", "device"})
+    RESUMABLE: ClassVar[frozenset[str]] = frozenset({"cpus_per_worker", "storage_path", "storage_endpoint", "device"})
+
+    def validate(self) -> None:
+        from efftx import storage
+
+        storage.check_keys(self.storage_path, self.storage_endpoint)
 
 
 @dataclass
@@ -559,6 +566,7 @@ class Config:
             raise ConfigError("model.dropout and attention.dropout must be < 1")
         m.validate()
         e.validate()
+        s.validate()
         d.validate()
         self.vae.validate()
         self.dalle.validate(m.depth)

@@ -4,7 +4,11 @@ An export is a folder of ``model.safetensors`` (fp32 weights, no pickle) + ``con
 and metadata), plus any files its task adds (DALL-E: ``tokenizer.json`` when it was trained with one), each
 written to a temp file and renamed into place. :func:`load_export` rebuilds the model from the first two
 files alone (through the model registry, :func:`efftx.models.build`). :func:`resolve_export` turns an export
-folder or an MLflow registered-model URI (``models:/NAME/VERSION``, ``/latest``, ``@ALIAS``) into a local folder.
+folder, an export at a storage URI (``s3://bucket/runs/NAME/export``, ``gs://...``: what a run with
+``scaling.storage_path`` at a URI writes; downloaded into ``<efftx home>/cache/exports/``, keyed by the URI and
+refreshed when the remote files change; S3 endpoint and credentials from ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``) or an MLflow registered-model URI (``models:/NAME/VERSION``, ``/latest``, ``@ALIAS``)
+into a local folder.
 
 A registered version is either layout: an MLflow model (what training logs since efftx.mlflow_model: an
 ``MLmodel`` file and the export under ``artifacts/``, loadable with ``mlflow.pyfunc.load_model``) or, for
@@ -70,19 +74,35 @@ def export(model: torch.nn.Module, cfg: Config, out_dir: str | Path, meta: dict[
 
 
 def resolve_export(source: str, tracking_uri: str = "") -> Path:
-    """A local export folder for ``source``: an export folder, or an MLflow registered model
-    ``models:/NAME/VERSION`` (or ``/latest``, or ``models:/NAME@ALIAS``) of ``tracking_uri`` ("" = the default), downloaded
-    once per process. Raises ExportError naming the problem (the folder is checked by :func:`read_export_config`)."""
-    path = _download_registered(source, tracking_uri) if source.startswith("models:/") else Path(source).expanduser()
+    """A local export folder for ``source``: an export folder, an export at a storage URI (``s3://...``, cached
+    locally), or an MLflow registered model ``models:/NAME/VERSION`` (or ``/latest``, or ``models:/NAME@ALIAS``) of
+    ``tracking_uri`` ("" = the default), downloaded once per process. Raises ExportError naming the problem (the
+    folder is checked by :func:`read_export_config`)."""
+    source = str(source)
+    path = _download_registered(source, tracking_uri) if source.startswith("models:/") else _local(source)
     path = export_folder(path)
     read_export_config(path)
     return path
 
 
+def _local(source: str | Path) -> Path:
+    """A local folder for a path or a storage URI (s3://, gs://, file://...: downloaded into the export cache)."""
+    from efftx import storage
+
+    if storage.is_uri(str(source)):
+        from efftx.paths import home
+
+        return storage.fetch_dir(str(source), home() / "cache" / "exports")
+    if storage.scheme(str(source)) == "file":
+        return Path(storage.normalize(str(source)))
+    return Path(source).expanduser()
+
+
 def export_folder(path: str | Path) -> Path:
     """The export inside ``path``: ``path`` itself, or for an MLflow model folder (an ``MLmodel`` file) the folder
-    of its ``config`` artifact (``artifacts/``). Reads the MLmodel YAML only: no MLflow import, no model load."""
-    path = Path(path)
+    of its ``config`` artifact (``artifacts/``). Reads the MLmodel YAML only: no MLflow import, no model load. A
+    storage URI (``s3://...``) is downloaded into the local export cache first."""
+    path = _local(path)
     mlmodel = path / MLMODEL_FILE
     if not mlmodel.is_file() or (path / CONFIG_FILE).is_file():
         return path
@@ -186,7 +206,7 @@ def load_export(path: str | Path, device: str | torch.device = "cpu") -> tuple[t
 
     from efftx import models
 
-    path = resolve_export(path) if str(path).startswith("models:/") else export_folder(path)
+    path = resolve_export(path) if str(path).startswith("models:/") else export_folder(path)  # URIs: export_folder
     cfg, meta = read_export_config(path)
     model = models.build(cfg)
     try:

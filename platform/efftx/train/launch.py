@@ -4,6 +4,10 @@
 
 The same function runs a job script (``python jobs/train_lm.py``, local Ray started in-process),
 a job on a cluster (``ray job submit``: ``ray.init()`` joins the cluster) and each Tune trial.
+
+The run folder ``<scaling.storage_path>/<run name>`` may be local or a URI (efftx/storage.py): the storage is
+probed on the driver before anything starts, Ray Train gets its filesystem (``RunConfig(storage_path,
+storage_filesystem)``), and the run record and the export go through the same filesystem.
 """
 
 from __future__ import annotations
@@ -11,11 +15,11 @@ from __future__ import annotations
 import json
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 from efftx import paths
 from efftx.config import Config
+from efftx.storage import Storage, normalize
 from efftx.errors import ConfigError, EfftxError, LaunchError
 from efftx.train import ds_config
 from efftx.train.tasks import get as get_task, validate_run
@@ -36,17 +40,26 @@ def resolve(cfg: Config) -> Config:
     ds_config.apply(cfg)
     cfg.name = cfg.name or default_run_name(cfg.recipe)
     cfg.tracking.uri = cfg.tracking.uri or paths.default_tracking_uri()
-    cfg.scaling.storage_path = str(Path(cfg.scaling.storage_path or paths.default_storage_path()).expanduser().resolve())
+    cfg.scaling.validate()  # a malformed URI is an error naming the key, before it is normalised
+    cfg.scaling.storage_path = normalize(cfg.scaling.storage_path or paths.default_storage_path())
     cfg.data.cache_dir = cfg.data.cache_dir or paths.default_data_dir()
     return validate_run(get_task(cfg.model.family).configure(cfg))
 
 
-def run_dir(cfg: Config) -> Path:
-    return Path(cfg.scaling.storage_path) / cfg.name
+def storage(cfg: Config) -> Storage:
+    """The filesystem of ``scaling.storage_path`` (a resolved config), rooted there."""
+    return Storage.open(cfg.scaling.storage_path, cfg.scaling.storage_endpoint)
 
 
-def export_dir(cfg: Config) -> Path:
-    return run_dir(cfg) / "export"
+def run_dir(cfg: Config) -> str:
+    """The run folder as a user names it: a local path or a URI (s3://bucket/prefix/<run name>)."""
+    st = storage(cfg)
+    return st.uri(st.join(cfg.name))
+
+
+def export_dir(cfg: Config) -> str:
+    st = storage(cfg)
+    return st.uri(st.join(cfg.name, "export"))
 
 
 def _check_resume_compatible(cfg: Config, previous: dict[str, Any]) -> None:
@@ -59,20 +72,21 @@ def _check_resume_compatible(cfg: Config, previous: dict[str, Any]) -> None:
 
 
 def _mlflow_run(cfg: Config, prepared: dict[str, Any], parent_run_id: str | None) -> str:
-    """The MLflow run of this Ray run: created on the first attempt, continued on resume."""
+    """The MLflow run of this Ray run: created on the first attempt, continued on resume. The record
+    (efftx_run.json) lives in the run folder, wherever the storage is."""
     from efftx.tracking import Tracker
 
-    record_file = run_dir(cfg) / RUN_FILE
-    if record_file.is_file():
-        record = json.loads(record_file.read_text())
+    st = storage(cfg)
+    record_file = st.join(cfg.name, RUN_FILE)
+    if st.is_file(record_file):
+        record = json.loads(st.read_text(record_file))
         _check_resume_compatible(cfg, record["config"])
         if record.get("tracking_uri") == cfg.tracking.uri:
             return Tracker(cfg, run_id=record["mlflow_run_id"]).run_id
     extra = {"data.sha256": prepared.get("corpus", {}).get("sha256", ""), **prepared.get("params", {})}
     tracker = Tracker(cfg, extra_params=extra, parent_run_id=parent_run_id)
-    record_file.parent.mkdir(parents=True, exist_ok=True)
-    record_file.write_text(json.dumps({"mlflow_run_id": tracker.run_id, "tracking_uri": cfg.tracking.uri,
-                                       "config": cfg.to_dict()}, indent=2))
+    st.write(record_file, json.dumps({"mlflow_run_id": tracker.run_id, "tracking_uri": cfg.tracking.uri,
+                                      "config": cfg.to_dict()}, indent=2))
     return tracker.run_id
 
 
@@ -127,6 +141,8 @@ def launch(cfg: Config, *, parent_run_id: str | None = None, callbacks: list | N
     from ray.train.torch import TorchTrainer
 
     cfg = resolve(cfg)
+    st = storage(cfg)
+    st.check()  # an unreachable endpoint, a missing bucket, refused credentials: an error naming the URI, now
     task = get_task(cfg.model.family)
     prepared = task.prepare(cfg)  # clear data errors here, before any worker starts
     ensure_ray()
@@ -146,8 +162,10 @@ def launch(cfg: Config, *, parent_run_id: str | None = None, callbacks: list | N
         cfg.scaling.device = "cuda" if use_gpu else "cpu"
     mlflow_run_id = _mlflow_run(cfg, prepared, parent_run_id)
 
+    # run_dir / export_dir: paths on the storage's filesystem; the storage itself (a pickled pyarrow filesystem
+    # with the driver's endpoint and credentials) travels with the payload
     payload = {"config": cfg.to_dict(), "prepared": prepared, "mlflow_run_id": mlflow_run_id,
-               "export_dir": str(export_dir(cfg)), "run_dir": str(run_dir(cfg))}
+               "export_dir": st.join(cfg.name, "export"), "run_dir": st.join(cfg.name), "storage": st}
     resources = {"CPU": cfg.scaling.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
     from efftx.train.loop import train_loop_per_worker
 
@@ -158,7 +176,9 @@ def launch(cfg: Config, *, parent_run_id: str | None = None, callbacks: list | N
                                                resources_per_worker=resources),
         run_config=ray.train.RunConfig(
             name=cfg.name,
-            storage_path=cfg.scaling.storage_path,
+            # a local path as it is (Ray resolves it); a URI as its filesystem and the path on it
+            storage_path=cfg.scaling.storage_path if st.is_local else st.root,
+            storage_filesystem=None if st.is_local else st.fs,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
             failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures),
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # our own progress lines instead
@@ -187,5 +207,5 @@ def launch(cfg: Config, *, parent_run_id: str | None = None, callbacks: list | N
         "tracking_uri": cfg.tracking.uri,
         "registered_model": m.get("registered_model") or None,
         "export_path": m.get("export_path"),
-        "checkpoint": result.checkpoint.path if result.checkpoint else None,
+        "checkpoint": st.uri(result.checkpoint.path) if result.checkpoint else None,
     }

@@ -14,13 +14,20 @@ seed and those coordinates, and the DeepSpeed checkpoint restores weights, optim
 schedule; so the first step after a resume computes what an uninterrupted run computes there. It starts
 from the newest checkpoint of the run folder whose files match its manifest, which may be newer than the
 one Ray Train offers (checkpoint.restore).
+
+The run folder may be on any storage (``payload["storage"]``, efftx.storage.Storage: a local folder or a URI's
+filesystem with the driver's endpoint and credentials): checkpoints, manifests and the export go there. On a remote
+storage rank 0 writes the export into a local temp folder, uploads it (config.json last), and logs and registers
+that local copy with MLflow.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -31,7 +38,8 @@ from efftx.config import Config
 from efftx.errors import NonFiniteLossError
 from efftx.flops import peak_flops
 from efftx import models
-from efftx.export import export as write_export
+from efftx.export import CONFIG_FILE, export as write_export
+from efftx.storage import Storage
 from efftx.train import checkpoint
 from efftx.train import engine as engine_lib
 from efftx.train.tasks import batch_rng, get as get_task
@@ -139,7 +147,8 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     dev = engine.device
 
     run_dir, keep = payload["run_dir"], cfg.train.keep_checkpoints
-    state = checkpoint.restore(engine, rank, run_dir, keep, log=lambda message: log(rank, message))
+    storage: Storage = payload.get("storage") or Storage.local()
+    state = checkpoint.restore(engine, rank, run_dir, keep, log=lambda message: log(rank, message), storage=storage)
     resumed = state is not None
     start = state["step"] if resumed else 0
     tokens_seen = state["tokens_seen"] if resumed else 0
@@ -189,7 +198,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     def save(step: int, metrics: dict[str, Any]) -> None:
         state = {"step": step, "tokens_seen": tokens_seen, "config": cfg.to_dict(),
                  "mlflow_run_id": payload["mlflow_run_id"], "last_eval": last_eval}
-        checkpoint.save(engine, state, metrics, rank, run_dir, log=lambda message: log(rank, message))
+        checkpoint.save(engine, state, metrics, rank, run_dir, log=lambda message: log(rank, message), storage=storage)
 
     if not resumed:
         last_eval = evaluate(0)
@@ -253,20 +262,28 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
             ray.train.report({"step": step, "loss": loss_value, "tokens_per_s": run_tokens / run_time, **last_eval})
 
     # ------------------------------------------------------------------ export and final report
-    export_dir = payload["export_dir"]
+    export_dir = payload["export_dir"]  # on the storage's filesystem
+    local_export = export_dir if storage.is_local else tempfile.mkdtemp(prefix="efftx-export-")
     model_uri = None
-    with checkpoint.full_parameters(engine):
-        if rank == 0:
-            meta = {"step": step, "tokens_seen": tokens_seen, "num_params": engine.module.num_params(),
-                    "mlflow_run_id": payload["mlflow_run_id"], **last_eval}
-            write_export(engine.module, cfg, export_dir, meta, files=task.export_files())
-    if tracker:
-        tracker.log_artifacts(export_dir, "export")
-        model_uri = tracker.register("export", export_dir)  # an MLflow model (efftx.mlflow_model), alias @candidate
-        log(rank, f"exported to {export_dir}" + (f", registered as {model_uri}" if model_uri else ""))
+    try:
+        with checkpoint.full_parameters(engine):
+            if rank == 0:
+                meta = {"step": step, "tokens_seen": tokens_seen, "num_params": engine.module.num_params(),
+                        "mlflow_run_id": payload["mlflow_run_id"], **last_eval}
+                write_export(engine.module, cfg, local_export, meta, files=task.export_files())
+                if not storage.is_local:
+                    storage.upload_dir(local_export, export_dir, last=(CONFIG_FILE,))
+        if tracker:
+            tracker.log_artifacts(local_export, "export")
+            # an MLflow model (efftx.mlflow_model) of the local copy, alias @candidate
+            model_uri = tracker.register("export", local_export)
+            log(rank, f"exported to {storage.uri(export_dir)}" + (f", registered as {model_uri}" if model_uri else ""))
+    finally:
+        if not storage.is_local:
+            shutil.rmtree(local_export, ignore_errors=True)
     # The last checkpoint carries the run's final metrics (Ray's Result.metrics are the latest checkpoint's).
     save(step, {"step": step, "tokens_per_s": run_tokens / run_time if run_time else 0.0,
                 "peak_memory_mb": peak_memory_mb(device),
-                "export_path": export_dir, "registered_model": model_uri or "", **last_eval})
+                "export_path": storage.uri(export_dir), "registered_model": model_uri or "", **last_eval})
     if rank == 0:
-        checkpoint.prune_after_run(run_dir, keep, log=lambda message: log(rank, message))
+        checkpoint.prune_after_run(run_dir, keep, log=lambda message: log(rank, message), storage=storage)
