@@ -63,8 +63,13 @@ def test_mlflow_records_read_back(baseline):
     assert sorted(history(baseline)) == list(range(1, 41))  # loss at every step
     for key in ("lr", "tokens_per_s", "mfu", "val_loss"):
         assert key in run.data.metrics
-    names = {a.path for a in client.list_artifacts(run.info.run_id, "export")}
-    assert {"export/model.safetensors", "export/config.json"} <= names
+    # the weights are logged once, as the registered MLflow model (whose artifacts hold the export), not again as
+    # run artifacts
+    assert client.list_artifacts(run.info.run_id, "export") == []
+    from efftx.export import resolve_export
+
+    registered = resolve_export(baseline["registered_model"], baseline["tracking_uri"])
+    assert (registered / "model.safetensors").is_file() and (registered / "config.json").is_file()
     samples = [a.path for a in client.list_artifacts(run.info.run_id, "samples")]
     assert "samples/step_000040.txt" in samples
     versions = client.search_model_versions("name='lm_debug'")
@@ -214,7 +219,7 @@ def test_job_script_at_a_terminal_draws_a_progress_bar_and_prints_json_summary_l
 def test_zero3_bf16_run_samples_and_exports_whole_weights(ray_cluster):
     summary = launch(debug_cfg("zero3-bf16", **{"engine.zero_stage": 3, "engine.precision": "bf16",
                                                 "train.steps": 10, "train.eval_every": 10,
-                                                "train.sample_every": 5}))
+                                                "train.sample_every": 5, "tracking.register_model": False}))
     from efftx.export import load_export
 
     model, cfg, _ = load_export(summary["export_path"])
@@ -224,6 +229,10 @@ def test_zero3_bf16_run_samples_and_exports_whole_weights(ray_cluster):
     assert val[10][-1] < val[0][0]
     samples = [a.path for a in mlflow_client(summary).list_artifacts(summary["mlflow_run_id"], "samples")]
     assert samples == ["samples/step_000005.txt", "samples/step_000010.txt"]
+    # nothing registered (tracking.register_model=false): the export is kept with the run's artifacts instead
+    assert summary["registered_model"] is None
+    names = {a.path for a in mlflow_client(summary).list_artifacts(summary["mlflow_run_id"], "export")}
+    assert {"export/model.safetensors", "export/config.json"} <= names
 
 
 def test_fp16_without_gpu_is_a_clear_error(ray_cluster):

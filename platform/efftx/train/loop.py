@@ -128,6 +128,7 @@ def _inject_failure(cfg: Config, step: int, rank: int, world: int, resumed: bool
 
 
 def train_loop_per_worker(payload: dict[str, Any]) -> None:
+    import ray
     import ray.train
 
     cfg = Config.from_dict(payload["config"])
@@ -158,6 +159,13 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         from efftx.tracking import Tracker
 
         tracker = Tracker(cfg, run_id=payload["mlflow_run_id"])
+    # Which node each rank runs on, and the world size of this attempt (an elastic run's changes after a node is
+    # lost): a log line, and the metric world_size at the attempt's first step.
+    nodes = checkpoint.all_gather_json(ray.get_runtime_context().get_node_id())
+    log(rank, f"workers: {world} on {len(set(nodes))} node(s): "
+              + ", ".join(f"rank {r} on node {n}" for r, n in enumerate(nodes)))
+    if tracker:
+        tracker.log_metrics({"world_size": world, "nodes": len(set(nodes))}, start)
     log(rank, f"{'resumed at' if resumed else 'starting'} step {start}/{cfg.train.steps} "
               f"({model.num_params():,} parameters, {world} workers, {device}, {cfg.engine.precision}, "
               f"ZeRO-{cfg.engine.zero_stage}{engine_lib.offload_label(cfg)}, {cfg.engine.optimizer}, "
@@ -274,9 +282,11 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
                 if not storage.is_local:
                     storage.upload_dir(local_export, export_dir, last=(CONFIG_FILE,))
         if tracker:
-            tracker.log_artifacts(local_export, "export")
-            # an MLflow model (efftx.mlflow_model) of the local copy, alias @candidate
+            # an MLflow model (efftx.mlflow_model) of the local copy, alias @candidate; its artifacts hold the
+            # export, so the weights are not logged a second time as run artifacts (only when nothing is registered)
             model_uri = tracker.register("export", local_export)
+            if model_uri is None:
+                tracker.log_artifacts(local_export, "export")
             log(rank, f"exported to {storage.uri(export_dir)}" + (f", registered as {model_uri}" if model_uri else ""))
     finally:
         if not storage.is_local:
