@@ -42,7 +42,10 @@ def ray_cluster():
     """One in-process Ray cluster for the session (Ray 2.60 has no local_mode)."""
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=True, log_to_driver=True)
+    from netutil import free_port
+
+    # a free dashboard port: two test processes (pytest -n 2) each run a cluster of their own
+    ray.init(num_cpus=4, include_dashboard=True, dashboard_port=free_port(), log_to_driver=True)
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 
