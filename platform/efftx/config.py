@@ -256,21 +256,77 @@ class TrackingConfig:
     RESUMABLE: ClassVar[frozenset[str]] = frozenset({"*"})  # where a run is recorded never changes what it trains
 
 
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK")
+
+
 @dataclass
 class ScalingConfig:
-    num_workers: int = 2
+    """scaling.*: how many Ray Train workers, where, and where the run folder lives.
+
+    Elastic training: ``min_workers`` > 0 makes the worker count a range, Ray Train's ``num_workers=(min, max)``
+    = ``(scaling.min_workers, scaling.num_workers)``. The run starts with as many workers as the cluster has room
+    for (at least ``min_workers``); when a worker or its node dies it restarts at once from the last checkpoint
+    on the workers that fit (a restart counts against ``train.max_failures``), and while healthy it grows back
+    towards ``num_workers`` when capacity appears (checked every ``resize_interval_s``). What changes with the
+    world size W: the global batch (micro batch x grad_accum x W) and so tokens per step; the data of
+    (step, micro batch, rank) does not (a function of train.seed), nor the validation set (split over the W
+    ranks, the metric a weighted mean). DeepSpeed cannot load ZeRO-1/2/3 optimizer partitions saved by another
+    world size, so elastic runs need engine.zero_stage=0 (the optimizer state is whole in rank 0's file).
+    """
+
+    num_workers: int = 2  # fixed size: exactly this many; elastic: at most this many
+    min_workers: int = 0  # 0 = fixed size; 1..num_workers = elastic, Ray Train's (min_workers, num_workers)
+    # Ray's placement group strategy for the workers: PACK (as few nodes as possible), SPREAD (across nodes when
+    # possible), STRICT_SPREAD (one worker per node, else the run waits for nodes), STRICT_PACK (one node)
+    placement_strategy: str = "PACK"
+    resize_interval_s: float = 60.0  # elastic: how often a healthy run checks whether more workers fit
+    # How long a (re)start waits for its workers to be placed before it gives up and decides again (Ray Train's
+    # RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S; 0 = that variable, else Ray's 60 s). Elastic runs: Ray marks a lost
+    # node dead only after missed health checks, and Ray Train's view of the cluster lags up to 20 s more, so the
+    # first restart after a node loss may still ask for the lost node's worker; it waits this long, then restarts
+    # with the workers that fit. A fixed-size run keeps waiting for capacity in rounds of this length.
+    start_timeout_s: float = 0.0
     device: str = "auto"  # auto | cpu | cuda
     cpus_per_worker: float = 1.0
     storage_path: str = ""  # Ray Train storage (checkpoints, exports): a path or URI (s3://, gs://, file://, ...;
     # efftx/storage.py); "" = <efftx home>/runs
     storage_endpoint: str = ""  # S3-compatible stores: http(s)://host[:port]; "" = $AWS_ENDPOINT_URL or AWS
 
-    RESUMABLE: ClassVar[frozenset[str]] = frozenset({"cpus_per_worker", "storage_path", "storage_endpoint", "device"})
+    RESUMABLE: ClassVar[frozenset[str]] = frozenset({"cpus_per_worker", "storage_path", "storage_endpoint", "device",
+                                                     "min_workers", "placement_strategy", "resize_interval_s",
+                                                     "start_timeout_s"})
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_workers > 0
+
+    @property
+    def ray_num_workers(self) -> int | tuple[int, int]:
+        """Ray Train's ``ScalingConfig(num_workers=...)``: an int, or (min, max) when elastic."""
+        return (self.min_workers, self.num_workers) if self.elastic else self.num_workers
 
     def validate(self) -> None:
         from efftx import storage
 
+        if self.num_workers < 1:
+            raise ConfigError(f"scaling.num_workers must be >= 1, got {self.num_workers}")
+        if not 0 <= self.min_workers <= self.num_workers:
+            raise ConfigError(f"scaling.min_workers must be between 0 (a fixed number of workers) and "
+                              f"scaling.num_workers={self.num_workers} (elastic: at least min_workers, at most "
+                              f"num_workers), got {self.min_workers}")
+        _choice("scaling.placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES)
+        for key in ("resize_interval_s", "start_timeout_s"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"scaling.{key} must be >= 0, got {getattr(self, key)}")
         storage.check_keys(self.storage_path, self.storage_endpoint)
+
+    def check_engine(self, zero_stage: int) -> None:
+        """Elastic runs restore checkpoints saved by another world size: DeepSpeed refuses ZeRO >= 1 then."""
+        if self.elastic and self.min_workers < self.num_workers and zero_stage > 0:
+            raise ConfigError(f"scaling.min_workers={self.min_workers} < scaling.num_workers={self.num_workers} "
+                              f"(elastic) needs engine.zero_stage=0: DeepSpeed cannot load ZeRO-{zero_stage} optimizer "
+                              f"partitions saved by another number of workers; set engine.zero_stage=0, or "
+                              f"scaling.min_workers=0 for a fixed size")
 
 
 @dataclass
@@ -567,6 +623,7 @@ class Config:
         m.validate()
         e.validate()
         s.validate()
+        s.check_engine(e.zero_stage)
         d.validate()
         self.vae.validate()
         self.dalle.validate(m.depth)

@@ -12,6 +12,7 @@ storage_filesystem)``), and the run record and the export go through the same fi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -106,14 +107,23 @@ def check_resources(cfg: Config, use_gpu: bool) -> None:
 
     total = ray.cluster_resources()
     s = cfg.scaling
-    need_cpu = s.num_workers * s.cpus_per_worker
+    # an elastic run starts with what fits, at least scaling.min_workers
+    workers, key = (s.min_workers, "scaling.min_workers") if s.elastic else (s.num_workers, "scaling.num_workers")
+    need_cpu = workers * s.cpus_per_worker
     if need_cpu > total.get("CPU", 0) + 1e-9:
-        raise LaunchError(f"the run needs {need_cpu:g} CPUs (scaling.num_workers={s.num_workers} x "
+        raise LaunchError(f"the run needs {need_cpu:g} CPUs ({key}={workers} x "
                           f"scaling.cpus_per_worker={s.cpus_per_worker:g}) but the Ray cluster has "
                           f"{total.get('CPU', 0):g}; lower one of them (e.g. --set scaling.cpus_per_worker=0.5)")
-    if use_gpu and s.num_workers > total.get("GPU", 0):
-        raise LaunchError(f"scaling.device=cuda with {s.num_workers} workers needs {s.num_workers} GPUs; "
+    if use_gpu and workers > total.get("GPU", 0):
+        raise LaunchError(f"scaling.device=cuda with {workers} workers ({key}) needs {workers} GPUs; "
                           f"the Ray cluster has {total.get('GPU', 0):g}")
+    if s.placement_strategy == "STRICT_SPREAD":
+        nodes = sum(1 for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0)
+                    >= s.cpus_per_worker - 1e-9)
+        if nodes < workers:
+            raise LaunchError(f"scaling.placement_strategy=STRICT_SPREAD puts each worker on its own node: "
+                              f"{workers} workers ({key}) need {workers} nodes with "
+                              f"{s.cpus_per_worker:g} CPUs, the Ray cluster has {nodes}; add nodes or use SPREAD")
 
 
 def _worker_error(exc: BaseException) -> str:
@@ -129,6 +139,27 @@ def _worker_error(exc: BaseException) -> str:
     first = candidates[0]
     lines = [ln for ln in str(first).strip().splitlines() if ln.strip()]
     return lines[-1] if lines else repr(first)
+
+
+START_TIMEOUT_VAR = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+
+
+@contextlib.contextmanager
+def _start_timeout(seconds: float):
+    """``scaling.start_timeout_s`` for this run: Ray Train hands the variable (set in the driver's environment
+    when its controller starts) to its controller; the previous value is back afterwards."""
+    if not seconds:
+        yield
+        return
+    before = os.environ.get(START_TIMEOUT_VAR)
+    os.environ[START_TIMEOUT_VAR] = f"{seconds:g}"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(START_TIMEOUT_VAR, None)
+        else:
+            os.environ[START_TIMEOUT_VAR] = before
 
 
 def launch(cfg: Config, *, parent_run_id: str | None = None, callbacks: list | None = None) -> dict[str, Any]:
@@ -172,8 +203,10 @@ def launch(cfg: Config, *, parent_run_id: str | None = None, callbacks: list | N
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=payload,
-        scaling_config=ray.train.ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=use_gpu,
-                                               resources_per_worker=resources),
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=cfg.scaling.ray_num_workers,  # an int, or (min, max) for elastic training
+            use_gpu=use_gpu, resources_per_worker=resources, placement_strategy=cfg.scaling.placement_strategy,
+            elastic_resize_monitor_interval_s=cfg.scaling.resize_interval_s),
         run_config=ray.train.RunConfig(
             name=cfg.name,
             # a local path as it is (Ray resolves it); a URI as its filesystem and the path on it
@@ -188,7 +221,8 @@ def launch(cfg: Config, *, parent_run_id: str | None = None, callbacks: list | N
     from efftx.tracking import client_for
 
     try:
-        result = trainer.fit()
+        with _start_timeout(cfg.scaling.start_timeout_s):
+            result = trainer.fit()
     except ray.train.TrainingFailedError as exc:
         client_for(cfg.tracking.uri).set_terminated(mlflow_run_id, status="FAILED")
         raise LaunchError(f"run '{cfg.name}' failed: {_worker_error(exc)} "

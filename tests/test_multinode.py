@@ -1,0 +1,345 @@
+"""A real three-node Ray cluster on this machine: a head and two worker nodes, each `ray start` with its own temp dir
+and one CPU, token authentication on. Runs keep their checkpoints in a real S3 server (moto, ``s3_server``) and their
+metrics in MLflow (sqlite in the test home, on the disk every node shares).
+
+1. A 2-worker DeepSpeed job submitted with ``python -m efftx.cluster submit`` (the README's commands) spreads over the
+   two worker nodes (``scaling.placement_strategy=SPREAD``): its ranks log different node ids.
+2. Node loss, fixed size: every Ray process of one worker node is SIGKILLed right after a checkpoint; a new worker
+   node joins; the run (``train.max_failures=1``) resumes on it from the last checkpoint, and every step's loss equals
+   run 1's (same config, uninterrupted). The timeline (step killed, step resumed, seconds lost) is printed.
+3. Node loss, elastic (``scaling.min_workers=1``): the run restarts on the remaining node alone, without any capacity
+   coming back, and finishes; the world_size metric drops from 2 to 1.
+
+The drivers of 2 and 3 run as subprocesses (`python jobs/train_lm.py` with RAY_ADDRESS), never in this process,
+whose own Ray cluster starts after these tests (conftest orders ``own_cluster`` tests first).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from netutil import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+STEPS = 40
+BUCKET = "efftx-multinode"
+SETS = ["--recipe", "lm_debug", "--workers", "2",
+        "--set", f"train.steps={STEPS}", "--set", "train.checkpoint_every=10", "--set", "train.eval_every=10",
+        "--set", "train.sample_every=0", "--set", "scaling.cpus_per_worker=1",
+        "--set", "scaling.placement_strategy=SPREAD", "--set", f"scaling.storage_path=s3://{BUCKET}/runs"]
+WORKER_LINE = re.compile(r"\[efftx\] workers: (\d+) on (\d+) node\(s\): (.*)")
+
+
+def kill_node(temp_dir: str) -> list[int]:
+    """SIGKILL every process of one Ray node: those naming its temp dir (raylet, log monitor) and all their
+    descendants (the dashboard and runtime-env agents, the Ray workers: RayTrainWorker actors)."""
+    import psutil
+
+    me = os.getpid()
+    roots = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if proc.pid != me and any(temp_dir + "/" in part for part in proc.info["cmdline"] or []):
+                roots.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    family = set(roots)
+    for proc in roots:
+        try:
+            family |= set(proc.children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+    for proc in family:
+        try:
+            proc.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    return sorted(p.pid for p in family)
+
+
+class Cluster:
+    """The head (``python -m efftx.cluster up --num-cpus 0``: jobs, no training) and its worker nodes."""
+
+    def __init__(self, root: Path, env: dict[str, str]):
+        self.root, self.env = root, env
+        self.gcs_port, self.dash_port = free_port(), free_port()
+        self.workers: dict[str, str] = {}  # name -> temp dir
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.gcs_port}"
+
+    @property
+    def jobs_address(self) -> str:
+        return f"http://127.0.0.1:{self.dash_port}"
+
+    def start_head(self) -> None:
+        cmd = [str(BIN / "python"), "-m", "efftx.cluster", "up", "--num-cpus", "0", "--port", str(self.gcs_port),
+               "--dashboard-port", str(self.dash_port), "--temp-dir", str(self.root / "head"),
+               "--dashboard-agent-listen-port", str(free_port()), "--ray-client-server-port", str(free_port()),
+               "--metrics-export-port", str(free_port())]
+        proc = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+
+    def add_workers(self, *names: str) -> None:
+        """`ray start --address HEAD --num-cpus 1` per name (side by side), each with its own temp dir."""
+        procs = {}
+        for name in names:
+            temp_dir = str(self.root / name)
+            cmd = [str(BIN / "ray"), "start", "--address", self.address, "--num-cpus", "1", "--temp-dir", temp_dir,
+                   "--disable-usage-stats", "--dashboard-agent-listen-port", str(free_port()),
+                   "--metrics-export-port", str(free_port())]
+            procs[name] = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                           text=True)
+            self.workers[name] = temp_dir
+        for name, proc in procs.items():
+            out, _ = proc.communicate(timeout=180)
+            assert proc.returncode == 0, f"worker node {name}: {out[-3000:]}"
+
+    def node_ids(self) -> dict[str, str]:
+        """Live node name (head, w1, ...) -> Ray node id, from the cluster's own node table."""
+        script = ("import json, ray; ray.init(logging_level='ERROR'); print(json.dumps({n['NodeID']: "
+                  "n['ObjectStoreSocketName'] for n in ray.nodes() if n['Alive']}))")
+        proc = subprocess.run([sys.executable, "-c", script], env={**self.env, "RAY_ADDRESS": self.address},
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        sockets = json.loads(proc.stdout.strip().splitlines()[-1])
+        dirs = {"head": str(self.root / "head"), **self.workers}
+        return {name: node for node, sock in sockets.items() for name, d in dirs.items() if sock.startswith(d + "/")}
+
+    def kill(self, name: str) -> list[int]:
+        return kill_node(self.workers[name])
+
+    def stop(self) -> None:
+        for temp_dir in [*self.workers.values(), str(self.root / "head")]:
+            kill_node(temp_dir)
+
+
+@pytest.fixture(scope="module")
+def cluster(s3_server):
+    root = Path(tempfile.mkdtemp(prefix="efftx-nodes-", dir="/tmp"))
+    s3_server.create_bucket(BUCKET)
+    # the token of the test session (conftest: RAY_AUTH_TOKEN_PATH, RAY_AUTH_MODE=token); the S3 credentials reach
+    # the job drivers on the head through its environment
+    env = {**os.environ, **s3_server.env(), "PATH": f"{BIN}:{os.environ['PATH']}"}
+    for var in ("RAY_ADDRESS", "RAY_AUTH_TOKEN"):
+        env.pop(var, None)
+    c = Cluster(root, env)
+    try:
+        c.start_head()
+        c.add_workers("w1", "w2")
+        yield c
+    finally:
+        c.stop()
+        time.sleep(1)
+
+
+class Driver:
+    """`python jobs/train_lm.py` against the cluster (RAY_ADDRESS), its output in a file."""
+
+    def __init__(self, cluster: Cluster, name: str, out_dir: Path, *extra: str):
+        cmd = [sys.executable, "jobs/train_lm.py", "--run-name", name, *SETS, *extra]
+        self.log = out_dir / f"{name}.log"
+        with open(self.log, "w") as f:
+            self.proc = subprocess.Popen(cmd, cwd=REPO, env={**cluster.env, "RAY_ADDRESS": cluster.address},
+                                         stdout=f, stderr=subprocess.STDOUT, text=True)
+
+    def out(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for(self, pattern: str, timeout: float = 300) -> re.Match:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if m := re.search(pattern, self.out()):
+                return m
+            assert self.proc.poll() is None, f"the driver exited ({self.proc.returncode}):\n{self.out()[-4000:]}"
+            time.sleep(0.02)
+        raise AssertionError(f"no {pattern!r} in the driver's output:\n{self.out()[-4000:]}")
+
+    def finish(self) -> tuple[dict, str]:
+        self.proc.wait(timeout=600)
+        out = self.out()
+        assert self.proc.returncode == 0, out[-4000:]
+        return last_json(out), out
+
+
+def last_json(out: str) -> dict:
+    return json.loads(next(ln for ln in reversed(out.splitlines()) if ln.startswith("{")))
+
+
+def worker_lines(out: str) -> list[dict[int, str]]:
+    """Each attempt's placement, in order: rank -> node id."""
+    attempts = []
+    for m in WORKER_LINE.finditer(out):
+        ranks = dict(re.findall(r"rank (\d+) on node ([0-9a-f]+)", m.group(3)))
+        attempts.append({int(r): n for r, n in ranks.items()})
+        assert len(attempts[-1]) == int(m.group(1)) and len(set(attempts[-1].values())) == int(m.group(2))
+    return attempts
+
+
+def history(summary: dict, metric: str) -> list:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=summary["tracking_uri"])
+    return sorted(client.get_metric_history(summary["mlflow_run_id"], metric), key=lambda m: (m.timestamp, m.step))
+
+
+def losses(summary: dict) -> dict[int, set[float]]:
+    out: dict[int, set[float]] = {}
+    for m in history(summary, "loss"):
+        out.setdefault(m.step, set()).add(m.value)
+    return out
+
+
+@pytest.fixture(scope="module")
+def spread_run(cluster, tmp_path_factory):
+    """Run 1, submitted as the README does: -> (summary, output, node ids before the run)."""
+    nodes = cluster.node_ids()
+    entry = ["python", "jobs/train_lm.py", "--run-name", "spread", *SETS]
+    cmd = [str(BIN / "python"), "-m", "efftx.cluster", "submit", "--address", cluster.jobs_address,
+           "--working-dir", ".", "--", *entry]
+    proc = subprocess.run(cmd, cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    return last_json(out), out, nodes
+
+
+@pytest.mark.slow
+@pytest.mark.own_cluster
+def test_a_two_worker_job_spreads_over_the_worker_nodes_with_checkpoints_in_s3_and_metrics_in_mlflow(
+        spread_run, s3_server):
+    summary, out, nodes = spread_run
+    assert summary["final_step"] == STEPS
+    (placement,) = worker_lines(out)
+    assert sorted(placement.values()) == sorted([nodes["w1"], nodes["w2"]]), (placement, nodes)
+    keys = s3_server.keys(BUCKET, "runs/spread/")
+    assert summary["checkpoint"].startswith(f"s3://{BUCKET}/runs/spread/checkpoint_000000{STEPS}_")
+    ckpt = summary["checkpoint"].removeprefix(f"s3://{BUCKET}/")
+    assert f"{ckpt}/efftx_manifest.json" in keys and f"{ckpt}/deepspeed/mp_rank_00_model_states.pt" in keys, keys
+    assert "runs/spread/export/config.json" in keys
+    assert not (Path(os.environ["EFFTX_HOME"]) / "runs" / "spread").exists()  # nothing of it on local disk
+    got = losses(summary)
+    assert sorted(got) == list(range(1, STEPS + 1)) and all(len(v) == 1 for v in got.values())
+    assert [(m.step, m.value) for m in history(summary, "world_size")] == [(0, 2.0)]
+    assert [m.value for m in history(summary, "nodes")] == [2.0]
+
+
+def timeline(summary: dict, killed_at: float, resumed_from: int) -> dict:
+    """From the loss history's timestamps: the last step logged before the kill, the step the run resumed from,
+    and the seconds from the kill until the first step after the restart and until the run was past the step it
+    had reached when it was killed."""
+    entries = history(summary, "loss")
+    before = [m for m in entries if m.timestamp / 1000 <= killed_at]
+    after = [m for m in entries if m.timestamp / 1000 > killed_at]
+    step_killed = max(m.step for m in before)
+    first = next(m for m in after if m.step == resumed_from + 1)
+    caught_up = next(m for m in after if m.step == step_killed + 1)
+    return {"step_killed": step_killed, "step_resumed": resumed_from,
+            "seconds_to_first_step_after_restart": round(first.timestamp / 1000 - killed_at, 1),
+            "seconds_lost": round(caught_up.timestamp / 1000 - killed_at, 1)}
+
+
+@pytest.mark.slow
+@pytest.mark.own_cluster
+def test_b_a_lost_worker_node_is_survived_by_resuming_on_a_new_node_with_the_uninterrupted_losses(
+        cluster, spread_run, tmp_path):
+    reference, _, _ = spread_run
+    nodes = cluster.node_ids()
+    driver = Driver(cluster, "nodeloss", tmp_path, "--set", "train.max_failures=1")
+    driver.wait_for(r"\[efftx\] checkpoint saved at step 10: ")
+    killed_at = time.time()
+    assert cluster.kill("w2")
+    cluster.add_workers("w3")  # capacity comes back: a new node
+    resumed = driver.wait_for(r"\[efftx\] resuming from checkpoint s3://\S+/nodeloss/checkpoint_\S+ \(step (\d+), "
+                              r"files match its manifest")
+    step = int(resumed.group(1))
+    summary, out = driver.finish()
+    assert f"resumed at step {step}/{STEPS}" in out
+    first, second = worker_lines(out)
+    after = cluster.node_ids()
+    assert sorted(first.values()) == sorted([nodes["w1"], nodes["w2"]])
+    assert sorted(second.values()) == sorted([nodes["w1"], after["w3"]])  # the lost node's rank runs on the new one
+
+    ref, got = losses(reference), losses(summary)
+    assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
+    for s in range(1, STEPS + 1):
+        assert got[s] == ref[s], (s, got[s], ref[s])  # steps run twice logged the same value
+    assert summary["val_bpb"] == reference["val_bpb"]
+    assert [(m.step, m.value) for m in history(summary, "world_size")] == [(0, 2.0), (step, 2.0)]
+    t = timeline(summary, killed_at, step)
+    print(f"\n[timeline] fixed size, node w2 killed, node w3 added: {json.dumps(t)}")
+    assert 10 <= t["step_resumed"] <= t["step_killed"] < STEPS
+
+
+@pytest.mark.slow
+@pytest.mark.own_cluster
+def test_c_an_elastic_run_continues_on_the_remaining_node_without_waiting_for_capacity(cluster, tmp_path):
+    nodes = cluster.node_ids()
+    driver = Driver(cluster, "elastic", tmp_path, "--set", "scaling.min_workers=1", "--set", "train.max_failures=1",
+                    "--set", "scaling.start_timeout_s=10")
+    driver.wait_for(r"\[efftx\] checkpoint saved at step 10: ")
+    killed_at = time.time()
+    first = worker_lines(driver.out())[0]
+    assert sorted(first.values()) == sorted([nodes["w1"], nodes["w3"]])
+    assert cluster.kill("w3")  # no node is added
+    resumed = driver.wait_for(r"\[efftx\] resuming from checkpoint s3://\S+/elastic/checkpoint_\S+ \(step (\d+), ")
+    step = int(resumed.group(1))
+    summary, out = driver.finish()
+    assert summary["final_step"] == STEPS
+    assert re.search(rf"resumed at step {step}/{STEPS} \([\d,]+ parameters, 1 workers", out)
+    assert worker_lines(out)[1] == {0: nodes["w1"]}
+    assert [(m.step, m.value) for m in history(summary, "world_size")] == [(0, 2.0), (step, 1.0)]
+    got = losses(summary)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    t = timeline(summary, killed_at, step)
+    print(f"\n[timeline] elastic (1, 2) workers, node w3 killed, nothing added: {json.dumps(t)}")
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"scaling.min_workers": 3}, r"scaling.min_workers must be between 0 .* and scaling.num_workers=2 .*, got 3"),
+    ({"scaling.min_workers": -1}, r"scaling.min_workers must be between 0"),
+    ({"scaling.min_workers": 1, "engine.zero_stage": 2},
+     r"scaling.min_workers=1 < scaling.num_workers=2 \(elastic\) needs engine.zero_stage=0: DeepSpeed cannot load "
+     r"ZeRO-2 optimizer partitions"),
+    ({"scaling.placement_strategy": "spread"}, r"scaling.placement_strategy must be one of PACK, SPREAD, "
+                                               r"STRICT_SPREAD, STRICT_PACK; got 'spread'"),
+    ({"scaling.start_timeout_s": -1.0}, r"scaling.start_timeout_s must be >= 0"),
+])
+def test_bad_scaling_keys_are_config_errors_naming_them(overrides, match):
+    from efftx import recipes
+    from efftx.errors import ConfigError
+
+    cfg = recipes.get("lm_debug").override(overrides)
+    cfg.name = "x"
+    with pytest.raises(ConfigError, match=match):
+        cfg.validate()
+
+
+def test_the_scaling_keys_reach_ray_trains_scaling_config():
+    import ray.train
+
+    from efftx import recipes
+
+    cfg = recipes.get("lm_debug").override({"scaling.min_workers": 1, "scaling.num_workers": 3,
+                                            "scaling.placement_strategy": "STRICT_SPREAD"})
+    cfg.name = "x"
+    cfg.validate()
+    sc = ray.train.ScalingConfig(num_workers=cfg.scaling.ray_num_workers,
+                                 placement_strategy=cfg.scaling.placement_strategy)
+    assert (sc.elasticity_enabled, sc.min_workers, sc.max_workers) == (True, 1, 3)
+    fixed = recipes.get("lm_debug")
+    assert fixed.scaling.ray_num_workers == 2 and not fixed.scaling.elastic
+    # the elastic keys may change when a run resumes; the fixed worker count may not
+    assert cfg.resumable("scaling.min_workers") and cfg.resumable("scaling.placement_strategy")
+    assert not cfg.resumable("scaling.num_workers")
