@@ -103,6 +103,13 @@ class ImageDataConfig:
     shapes_size: int = 64  # source=shapes: image side in pixels
     shapes_seed: int = 0  # source=shapes: generator seed
     sample_images: int = 4  # the first N validation images the dVAE reconstructs / captions DALL-E draws, per sample
+    # Streaming (efftx/data/streaming.py): read shards one by one with bounded memory per worker instead of loading
+    # every sample. auto = stream a URL, or a source larger on disk than stream_above_mb; true / false = always / never
+    streaming: str = "auto"
+    stream_above_mb: float = 1024.0  # streaming=auto: stream a local source larger than this on disk
+    shuffle_buffer: int = 1000  # streaming: samples held in each worker's shuffle buffer (its memory bound)
+    interleave: int = 4  # streaming: shards each worker reads at once, a sample from each in turn
+    folder_shard_size: int = 1000  # streaming a folder: images per virtual shard (shard i goes to worker i % W)
 
     RESUMABLE: ClassVar[frozenset[str]] = frozenset({"sample_images"})
 
@@ -124,6 +131,12 @@ class ImageDataConfig:
                               f"{self.shapes_n}, {self.shapes_size}, {self.shapes_seed}")
         if self.sample_images < 1:
             raise ConfigError(f"{k}sample_images must be >= 1, got {self.sample_images}")
+        _choice(f"{k}streaming", self.streaming, ("auto", "true", "false"))
+        if self.stream_above_mb < 0:
+            raise ConfigError(f"{k}stream_above_mb must be >= 0, got {self.stream_above_mb}")
+        for name in ("shuffle_buffer", "interleave", "folder_shard_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{k}{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass
@@ -134,9 +147,14 @@ class DataConfig:
     # The language models' tokenizer: "" = UTF-8 bytes (model.vocab_size 256), else a Hugging Face tokenizers JSON
     # (python -m efftx.data.train_tokenizer makes one); model.vocab_size then comes from it. efftx/data/lm_tokenizer.py
     tokenizer: str = ""
+    # How the prepared text corpus reaches the workers (efftx/data/bytes.py, share): "object_store" = the driver puts
+    # its arrays in Ray's object store, each node maps them zero-copy; "path" = workers memory-map the driver's cache
+    # file (one machine, or data.cache_dir on a filesystem every node shares); "auto" = object_store when the Ray
+    # cluster has more than one node, else path
+    handoff: str = "auto"
     image: ImageDataConfig = field(default_factory=ImageDataConfig)
 
-    RESUMABLE: ClassVar[frozenset[str]] = frozenset({"cache_dir"})
+    RESUMABLE: ClassVar[frozenset[str]] = frozenset({"cache_dir", "handoff"})
 
     def validate(self) -> None:
         """Checks of this section (the tokenizer file itself is read when the run is configured); errors name
@@ -148,6 +166,7 @@ class DataConfig:
             check_key(self.tokenizer)
         except DataError as exc:
             raise ConfigError(str(exc)) from None
+        _choice("data.handoff", self.handoff, ("auto", "object_store", "path"))
         self.image.validate()
 
 

@@ -4,6 +4,20 @@ Every source is materialised once into a flat byte file (compressed sources are 
 into the cache directory; raw files are used in place) and then memory-mapped, so workers share
 the page cache instead of each reading the corpus into memory.
 
+**How the workers get it** (``data.handoff``; the LM task's ``share`` hook, run by launch on the
+driver once Ray has started): the flat file lives in the *driver's* ``data.cache_dir``, which a
+worker on another node cannot open. With ``object_store`` the driver puts the train and validation
+arrays (:meth:`ByteData.arrays`) in Ray's object store once (``ray.put``); each node receives one
+copy, and its workers map it zero-copy as read-only numpy views (:func:`shared_arrays`), so memory
+per node is one corpus, as with the page cache. That was chosen over writing the corpus to the
+run's storage and copying it to a node-local cache: Ray already moves objects between nodes, the
+object store is sized for corpora of a few hundred MB (enwik8 is 100 MB), and nothing has to be
+uploaded, kept or cleaned up on S3. With ``path`` the workers memory-map the driver's file, as
+before: on one machine, or with ``data.cache_dir`` on a filesystem every node shares. ``auto`` (the
+default) takes ``path`` on a one-node cluster (no extra copy, unchanged speed) and
+``object_store`` on more. A worker given a path it cannot see (or whose size differs) stops with a
+DataError naming the path and the key (:func:`visible`).
+
 Split (fixed, documented in the README): the first 90% of the bytes are training data, the next
 5% validation, the last 5% unused. For the full enwik8 (100,000,000 bytes) this is exactly the
 seeds' split: first 90M train, next 5M validation.
@@ -122,16 +136,65 @@ class WindowData:
 
 
 class ByteData(WindowData):
-    """Memory-mapped train/validation views of a prepared corpus, and window sampling."""
+    """Train/validation views of a prepared corpus, and window sampling: memory-mapped from the cache file, or
+    the arrays the driver shared through Ray's object store (``shared``: an ObjectRef of :meth:`arrays`)."""
 
-    def __init__(self, info: CorpusInfo | dict):
+    def __init__(self, info: CorpusInfo | dict, shared=None):
         self.info = info if isinstance(info, CorpusInfo) else CorpusInfo(**info)
-        data = np.memmap(self.info.path, dtype=np.uint8, mode="r")
+        if shared is not None:
+            arrays = shared_arrays(shared)
+            self.train, self.val = arrays["train"], arrays["val"]
+            return
+        data = np.memmap(visible(self.info.path, self.info.size), dtype=np.uint8, mode="r")
         self.train = data[: self.info.train_bytes]
         self.val = data[self.info.train_bytes: self.info.train_bytes + self.info.val_bytes]
 
+    def arrays(self) -> dict[str, np.ndarray]:
+        """What the driver shares through the object store (the unused last 5% is not sent)."""
+        return {"train": np.asarray(self.train), "val": np.asarray(self.val)}
+
     def val_target_bytes(self, n: int, seq_len: int) -> int:
         return n * seq_len  # one token, one byte
+
+
+# ------------------------------------------------------------------------------------------ handoff
+
+HANDOFFS = ("auto", "object_store", "path")
+
+
+def use_object_store(handoff: str) -> bool:
+    """``data.handoff``: object_store / path as given; auto = the object store when the (running) Ray cluster has
+    more than one live node, since only then may a worker be where the driver's cache is not."""
+    if handoff not in HANDOFFS:
+        raise DataError(f"data.handoff must be one of {', '.join(HANDOFFS)}; got {handoff!r}")
+    if handoff != "auto":
+        return handoff == "object_store"
+    import ray
+
+    return sum(1 for node in ray.nodes() if node.get("Alive")) > 1
+
+
+def shared_arrays(ref) -> dict:
+    """On a worker: the shared arrays, read-only numpy views of the node's object store (no copy)."""
+    import ray
+
+    return ray.get(ref)
+
+
+def visible(path: str, size: int | None = None) -> str:
+    """``path`` when this process can open it (with the prepared size), else a DataError naming it and the key."""
+    import socket
+
+    try:
+        actual = os.path.getsize(path)
+    except OSError:
+        actual = None
+    if actual is None or (size is not None and actual != size):
+        found = "does not exist" if actual is None else f"has {actual:,} bytes, not the prepared {size:,}"
+        raise DataError(f"the prepared corpus {path} {found} on this node ({socket.gethostname()}): workers on "
+                        f"other nodes cannot open the driver's data.cache_dir; set data.handoff=object_store "
+                        f"(or auto), or put data.cache_dir on a filesystem every node shares")
+    return path
 
 
 # ------------------------------------------------------------------------------------------ sources

@@ -44,8 +44,9 @@ Scaling limits (by design, for the data sets this project trains on in CI and in
 worker scans the whole source once when first used (a folder's images are kept as paths, a
 shard's as their encoded bytes, captions as token rows), and images are decoded and cropped in the
 training process, no DataLoader worker pool. That fits up to roughly 10^5 small images per worker
-(the encoded bytes must fit in memory for shards); larger sets want a streaming reader that splits
-shards between workers.
+(the encoded bytes must fit in memory for shards). Larger sets, and URLs, stream instead
+(:mod:`efftx.data.streaming`, ``data.image.streaming``): shards split between workers, a shuffle
+buffer, memory bounded whatever the data size.
 """
 
 from __future__ import annotations

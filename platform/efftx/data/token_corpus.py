@@ -4,7 +4,9 @@
 validation split, and writes them into a cache folder named by the corpus's SHA-256 and the tokenizer's
 (``<data.cache_dir>/tokens-<corpus sha>-<tokenizer sha>/``), built in a temporary folder and renamed into place,
 so a reader never sees half of it and a second run reuses it. Workers memory-map the ids (:class:`TokenData`:
-``uint16`` for vocabularies up to 65,536, else ``uint32``).
+``uint16`` for vocabularies up to 65,536, else ``uint32``), or, when the driver's cache is not theirs to open
+(``data.handoff``, efftx/data/bytes.py), map the same arrays zero-copy from Ray's object store
+(:meth:`TokenData.arrays`, shared once by the driver).
 
 **The split is the byte models' split** (efftx.data.bytes: the first 90% of the bytes train, the next 5%
 validate), so byte and token models are validated on the same text. A split boundary that falls inside a
@@ -29,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from efftx.data.bytes import VAL_FRACTION, CorpusInfo, WindowData, split_sizes
+from efftx.data.bytes import VAL_FRACTION, CorpusInfo, WindowData, shared_arrays, split_sizes, visible
 from efftx.errors import DataError
 
 FORMAT = 1  # bump when the cache layout or the tokenization rules change
@@ -223,15 +225,30 @@ def _tokenize(blob: bytes, codec, dtype, ids_out, lengths_out) -> int:
 class TokenData(WindowData):
     """Memory-mapped token ids of a :class:`TokenCorpusInfo`, and each validation token's byte count."""
 
-    def __init__(self, info: TokenCorpusInfo | dict):
+    def __init__(self, info: TokenCorpusInfo | dict, shared=None):
         self.info = info if isinstance(info, TokenCorpusInfo) else TokenCorpusInfo(**info)
+        if shared is not None:  # the driver's arrays, through Ray's object store (data.handoff)
+            arrays = shared_arrays(shared)
+            self.train, self.val, self.val_bytes = arrays["train"], arrays["val"], arrays["val_bytes"]
+            self._tokenizer_json = arrays["tokenizer_json"]
+            return
         folder = Path(self.info.path)
-        self.train = np.memmap(folder / _FILES["train"], dtype=self.info.dtype, mode="r")
+        itemsize = np.dtype(self.info.dtype).itemsize
+        self.train = np.memmap(visible(str(folder / _FILES["train"]), self.info.train_tokens * itemsize),
+                               dtype=self.info.dtype, mode="r")
         self.val = np.memmap(folder / _FILES["val"], dtype=self.info.dtype, mode="r")
         self.val_bytes = np.memmap(folder / _FILES["val_bytes"], dtype=np.uint32, mode="r")
+        self._tokenizer_json = None
+
+    def arrays(self) -> dict:
+        """What the driver shares through Ray's object store (data.handoff): the ids, the validation byte counts, the tokenizer."""
+        return {"train": np.asarray(self.train), "val": np.asarray(self.val), "val_bytes": np.asarray(self.val_bytes),
+                "tokenizer_json": self.tokenizer_json()}
 
     def val_target_bytes(self, n: int, seq_len: int) -> int:
         return sum(int(self.val_bytes[s + 1: s + seq_len + 1].sum(dtype=np.int64)) for s in self.val_starts(n, seq_len))
 
     def tokenizer_json(self) -> str:
+        if self._tokenizer_json is not None:
+            return self._tokenizer_json
         return (Path(self.info.path) / "tokenizer.json").read_text(encoding="utf-8")

@@ -177,6 +177,7 @@ def launch(cfg: Config, *, parent_run_id: str | None = None, callbacks: list | N
     task = get_task(cfg.model.family)
     prepared = task.prepare(cfg)  # clear data errors here, before any worker starts
     ensure_ray()
+    prepared = task.share(cfg, prepared)  # handed to the workers (text corpora: Ray's object store, data.handoff)
     import ray
 
     gpus = ray.cluster_resources().get("GPU", 0)

@@ -117,6 +117,13 @@ class Task(abc.ABC):
     def prepare(cls, cfg) -> dict[str, Any]:
         """Build or check the data once, on the driver; returns plain data handed to every worker."""
 
+    @classmethod
+    def share(cls, cfg, prepared: dict[str, Any]) -> dict[str, Any]:
+        """On the driver once Ray has started (launch): hand what :meth:`prepare` made to the workers, e.g. put
+        data in Ray's object store so that no worker opens a driver-only path; returns the prepared data the
+        workers get. Default: as it is."""
+        return prepared
+
     @staticmethod
     def warn_if_tiny(cfg, what: str, available: int, drawn_per_step: int, key: str) -> str | None:
         """One warning line (printed, and returned) when the training data is tiny for the run: fewer than
@@ -282,14 +289,29 @@ class LMTask(Task):
                          drawn, "data.corpus")
         return {"corpus": info.to_dict()}
 
+    @classmethod
+    def share(cls, cfg, prepared: dict[str, Any]) -> dict[str, Any]:
+        """The corpus (bytes, or token ids) through Ray's object store when ``data.handoff`` asks for it (auto: a
+        cluster of more than one node), so a worker on another node never opens the driver's data.cache_dir
+        (efftx/data/bytes.py explains the choice). ``shared``: the ObjectRef, kept alive by the run's payload."""
+        import ray
+
+        from efftx.data.bytes import use_object_store
+
+        if not use_object_store(cfg.data.handoff):
+            return prepared
+        data = TokenData(prepared["tokens"]) if prepared.get("tokens") else ByteData(prepared["corpus"])
+        return {**prepared, "shared": ray.put(data.arrays())}
+
     def __init__(self, cfg, prepared):
         super().__init__(cfg, prepared)
         self.seq_len = cfg.data.seq_len
+        shared = prepared.get("shared")  # an ObjectRef of the arrays (share), else the driver's path is opened
         if prepared.get("tokens"):
-            self.data = TokenData(prepared["tokens"])
+            self.data = TokenData(prepared["tokens"], shared)
             self.codec = TokenizerCodec(self.data.tokenizer_json(), source=cfg.data.tokenizer)
         else:
-            self.data = ByteData(CorpusInfo(**prepared["corpus"]))
+            self.data = ByteData(CorpusInfo(**prepared["corpus"]), shared)
             self.codec = ByteCodec()
         # tokens per byte over the whole validation set (every rank knows every window): evaluate turns nats per
         # token into bits per byte with it, so the ranks' weighted mean is total nats / total bytes / ln 2.
@@ -398,21 +420,43 @@ class _ImageTask(Task):
         return 0  # the dVAE reads no captions
 
     @classmethod
-    def _data(cls, cfg):
+    def _data(cls, cfg, streaming: bool = False):
+        """The data of ``data.image``: in memory (efftx/data/images.py), or streamed shard by shard with bounded
+        memory (efftx/data/streaming.py); the same batch and validation methods either way."""
         from efftx.data.images import ImageTextData
+        from efftx.data.streaming import StreamingImageData
 
-        return ImageTextData(cfg.data, image_size=cfg.vae.image_size, channels=cfg.vae.channels,
-                             text_seq_len=cls._text_seq_len(cfg), seed=cfg.train.seed, grad_accum=cfg.train.grad_accum)
+        kind = StreamingImageData if streaming else ImageTextData
+        return kind(cfg.data, image_size=cfg.vae.image_size, channels=cfg.vae.channels,
+                    text_seq_len=cls._text_seq_len(cfg), seed=cfg.train.seed, grad_accum=cfg.train.grad_accum)
+
+    @classmethod
+    def _streams(cls, cfg) -> bool:
+        """Whether the run streams its images (``data.image.streaming``; auto: a URL, or a large source)."""
+        from efftx.data.images import resolve_source
+        from efftx.data.streaming import use_streaming
+
+        return use_streaming(cfg.data, *resolve_source(cfg.data))
 
     @classmethod
     def prepare(cls, cfg) -> dict[str, Any]:
-        """Scan the data once on the driver: an unusable source or too few images for the workers is a
-        DataError here, before any worker starts; the skip counts are printed."""
+        """Check the data once on the driver: an unusable source or too few images (in-memory) or shards
+        (streaming) for the workers is a DataError here, before any worker starts. In memory the whole source
+        is scanned and the skip counts printed; streaming only lists the shards and reads the validation head."""
+        t = cfg.train
+        if cls._streams(cfg):
+            data = cls._data(cfg, streaming=True)
+            info = data.check(cfg.scaling.num_workers,
+                              max(t.eval_batches * t.micro_batch_size, cfg.data.image.sample_images))
+            size = f", {info['bytes'] / 2**20:,.1f} MB" if info["bytes"] is not None else ""
+            print(f"[efftx] image data: streaming {info['shards']} shard(s){size} from {data.location} over "
+                  f"{cfg.scaling.num_workers} worker(s), shuffle buffer {cfg.data.image.shuffle_buffer} "
+                  f"(data.image.streaming={cfg.data.image.streaming})", flush=True)
+            return {"images": info, "streaming": True}
         data = cls._data(cfg).load()
-        data.indices(0, 0, cfg.train.micro_batch_size, 0, cfg.scaling.num_workers)  # every worker gets images
+        data.indices(0, 0, t.micro_batch_size, 0, cfg.scaling.num_workers)  # every worker gets images
         print(f"[efftx] image data: {data.stats.summary()} ({len(data.train_ids)} for training, "
               f"{len(data.val_ids)} for validation)", flush=True)
-        t = cfg.train
         cls.warn_if_tiny(cfg, "training images", len(data.train_ids),
                          t.micro_batch_size * t.grad_accum * cfg.scaling.num_workers, "data.image.source")
         return {"images": data.stats.to_dict(), "train_images": int(len(data.train_ids)),
@@ -420,7 +464,8 @@ class _ImageTask(Task):
 
     def __init__(self, cfg, prepared):
         super().__init__(cfg, prepared)
-        self.data = self._data(cfg)  # scanned lazily, on the first batch
+        # in memory: scanned lazily, on the first batch; streaming: shards opened as the batches need them
+        self.data = self._data(cfg, streaming=bool(prepared.get("streaming")))
         self.world = cfg.scaling.num_workers
 
     def _micro_batch(self, step: int, micro: int, rank: int):
