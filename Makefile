@@ -47,8 +47,12 @@ browser:
 demo: setup                       ## the main job on the embedded default (local Ray, sqlite MLflow, bundled corpus)
 	$(BIN)/python jobs/train_sinkhorn.py $(ARGS)
 
+# Two test processes (pytest-xdist), each with its own Ray cluster and efftx home; a test file stays in one process
+# (its module fixtures are made once). Most of a test's time is waiting on Ray, Serve or a subprocess, so two
+# processes overlap it even on 2 cores. TEST_JOBS=0 runs everything in this process (what `pytest` alone does).
+TEST_JOBS ?= 2
 test: setup browser               ## the whole test suite, slow end-to-end and browser tests included
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
 
 test-fast: setup
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)

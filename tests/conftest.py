@@ -45,7 +45,9 @@ def ray_cluster():
     from netutil import free_port
 
     # a free dashboard port: two test processes (pytest -n 2) each run a cluster of their own
-    ray.init(num_cpus=4, include_dashboard=True, dashboard_port=free_port(), log_to_driver=True)
+    # address="local": always a new cluster of its own, never one a `ray start` on this machine left in
+    # /tmp/ray/ray_current_cluster
+    ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_port=free_port(), log_to_driver=True)
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 
