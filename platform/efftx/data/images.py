@@ -366,6 +366,22 @@ def open_image(sample: Sample, channels: int) -> Image.Image:
 
 # ------------------------------------------------------------------------------------------ data set
 
+def set_image_args(data, data_cfg, image_size: int, channels: int, text_seq_len: int, seed: int,
+                   grad_accum: int) -> None:
+    """Check and set what every image data source (in memory, or streamed: efftx/data/streaming.py) is built
+    from: the data config, the model's image side, channels and caption length, the seed and grad_accum."""
+    if channels not in IMAGE_MODES:
+        raise DataError(f"images can have 1 (L), 3 (RGB) or 4 (RGBA) channels, not {channels}")
+    if image_size < 1 or text_seq_len < 0 or grad_accum < 1:
+        raise DataError(f"bad image data arguments: image_size={image_size}, text_seq_len={text_seq_len}, "
+                        f"grad_accum={grad_accum}")
+    data.data_cfg = data_cfg
+    data.image_size, data.channels, data.text_seq_len = image_size, channels, text_seq_len
+    data.seed, data.grad_accum = seed, grad_accum
+    data.crop_lower_ratio = data_cfg.image.resize_crop_lower_ratio
+    data.tokenizer = load_tokenizer(data_cfg.image.bpe_path) if text_seq_len else None
+
+
 class ImageTextData:
     """Images and tokenized captions of ``data.image``, as micro batches that are pure functions of
     ``(step, micro, batch_size, rank, world)``, plus a fixed validation set.
@@ -378,17 +394,7 @@ class ImageTextData:
 
     def __init__(self, data_cfg, *, image_size: int, channels: int = 3, text_seq_len: int = 0,
                  seed: int = 0, grad_accum: int = 1):
-        cfg = data_cfg.image
-        if channels not in IMAGE_MODES:
-            raise DataError(f"images can have 1 (L), 3 (RGB) or 4 (RGBA) channels, not {channels}")
-        if image_size < 1 or text_seq_len < 0 or grad_accum < 1:
-            raise DataError(f"bad image data arguments: image_size={image_size}, text_seq_len={text_seq_len}, "
-                            f"grad_accum={grad_accum}")
-        self.data_cfg = data_cfg
-        self.image_size, self.channels, self.text_seq_len = image_size, channels, text_seq_len
-        self.seed, self.grad_accum = seed, grad_accum
-        self.crop_lower_ratio = cfg.resize_crop_lower_ratio
-        self.tokenizer = load_tokenizer(cfg.bpe_path) if text_seq_len else None
+        set_image_args(self, data_cfg, image_size, channels, text_seq_len, seed, grad_accum)
         self._samples: list[Sample] | None = None
         self.stats: LoadStats | None = None
         self._orders: dict[tuple[int, int, int], np.ndarray] = {}

@@ -67,8 +67,7 @@ import torch
 
 from efftx.data.images import (IMAGE_EXTENSIONS, IMAGE_MODES, CaptionSpec, LoadStats, _DECODE_ERRORS,
                                _is_url, _Skip, center_crop, parse_wds_keys, random_resized_crop, resolve_source,
-                               shard_urls, to_tensor)
-from efftx.data.text_tokens import load_tokenizer
+                               set_image_args, shard_urls, to_tensor)
 from efftx.errors import DataError
 
 STREAMING_CHOICES = ("auto", "true", "false")
@@ -443,16 +442,7 @@ class StreamingImageData:
     def __init__(self, data_cfg, *, image_size: int, channels: int = 3, text_seq_len: int = 0, seed: int = 0,
                  grad_accum: int = 1):
         cfg = data_cfg.image
-        if channels not in IMAGE_MODES:
-            raise DataError(f"images can have 1 (L), 3 (RGB) or 4 (RGBA) channels, not {channels}")
-        if image_size < 1 or text_seq_len < 0 or grad_accum < 1:
-            raise DataError(f"bad image data arguments: image_size={image_size}, text_seq_len={text_seq_len}, "
-                            f"grad_accum={grad_accum}")
-        self.data_cfg = data_cfg
-        self.image_size, self.channels, self.text_seq_len = image_size, channels, text_seq_len
-        self.seed, self.grad_accum = seed, grad_accum
-        self.crop_lower_ratio = cfg.resize_crop_lower_ratio
-        self.tokenizer = load_tokenizer(cfg.bpe_path) if text_seq_len else None
+        set_image_args(self, data_cfg, image_size, channels, text_seq_len, seed, grad_accum)
         self.captions = CaptionSpec(self.tokenizer, text_seq_len, cfg.truncate_captions) if text_seq_len else None
         self.location, self.format = resolve_source(data_cfg)
         self.image_keys, caption_key = parse_wds_keys(cfg.wds_keys)
