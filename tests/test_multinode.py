@@ -252,6 +252,53 @@ def timeline(summary: dict, killed_at: float, resumed_from: int) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.own_cluster
+def test_a2_serve_runs_two_replicas_on_the_two_worker_nodes_behind_one_address(cluster, s3_server, debug_exports,
+                                                                               tmp_path):
+    """The text app deployed to the cluster (``python -m efftx.serving.deploy``, i.e. ``serve deploy``) with two
+    replicas, at most one per node, loading their model from the object store (an export at an s3:// URI): both
+    worker nodes serve it, behind the head's one HTTP address (``GET /models/info`` names the replica's node)."""
+    import requests
+    import yaml
+
+    client = s3_server.client()
+    for f in Path(debug_exports["target"]).iterdir():
+        client.upload_file(str(f), BUCKET, f"exports/target/{f.name}")
+    port = free_port()
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump({
+        "proxy_location": "HeadOnly",  # one HTTP address (every node of this test shares one machine's ports)
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "applications": [{"name": "text", "route_prefix": "/", "import_path": "efftx.serving.text:build",
+                          "args": {"target": f"s3://{BUCKET}/exports/target", "name": "cluster"},
+                          "deployments": [{"name": "TextGenerator", "num_replicas": 2, "max_replicas_per_node": 1}]}]}))
+    proc = subprocess.run([sys.executable, "-m", "efftx.serving.deploy", str(config), "--address", cluster.jobs_address],
+                          cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    url, seen = f"http://127.0.0.1:{port}", {}
+    try:
+        deadline = time.time() + 240
+        while len(seen) < 2 and time.time() < deadline:
+            try:
+                res = requests.get(f"{url}/models/info", timeout=10)
+                if res.status_code == 200:
+                    replica = res.json()["replica"]
+                    seen[replica["node_id"]] = replica["id"]
+            except requests.RequestException:
+                pass
+            time.sleep(0.2)
+        nodes = cluster.node_ids()
+        assert set(seen) == {nodes["w1"], nodes["w2"]}, (seen, nodes)
+        assert len(set(seen.values())) == 2  # two replicas
+        res = requests.post(f"{url}/generate", json={"prompt": "def ", "max_new_tokens": 8, "temperature": 0},
+                            timeout=120)
+        assert res.status_code == 200 and res.json()["results"]["base"]["tokens"] == 8, res.text
+    finally:  # the replicas hold CPU shares the training tests below need
+        subprocess.run([str(BIN / "serve"), "shutdown", "-y", "--address", cluster.jobs_address], env=cluster.env,
+                       capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.slow
+@pytest.mark.own_cluster
 def test_b_a_lost_worker_node_is_survived_by_resuming_on_a_new_node_with_the_uninterrupted_losses(
         cluster, spread_run, tmp_path):
     reference, _, _ = spread_run

@@ -153,6 +153,7 @@ class ModelsInfo(BaseModel):
     limits: dict[str, int | float]
     image_limits: dict[str, int | float] | None = None
     batching: dict[str, int | float | str | bool] | None = None  # mode (continuous | static), max_batch_size, ...
+    replica: dict[str, str] | None = None  # the replica that answered: its Serve id and its Ray node id
 
 
 class CompletionRequest(BaseModel):

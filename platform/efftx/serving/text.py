@@ -241,6 +241,13 @@ class TextGenerator:
         self.model_cards = [model_card("target", self.target, self.target_cfg, target, self.name)] + (
             [model_card("draft", self.draft, draft_cfg, draft, f"{self.name}-speculative")] if self.draft is not None
             else [])
+        try:  # which replica, on which node, answers (GET /models/info): several replicas share one address
+            import ray
+
+            self.replica = {"id": serve.get_replica_context().replica_id.unique_id,
+                            "node_id": ray.get_runtime_context().get_node_id()}
+        except Exception:  # noqa: BLE001 - built outside a Serve replica (tests)
+            self.replica = None
         card = self.model_cards[0]
         self.served_by = (f"{card.mlflow_model}/{card.mlflow_version}" if card.mlflow_model
                           else Path(str(target)).name).encode("ascii", "replace")
@@ -498,7 +505,8 @@ class TextGenerator:
         return ModelsInfo(name=self.name, speculative=self.draft is not None, images=info is not None,
                           models=self.model_cards + ([image_card(info)] if info else []),
                           limits=dataclasses.asdict(self.limits),
-                          image_limits=self.image_limits.model_dump() if info else None, batching=self.batching)
+                          image_limits=self.image_limits.model_dump() if info else None, batching=self.batching,
+                          replica=self.replica)
 
     @app.post("/generate/stream")
     async def generate_stream(self, req: StreamRequest) -> StreamingResponse:
