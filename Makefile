@@ -85,5 +85,11 @@ cluster-down:
 submit-example: setup             ## submit the debug job to the cluster started by `make cluster-up`
 	$(BIN)/python -m efftx.cluster submit --working-dir . -- python jobs/train_lm.py --recipe lm_debug
 
+# An MLflow tracking server for runs on a cluster (README, "MLflow server"): foreground, Ctrl-C stops it. ARGS for
+# its options, e.g. ARGS="--host 0.0.0.0 --artifacts-destination s3://bucket/mlartifacts".
+.PHONY: mlflow-server
+mlflow-server: setup              ## mlflow server (sqlite + proxied artifacts) on 127.0.0.1:5000; prints the tracking URI
+	$(BIN)/python -m efftx.tracking_server $(ARGS)
+
 clean-runs:                       ## forget every local run (checkpoints, exports, MLflow db, corpus cache)
 	rm -rf .efftx

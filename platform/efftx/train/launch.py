@@ -22,6 +22,7 @@ from efftx import paths
 from efftx.config import Config
 from efftx.storage import Storage, normalize
 from efftx.errors import ConfigError, EfftxError, LaunchError
+from efftx.tracking import check_server as check_tracking_server
 from efftx.train import ds_config
 from efftx.train.tasks import get as get_task, validate_run
 
@@ -174,6 +175,7 @@ def launch(cfg: Config, *, parent_run_id: str | None = None, callbacks: list | N
     cfg = resolve(cfg)
     st = storage(cfg)
     st.check()  # an unreachable endpoint, a missing bucket, refused credentials: an error naming the URI, now
+    check_tracking_server(cfg.tracking.uri)  # http(s)://: down, unreachable or not MLflow: same, in seconds
     task = get_task(cfg.model.family)
     prepared = task.prepare(cfg)  # clear data errors here, before any worker starts
     ensure_ray()
