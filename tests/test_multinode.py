@@ -1,6 +1,7 @@
 """A real three-node Ray cluster on this machine: a head and two worker nodes, each `ray start` with its own temp dir
-and one CPU, token authentication on. Runs keep their checkpoints in a real S3 server (moto, ``s3_server``) and their
-metrics in MLflow (sqlite in the test home, on the disk every node shares).
+and one CPU, token authentication on. Runs keep their checkpoints in a real S3 server (moto, ``s3_server``); run 1
+logs to an MLflow tracking server (``python -m efftx.tracking_server``, its artifacts in the same store), the others
+to sqlite in the test home (on the disk every node shares).
 
 1. A 2-worker DeepSpeed job submitted with ``python -m efftx.cluster submit`` (the README's commands) spreads over the
    two worker nodes (``scaling.placement_strategy=SPREAD``): its ranks log different node ids.
@@ -29,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from netutil import free_port
+from test_tracking_server import bucket, mlflow_server  # noqa: F401  (fixtures: the MLflow server, artifacts in S3)
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -203,10 +205,11 @@ def losses(summary: dict) -> dict[int, set[float]]:
 
 
 @pytest.fixture(scope="module")
-def spread_run(cluster, tmp_path_factory):
-    """Run 1, submitted as the README does: -> (summary, output, node ids before the run)."""
+def spread_run(cluster, mlflow_server, tmp_path_factory):
+    """Run 1, submitted as the README does, logging to the MLflow server (python -m efftx.tracking_server, its
+    artifacts in the S3 bucket): -> (summary, output, node ids before the run)."""
     nodes = cluster.node_ids()
-    entry = ["python", "jobs/train_lm.py", "--run-name", "spread", *SETS]
+    entry = ["python", "jobs/train_lm.py", "--run-name", "spread", *SETS, "--set", f"tracking.uri={mlflow_server}"]
     cmd = [str(BIN / "python"), "-m", "efftx.cluster", "submit", "--address", cluster.jobs_address,
            "--working-dir", ".", "--", *entry]
     proc = subprocess.run(cmd, cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=600)
@@ -221,6 +224,7 @@ def test_a_two_worker_job_spreads_over_the_worker_nodes_with_checkpoints_in_s3_a
         spread_run, s3_server):
     summary, out, nodes = spread_run
     assert summary["final_step"] == STEPS
+    assert summary["tracking_uri"].startswith("http://127.0.0.1:")  # the metrics below are read over HTTP
     (placement,) = worker_lines(out)
     assert sorted(placement.values()) == sorted([nodes["w1"], nodes["w2"]]), (placement, nodes)
     keys = s3_server.keys(BUCKET, "runs/spread/")
