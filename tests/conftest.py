@@ -47,7 +47,10 @@ def ray_cluster():
     # a free dashboard port: two test processes (pytest -n 2) each run a cluster of their own
     # address="local": always a new cluster of its own, never one a `ray start` on this machine left in
     # /tmp/ray/ray_current_cluster
-    ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_port=free_port(), log_to_driver=True)
+    # num_cpus=8 logical CPUs: a Tune trial that ASHA stops leaves its Ray Train workers' placement group (1 CPU
+    # here) reserved for as long as this driver lives (seen in CI: three of them starved a later sweep of the
+    # session); the slack keeps one test's leftovers from starving the next
+    ray.init(address="local", num_cpus=8, include_dashboard=True, dashboard_port=free_port(), log_to_driver=True)
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 

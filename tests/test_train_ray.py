@@ -154,7 +154,7 @@ def test_resuming_with_another_model_is_refused(baseline):
 
 
 def test_cluster_too_small_is_a_clear_error(ray_cluster):
-    with pytest.raises(LaunchError, match=r"needs 200 CPUs .* Ray cluster has 4"):
+    with pytest.raises(LaunchError, match=r"needs 200 CPUs .* Ray cluster has 8"):
         launch(debug_cfg("too-big", **{"scaling.cpus_per_worker": 100}))
 
 
