@@ -42,16 +42,14 @@ def ray_cluster():
     """One in-process Ray cluster for the session (Ray 2.60 has no local_mode)."""
     import ray
 
+    from efftx.cluster import start_local
     from netutil import free_port
 
     # a free dashboard port: two test processes (pytest -n 2) each run a cluster of their own
-    # address="local": always a new cluster of its own, never one a `ray start` on this machine left in
-    # /tmp/ray/ray_current_cluster
-    # num_cpus=8 logical CPUs: a Tune trial that ASHA stops leaves its Ray Train workers' placement group (1 CPU
-    # here) reserved for as long as this driver lives (seen in CI: three of them starved a later sweep of the
-    # session); the slack keeps one test's leftovers from starving the next
-    ray.init(address="local", num_cpus=8, include_dashboard=True, dashboard_port=free_port(), log_to_driver=True)
-    yield ray.get_runtime_context().gcs_address
+    # start_local: always a new cluster of its own (never one a `ray start` on this machine left in
+    # /tmp/ray/ray_current_cluster), whose workers know its address, so Ray Train frees the placement group of a
+    # Tune trial that ASHA stopped even with the other test process's cluster beside it (tests/test_tune.py)
+    yield start_local(num_cpus=4, include_dashboard=True, dashboard_port=free_port(), log_to_driver=True)
     ray.shutdown()
 
 

@@ -3,6 +3,8 @@
 import json
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,31 @@ from efftx.errors import ConfigError
 from efftx.tuning import SPACES, Space, choose, points, sweep
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def another_ray_instance():
+    """A second Ray cluster on this machine (as when two jobs, or two test processes, each start one): Ray code
+    that looks its cluster up from inside a worker finds two and fails unless it is told its address."""
+    from efftx.cluster import auth_env, ray_bin
+    from netutil import free_port
+    from test_job_submit import kill_cluster
+
+    temp_dir = tempfile.mkdtemp(prefix="efftx-ray-other-", dir="/tmp")
+    cmd = [ray_bin(), "start", "--head", "--num-cpus", "0", "--include-dashboard", "false", "--disable-usage-stats",
+           "--port", str(free_port()), "--temp-dir", temp_dir]
+    try:
+        proc = subprocess.run(cmd, env=auth_env(), capture_output=True, text=True, timeout=180)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-2000:]
+        yield
+    finally:
+        kill_cluster(temp_dir)
+
+
+def created_placement_groups() -> set[str]:
+    from ray.util.placement_group import placement_group_table
+
+    return {pg_id for pg_id, pg in placement_group_table().items() if pg["state"] == "CREATED"}
 
 
 def test_points_the_config_rejects_are_left_out_before_any_trial():
@@ -65,7 +92,8 @@ def test_bad_sweep_input_exits_with_message(args, message):
 
 
 @pytest.mark.slow
-def test_tiny_sweep_logs_parent_child_runs_and_plot_and_asha_stops_a_hopeless_trial(ray_cluster, monkeypatch):
+def test_tiny_sweep_logs_parent_child_runs_and_plot_and_asha_stops_a_hopeless_trial(ray_cluster, monkeypatch,
+                                                                                    another_ray_instance):
     """Two dVAE trials that differ only in learning rate, run one after the other (grid order), on the dVAE
     task's metric (validation loss: any family can be swept; the NSA sweep of test_nsa.py is an LM's). The first
     (the recipe's lr) is the first to reach ASHA's rung at step 5 and trains on to step 20; the second
@@ -77,8 +105,16 @@ def test_tiny_sweep_logs_parent_child_runs_and_plot_and_asha_stops_a_hopeless_tr
     good, hopeless = 3e-3, 1e-7
     monkeypatch.setitem(SPACES, "lr_probe", Space("learning rate, one hopeless", "dvae_shapes_debug",
                                                   grid={"train.lr": [good, hopeless]}))
+    before = created_placement_groups()
     summary = sweep("lr_probe", max_concurrent=1, name="tiny-sweep",
                     overrides=["train.steps=20", "train.eval_every=5", "train.checkpoint_every=20"])
+    # ASHA stops a trial by killing it, Train's controller with it; Train's cleaner then frees the workers'
+    # placement group, also with another Ray instance on the machine (efftx.cluster.start_local). Before that
+    # fix every stopped trial's group stayed reserved while the driver lived, and later trials starved.
+    deadline = time.monotonic() + 90
+    while created_placement_groups() - before and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not created_placement_groups() - before, "a stopped trial's Train workers still hold their resources"
     assert summary["trials"] == 2 and summary["finished"] == 2  # a stopped trial has results too
     assert (summary["metric"], summary["mode"]) == ("val_loss", "min") and summary["best_val_loss"] > 0
     assert summary["best"] == {"train.lr": good}  # completed trials win over stopped ones

@@ -55,6 +55,40 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def start_local(**init_kwargs) -> str:
+    """Start a new single-node Ray cluster in this process (``ray.init(address="local", ...)``); returns its GCS
+    address.
+
+    Its GCS port is chosen here, so the cluster's own processes can be told their address: every worker gets
+    ``RAY_ADDRESS`` (the job's runtime environment). Ray code that looks the cluster up from inside a worker
+    needs it when more than one Ray instance runs on the machine (two jobs, a test run beside a ``ray start``):
+    without it the lookup fails with "Found multiple active Ray instances". Ray Train's placement-group cleaner
+    is such code: it removes the workers' placement group of a run whose controller died (a Tune trial that
+    ASHA stopped), and when it fails the group's CPUs stay reserved for as long as the driver lives, until a
+    later trial waits forever for them."""
+    import ray
+
+    port = free_port()
+    address = f"{ray.util.get_node_ip_address()}:{port}"  # the address Ray gives the cluster it starts
+    runtime_env = dict(init_kwargs.pop("runtime_env", None) or {})
+    # "" = no fixed port, for a head node some worker might start (Ray reads RAY_GCS_SERVER_PORT from the
+    # environment, which the cluster's processes inherit from this one)
+    runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), "RAY_ADDRESS": address, "RAY_GCS_SERVER_PORT": ""}
+    before = os.environ.get("RAY_GCS_SERVER_PORT")
+    os.environ["RAY_GCS_SERVER_PORT"] = str(port)  # read by the head node Ray starts here, and only by it
+    try:
+        ray.init(address="local", runtime_env=runtime_env, **init_kwargs)
+    finally:
+        if before is None:
+            os.environ.pop("RAY_GCS_SERVER_PORT", None)
+        else:
+            os.environ["RAY_GCS_SERVER_PORT"] = before
+    started = ray.get_runtime_context().gcs_address
+    if started != address:
+        raise LaunchError(f"Ray started its cluster at {started}, not at {address} as asked")
+    return started
+
+
 def ray_bin(name: str = "ray") -> str:
     """The ``ray`` command beside this interpreter (the project's venv), else the one on PATH."""
     here = Path(sys.executable).parent / name

@@ -97,7 +97,16 @@ def ensure_ray() -> None:
     import ray
 
     if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True)
+        from ray._private import services
+
+        address = os.environ.get("RAY_ADDRESS")
+        # what ray.init() itself asks (Ray 2.60): RAY_ADDRESS, else the newest `ray start` cluster on this machine
+        if address is None and services.canonicalize_bootstrap_address(None) is None:
+            from efftx.cluster import start_local
+
+            start_local(log_to_driver=True)  # a new cluster whose workers know its address (see start_local)
+        else:
+            ray.init(address=address, log_to_driver=True)
     from efftx.console import filter_worker_logs
 
     filter_worker_logs()  # the workers' lines a user cannot act on (DeepSpeed's op builds, a Ray-internal warning)
