@@ -132,6 +132,11 @@ def registered_version(source: str, tracking_uri: str = "") -> tuple[str, str]:
                           "or models:/NAME@ALIAS")
     try:
         client = client_for(uri)
+        if "@" in ref:  # one query when the alias is there; the error path below asks what there is instead
+            try:
+                return name, str(client.get_model_version_by_alias(name, version).version)
+            except MlflowException:
+                pass
         versions = client.search_model_versions(f"name='{name}'")
         if not versions:
             raise ExportError(f"{source}: the MLflow registry at {uri} has no model {name!r}" + _train_hint(name))

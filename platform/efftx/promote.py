@@ -22,7 +22,6 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from efftx.errors import EfftxError
@@ -92,10 +91,10 @@ def promote(name: str, version: str, *, tracking_uri: str = "", force: bool = Fa
     from mlflow.exceptions import MlflowException
 
     from efftx.paths import default_tracking_uri
-    from efftx.tracking import client_for
+    from efftx.tracking import client_for, registry_exists
 
     uri = tracking_uri or default_tracking_uri()
-    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
+    if not registry_exists(uri):
         raise PromoteError(f"no MLflow database at {uri[len('sqlite:///'):]}: nothing is registered there yet "
                            "(train first, or pass --tracking-uri)")
     try:

@@ -100,6 +100,12 @@ def check_server(uri: str, timeout: float = CHECK_TIMEOUT_S) -> None:
     _answered.add(uri)
 
 
+def registry_exists(uri: str) -> bool:
+    """False only for a ``sqlite:///`` URI whose database file is not there yet: asking MLflow about it would
+    create an empty registry file (a server or another scheme is asked)."""
+    return not uri.startswith("sqlite:///") or Path(uri[len("sqlite:///"):]).is_file()
+
+
 def client_for(uri: str):
     """An MlflowClient for tracking and the registry at ``uri``; a tracking server is probed first, once per
     process (:func:`check_server`)."""

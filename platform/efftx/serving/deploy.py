@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from efftx.errors import EfftxError, ExportError
-from efftx.serving.ready import APP_IMPORT, MODEL_ARGS, REPO, registry_exists, read_config
+from efftx.serving.ready import APP_IMPORT, MODEL_ARGS, REPO, read_config
+from efftx.tracking import registry_exists
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"  # the Ray dashboard of a local cluster (`serve run`, `make cluster-up`)
 

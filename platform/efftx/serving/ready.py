@@ -74,7 +74,7 @@ def plan(config_file: str | Path, tracking_uri: str = "") -> list[Need]:
     from efftx import recipes
     from efftx.export import resolve_export
     from efftx.paths import default_tracking_uri
-    from efftx.tracking import client_for
+    from efftx.tracking import client_for, registry_exists
 
     uri = tracking_uri or default_tracking_uri()
     needs = []
@@ -100,10 +100,6 @@ def plan(config_file: str | Path, tracking_uri: str = "") -> list[Need]:
                                       f"{arg} in {config_file}") from None
         needs.append(need)
     return needs
-
-
-def registry_exists(uri: str) -> bool:
-    return not uri.startswith("sqlite:///") or Path(uri[len("sqlite:///"):]).is_file()
 
 
 def _registered(client, name: str) -> bool:
