@@ -68,12 +68,21 @@ class Row:
 
 
 # ------------------------------------------------------------------------------------------------ kernels
-def kernel_choices() -> list[Row]:
-    """The launch options the selected-block kernel picks (tiles, warps) per head dim and dtype."""
+def kernel_choices(autotune_log: Path | None = None) -> list[Row]:
+    """The launch options of the selected-block kernel: the tuning table's choice (tile, warps, stages) per head dim
+    and dtype, and, with EFFTX_TRITON_AUTOTUNE=1, what autotune chose in the kernel tests (read from
+    `autotune_log`, the EFFTX_TRITON_AUTOTUNE_LOG file those tests wrote): one row per kernel, dtype and head dim,
+    counting the tuned shapes and the configs picked."""
+    import collections
+
     import torch
 
-    from efftx.kernels.selected_attention import _kernel_meta
+    from efftx.kernels.selected_attention import AUTOTUNE_ENV, TUNING_ENV, _kernel_meta, autotune_enabled
 
+    def launch(meta: dict) -> str:
+        return f"TILE {meta['TILE']} x {meta['num_warps']} warps x {meta['num_stages']} stages"
+
+    overrides = os.environ.get(TUNING_ENV)
     rows = []
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         for d in (64, 128):
@@ -82,8 +91,29 @@ def kernel_choices() -> list[Row]:
             idx = torch.empty(1, 1, 2, 16, dtype=torch.long, device="meta")
             fwd, bwd = _kernel_meta(q, k, idx, 64)
             rows.append(Row("kernels", f"launch options {str(dtype)[6:]} D={d}", "info",
-                            f"fwd TILE {fwd['TILE']} x {fwd['num_warps']} warps, bwd TILE {bwd['TILE']} x "
-                            f"{bwd['num_warps']} warps, {fwd['PRECISION']} dots (block 64, GQA 4)", correctness=False))
+                            f"fwd {launch(fwd)}, bwd {launch(bwd)}, {fwd['PRECISION']} dots (block 64, GQA 4"
+                            + (f"; {TUNING_ENV}={overrides}" if overrides else "") + ")", correctness=False))
+    if not autotune_enabled():
+        rows.append(Row("kernels", "autotune", "info", f"off: the table's choice ran ({AUTOTUNE_ENV}=1 to autotune)",
+                        correctness=False))
+        return rows
+    choices = []
+    if autotune_log is not None and autotune_log.is_file():
+        choices = [json.loads(line) for line in autotune_log.read_text().splitlines() if line.strip()]
+    if not choices:
+        rows.append(Row("kernels", "autotune", "info", f"{AUTOTUNE_ENV}=1 but no kernel ran on CUDA: nothing tuned",
+                        correctness=False))
+        return rows
+    groups: dict[tuple, list[dict]] = {}
+    for c in choices:
+        groups.setdefault((c["kernel"], c["dtype"], c["D_PAD"]), []).append(c)
+    for (kernel, dtype, d_pad), group in sorted(groups.items()):
+        kept = sum(c["TILE"] == c["table"]["tile"] and c["num_warps"] == c["table"]["num_warps"]
+                   and c["num_stages"] == c["table"]["num_stages"] for c in group)
+        picked = collections.Counter(launch(c) for c in group)
+        rows.append(Row("kernels", f"autotune {kernel} {dtype} D<={d_pad}", "info",
+                        f"{len(group)} shapes tuned, table's choice kept in {kept}; picked "
+                        + ", ".join(f"{cfg} ({n})" for cfg, n in picked.most_common()), correctness=False))
     return rows
 
 
@@ -94,6 +124,9 @@ def check_kernels(args, out: Path) -> list[Row]:
     xml = out / "kernels.xml"
     env = {**os.environ, "EFFTX_TRITON_GPU": "1"}
     env.pop("TRITON_INTERPRET", None)
+    autotune_log = out / "autotune.jsonl"  # what autotune chose, when EFFTX_TRITON_AUTOTUNE=1 (kernel_choices)
+    autotune_log.unlink(missing_ok=True)
+    env["EFFTX_TRITON_AUTOTUNE_LOG"] = str(autotune_log)
     t0 = time.perf_counter()
     proc = subprocess.run([PY, "-m", "pytest", "tests/test_kernels.py", "-q", "-p", "no:cacheprovider",
                            f"--junitxml={xml}"], cwd=REPO, env=env, capture_output=True, text=True,
@@ -120,7 +153,7 @@ def check_kernels(args, out: Path) -> list[Row]:
             detail += ": " + ", ".join(failures[group][:3])
         rows.append(Row("kernels", group, "FAIL" if bad else ("pass" if ok else "skip"), detail))
     rows.append(Row("kernels", "wall time", "info", f"{time.perf_counter() - t0:.0f} s", correctness=False))
-    return rows + kernel_choices()
+    return rows + kernel_choices(autotune_log)
 
 
 # ------------------------------------------------------------------------------------------------ train

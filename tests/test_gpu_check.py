@@ -82,3 +82,31 @@ def test_decode_timings_wait_for_the_device(monkeypatch):
     assert calls == [torch.device("cuda", 0)]
     tasks._synchronized_clock(torch.device("cpu"))
     assert len(calls) == 1
+
+
+def test_kernel_rows_print_the_table_choice_and_what_autotune_chose(monkeypatch, tmp_path):
+    """The launch-option rows show the tuning table's tile, warps and stages; with EFFTX_TRITON_AUTOTUNE=1 they add
+    what autotune chose in the kernel tests (the log those tests write), per kernel, dtype and head dim."""
+    monkeypatch.delenv("EFFTX_TRITON_TUNING", raising=False)
+    monkeypatch.delenv("EFFTX_TRITON_AUTOTUNE", raising=False)
+    rows = {r.name: r for r in gpu_check.kernel_choices()}
+    assert rows["launch options bfloat16 D=128"].detail.startswith(
+        "fwd TILE 64 x 4 warps x 3 stages, bwd TILE 32 x 8 warps x 3 stages")
+    assert rows["launch options float32 D=128"].detail.startswith("fwd TILE 64 x 8 warps x 3 stages")
+    assert rows["autotune"].detail.startswith("off")
+    monkeypatch.setenv("EFFTX_TRITON_TUNING", "fwd.tile=32")  # an experiment's overrides show, and are named
+    row = {r.name: r for r in gpu_check.kernel_choices()}["launch options float16 D=64"]
+    assert row.detail.startswith("fwd TILE 32 x 4 warps x 3 stages") and "EFFTX_TRITON_TUNING=fwd.tile=32" in row.detail
+
+    monkeypatch.delenv("EFFTX_TRITON_TUNING")
+    monkeypatch.setenv("EFFTX_TRITON_AUTOTUNE", "1")
+    table = dict(tile=64, num_warps=4, num_stages=3)
+    picks = [(64, 4, 3), (32, 4, 3), (32, 4, 3)]
+    log = tmp_path / "autotune.jsonl"
+    log.write_text("".join(json.dumps(dict(kernel="fwd", dtype="bfloat16", D_PAD=64, TILE=t, num_warps=w,
+                                           num_stages=s, table=table)) + "\n" for t, w, s in picks))
+    rows = {r.name: r for r in gpu_check.kernel_choices(log)}
+    assert rows["autotune fwd bfloat16 D<=64"].detail == (
+        "3 shapes tuned, table's choice kept in 1; picked TILE 32 x 4 warps x 3 stages (2), "
+        "TILE 64 x 4 warps x 3 stages (1)")
+    assert "nothing tuned" in {r.name: r for r in gpu_check.kernel_choices(tmp_path / "none.jsonl")}["autotune"].detail

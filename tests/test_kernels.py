@@ -11,6 +11,9 @@ stay within C times that error plus a float32-sized floor.
 
 from __future__ import annotations
 
+import importlib
+import itertools
+import json
 import math
 import os
 import subprocess
@@ -21,7 +24,13 @@ import pytest
 import torch
 
 from efftx.kernels import selected_attention
-from efftx.kernels.selected_attention import INTERPRETED, _SelectedAttentionFn, triton_available
+from efftx.kernels.selected_attention import (
+    AUTOTUNE_ENV, AUTOTUNE_LOG_ENV, HEAD_DIM_BUCKETS, INTERPRETED, KERNEL_PASSES, TUNING_DTYPES, TUNING_ENV,
+    TUNING_TABLE, LaunchConfig, _autotune_candidates, _kernel_meta, _SelectedAttentionFn, launch_config,
+    triton_available,
+)
+
+sa = importlib.import_module("efftx.kernels.selected_attention")  # the module: the package re-exports its function
 
 ON_GPU = os.environ.get("EFFTX_TRITON_GPU") == "1"
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -367,13 +376,16 @@ def test_triton_matches_reference_for_every_accepted_block_size(block_size):
 # Compiles both kernels for an H100 (sm_90) in a subprocess without TRITON_INTERPRET: Triton's real frontend,
 # the NVIDIA lowering and ptxas (shipped in the triton wheel) run without a GPU. fp16 and bf16 (which the
 # interpreter cannot check), head dims 64 and 128 (the backward walks 64- and 32-key tiles) and block sizes that are
-# a power of two (16, 128, 256: several tiles per block) or not (48, 80: the last tile is cut at the block's end).
+# a power of two (16, 128, 256: several tiles per block) or not (48, 80: the last tile is cut at the block's end);
+# then every tuning-table entry not compiled yet at its full tile (fp32, head dims 16 and 32). The launch's
+# num_warps and num_stages must be the compiled kernel's.
 COMPILE_DTYPES = ("fp16", "bf16")
 COMPILE_HEAD_DIMS = (64, 128)
 COMPILE_BLOCK_SIZES = (16, 48, 80, 128, 256)
+_SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 _COMPILE_FOR_SM90 = textwrap.dedent(
     """
-    import itertools, sys
+    import sys
     import torch, triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -381,9 +393,10 @@ _COMPILE_FOR_SM90 = textwrap.dedent(
         INTERPRETED, _kernel_meta, _selected_bwd_kernel, _selected_fwd_kernel)
 
     assert not INTERPRETED
-    dtypes, head_dims, block_sizes = (sys.argv[i].split(",") for i in (1, 2, 3))
-    for name, D, bs in itertools.product(dtypes, map(int, head_dims), map(int, block_sizes)):
-        dtype = dict(fp16=torch.float16, bf16=torch.bfloat16)[name]
+    for case in sys.argv[1].split(","):
+        name, D, bs = case.split(":")
+        D, bs = int(D), int(bs)
+        dtype = dict(fp16=torch.float16, bf16=torch.bfloat16, fp32=torch.float32)[name]
         q, k = torch.zeros(1, 1, 8, D, dtype=dtype), torch.zeros(1, 1, 4, D, dtype=dtype)
         fwd, bwd = _kernel_meta(q, k, torch.zeros(1, 1, 4, 5, dtype=torch.long), bs)
         pointers = dict(Q="*" + name, K="*" + name, V="*" + name, IDX="*i64", O="*" + name, DO="*" + name,
@@ -393,24 +406,261 @@ _COMPILE_FOR_SM90 = textwrap.dedent(
             sig = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n == "scale" else "i32")
                    for n in kernel.arg_names}
             compiled = triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                                      options=dict(num_warps=meta["num_warps"]))
+                                      options=dict(num_warps=meta["num_warps"], num_stages=meta["num_stages"]))
             assert compiled.asm["cubin"], kernel
+            got = (compiled.metadata.num_warps, compiled.metadata.num_stages)
+            assert got == (meta["num_warps"], meta["num_stages"]), (kernel, got, meta)
             print("compiled", kernel.__name__, name, "D", D, "block", bs, "TILE", meta["TILE"],
-                  "warps", meta["num_warps"], flush=True)
+                  "warps", meta["num_warps"], "stages", meta["num_stages"], flush=True)
     """
 )
 
 
+def compile_cases() -> tuple[list[tuple[str, int, int]], set]:
+    """(dtype, head dim, block size) to compile, and the tuning-table entries they compile at full tile."""
+    cases = list(itertools.product(COMPILE_DTYPES, COMPILE_HEAD_DIMS, COMPILE_BLOCK_SIZES))
+    full_tile_block = max(entry.tile for entry in TUNING_TABLE.values())
+    names = {short: long for long, short in _SHORT.items()}
+
+    def entries(case):  # the table entries a case compiles unchanged (its block is no smaller than their tile)
+        short, head_dim, block_size = case
+        keys = [(p, names[short], sa._pow2_at_least(head_dim, 16)) for p in KERNEL_PASSES]
+        return {key for key in keys
+                if launch_config(key[0], getattr(torch, key[1]), head_dim, block_size) == TUNING_TABLE[key]}
+
+    covered = set().union(*map(entries, cases))
+    for pass_, dtype, d_pad in sorted(TUNING_TABLE):
+        if (pass_, dtype, d_pad) not in covered:
+            case = (_SHORT[dtype], d_pad, full_tile_block)
+            cases.append(case)
+            covered |= entries(case)
+    return cases, covered
+
+
 @needs_triton
-def test_kernels_compile_for_an_h100_without_a_gpu(tmp_path):
+def test_kernels_compile_for_an_h100_without_a_gpu(tmp_path, monkeypatch):
     ptxas = os.path.join(os.path.dirname(sys.modules["triton"].__file__), "backends", "nvidia", "bin")
     if not os.path.isdir(ptxas):
         pytest.skip("this triton build ships no NVIDIA backend tools (ptxas)")
+    monkeypatch.delenv(TUNING_ENV, raising=False)  # the table itself, not an experiment's overrides
+    cases, covered = compile_cases()
+    assert covered == set(TUNING_TABLE)  # every table entry is compiled at its own tile, warps and stages
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # really compile, no cache hit from an earlier run
-    args = [",".join(map(str, xs)) for xs in (COMPILE_DTYPES, COMPILE_HEAD_DIMS, COMPILE_BLOCK_SIZES)]
-    run = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90, *args], env=env, capture_output=True, text=True,
-                         timeout=600)
+    arg = ",".join(f"{name}:{d}:{bs}" for name, d, bs in cases)
+    run = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90, arg], env=env, capture_output=True, text=True,
+                         timeout=900)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    expected = 2 * len(COMPILE_DTYPES) * len(COMPILE_HEAD_DIMS) * len(COMPILE_BLOCK_SIZES)
-    assert run.stdout.count("compiled") == expected, run.stdout
+    assert run.stdout.count("compiled") == 2 * len(cases), run.stdout
+
+
+# --------------------------------------------------------------------------------------------------------------
+# launch tuning: the table, overrides, autotune
+# --------------------------------------------------------------------------------------------------------------
+
+
+def pinned_launch(dtype, head_dim, block_size):
+    """The (TILE, num_warps) pairs, forward and backward, that were compiled and checked with ptxas before the
+    tuning table existed (then a formula in _kernel_meta); the table must reproduce them."""
+    d_pad = max(16, 1 << (head_dim - 1).bit_length())
+    block_pow2 = max(16, 1 << (block_size - 1).bit_length())
+    fwd_tile, bwd_tile = min(block_pow2, 64), min(block_pow2, 64 if d_pad <= 64 else 32)
+    elem = torch.empty(0, dtype=dtype).element_size()
+    return ((fwd_tile, 8 if fwd_tile * d_pad * elem >= 32768 else 4), (bwd_tile, 8 if bwd_tile * d_pad >= 4096 else 4))
+
+
+def meta_for(dtype, head_dim, block_size, tuning=None, H=8, Hkv=2, S=4):
+    q = torch.empty(1, 1, H, head_dim, dtype=dtype, device="meta")
+    k = torch.empty(1, 1, Hkv, head_dim, dtype=dtype, device="meta")
+    return _kernel_meta(q, k, torch.empty(1, 1, Hkv, S, dtype=torch.long, device="meta"), block_size, tuning)
+
+
+def test_tuning_table_has_one_entry_per_pass_dtype_and_head_dim_bucket():
+    assert set(TUNING_TABLE) == set(itertools.product(KERNEL_PASSES, TUNING_DTYPES, HEAD_DIM_BUCKETS))
+    assert HEAD_DIM_BUCKETS[-1] == sa.MAX_TRITON_HEAD_DIM
+    assert all(isinstance(entry, LaunchConfig) for entry in TUNING_TABLE.values())
+
+
+def test_table_choices_for_every_accepted_block_size_head_dim_and_dtype(monkeypatch):
+    """Every block size the config accepts for the kernel (and a larger one), every head dim 1..128 and every
+    dtype get a valid launch, exactly the ptxas-checked choices of before (same tiles = same numerics)."""
+    monkeypatch.delenv(TUNING_ENV, raising=False)
+    for dtype, block_size in itertools.product((torch.float16, torch.bfloat16, torch.float32),
+                                               SWEEP_BLOCK_SIZES + [512]):
+        for head_dim in range(1, sa.MAX_TRITON_HEAD_DIM + 1):
+            fwd, bwd = meta_for(dtype, head_dim, block_size)
+            for meta in (fwd, bwd):
+                LaunchConfig(meta["TILE"], meta["num_warps"], meta["num_stages"])  # valid (raises otherwise)
+                assert meta["TILE"] <= max(16, 1 << (block_size - 1).bit_length())  # no tile wider than the block
+                assert meta["num_stages"] == 3  # the NVIDIA backend's default: compiled as before
+            got = ((fwd["TILE"], fwd["num_warps"]), (bwd["TILE"], bwd["num_warps"]))
+            assert got == pinned_launch(dtype, head_dim, block_size), (dtype, head_dim, block_size)
+
+
+def test_overrides_from_the_environment_and_the_argument(monkeypatch):
+    monkeypatch.setenv(TUNING_ENV, "fwd.tile=16, bwd.num_warps=2,bwd.num_stages=1")
+    fwd, bwd = meta_for(torch.float16, 128, 64)
+    assert (fwd["TILE"], fwd["num_warps"], fwd["num_stages"]) == (16, 4, 3)  # warps, stages from the table
+    assert (bwd["TILE"], bwd["num_warps"], bwd["num_stages"]) == (32, 2, 1)
+    # the argument goes on top of the environment; overridden values are taken literally (warps 8 at tile 16)
+    fwd, bwd = meta_for(torch.float16, 128, 64, tuning={"fwd": {"tile": 32, "num_warps": 8}, "bwd": {"tile": 16}})
+    assert (fwd["TILE"], fwd["num_warps"], bwd["TILE"], bwd["num_warps"]) == (32, 8, 16, 2)
+    assert launch_config("fwd", torch.float16, 128, 64, "fwd.num_warps=16").num_warps == 16  # string form too
+
+
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ("fwd.tile=24", r"fwd\.tile \(keys per TILE\) must be a power of two >= 16, got 24"),
+        ("fwd.tile=8", "power of two >= 16, got 8"),
+        ("bwd.num_warps=3", r"bwd\.num_warps must be one of \(1, 2, 4, 8, 16\), got 3"),
+        ("bwd.num_warps=32", "num_warps must be one of .*got 32"),
+        ("fwd.num_stages=0", r"fwd\.num_stages must be >= 1, got 0"),
+        ("fw.tile=32", "unknown kernel pass 'fw'"),
+        ("fwd.tiles=32", r"unknown field fwd\.tiles"),
+        ("fwd.tile=big", "'big' is not an integer"),
+        ("fwd.tile", "not of the form PASS.FIELD=INT"),
+        ({"fwd": {"tile": 48}}, "power of two >= 16, got 48"),
+        ({"bwd": {"num_stages": 2.5}}, r"bwd\.num_stages must be an int, got 2\.5"),
+        ({"fwd": 32}, "'fwd' must map to a dict"),
+    ],
+)
+def test_bad_overrides_raise_naming_the_value(monkeypatch, spec, match):
+    q, k, v = random_qkv(1, 2, 2, 1, 1, 16, torch.float32)
+    idx = torch.zeros(1, 2, 1, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match=f"^tuning: .*{match}"):  # even on the reference path
+        selected_attention(q, k, v, idx, 16, impl="reference", tuning=spec)
+    if isinstance(spec, str):
+        monkeypatch.setenv(TUNING_ENV, spec)
+        with pytest.raises(ValueError, match=f"^{TUNING_ENV}: .*{match}"):
+            meta_for(torch.float16, 64, 64)
+
+
+def test_launch_config_validates_its_fields():
+    with pytest.raises(ValueError, match="tile .* must be a power of two >= 16, got 96"):
+        LaunchConfig(96, 4, 3)
+    with pytest.raises(ValueError, match="num_warps must be one of .* got 0"):
+        LaunchConfig(64, 0, 3)
+    with pytest.raises(ValueError, match="num_stages must be >= 1, got -1"):
+        LaunchConfig(64, 4, -1)
+
+
+def test_autotune_switch_rejects_anything_but_0_or_1(monkeypatch):
+    for value, on in (("1", True), ("0", False), ("", False)):
+        monkeypatch.setenv(AUTOTUNE_ENV, value)
+        assert sa.autotune_enabled() is on
+    monkeypatch.setenv(AUTOTUNE_ENV, "yes")
+    with pytest.raises(ValueError, match=f"{AUTOTUNE_ENV} must be 0 or 1, got 'yes'"):
+        sa.autotune_enabled()
+
+
+def test_autotune_candidates_surround_the_table_choice():
+    c = LaunchConfig
+    assert _autotune_candidates(c(64, 8, 3), 256) == [c(64, 8, 3), c(32, 8, 3), c(128, 8, 3), c(64, 4, 3),
+                                                      c(64, 16, 3)]
+    # no tile wider than the block (64), none under 16, warps within 2..16
+    assert _autotune_candidates(c(64, 4, 3), 64) == [c(64, 4, 3), c(32, 4, 3), c(64, 2, 3), c(64, 8, 3)]
+    assert _autotune_candidates(c(16, 2, 1), 16) == [c(16, 2, 1), c(16, 4, 1)]
+    for (pass_, dtype, d_pad), entry in TUNING_TABLE.items():
+        for block_size in SWEEP_BLOCK_SIZES:
+            chosen = launch_config(pass_, getattr(torch, dtype), d_pad, block_size)
+            got = _autotune_candidates(chosen, block_size)
+            assert got[0] == chosen and 2 <= len(got) <= 5 and len(set(got)) == len(got)
+            block_pow2 = sa._pow2_at_least(block_size, 16)
+            assert all(x.tile <= max(chosen.tile, block_pow2) and x.num_stages == chosen.num_stages for x in got)
+
+
+class _RecordingKernel:
+    """Stands in for a Triton kernel: records the launch keywords, then launches the real kernel."""
+
+    def __init__(self, kernel, calls):
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+@needs_triton
+def test_launch_carries_tile_warps_and_stages_to_the_kernels(monkeypatch):
+    """The chosen num_stages (and TILE, num_warps) reach both kernel launches; an overridden smaller tile (a
+    64-key block walked in 4 tiles of 16) still matches the reference."""
+    monkeypatch.delenv(AUTOTUNE_ENV, raising=False)
+    monkeypatch.delenv(TUNING_ENV, raising=False)
+    calls = []
+    monkeypatch.setattr(sa, "_selected_fwd_kernel", _RecordingKernel(sa._selected_fwd_kernel, calls))
+    monkeypatch.setattr(sa, "_selected_bwd_kernel", _RecordingKernel(sa._selected_bwd_kernel, calls))
+    B, Tq, Tk, H, Hkv, D, bs, S = 1, 4, 128, 2, 1, 16, 64, 2
+    q, k, v = random_qkv(B, Tq, Tk, H, Hkv, D, torch.float32, device=DEVICE)
+    idx = make_block_indices(B, Tq, Tk, Hkv, bs, S, seed=4, device=DEVICE)
+    grad_out = torch.randn(B, Tq, H, D, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    tuning = {"fwd": {"tile": 16, "num_stages": 2}, "bwd": {"tile": 16, "num_warps": 2, "num_stages": 4}}
+    out, grads = forward_and_grads(q, k, v, idx, bs, grad_out, impl="triton", tuning=tuning)
+    fwd, bwd = calls
+    assert (fwd["TILE"], fwd["num_warps"], fwd["num_stages"]) == (16, 4, 2)
+    assert (bwd["TILE"], bwd["num_warps"], bwd["num_stages"]) == (16, 2, 4)
+    ref, ref_grads = forward_and_grads(q, k, v, idx, bs, grad_out, impl="reference")
+    torch.testing.assert_close(out, ref)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want)
+    calls.clear()
+    forward_and_grads(q, k, v, idx, bs, grad_out, impl="triton")  # no overrides: the table's
+    assert [(c["TILE"], c["num_warps"], c["num_stages"]) for c in calls] == [(64, 4, 3), (64, 4, 3)]
+
+
+@needs_triton
+def test_autotuned_launch_matches_the_default_and_reports_its_choice(monkeypatch, tmp_path):
+    """EFFTX_TRITON_AUTOTUNE=1 under the interpreter (Triton's autotuner runs there with a wall-clock timer): every
+    candidate runs, the fastest is kept (here the timer is scripted so a smaller tile wins, a real change of
+    numerics path), the result equals the default launch's, including dK/dV, which the trial runs accumulate into
+    atomically, and the choice is readable (autotune_choices, the log file). Tuning happens once per bucket."""
+    monkeypatch.delenv(TUNING_ENV, raising=False)
+    monkeypatch.delenv(AUTOTUNE_ENV, raising=False)
+    monkeypatch.setattr(sa, "_AUTOTUNERS", {})
+    monkeypatch.setattr(sa, "_AUTOTUNE_CHOICES", {})
+    B, Tq, Tk, H, Hkv, D, bs, S = 1, 4, 64, 4, 2, 16, 32, 2
+    table = launch_config("fwd", torch.float32, D, bs)
+    assert table == launch_config("bwd", torch.float32, D, bs) == LaunchConfig(32, 4, 3)
+    n = len(_autotune_candidates(table, bs))
+    assert n == 4  # TILE 32 (the table's), TILE 16, 2 warps, 8 warps
+    bench_calls = []
+
+    def scripted_bench(kernel_call, quantiles):  # the second candidate (TILE 16) is the fastest
+        kernel_call()
+        bench_calls.append(1)
+        return [0.5 if len(bench_calls) % n == 2 else 1.0 + len(bench_calls) % n] * len(quantiles)
+
+    monkeypatch.setattr(sa, "_autotune_do_bench", lambda: scripted_bench)
+    q, k, v = random_qkv(B, Tq, Tk, H, Hkv, D, torch.float32, seed=6, device=DEVICE)
+    idx = make_block_indices(B, Tq, Tk, Hkv, bs, S, seed=7, device=DEVICE)
+    grad_out = torch.randn(B, Tq, H, D, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    want, want_grads = forward_and_grads(q, k, v, idx, bs, grad_out, impl="triton")
+    assert not bench_calls and not sa.autotune_choices()  # off by default
+
+    monkeypatch.setenv(AUTOTUNE_ENV, "1")
+    log = tmp_path / "autotune.jsonl"
+    monkeypatch.setenv(AUTOTUNE_LOG_ENV, str(log))
+    got, got_grads = forward_and_grads(q, k, v, idx, bs, grad_out, impl="triton")
+    assert len(bench_calls) == 2 * n  # every candidate of both kernels ran
+    torch.testing.assert_close(got, want)
+    for name, g, w in zip(("dq", "dk", "dv"), got_grads, want_grads):
+        torch.testing.assert_close(g, w, msg=name)
+    choices = sa.autotune_choices()
+    assert [c["kernel"] for c in choices] == ["fwd", "bwd"]
+    for c in choices:
+        assert (c["TILE"], c["num_warps"], c["num_stages"]) == (16, 4, 3)
+        assert c["table"] == dict(tile=32, num_warps=4, num_stages=3) and len(c["timings"]) == n
+        assert (c["dtype"], c["D"], c["BLOCK"], c["G"], c["programs"]) == ("float32", D, bs, H // Hkv, 8)
+    assert [json.loads(line) for line in log.read_text().splitlines()] == choices
+
+    # 3 queries = 6 programs, the same power-of-two bucket (8): no re-tuning; 16 queries (32 programs) re-tune
+    forward_and_grads(q[:, 1:], k, v, idx[:, 1:], bs, grad_out[:, 1:], impl="triton")
+    assert len(bench_calls) == 2 * n and len(sa.autotune_choices()) == 2
+    q16, k16, v16 = random_qkv(B, 16, Tk, H, Hkv, D, torch.float32, seed=9, device=DEVICE)
+    idx16 = make_block_indices(B, 16, Tk, Hkv, bs, S, seed=7, device=DEVICE)
+    with torch.no_grad():
+        selected_attention(q16, k16, v16, idx16, bs, impl="triton")
+    assert len(bench_calls) == 3 * n and sa.autotune_choices()[-1]["programs"] == 32

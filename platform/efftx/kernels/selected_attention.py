@@ -22,6 +22,11 @@ Semantics shared by both (the tests hold them to it):
 - A query row whose selection holds no visible key (all slots -1 or in the future) returns zeros and gets zero
   gradients.
 
+Launch tuning (tile sizes, warps, pipeline stages per kernel, dtype and head dim) lives in one table,
+``TUNING_TABLE``; ``EFFTX_TRITON_TUNING="fwd.tile=32,bwd.num_warps=4"`` or the ``tuning=`` argument override it for
+experiments, and ``EFFTX_TRITON_AUTOTUNE=1`` autotunes each launch over a few configs around the table's choice
+(``autotune_choices()`` reports what it picked; ``EFFTX_TRITON_AUTOTUNE_LOG=FILE`` also appends it to FILE).
+
 Testing on CPU: with ``TRITON_INTERPRET=1`` in the environment before this module is imported (Triton decides at
 kernel decoration), ``impl="triton"`` runs the same kernels on CPU tensors through Triton's interpreter
 (``INTERPRETED`` is then True); tests/conftest.py does that. The interpreter's bf16 ``tl.dot`` is wrong, so CPU
@@ -29,6 +34,11 @@ tests use fp32/fp16.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
 
 import torch
 
@@ -39,7 +49,10 @@ except ImportError:  # pragma: no cover - exercised only on machines without tri
     triton = None
     tl = None
 
-__all__ = ["selected_attention", "selected_attention_reference", "triton_available", "IMPLS"]
+__all__ = [
+    "selected_attention", "selected_attention_reference", "triton_available", "IMPLS",
+    "LaunchConfig", "TUNING_TABLE", "launch_config", "parse_tuning", "autotune_enabled", "autotune_choices",
+]
 
 IMPLS = ("auto", "triton", "reference")
 MAX_TRITON_HEAD_DIM = 128
@@ -154,6 +167,7 @@ def selected_attention(
     *,
     scale: float | None = None,
     impl: str = "auto",
+    tuning: dict | str | None = None,
 ) -> torch.Tensor:
     """Attention of every query over its selected key blocks.
 
@@ -168,15 +182,21 @@ def selected_attention(
     block_size % 16 == 0 and D <= 128), or "auto" (triton on CUDA, reference elsewhere).
     Returns (B, Tq, H, D) in q's dtype; a query row whose selection holds no visible key returns zeros.
     Bad shapes / names raise ValueError naming the argument.
+
+    tuning (impl="triton" only; for experiments): launch overrides over the tuning table, e.g.
+    ``{"fwd": {"tile": 32}, "bwd": {"num_warps": 4}}`` or ``"fwd.tile=32,bwd.num_warps=4"`` (see `parse_tuning`);
+    EFFTX_TRITON_TUNING in the environment takes the same string. EFFTX_TRITON_AUTOTUNE=1 autotunes the launch
+    around that choice instead (`autotune_choices()` tells what it picked).
     """
     _check_args(q, k, v, block_indices, block_size, impl)
+    parse_tuning(tuning, "tuning")  # a bad override is an error whichever impl runs
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if impl == "auto":
         impl = "triton" if (q.is_cuda and triton_available()) else "reference"
     if impl == "reference":
         return selected_attention_reference(q, k, v, block_indices, block_size, float(scale))
-    return _selected_attention_triton(q, k, v, block_indices, block_size, float(scale))
+    return _selected_attention_triton(q, k, v, block_indices, block_size, float(scale), tuning)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -380,33 +400,262 @@ def _check_triton_inputs(q, block_size) -> None:
         raise ValueError(f"q dtype must be float16, bfloat16 or float32 for impl='triton', got {q.dtype}")
 
 
-def _kernel_meta(q, k, block_indices, block_size) -> tuple[dict, dict]:
-    """Forward and backward launch options (constexprs + num_warps); pure, so tests can compile without a GPU.
+# --------------------------------------------------------------------------------------------------------------
+# launch tuning: one table of tile sizes, warps and pipeline stages; overrides; opt-in autotune
+# --------------------------------------------------------------------------------------------------------------
 
-    Tile sizes and warps keep the register use in budget. Compiled for sm_90 and sm_80 and checked with
-    `ptxas -v` (no GPU needed): forward TILE <= 64 keys on 4 warps (8 for fp32 64 x 128 tiles); backward
-    TILE <= 64 keys up to D = 64 and <= 32 at D = 128, 8 warps from 4096-element tiles. fp16/bf16 then spill
-    nothing or a few bytes; a 64 x 128 backward tile on 4 warps spilled ~1.2 KB.
-    """
+#: Environment variable with launch overrides for experiments, e.g. ``fwd.tile=32,bwd.num_warps=4`` (see
+#: `parse_tuning`). Read at every launch; the ``tuning=`` argument of `selected_attention` goes on top of it.
+TUNING_ENV = "EFFTX_TRITON_TUNING"
+#: ``1`` launches the autotuned kernels (`_autotune_candidates`), ``0`` or unset the table's choice.
+AUTOTUNE_ENV = "EFFTX_TRITON_AUTOTUNE"
+#: When set (a file path), every autotune decision is appended to it as one JSON line (bench/gpu_check.py reads it).
+AUTOTUNE_LOG_ENV = "EFFTX_TRITON_AUTOTUNE_LOG"
+
+KERNEL_PASSES = ("fwd", "bwd")
+TUNING_DTYPES = ("float16", "bfloat16", "float32")
+HEAD_DIM_BUCKETS = (16, 32, 64, 128)  # D padded to a power of two >= 16 (D_PAD); D <= MAX_TRITON_HEAD_DIM
+VALID_NUM_WARPS = (1, 2, 4, 8, 16)
+TUNING_FIELDS = ("tile", "num_warps", "num_stages")
+_FLOOR_WARPS = 4  # a tile smaller than the table's runs on fewer warps, down to this
+
+
+def _check_launch_field(name: str, value, where: str) -> None:
+    """ValueError naming `where`, the field and the bad value."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{where}{name} must be an int, got {value!r}")
+    if name == "tile" and (value < 16 or value & (value - 1)):
+        raise ValueError(f"{where}tile (keys per TILE) must be a power of two >= 16, got {value}")
+    if name == "num_warps" and value not in VALID_NUM_WARPS:
+        raise ValueError(f"{where}num_warps must be one of {VALID_NUM_WARPS}, got {value}")
+    if name == "num_stages" and value < 1:
+        raise ValueError(f"{where}num_stages must be >= 1, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """How one kernel is launched: ``tile`` keys per K/V tile (the TILE constexpr), ``num_warps`` and
+    ``num_stages`` (Triton's software-pipelining depth). Invalid values raise ValueError naming the field."""
+
+    tile: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self):
+        for name in TUNING_FIELDS:
+            _check_launch_field(name, getattr(self, name), "")
+
+    def for_block(self, block_size: int) -> "LaunchConfig":
+        """The table entry applied to a selection block: the tile shrinks to the block (rounded up to a power of
+        two; a bigger tile would only load masked keys) and the warps with it, in proportion to the tile's size,
+        down to 4 (or the entry's own count if smaller)."""
+        tile = min(self.tile, _pow2_at_least(block_size, 16))
+        warps = max(min(self.num_warps, _FLOOR_WARPS), self.num_warps * tile // self.tile)
+        return LaunchConfig(tile, warps, self.num_stages)
+
+    def describe(self) -> str:
+        return f"TILE {self.tile} x {self.num_warps} warps x {self.num_stages} stages"
+
+
+#: THE tuning table: (pass, dtype, head-dim bucket D_PAD) -> launch at full tile (selection blocks >= the tile;
+#: `LaunchConfig.for_block` shrinks it for smaller blocks). What it encodes:
+#:
+#: * Register budget. A program holds the query rows of a GQA group ([16+, D_PAD] tiles), an fp32 accumulator of
+#:   the same size, and one [TILE, D_PAD] K and V tile at a time; the backward also holds dO, dQ (fp32) and the
+#:   [G_PAD, TILE] P/dS tiles. Tile sizes and warps keep that in registers. Compiled for sm_90 and sm_80 and
+#:   checked with ``ptxas -v`` (no GPU needed): forward TILE 64 keys on 4 warps, 8 warps once a K/V tile reaches
+#:   32 KiB (fp32 at D 128); backward TILE 64 up to D 64 and 32 at D 128, 8 warps from 4096-element tiles
+#:   (TILE x D_PAD). fp16/bf16 then spill nothing or a few bytes; a 64 x 128 backward tile on 4 warps spilled
+#:   ~1.2 KB. For a smaller tile the warps halve with its size (never below 4): exactly the choices the kernels
+#:   made before this table existed, for every block size and head dim (tests/test_kernels.py pins that).
+#: * Pipeline stages: 3, the NVIDIA backend's own default, so launches compile as they did before num_stages was
+#:   passed. Triton 3.9 does not software-pipeline these kernels' loops (their loads sit under data-dependent
+#:   ``if``s: a slot's block is loaded only when it is valid and not in the future), and the sm_90 PTX of both
+#:   kernels is identical for num_stages 1..4 (checked at D 128, bf16); the knob is carried so that a restructured
+#:   kernel can use it. Autotune therefore varies tiles and warps only.
+TUNING_TABLE: dict[tuple[str, str, int], LaunchConfig] = {
+    ("fwd", "float16", 16): LaunchConfig(64, 4, 3),
+    ("fwd", "float16", 32): LaunchConfig(64, 4, 3),
+    ("fwd", "float16", 64): LaunchConfig(64, 4, 3),
+    ("fwd", "float16", 128): LaunchConfig(64, 4, 3),
+    ("fwd", "bfloat16", 16): LaunchConfig(64, 4, 3),
+    ("fwd", "bfloat16", 32): LaunchConfig(64, 4, 3),
+    ("fwd", "bfloat16", 64): LaunchConfig(64, 4, 3),
+    ("fwd", "bfloat16", 128): LaunchConfig(64, 4, 3),
+    ("fwd", "float32", 16): LaunchConfig(64, 4, 3),
+    ("fwd", "float32", 32): LaunchConfig(64, 4, 3),
+    ("fwd", "float32", 64): LaunchConfig(64, 4, 3),
+    ("fwd", "float32", 128): LaunchConfig(64, 8, 3),  # 64 x 128 fp32 K/V tiles: 32 KiB each
+    ("bwd", "float16", 16): LaunchConfig(64, 4, 3),
+    ("bwd", "float16", 32): LaunchConfig(64, 4, 3),
+    ("bwd", "float16", 64): LaunchConfig(64, 8, 3),
+    ("bwd", "float16", 128): LaunchConfig(32, 8, 3),  # 64-key tiles spill at D 128
+    ("bwd", "bfloat16", 16): LaunchConfig(64, 4, 3),
+    ("bwd", "bfloat16", 32): LaunchConfig(64, 4, 3),
+    ("bwd", "bfloat16", 64): LaunchConfig(64, 8, 3),
+    ("bwd", "bfloat16", 128): LaunchConfig(32, 8, 3),
+    ("bwd", "float32", 16): LaunchConfig(64, 4, 3),
+    ("bwd", "float32", 32): LaunchConfig(64, 4, 3),
+    ("bwd", "float32", 64): LaunchConfig(64, 8, 3),
+    ("bwd", "float32", 128): LaunchConfig(32, 8, 3),
+}
+
+
+def parse_tuning(spec, source: str = "tuning") -> dict[str, dict[str, int]]:
+    """Launch overrides from a mapping ``{"fwd": {"tile": 32}, "bwd": {"num_warps": 4}}`` or a string
+    ``"fwd.tile=32,bwd.num_warps=4"`` (the EFFTX_TRITON_TUNING syntax); fields: tile, num_warps, num_stages.
+    Returns ``{pass: {field: value}}``; anything malformed raises ValueError naming `source` and the bad item."""
+    if spec is None:
+        return {}
+    items: list[tuple[str, str, object]] = []
+    if isinstance(spec, str):
+        for item in (part.strip() for part in spec.split(",")):
+            if not item:
+                continue
+            name, sep, value = item.partition("=")
+            pass_, dot, field = name.strip().partition(".")
+            if not (sep and dot):
+                raise ValueError(f"{source}: {item!r} is not of the form PASS.FIELD=INT (e.g. 'fwd.tile=32')")
+            try:
+                number = int(value.strip())
+            except ValueError:
+                raise ValueError(f"{source}: {item!r}: {value.strip()!r} is not an integer") from None
+            items.append((pass_.strip(), field.strip(), number))
+    elif isinstance(spec, dict):
+        for pass_, fields in spec.items():
+            if not isinstance(fields, dict):
+                raise ValueError(f"{source}: {pass_!r} must map to a dict of fields, got {fields!r}")
+            items.extend((pass_, field, value) for field, value in fields.items())
+    else:
+        raise ValueError(f"{source} must be a dict or a 'fwd.tile=32,...' string, got {type(spec).__name__}")
+    out: dict[str, dict[str, int]] = {}
+    for pass_, field, value in items:
+        if pass_ not in KERNEL_PASSES:
+            raise ValueError(f"{source}: unknown kernel pass {pass_!r} (expected one of {KERNEL_PASSES})")
+        if field not in TUNING_FIELDS:
+            raise ValueError(f"{source}: unknown field {pass_}.{field} (expected one of {TUNING_FIELDS})")
+        _check_launch_field(field, value, f"{source}: {pass_}.")
+        out.setdefault(pass_, {})[field] = value
+    return out
+
+
+def launch_config(pass_: str, dtype: torch.dtype, head_dim: int, block_size: int, tuning=None) -> LaunchConfig:
+    """The launch of kernel `pass_` ("fwd" / "bwd") for this dtype, head dim and selection block size: the table's
+    entry for the block, then EFFTX_TRITON_TUNING, then `tuning` (overridden fields are taken as given)."""
+    entry = TUNING_TABLE[(pass_, str(dtype).removeprefix("torch."), _pow2_at_least(head_dim, 16))]
+    chosen = dataclasses.asdict(entry.for_block(block_size))
+    for source, spec in ((TUNING_ENV, os.environ.get(TUNING_ENV)), ("tuning", tuning)):
+        chosen.update(parse_tuning(spec, source).get(pass_, {}))
+    return LaunchConfig(**chosen)
+
+
+def autotune_enabled() -> bool:
+    """EFFTX_TRITON_AUTOTUNE: '1' on, '0' or unset off; anything else raises ValueError naming the value."""
+    value = os.environ.get(AUTOTUNE_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{AUTOTUNE_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def _autotune_candidates(chosen: LaunchConfig, block_size: int) -> list[LaunchConfig]:
+    """A small set around `chosen` (first, so a tie keeps it): the tile halved and doubled (16 .. the block's
+    power-of-two size, at most 128), and the warps halved and doubled (2 .. 16), one change at a time. num_stages
+    stays: the kernels' loops are not pipelined (see TUNING_TABLE). At most 5 configs."""
+    block_pow2 = _pow2_at_least(block_size, 16)
+    candidates = [chosen]
+    for tile in (chosen.tile // 2, chosen.tile * 2):
+        if 16 <= tile <= min(block_pow2, 128):
+            candidates.append(dataclasses.replace(chosen, tile=tile))
+    for warps in (chosen.num_warps // 2, chosen.num_warps * 2):
+        if 2 <= warps <= 16:
+            candidates.append(dataclasses.replace(chosen, num_warps=warps))
+    return list(dict.fromkeys(candidates))
+
+
+_AUTOTUNERS: dict[tuple, object] = {}  # bucket -> triton Autotuner over that bucket's candidates
+_AUTOTUNE_CHOICES: dict[tuple, dict] = {}  # bucket -> what autotune chose there (autotune_choices())
+
+
+def autotune_choices() -> list[dict]:
+    """What autotune chose so far in this process, one dict per tuned bucket (kernel pass, dtype, D, block,
+    GQA group, slots, launch programs), with the table's choice beside it and every candidate's time (ms; the
+    interpreter's are wall-clock seconds of one run, meaningless)."""
+    return [dict(choice) for choice in _AUTOTUNE_CHOICES.values()]
+
+
+def _interpreter_bench(kernel_call, quantiles):
+    """do_bench for the CPU interpreter (Triton's needs a GPU driver): one timed run."""
+    start = time.perf_counter()
+    kernel_call()
+    return [time.perf_counter() - start] * len(quantiles)
+
+
+def _autotune_do_bench():
+    """The autotuner's timer: Triton's own on a GPU (None), one wall-clock run under the interpreter."""
+    return _interpreter_bench if INTERPRETED else None
+
+
+def _launch(kernel, pass_: str, grid, args, meta: dict, reset_to_zero=()) -> None:
+    """Launch `kernel` with `meta` (constexprs + TILE, num_warps, num_stages). With EFFTX_TRITON_AUTOTUNE=1, an
+    autotuned launch instead, over `_autotune_candidates` of meta's choice. Tuning happens once per bucket of
+    what matters for speed: the constexprs (head dim, GQA group, block size, slots, precision), the dtype and the
+    number of programs rounded up to a power of two (not the exact length: decoding grows Tk by one token a step
+    and must not re-tune every step). Kernels that accumulate (`reset_to_zero`, the backward's atomics) get those
+    buffers zeroed before every trial run and before the real one."""
+    chosen = LaunchConfig(meta["TILE"], meta["num_warps"], meta["num_stages"])
+    if not autotune_enabled():
+        kernel[grid](*args, **meta)
+        return
+    consts = {name: value for name, value in meta.items() if name not in ("TILE", "num_warps", "num_stages")}
+    programs = _pow2_at_least(grid[0] * grid[1], 1)
+    bucket = (pass_, str(args[0].dtype), tuple(sorted(consts.items())), chosen, programs)
+    tuner = _AUTOTUNERS.get(bucket)
+    if tuner is None:
+        configs = [triton.Config({"TILE": c.tile}, num_warps=c.num_warps, num_stages=c.num_stages)
+                   for c in _autotune_candidates(chosen, consts["BLOCK"])]
+        tuner = triton.autotune(configs, key=[], reset_to_zero=list(reset_to_zero),
+                                do_bench=_autotune_do_bench())(kernel)
+        _AUTOTUNERS[bucket] = tuner
+    tuner[grid](*args, **consts)
+    if bucket not in _AUTOTUNE_CHOICES:
+        best = tuner.best_config
+        timings = getattr(tuner, "configs_timings", None) or {}
+        choice = dict(
+            kernel=pass_, dtype=str(args[0].dtype).removeprefix("torch."), D=consts["D"], D_PAD=consts["D_PAD"],
+            BLOCK=consts["BLOCK"], G=consts["G"], S_PAD=consts["S_PAD"], programs=programs,
+            TILE=best.kwargs["TILE"], num_warps=best.num_warps, num_stages=best.num_stages,
+            table=dataclasses.asdict(chosen),
+            timings={f"TILE {c.kwargs['TILE']} x {c.num_warps} warps x {c.num_stages} stages": t[0]
+                     for c, t in timings.items()},
+        )
+        _AUTOTUNE_CHOICES[bucket] = choice
+        log = os.environ.get(AUTOTUNE_LOG_ENV)
+        if log:
+            with open(log, "a") as f:
+                f.write(json.dumps(choice) + "\n")
+
+
+def _kernel_meta(q, k, block_indices, block_size, tuning=None) -> tuple[dict, dict]:
+    """Forward and backward launch options (constexprs + TILE, num_warps, num_stages) from the tuning table (and
+    the overrides, see `launch_config`); pure apart from reading EFFTX_TRITON_TUNING, so tests compile without
+    a GPU."""
     H, D = q.shape[2], q.shape[3]
     Hkv = k.shape[2]
     # "ieee" = exact fp32 dots for fp32 inputs (torch's default); fp16/bf16 dots ignore it, keep the default.
     tf32 = q.dtype != torch.float32 or (q.is_cuda and torch.backends.cuda.matmul.allow_tf32)
-    d_pad = _pow2_at_least(D, 16)
     common = dict(
         G=H // Hkv, D=D, BLOCK=block_size,
-        G_PAD=_pow2_at_least(H // Hkv, 16), D_PAD=d_pad,
+        G_PAD=_pow2_at_least(H // Hkv, 16), D_PAD=_pow2_at_least(D, 16),
         S_PAD=_pow2_at_least(block_indices.shape[-1], 1),
         PRECISION="tf32" if tf32 else "ieee",
     )
-    # Power-of-two tiles (tl.arange), the fewest that cover a block: a block that is no multiple of the tile
-    # (48, 80, 96, ...) has its last tile cut at the block's end by the kernels' mask (masked keys are not loaded).
-    block_pow2 = _pow2_at_least(block_size, 16)
-    fwd_tile = min(block_pow2, 64)
-    bwd_tile = min(block_pow2, 64 if d_pad <= 64 else 32)
-    fwd = dict(common, TILE=fwd_tile, num_warps=8 if fwd_tile * d_pad * q.element_size() >= 32768 else 4)
-    bwd = dict(common, TILE=bwd_tile, num_warps=8 if bwd_tile * d_pad >= 4096 else 4)
-    return fwd, bwd
+    # Power-of-two tiles (tl.arange): a block that is no multiple of the tile (48, 80, 96, ...) has its last tile
+    # cut at the block's end by the kernels' mask (masked keys are not loaded).
+    metas = []
+    for pass_ in KERNEL_PASSES:
+        cfg = launch_config(pass_, q.dtype, D, block_size, tuning)
+        metas.append(dict(common, TILE=cfg.tile, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    return metas[0], metas[1]
 
 
 class _SelectedAttentionFn(torch.autograd.Function):
@@ -420,11 +669,10 @@ class _SelectedAttentionFn(torch.autograd.Function):
         out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
         lse = torch.empty(B, Tq, H, device=q.device, dtype=torch.float32)
         if out.numel() > 0 and S > 0:
-            _selected_fwd_kernel[(Tq, B * Hkv)](
-                q, k, v, block_indices, out, lse,
-                *q.stride(), *k.stride(), *v.stride(), *block_indices.stride(), *out.stride(), *lse.stride(),
-                Tq, Tk, Hkv, S, scale, **fwd_meta,
-            )
+            args = (q, k, v, block_indices, out, lse,
+                    *q.stride(), *k.stride(), *v.stride(), *block_indices.stride(), *out.stride(), *lse.stride(),
+                    Tq, Tk, Hkv, S, scale)
+            _launch(_selected_fwd_kernel, "fwd", (Tq, B * Hkv), args, fwd_meta)
         else:
             out.zero_()
             lse.fill_(float("inf"))
@@ -443,16 +691,16 @@ class _SelectedAttentionFn(torch.autograd.Function):
         dk = torch.zeros(B, Tk, Hkv, D, device=k.device, dtype=torch.float32)
         dv = torch.zeros_like(dk)
         if dq.numel() > 0 and S > 0:
-            _selected_bwd_kernel[(Tq, B * Hkv)](
-                q, k, v, block_indices, grad_out, lse, delta, dq, dk, dv,
-                *q.stride(), *k.stride(), *v.stride(), *block_indices.stride(), *grad_out.stride(),
-                *lse.stride(), *dq.stride(), *dk.stride(),
-                Tq, Tk, Hkv, S, ctx.scale, **ctx.bwd_meta,
-            )
+            args = (q, k, v, block_indices, grad_out, lse, delta, dq, dk, dv,
+                    *q.stride(), *k.stride(), *v.stride(), *block_indices.stride(), *grad_out.stride(),
+                    *lse.stride(), *dq.stride(), *dk.stride(),
+                    Tq, Tk, Hkv, S, ctx.scale)
+            # dK/dV are atomically accumulated: autotune's trial runs must start each from zero
+            _launch(_selected_bwd_kernel, "bwd", (Tq, B * Hkv), args, ctx.bwd_meta, reset_to_zero=("DK", "DV"))
         return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-def _selected_attention_triton(q, k, v, block_indices, block_size, scale):
+def _selected_attention_triton(q, k, v, block_indices, block_size, scale, tuning=None):
     _check_triton_inputs(q, block_size)  # before the autograd.Function: errors name the argument
-    fwd_meta, bwd_meta = _kernel_meta(q, k, block_indices, block_size)
+    fwd_meta, bwd_meta = _kernel_meta(q, k, block_indices, block_size, tuning)
     return _SelectedAttentionFn.apply(q, k, v, block_indices, scale, fwd_meta, bwd_meta)
