@@ -14,7 +14,8 @@ Sections (each row: pass / FAIL / skip with the reason, and its figures):
   warm-up (``skipped_steps`` in MLflow). Runs go in parallel, each in its own efftx home.
 * ``decode``: tokens/s at batch 1 and 8, base and speculative (gamma 5), timed with device synchronisation, on the
   speculative pair the train section trained (untrained debug models otherwise); greedy speculative output must
-  equal greedy base output.
+  equal greedy base output; compiled decoding (``compile="on"``: CUDA graphs) beside the eager base, its greedy
+  tokens equal to the base's (a correctness row in fp32) and its tokens/s, compile time apart.
 * ``nsa``: ``bench/nsa.py`` on CUDA (Triton NSA vs SDPA forward and forward+backward to T=65536, kernel vs the
   torch reference), its tables passed through.
 * ``serve``: the Serve app on the device: ``/generate`` in both modes and ``/images/generate`` answered, and
@@ -285,7 +286,43 @@ def check_decode(args, summaries: dict) -> list[Row]:
         rows.append(Row("decode", f"batch {batch} tokens/s", "info",
                         f"base {batch * new / base_s:,.0f}, speculative {batch * new / spec_s:,.0f} "
                         f"({base_s / spec_s:.2f}x), {stats.mean_accepted:.2f} accepted/step", correctness=False))
+        rows += compiled_decode_rows(target, prompts, new, batch, base_s, base_out, device)
     return rows
+
+
+def compiled_decode_rows(target, prompts, new: int, batch: int, base_s: float, base_out: list,
+                         device: str) -> list[Row]:
+    """Compiled decoding (efftx.generation.compiled: CUDA graphs on CUDA) beside the eager base: greedy tokens
+    equal, and tokens/s. CUDA only (on CPU, tests/test_compiled_decode.py compiles it); the first call compiles."""
+    import torch
+
+    from efftx.generation import compiled
+    from efftx.generation.decode import generate
+
+    name = f"batch {batch}, greedy compiled == base"
+    if device != "cuda":
+        return [Row("decode", name, "skip", "CUDA only here (tests/test_compiled_decode.py covers CPU)")]
+    reason = compiled.unsupported_reason(target)
+    if reason is not None:
+        return [Row("decode", name, "skip", f"eager only: {reason}")]
+    t0 = time.perf_counter()
+    try:
+        with torch.no_grad():
+            out = generate(target, prompts, new, temperature=0.0, compile="on").tolist()
+            torch.cuda.synchronize()
+            first_s = time.perf_counter() - t0
+            comp_s = timed(lambda: generate(target, prompts, new, temperature=0.0, compile="on"), device)
+    except compiled.CompileUnavailable as e:
+        return [Row("decode", name, "FAIL", str(e).splitlines()[0][:300])]
+    same = out == base_out
+    exact = target.embed.weight.dtype == torch.float32  # lower precisions may round an argmax the other way
+    matching = sum(a == b for r, q in zip(out, base_out) for a, b in zip(r, q))
+    detail = "equal" if same else f"{matching}/{batch * new} tokens equal"
+    return [Row("decode", name, "pass" if same else ("FAIL" if exact else "info"),
+                f"{detail}, {str(target.embed.weight.dtype)[6:]}", correctness=exact),
+            Row("decode", f"batch {batch} compiled tokens/s", "info",
+                f"eager {batch * new / base_s:,.0f}, compiled {batch * new / comp_s:,.0f} ({base_s / comp_s:.2f}x), "
+                f"first call {first_s:.1f} s (compiles)", correctness=False)]
 
 
 # ------------------------------------------------------------------------------------------------ nsa bench

@@ -15,11 +15,14 @@ import sys
 import torch
 
 from efftx.errors import EfftxError, ExportError
+from efftx.generation.compiled import COMPILE_CHOICES
 from efftx.generation.decode import generate
 
 
 def sample_text(model_path: str, prompt: str, max_new_tokens: int, *, temperature: float = 1.0,
-                top_k: int = 0, top_p: float = 1.0, seed: int | None = None, device: str = "cpu") -> str:
+                top_k: int = 0, top_p: float = 1.0, seed: int | None = None, device: str = "cpu",
+                compile: str = "off") -> str:
+    """``compile``: decode with compiled steps ("on" / "auto", :mod:`efftx.generation.compiled`) or eagerly."""
     from efftx.data.lm_tokenizer import export_codec
     from efftx.export import load_export, resolve_export
 
@@ -39,7 +42,8 @@ def sample_text(model_path: str, prompt: str, max_new_tokens: int, *, temperatur
         raise ExportError(f"prompt ({len(tokens)} {codec.unit}) + max_new_tokens ({max_new_tokens}) exceeds the "
                           f"model's max_seq_len={model.max_seq_len}")
     prompt_t = torch.tensor([tokens], dtype=torch.long, device=device)
-    out = generate(model, prompt_t, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    out = generate(model, prompt_t, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                   compile=compile)
     return codec.continuation(tokens, out[0].tolist())
 
 
@@ -53,10 +57,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--compile", choices=COMPILE_CHOICES, default=None,
+                   help="compiled decoding steps (CUDA graphs on a GPU): 'auto' (the default on cuda) compiles where "
+                        "the model allows and says why not otherwise, 'on' insists, 'off' (the default on cpu, where "
+                        "compiling takes longer than a short sample) decodes eagerly")
     args = p.parse_args(argv)
+    if args.compile is None:
+        args.compile = "auto" if args.device.startswith("cuda") else "off"
     try:
         text = sample_text(args.model, args.prompt, args.max_new_tokens, temperature=args.temperature,
-                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, device=args.device)
+                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, device=args.device,
+                           compile=args.compile)
     except EfftxError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ from typing import Sequence
 import torch
 
 from efftx.attention.cache import ModelCache, RowLengths
+from efftx.generation import compiled
 from efftx.generation.sampling import draw, is_greedy, probabilities, sample
 
 
@@ -204,11 +205,16 @@ def generators(seed: int | Sequence[int | None] | None, n: int, device: torch.de
 @torch.no_grad()
 def iter_generate(model, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_tokens: int, *,
                   temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                  seed: int | Sequence[int | None] | None = None):
+                  seed: int | Sequence[int | None] | None = None, compile: str = "off"):
     """Yield (B,) tokens one step at a time after ``prompts`` ((B, T) or lists of any lengths).
 
     Row r samples with seed ``seed + r`` (or ``seed[r]``), so its tokens are the same whatever else
     is in the batch.
+
+    ``compile``: ``"off"`` (eager steps over the model's own caches), ``"on"`` or ``"auto"``: compiled
+    one-token steps over a fixed-capacity cache with device-side lengths (:mod:`efftx.generation.compiled`;
+    "auto" decodes eagerly, logging why, where the model or the machine cannot; "on" raises instead).
+    The prompt is always prefilled eagerly; the tokens are the same either way (up to float rounding).
     """
     rows = as_rows(prompts)
     longest = max(len(r) for r in rows)
@@ -218,16 +224,29 @@ def iter_generate(model, prompts: Sequence[Sequence[int]] | torch.Tensor, max_ne
                          f"exceeds the model's max_seq_len={model.max_seq_len}")
     device = next(model.parameters()).device
     gens = generators(seed, len(rows), device)
-    state = Rows(model, len(rows), total)
-    logits = state.prefill(rows)
-    for i in range(max_new_tokens):
-        if is_greedy(temperature):
-            token = sample(logits, 0)
+    # the last token is sampled, never fed: the longest row reaches total - 1 positions
+    static, _ = compiled.plan(model, compile, len(rows), total - 1)
+    try:
+        state = Rows(model, len(rows), total)
+        logits = state.prefill(rows)
+        if static is not None:
+            static.load(state.caches[0], state.lengths)
+            state = None  # the eager cache is not needed any more
+            step = static
         else:
-            token = draw(probabilities(logits, temperature, top_k, top_p), gens)
-        yield token
-        if i + 1 < max_new_tokens:
-            logits = state.forward(token[:, None])[:, -1]
+            def step(token):
+                return state.forward(token[:, None])[:, -1]
+        for i in range(max_new_tokens):
+            if is_greedy(temperature):
+                token = sample(logits, 0)
+            else:
+                token = draw(probabilities(logits, temperature, top_k, top_p), gens)
+            yield token
+            if i + 1 < max_new_tokens:
+                logits = step(token)
+    finally:
+        if static is not None:
+            static.release()
 
 
 def generate(model, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_tokens: int, **sampling) -> torch.Tensor:

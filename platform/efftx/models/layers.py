@@ -58,7 +58,9 @@ class Rotary(nn.Module):
         t = x.shape[1]
         if isinstance(offset, torch.Tensor):
             pos = offset + torch.arange(t, device=offset.device)  # (B, T)
-            if int(pos.max()) >= self.cos.shape[0]:
+            # the bound check reads a device value: skipped inside a compiled graph (compiled decoding checks its
+            # capacity on the host, see efftx.generation.compiled)
+            if not torch.compiler.is_compiling() and int(pos.max()) >= self.cos.shape[0]:
                 raise ValueError(f"position {int(pos.max()) + 1} beyond model.max_seq_len={self.cos.shape[0]}")
             cos, sin = self.cos[pos][:, :, None], self.sin[pos][:, :, None]  # (B, T, 1, D/2)
         elif offset + t > self.cos.shape[0]:

@@ -71,11 +71,16 @@ class LM(nn.Module):
                            for blk in self.blocks])
 
     def forward(self, tokens: torch.Tensor, cache: ModelCache | None = None) -> torch.Tensor:
-        b, t = tokens.shape
-        offset = cache.offset() if cache is not None else 0  # int, or (B, 1) when rows differ in length
-        longest = (cache.end if cache is not None else 0) + t
+        longest = (cache.end if cache is not None else 0) + tokens.shape[1]
         if longest > self.max_seq_len:
             raise ValueError(f"sequence of {longest} tokens exceeds model.max_seq_len={self.max_seq_len}")
+        return self.logits(tokens, cache)
+
+    def logits(self, tokens: torch.Tensor, cache=None) -> torch.Tensor:
+        """``forward`` without its host-side length check: what compiled decoding traces (its cache keeps row
+        lengths on the device, and the caller checks capacity on the host before each step)."""
+        t = tokens.shape[1]
+        offset = cache.offset() if cache is not None else 0  # int, or (B, 1) when rows differ in length
         x = self.embed(tokens)  # (B, T, emb_dim)
         if self.emb_in is not None:
             x = self.emb_in(x)  # (B, T, dim)

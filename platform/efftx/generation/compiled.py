@@ -1,0 +1,235 @@
+"""Compiled one-token decoding (gpt-fast's ``decode_one_token``) for LMs whose every layer is dense attention.
+
+The eager path (:mod:`efftx.generation.decode`) keeps each row's length as a host-side list, so every step
+builds position tensors on the host and attends over a key range whose size grows by one per step. Here:
+
+* the cache has a fixed capacity (:class:`DeviceCache`): per layer one (B, capacity, Hkv, D) key and value
+  buffer, and one (B,) long tensor of row lengths on the device, shared by every layer;
+* a step writes each row's new key/value at its own device position, attends over the whole capacity with a
+  mask built from the device lengths, and adds 1 to the lengths in place: static shapes, and no value read
+  back to the host (capacity is checked on the host from the step count, which the host knows anyway);
+* the step runs the model's own modules (``LM.logits``: embedding, blocks, rotary, norms, head); only the
+  layer cache type differs, through the ``append_rows`` / ``offset`` contract that dense attention already
+  uses for ragged caches;
+* it is compiled with ``torch.compile(fullgraph=True, dynamic=False)`` (a graph break is an error, not a silent
+  slowdown): on CUDA with ``mode="reduce-overhead"`` (CUDA graphs; the buffers are marked static addresses and
+  kept per model, batch and capacity so one graph serves every call), elsewhere inductor's default mode.
+
+Prefill stays eager (one pass, any prompt lengths: ragged prompts are supported), then its keys and values
+are copied into the fixed buffers. Sampling stays outside the compiled step, through the same functions as the
+eager path, so greedy and seeded-sampled tokens match it (exactly on CPU fp32 in the tests).
+
+``compile``: ``"off"`` (the default of :func:`~efftx.generation.decode.generate`: today's eager path),
+``"on"`` (compiled, or an error naming why it cannot be), ``"auto"`` (compiled where the model supports it and
+compilation works, else eager with the reason logged).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import weakref
+from typing import Callable
+
+import torch
+
+from efftx.errors import ConfigError, EfftxError
+
+log = logging.getLogger(__name__)
+
+COMPILE_CHOICES = ("auto", "on", "off")
+MIN_CAPACITY = 64  # capacities are powers of two from here (capped at max_seq_len): few shapes, few compilations
+
+
+class CompileUnavailable(EfftxError, RuntimeError):
+    """``compile="on"`` for a model or machine where compiled decoding cannot run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileOptions:
+    """How decoding runs: ``compile`` is one of :data:`COMPILE_CHOICES` (see the module docstring)."""
+
+    compile: str = "off"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.compile, str) or self.compile not in COMPILE_CHOICES:
+            raise ConfigError(f"compile={self.compile!r} is not one of {', '.join(map(repr, COMPILE_CHOICES))}")
+
+
+def unsupported_reason(model) -> str | None:
+    """Why compiled decoding cannot run ``model`` (None when it can)."""
+    from efftx.attention.full import FullAttention
+    from efftx.models.layers import Attention
+    from efftx.models.lm import LM
+
+    if not isinstance(model, LM):
+        return f"compiled decoding runs efftx LM models, not {type(model).__name__}"
+    for i, blk in enumerate(model.blocks):
+        attn = blk.attention
+        if not isinstance(attn, Attention):
+            return f"layer {i}'s attention is a {type(attn).__name__}, not the LM's Attention module"
+        if type(attn.inner) is not FullAttention:
+            return (f"layer {i} uses attention.kind={attn.inner.name!r}; compiled decoding needs dense 'full' "
+                    "attention in every layer")
+    if model.reversible is not None:
+        return "model.reversible=true: compiled decoding runs plain (non-reversible) blocks"
+    if model.training:
+        return "the model is in training mode (dropout): call model.eval() first"
+    return None
+
+
+def capacity_for(model, needed: int) -> int:
+    """The buffer capacity for ``needed`` positions: a power of two >= MIN_CAPACITY, capped at max_seq_len."""
+    if needed > model.max_seq_len:
+        raise ValueError(f"{needed} positions exceed the model's max_seq_len={model.max_seq_len}")
+    cap = MIN_CAPACITY
+    while cap < needed:
+        cap *= 2
+    return min(cap, model.max_seq_len)
+
+
+class DeviceKV:
+    """One layer's keys/values (B, capacity, Hkv, D) with the model's shared (B,) device lengths.
+
+    ``append_rows`` writes new tokens at each row's own position and returns the whole buffers with a
+    (B, T, capacity) mask; it does not advance the lengths (:meth:`DeviceCache.advance` does, once per pass,
+    after every layer has read them).
+    """
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor):
+        self.k, self.v, self.lengths = k, v, lengths
+
+    def offset(self) -> torch.Tensor:
+        return self.lengths[:, None]  # (B, 1)
+
+    def append_rows(self, k: torch.Tensor, v: torch.Tensor, causal: bool = True):
+        b, t = k.shape[:2]
+        device = self.k.device
+        slots = self.lengths[:, None] + torch.arange(t, device=device)  # (B, T)
+        rows = torch.arange(b, device=device)[:, None]
+        self.k.index_put_((rows, slots), k.to(self.k.dtype))
+        self.v.index_put_((rows, slots), v.to(self.v.dtype))
+        j = torch.arange(self.k.shape[1], device=device)[None, None, :]  # (1, 1, C)
+        mask = j <= slots[:, :, None] if causal else j < (self.lengths + t)[:, None, None]
+        return self.k, self.v, mask
+
+
+class DeviceCache:
+    """The model-level cache of compiled decoding: one :class:`DeviceKV` per layer, lengths on the device."""
+
+    def __init__(self, batch: int, capacity: int, shapes: list[tuple[int, int]], device, dtype):
+        self.capacity = capacity
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self.layers = [DeviceKV(torch.zeros(batch, capacity, hkv, d, device=device, dtype=dtype),
+                                torch.zeros(batch, capacity, hkv, d, device=device, dtype=dtype), self.lengths)
+                       for hkv, d in shapes]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.lengths] + [t for layer in self.layers for t in (layer.k, layer.v)]
+
+    def offset(self) -> torch.Tensor:
+        return self.lengths[:, None]
+
+    def advance(self, t: int) -> None:
+        self.lengths.add_(t)
+
+    def load(self, cache, lengths: list[int]) -> None:
+        """Copy a prefilled eager cache (``ModelCache`` of ``KVCache`` layers) in; ``lengths`` its rows' lengths."""
+        for mine, theirs in zip(self.layers, cache.layers):
+            n = min(theirs.k.shape[1], self.capacity)
+            mine.k[:, :n].copy_(theirs.k[:, :n])
+            mine.v[:, :n].copy_(theirs.v[:, :n])
+        self.lengths.copy_(torch.tensor(lengths, dtype=torch.long))
+
+
+def decode_step(model, token: torch.Tensor, cache: DeviceCache) -> torch.Tensor:
+    """One token per row (B,) through ``model`` over ``cache``; returns next-token logits (B, V).
+    Everything here stays on the device: this is the function that gets compiled."""
+    logits = model.logits(token[:, None], cache)[:, -1]
+    cache.advance(1)
+    return logits
+
+
+_COMPILED: dict[str, Callable] = {}  # device type -> compiled decode_step (dynamo caches graphs per shape)
+_BROKEN: dict[str, str] = {}  # device type -> why compiling failed there ("auto" does not retry)
+# model -> {(batch, capacity, dtype, device): [free DeviceCaches]}: CUDA graphs replay on the same buffers
+_POOLS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def compiled_step(device_type: str) -> Callable:
+    if device_type not in _COMPILED:
+        mode = "reduce-overhead" if device_type == "cuda" else None  # CUDA graphs on GPU
+        _COMPILED[device_type] = torch.compile(decode_step, fullgraph=True, dynamic=False, mode=mode)
+    return _COMPILED[device_type]
+
+
+class StaticDecoder:
+    """Decode steps over a :class:`DeviceCache`, compiled or eager (same math). Use through :func:`plan`."""
+
+    def __init__(self, model, batch: int, capacity: int, compiled: bool, mode: str):
+        self.model, self.batch, self.capacity, self.mode = model, batch, capacity, mode
+        p = model.embed.weight
+        self.device_type = p.device.type
+        self.compiled = compiled
+        pool = _POOLS.setdefault(model, {}).setdefault((batch, capacity, p.dtype, p.device), [])
+        if pool:
+            self.cache = pool.pop()
+        else:
+            shapes = [(blk.attention.spec.kv_heads, blk.attention.spec.head_dim) for blk in model.blocks]
+            self.cache = DeviceCache(batch, capacity, shapes, p.device, p.dtype)
+            if compiled and self.device_type == "cuda":  # CUDA graphs read and write these in place
+                for t in self.cache.tensors():
+                    torch._dynamo.mark_static_address(t, guard=False)
+        self._pool = pool
+        self.used = 0  # the longest row, counted on the host
+
+    def load(self, cache, lengths: list[int]) -> None:
+        self.cache.load(cache, lengths)
+        self.used = max(lengths)
+
+    def release(self) -> None:
+        """Give the buffers back for the next call (same model, batch and capacity)."""
+        if self._pool is not None:
+            self._pool.append(self.cache)
+            self._pool = None
+
+    def __call__(self, token: torch.Tensor) -> torch.Tensor:
+        """(B,) tokens -> (B, V) next-token logits."""
+        if self.used + 1 > self.capacity:
+            raise ValueError(f"compiled decoding cache overflow: {self.used + 1} positions > capacity {self.capacity}")
+        self.used += 1
+        if not self.compiled:
+            return decode_step(self.model, token, self.cache)
+        if self.device_type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs may be overwritten now
+        try:
+            return compiled_step(self.device_type)(self.model, token, self.cache)
+        except Exception as e:  # compilation fails before the graph runs: nothing was written yet
+            if self.mode != "auto":
+                raise CompileUnavailable(f"compile='on': torch.compile of the decode step failed: "
+                                         f"{type(e).__name__}: {e}") from e
+            _BROKEN[self.device_type] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            log.warning("compiled decoding unavailable, decoding eagerly: torch.compile failed (%s)",
+                        _BROKEN[self.device_type])
+            self.compiled = False
+            return decode_step(self.model, token, self.cache)
+
+
+def plan(model, compile: str, batch: int, needed: int) -> tuple[StaticDecoder | None, str]:
+    """Whether to decode through :class:`StaticDecoder`: (decoder, why) or (None, why eager).
+
+    ``needed``: positions the longest row will reach. Raises :class:`CompileUnavailable` for ``compile="on"``
+    where it cannot run, :class:`~efftx.errors.ConfigError` for a bad ``compile`` value."""
+    mode = CompileOptions(compile).compile
+    if mode == "off":
+        return None, "compile='off'"
+    reason = unsupported_reason(model)
+    device_type = next(model.parameters()).device.type
+    if reason is None and device_type in _BROKEN:
+        reason = f"torch.compile failed earlier on {device_type}: {_BROKEN[device_type]}"
+    if reason is not None:
+        if mode == "on":
+            raise CompileUnavailable(f"compile='on' but compiled decoding cannot run: {reason}")
+        log.info("compiled decoding not used, decoding eagerly: %s", reason)
+        return None, reason
+    return StaticDecoder(model, batch, capacity_for(model, needed), True, mode), "compiled"

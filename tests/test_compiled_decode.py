@@ -1,0 +1,176 @@
+"""Compiled decoding (efftx.generation.compiled): same tokens as the eager path, fallbacks with their reasons.
+
+The tests marked slow compile the decode step with inductor (tens of seconds of CPU for each batch size); they
+share one tiny model and two shapes (batch 1 and 3, capacity 64), so the step compiles twice per module.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from efftx import recipes
+from efftx.errors import ConfigError
+from efftx.generation import compiled
+from efftx.generation.decode import generate, iter_generate
+from efftx.models import build
+
+
+def tiny(recipe: str = "lm_debug", **overrides):
+    """A 2-layer model of ``recipe`` (GQA: 4 heads, 2 kv heads for lm_debug), fp32, eval mode. Its matrices are
+    redrawn with std 2/sqrt(fan_in): under the training init (std 0.02) greedy tokens barely depend on the context
+    (the same byte over and over), so a decoder that misplaces positions could still match."""
+    torch.manual_seed(0)
+    model = build(recipes.get(recipe).override({"model.depth": 2, **overrides})).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 2 * p.shape[1] ** -0.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny()
+
+
+def prompts(batch: int, length: int = 6) -> torch.Tensor:
+    return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(batch))
+
+
+RAGGED = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [42]]
+
+
+# ------------------------------------------------------------------------------------------ options, fallbacks
+def test_bad_compile_value_is_rejected_naming_the_key(lm):
+    with pytest.raises(ConfigError, match="compile='yes'.*'auto', 'on', 'off'"):
+        generate(lm, prompts(1), 2, compile="yes")
+    with pytest.raises(ConfigError, match="compile=True"):
+        list(iter_generate(lm, prompts(1), 2, compile=True))
+
+
+@pytest.mark.parametrize("recipe, kind", [("sinkhorn_debug", "sinkhorn"), ("performer_debug", "performer")])
+def test_unsupported_backend_decodes_eagerly_and_logs_why(recipe, kind, caplog):
+    model = tiny(recipe)
+    assert kind in compiled.unsupported_reason(model)
+    with caplog.at_level(logging.INFO, logger="efftx.generation.compiled"):
+        auto = generate(model, prompts(2), 5, temperature=0.0, compile="auto")
+    assert any(kind in r.getMessage() and "eagerly" in r.getMessage() for r in caplog.records)
+    assert torch.equal(auto, generate(model, prompts(2), 5, temperature=0.0))  # the eager path, untouched
+
+
+def test_compile_on_for_an_unsupported_model_raises_naming_why():
+    with pytest.raises(compiled.CompileUnavailable, match="compile='on'.*attention.kind='sinkhorn'"):
+        generate(tiny("sinkhorn_debug"), prompts(1), 3, compile="on")
+    training = tiny()  # training mode: dropout would make the two paths differ
+    training.train()
+    with pytest.raises(compiled.CompileUnavailable, match="training mode"):
+        generate(training, prompts(1), 3, compile="on")
+
+
+def test_a_failing_compile_falls_back_under_auto_and_raises_under_on(lm, monkeypatch, caplog):
+    def broken(device_type):
+        def step(*args):
+            raise RuntimeError("no C++ compiler")
+        return step
+
+    monkeypatch.setattr(compiled, "compiled_step", broken)
+    monkeypatch.setattr(compiled, "_BROKEN", {})
+    with pytest.raises(compiled.CompileUnavailable, match="torch.compile of the decode step failed.*no C\\+\\+"):
+        generate(lm, prompts(2), 4, temperature=0.0, compile="on")
+    eager = generate(lm, prompts(2), 4, temperature=0.0)
+    with caplog.at_level(logging.WARNING, logger="efftx.generation.compiled"):
+        assert torch.equal(generate(lm, prompts(2), 4, temperature=0.0, compile="auto"), eager)
+    assert any("no C++ compiler" in r.getMessage() for r in caplog.records)
+    # remembered: the next "auto" call does not try again, and says why
+    with caplog.at_level(logging.INFO, logger="efftx.generation.compiled"):
+        assert torch.equal(generate(lm, prompts(2), 4, temperature=0.0, compile="auto"), eager)
+    assert any("failed earlier" in r.getMessage() for r in caplog.records)
+
+
+# ------------------------------------------------------------------------------------------ the device cache
+def test_device_cache_steps_match_eager_without_compiling(lm, monkeypatch):
+    """The static-shape step (whole-capacity attention, device lengths) run eagerly: same tokens, ragged too."""
+    monkeypatch.setattr(compiled, "compiled_step", lambda device_type: compiled.decode_step)
+    for rows in (prompts(1), prompts(3), RAGGED):
+        eager = generate(lm, rows, 10, temperature=0.0)
+        assert eager.unique().numel() > 3  # tokens that depend on the context
+        assert torch.equal(generate(lm, rows, 10, temperature=0.0, compile="on"), eager)
+        assert torch.equal(generate(lm, rows, 10, temperature=0.8, top_k=40, seed=7, compile="on"),
+                           generate(lm, rows, 10, temperature=0.8, top_k=40, seed=7))
+
+
+def test_device_lengths_advance_on_the_device_and_buffers_are_reused(lm, monkeypatch):
+    monkeypatch.setattr(compiled, "compiled_step", lambda device_type: compiled.decode_step)
+    first = iter_generate(lm, RAGGED, 5, temperature=0.0, compile="on")
+    next(first)  # prefilled, nothing fed yet
+    for _ in range(4):
+        next(first)  # 4 tokens fed
+    first.close()  # the buffers go back to the pool
+    key = (3, compiled.capacity_for(lm, 9 + 5 - 1), torch.float32, torch.device("cpu"))
+    (cache,) = compiled._POOLS[lm][key]
+    assert cache.lengths.tolist() == [3 + 4, 9 + 4, 1 + 4]
+    again = iter_generate(lm, RAGGED, 2, temperature=0.0, compile="on")
+    next(again)
+    assert compiled._POOLS[lm][key] == []  # in use by the second call
+    again.close()
+    assert compiled._POOLS[lm][key] == [cache]
+
+
+# ------------------------------------------------------------------------------------------ compiled (slow)
+@pytest.fixture(scope="module")
+def compiled_counts(lm):
+    """Compile once per shape used below (batch 1 and 3, capacity 64) and count the graphs dynamo made."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    generate(lm, prompts(1), 3, temperature=0.0, compile="on")
+    generate(lm, prompts(3), 3, temperature=0.0, compile="on")
+    return counters
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [1, 3])
+def test_compiled_greedy_and_seeded_sampling_equal_eager(lm, compiled_counts, batch):
+    rows = prompts(batch)
+    eager = generate(lm, rows, 16, temperature=0.0)
+    assert eager.unique().numel() > 3  # tokens that depend on the context, not one byte repeated
+    assert torch.equal(generate(lm, rows, 16, temperature=0.0, compile="on"), eager)
+    for seed in (0, 1):
+        assert torch.equal(generate(lm, rows, 16, temperature=0.9, top_k=50, top_p=0.95, seed=seed, compile="on"),
+                           generate(lm, rows, 16, temperature=0.9, top_k=50, top_p=0.95, seed=seed))
+
+
+@pytest.mark.slow
+def test_compiled_ragged_prompts_equal_eager_without_recompiling(lm, compiled_counts):
+    graphs = compiled_counts["stats"]["unique_graphs"]
+    assert torch.equal(generate(lm, RAGGED, 20, temperature=0.0, compile="on"),
+                       generate(lm, RAGGED, 20, temperature=0.0))
+    # other prompt lengths and token counts in the same capacity: the same compiled graph
+    assert torch.equal(generate(lm, prompts(3, 20), 30, temperature=0.0, compile="auto"),
+                       generate(lm, prompts(3, 20), 30, temperature=0.0))
+    assert compiled_counts["stats"]["unique_graphs"] == graphs
+    assert graphs == 2  # one per batch size, no graph break (fullgraph=True would raise anyway)
+
+
+def test_generate_cli_takes_compile_and_names_why_it_cannot(monkeypatch, capsys):
+    """``python -m efftx.generate --compile on`` where compiled decoding cannot run: exit 2 with the reason;
+    ``--compile auto`` decodes eagerly then, with the same text as ``--compile off``."""
+    from pathlib import Path
+
+    from efftx import generate as cli
+
+    export = str(Path(__file__).parent / "data" / "export_v0")
+    base = ["--model", export, "--prompt", "ab", "--max-new-tokens", "4", "--temperature", "0", "--device", "cpu"]
+    monkeypatch.setattr(compiled, "unsupported_reason", lambda model: "a reason the test gives")
+    assert cli.main([*base, "--compile", "on"]) == 2
+    assert "a reason the test gives" in capsys.readouterr().err
+    assert cli.main([*base, "--compile", "off"]) == 0
+    off = capsys.readouterr().out
+    assert cli.main([*base, "--compile", "auto"]) == 0
+    assert capsys.readouterr().out == off
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*base, "--compile", "yes"])
+    assert exit_info.value.code == 2 and "invalid choice: 'yes'" in capsys.readouterr().err
