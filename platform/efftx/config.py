@@ -51,6 +51,17 @@ class ModelConfig:
     # masks; ~1/3 more compute): activation memory per block is one (B, T, dim) tensor. An alternative to reversible.
     activation_checkpointing: bool = False
     ff_chunks: int = 1  # feed-forward applied to this many sequence chunks in turn (lower peak memory)
+    # Initialisation (efftx/models/lm.py, init_weights; docs/models.md, "Initialisation and learning per step"):
+    # init="normal": every Linear weight ~ N(0, init_std), biases 0; the token embedding (the tied head too) and
+    # learned positions ~ N(0, emb_init_std); with residual_init_scale the projections that write into the residual
+    # stream (attention out, MLP down) are drawn with init_std / sqrt(2 * depth) (GPT-2). init="torch": PyTorch's
+    # own defaults (Linear: uniform +-1/sqrt(fan_in); Embedding: N(0, 1)), as the original implementations leave
+    # them (untied heads only). Before issue 20 the embedding was drawn with 0.02 like every weight: the token
+    # signal drowned under the blocks' outputs and every family learned more slowly per step (0.1: measured fix).
+    init: str = "normal"
+    init_std: float = 0.02
+    emb_init_std: float = 0.1
+    residual_init_scale: bool = False
 
     # Memory only, the same gradients (bit for bit on CPU, tests/test_activation_checkpointing.py): a run may
     # resume with checkpointing turned on (or off).
@@ -58,6 +69,13 @@ class ModelConfig:
 
     def validate(self) -> None:
         """Checks between model keys that need no other section; errors name the keys."""
+        _choice("model.init", self.init, ("normal", "torch"))
+        for key in ("init_std", "emb_init_std"):
+            if not 0 < getattr(self, key) <= 10:
+                raise ConfigError(f"model.{key} must be in (0, 10] (a standard deviation), got {getattr(self, key)}")
+        if self.init == "torch" and self.tie_embeddings:
+            raise ConfigError("model.init=torch draws the token embedding N(0, 1), which as the tied output head gives "
+                              "logits of std sqrt(model.dim); set model.tie_embeddings=false, or model.init=normal")
         if self.reversible and self.activation_checkpointing:
             raise ConfigError("model.reversible and model.activation_checkpointing are alternatives (both save "
                               "activation memory by recomputing blocks in backward); set one of them to false")

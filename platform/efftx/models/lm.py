@@ -10,6 +10,8 @@ sequence, which is how prefill and one-token decoding work for every attention b
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -50,10 +52,11 @@ class LM(nn.Module):
         self.activation_checkpointing = m.activation_checkpointing  # recompute each block in backward
         self.norm = make_norm(m.norm, m.dim)
         self.head = None if m.tie_embeddings else nn.Linear(emb_dim, m.vocab_size, bias=False)
-        self.apply(self._init)
+        init_weights(self, m)
 
     @staticmethod
     def _init(module):
+        """The initialisation before issue 20 (every Linear and Embedding N(0, 0.02)); DALL-E still applies it."""
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
@@ -106,6 +109,29 @@ class LM(nn.Module):
         lookups += self.embed.weight.numel() if self.head is not None else 0
         spec = self.blocks[0].attention.spec
         return 6 * (self.num_params() - lookups) + 12 * len(self.blocks) * spec.heads * spec.head_dim * seq_len
+
+
+def init_weights(model: nn.Module, m) -> None:
+    """Initialise ``model`` (an LM: ``embed``, optional ``pos``, ``blocks``) as ``model.init*`` say (ModelConfig).
+
+    ``normal``: Linear weights N(0, init_std) and zero biases; the token embedding (also the tied output head) and
+    learned positions N(0, emb_init_std); with ``residual_init_scale`` each block's attention output and MLP down
+    projection N(0, init_std / sqrt(2 * depth)). ``torch``: the modules keep PyTorch's defaults."""
+    if m.init == "torch":
+        return
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=m.init_std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=m.emb_init_std)
+    if m.residual_init_scale:
+        std = m.init_std / math.sqrt(2 * m.depth)
+        for blk in model.blocks:
+            for proj in (getattr(blk.attn.fn, "out", None), getattr(blk.mlp.fn, "down", None)):
+                if isinstance(proj, nn.Linear):
+                    nn.init.normal_(proj.weight, std=std)
 
 
 @register("lm")
