@@ -13,11 +13,26 @@ from efftx.models.lm import LM
 # Every backend a language model can use; the DALL-E image patterns (efftx/attention/patterns.py) need a
 # text/image layout and get the same checks inside the DALL-E model in tests/test_dalle.py.
 BACKENDS = [n for n in attention.names() if not getattr(attention.get(n), "requires_image_layout", False)]
+# Option values that change a backend's design get the same checks: "kind:key=value,key=value" (added to
+# the backend's contract_options).
+VARIANTS = [
+    "sinkhorn:causal_mode=topk",  # the reference's causal design: top past bucket + learned null bucket
+    "sinkhorn:causal_mode=topk,topk=2",
+    "nsa:num_initial_blocks=1,num_local_blocks=2,num_selected_blocks=3",  # the paper's forced blocks
+    "nsa:score_mapping=eq9",  # the paper's Eq. 9 (overlapping compressed blocks: stride 4 < block 8)
+    "nsa:share_selection=false",  # per-query-head selection
+    "nsa:diff_topk=true",  # straight-through top-k: gradients reach the block importances
+    "nsa:compress=conv_linear",  # the seed's other compression networks
+    "nsa:compress=attention_pool",
+]
+BACKENDS += VARIANTS
 
 
 def tiny_lm(kind: str, seed: int = 0) -> LM:
+    kind, _, variant = kind.partition(":")
     # the backend's own small-size options (contract_options): several buckets, chunks, windows at these lengths
-    small = {f"attention.{kind}.{key}": value for key, value in attention.get(kind).contract_options.items()}
+    options = {**attention.get(kind).contract_options, **dict(kv.split("=") for kv in variant.split(",") if kv)}
+    small = {f"attention.{kind}.{key}": value for key, value in options.items()}
     cfg = recipes.get("lm_debug").override({"attention.kind": kind, "model.max_seq_len": 64, **small})
     torch.manual_seed(seed)
     return build_model(cfg).eval()
@@ -30,7 +45,7 @@ def tokens(b=2, t=24, seed=1):
 
 @pytest.mark.parametrize("kind", BACKENDS)
 def test_backend_shapes_with_gqa(kind):
-    spec = AttentionSpec.from_config(tiny_lm(kind).model_cfg, tiny_lm(kind).attention_cfg, kind=kind)
+    spec = AttentionSpec.from_config(tiny_lm(kind).model_cfg, tiny_lm(kind).attention_cfg, kind=kind.partition(":")[0])
     backend = attention.build(spec)
     h, hkv, d = spec.heads, spec.kv_heads, spec.head_dim
     assert hkv < h

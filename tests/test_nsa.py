@@ -14,8 +14,8 @@ import torch
 from efftx import attention, recipes
 from efftx.attention import nsa_cpu
 from efftx.attention.base import AttentionSpec
-from efftx.attention.nsa import (NativeSparseAttention, NSACache, NSAOptions, complete_blocks, overlap_to_selection,
-                                 sliding_window_attention)
+from efftx.attention.nsa import (NativeSparseAttention, NSACache, NSAOptions, complete_blocks, eq9_to_selection,
+                                 overlap_to_selection, sliding_window_attention)
 from efftx.config import Config
 from efftx.errors import ConfigError
 
@@ -51,10 +51,24 @@ def masked_attention(q, k, v, allowed):
     return torch.einsum("bhtl,blhd->bthd", probs, v.double()), probs
 
 
-def naive_selection(importance, own, n_sel):
-    """Top ``n_sel`` blocks before ``own`` by importance (ties: the later block), plus ``own``; as a set."""
-    ranked = sorted(range(own), key=lambda s: (-importance[s], -s))
-    return set(ranked[:n_sel]) | {own}
+def naive_selection(importance, own, n_sel, initial=0, local=1):
+    """``own``, the forced past blocks (the first ``initial``, the ``local - 1`` before ``own``) and, in the
+    slots of ``n_sel`` they leave, the top blocks before ``own`` by importance (ties: the later block); a set."""
+    forced = {s for s in range(own) if s < initial or s > own - local}
+    ranked = sorted((s for s in range(own) if s not in forced), key=lambda s: (-importance[s], -s))
+    return set(ranked[:n_sel - len(forced)]) | forced | {own}
+
+
+def naive_mapping(nc, n_blocks, cb, st, sb, mapping):
+    """(Nc, n_blocks) weights of compressed block i in selection block s, written out from the definitions."""
+    m = torch.zeros(nc, n_blocks, dtype=torch.float64)
+    for i in range(nc):
+        for s in range(n_blocks):
+            if mapping == "overlap":  # the fraction of compressed block i's tokens inside selection block s
+                m[i, s] = len(set(range(i * st, i * st + cb)) & set(range(s * sb, (s + 1) * sb))) / cb
+            else:  # Eq. 9: p_slc[s] = sum_{a < l'/d} sum_{c < l/d} p_cmp[(l'/d) s - a - c]
+                m[i, s] = sum(1 for a in range(sb // st) for c in range(cb // st) if (sb // st) * s - a - c == i)
+    return m
 
 
 def naive_nsa(backend, q, k, v, x):
@@ -66,34 +80,55 @@ def naive_nsa(backend, q, k, v, x):
     hkv = k.shape[2]
     rep = h // hkv
     cb, st, sb, w = backend.block, backend.stride, backend.sel_block, backend.window
+    opts = backend.opts
     ck, cv = backend.compress_k(k), backend.compress_v(v)
     nc = ck.shape[1]
     pos = torch.arange(t)
     up = lambda z: z.repeat_interleave(rep, dim=2)  # noqa: E731  kv heads -> query heads
     seen = (torch.arange(nc)[None, :] * st + cb - 1) <= pos[:, None]  # (T, Nc)
     out_cmp, probs = masked_attention(q, up(ck), up(cv), seen.expand(b, h, t, nc))
-    # importance of selection blocks: compressed probabilities x token-overlap fractions, summed per group
+    # importance of selection blocks: compressed probabilities x mapping weights, summed per group (per head when
+    # the heads of a group do not share their selection)
     n_blocks = -(-t // sb)
-    overlap = torch.zeros(nc, n_blocks, dtype=torch.float64)
-    for j in range(nc):
-        for s in range(n_blocks):
-            overlap[j, s] = len(set(range(j * st, j * st + cb)) & set(range(s * sb, (s + 1) * sb))) / cb
-    importance = (probs.detach().view(b, hkv, rep, t, nc).sum(2) @ overlap).tolist()  # (B, Hkv, T, n_blocks)
-    chosen = [[[naive_selection(importance[i][g][p], p // sb, backend.n_sel) for g in range(hkv)]
+    weights = naive_mapping(nc, n_blocks, cb, st, sb, opts.score_mapping)
+    per = rep if opts.share_selection else 1  # query heads per selection
+    imp = probs.view(b, h // per, per, t, nc).sum(2) @ weights  # (B, groups, T, blocks), differentiable
+    importance = imp.detach().tolist()
+    chosen = [[[naive_selection(importance[i][g][p], p // sb, backend.n_sel, opts.num_initial_blocks,
+                                opts.num_local_blocks) for g in range(h // per)]
                for p in range(t)] for i in range(b)]
     key_block = torch.arange(t) // sb
     sel_mask = torch.zeros(b, h, t, t, dtype=torch.bool)
     for i in range(b):
         for p in range(t):
-            for g in range(hkv):
+            for g in range(h // per):
                 blocks = torch.tensor(sorted(chosen[i][p][g]))
-                sel_mask[i, g * rep:(g + 1) * rep, p] = torch.isin(key_block, blocks) & (torch.arange(t) <= p)
-    out_sel, _ = masked_attention(q, up(k), up(v), sel_mask)
+                sel_mask[i, g * per:(g + 1) * per, p] = torch.isin(key_block, blocks) & (torch.arange(t) <= p)
+    out_sel, p_sel = masked_attention(q, up(k), up(v), sel_mask)
+    if opts.diff_topk:  # each selected past block's part of the output times 1 + s - s.detach(), s its importance
+        part = torch.einsum("bhtl,lj,blhd->bhtjd", p_sel, torch.nn.functional.one_hot(key_block, n_blocks).double(),
+                            up(v).double())
+        picked = torch.zeros(b, h // per, t, n_blocks, dtype=torch.bool)
+        for i in range(b):
+            for p in range(t):
+                for g in range(h // per):
+                    picked[i, g, p, sorted(chosen[i][p][g] - {p // sb})] = True
+        coef = ((imp - imp.detach()) * picked).repeat_interleave(per, dim=1)  # (B, H, T, blocks)
+        out_sel = out_sel + torch.einsum("bhtj,bhtjd->bthd", coef, part)
     band = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - w)
     out_win, _ = masked_attention(q, up(k), up(v), band.expand(b, h, t, t))
     gates = torch.sigmoid(backend.gate(x).double()).view(b, t, h, 3, 1)
     out = gates[..., 0, :] * out_cmp + gates[..., 1, :] * out_sel + gates[..., 2, :] * out_win
     return out, chosen
+
+
+def selections(backend, q, k, t):
+    """The backend's selections (B, T, groups, S) for a full forward of t tokens, as its forward makes them: per
+    query head (k's compressed keys repeated per head) when the heads of a GQA group do not share them."""
+    ck = backend.compress_k(k)
+    if not backend.opts.share_selection:
+        ck = ck.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    return backend.select(q, ck, torch.arange(t), t)
 
 
 def as_sets(idx):
@@ -148,7 +183,12 @@ def test_recipes_reproduce_the_seed_and_full_baseline_differs_only_in_attention(
             "data.seq_len": 512, "attention.nsa.sliding_window_size": 64, "attention.nsa.compress_block_size": 16,
             "attention.nsa.selection_block_size": 16, "attention.nsa.num_selected_blocks": 4,
             "train.micro_batch_size": 4, "train.grad_accum": 4, "scaling.num_workers": 1, "train.lr": 1e-4,
-            "train.grad_clip": 0.5, "attention.kind": "nsa"}
+            "train.grad_clip": 0.5, "attention.kind": "nsa",
+            # QUERY_HEADS_SHARE_SELECTION, USE_DIFF_TOPK, INTERPOLATED_IMPORTANCE_SCORE=False, GroupedMLP
+            "attention.nsa.share_selection": True, "attention.nsa.diff_topk": True,
+            "attention.nsa.score_mapping": "overlap", "attention.nsa.num_initial_blocks": 0,
+            "attention.nsa.num_local_blocks": 1, "attention.nsa.compress": "mlp",
+            "attention.nsa.compress_mlp_mult": 1.0}
     assert {k: nsa[k] for k in seed} == seed
 
 
@@ -234,9 +274,169 @@ def test_backend_equals_naive_dense_reference(block, stride, sel, n_sel, window)
     want, chosen = naive_nsa(backend, q, k, v, x)
     with torch.no_grad():
         got = backend(q, k, v, x=x)
-        idx = backend.select(q, backend.compress_k(k), torch.arange(26), 26)
+        idx = selections(backend, q, k, 26)
     assert as_sets(idx) == chosen
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ options (issue 20)
+
+def aligned(scores, t=32, heads=4, kv_heads=2, head_dim=8):
+    """Queries all along one unit vector u and compressed keys ``scores[j] * u``: compressed block j's
+    importance grows with ``scores[j]`` for every query and head (hand-workable rankings)."""
+    u = torch.nn.functional.normalize(torch.randn(head_dim, generator=torch.Generator().manual_seed(3)), dim=0)
+    q = (3 * u).expand(2, t, heads, head_dim).clone()
+    ck = (torch.tensor(scores, dtype=torch.float32)[:, None, None] * u).expand(2, -1, kv_heads, -1).clone()
+    return q, ck
+
+
+def test_forced_initial_and_local_blocks_hand_worked():
+    # 8 blocks of 4 tokens, compressed = selection blocks; importance order 5 > 3 > 2 > 4 > 1 > 0 > 6
+    q, ck = aligned([1.0, 2.0, 4.0, 5.0, 3.0, 6.0, 0.0, 0.5])
+    pos = torch.tensor([5, 9, 28, 31])
+    sets = lambda bk: [row[0] for row in as_sets(bk.select(q[:, pos], ck, pos, 32))[0]]  # noqa: E731
+    # today's selection: the own block plus the 3 best past blocks
+    assert sets(make(block=4, stride=4, sel=4, n_sel=3)) == [{0, 1}, {0, 1, 2}, {5, 3, 2, 7}, {5, 3, 2, 7}]
+    # the paper's: block 0 and the block before the own one always, in 2 of the 3 slots; the best other fills the 3rd
+    paper = make(block=4, stride=4, sel=4, n_sel=3, num_initial_blocks=1, num_local_blocks=2)
+    assert sets(paper) == [{0, 1}, {0, 1, 2}, {0, 6, 5, 7}, {0, 6, 5, 7}]
+    # three local blocks, no initial one: blocks 5 and 6 forced, block 3 the best of the rest
+    local = make(block=4, stride=4, sel=4, n_sel=3, num_local_blocks=3)
+    assert sets(local) == [{0, 1}, {0, 1, 2}, {5, 6, 3, 7}, {5, 6, 3, 7}]
+
+
+def test_eq9_mapping_hand_worked():
+    scores = torch.tensor([[1.0, 10.0, 100.0, 1000.0, 10000.0]])
+    # l = l' = 2d (blocks of 8 every 4 tokens, selection blocks of 8): p_slc[j] = p[2j] + 2 p[2j-1] + p[2j-2]
+    torch.testing.assert_close(eq9_to_selection(scores, 8, 4, 8, 3), torch.tensor([[1.0, 121.0, 12100.0]]))
+    # l = d, l' = 2d: p_slc[j] = p[2j] + p[2j-1] (token overlap would give p[2j] + p[2j+1])
+    torch.testing.assert_close(eq9_to_selection(scores, 4, 4, 8, 3), torch.tensor([[1.0, 110.0, 11000.0]]))
+    torch.testing.assert_close(overlap_to_selection(scores, 4, 4, 8, 3), torch.tensor([[11.0, 1100.0, 10000.0]]))
+    # l = 2d, l' = d: p_slc[j] = p[j] + p[j-1]; equal sizes: the identity
+    torch.testing.assert_close(eq9_to_selection(scores[:, :3], 16, 8, 8, 4), torch.tensor([[1.0, 11.0, 110.0, 100.0]]))
+    torch.testing.assert_close(eq9_to_selection(scores, 8, 8, 8, 5), scores)
+    # the attended blocks differ: compressed block 3 (tokens 12..15) dominates; a query in selection block 3 picks
+    # selection block 1 (tokens 8..15, which hold it) by overlap, block 2 by Eq. 9 (2j - 1 = 3)
+    q, ck = aligned([0.0, 0.0, 0.0, 5.0, 0.0, 0.0, 0.0])
+    pos = torch.tensor([28, 31])
+    for mapping, pick in (("overlap", 1), ("eq9", 2)):
+        bk = make(block=4, stride=4, sel=8, n_sel=1, score_mapping=mapping)
+        assert as_sets(bk.select(q[:, pos], ck, pos, 32))[0] == [[{3, pick}] * 2] * 2, mapping
+
+
+def test_per_head_selection_hand_worked():
+    # kv group 0's two heads look for different blocks: head 0 along u (block 2), head 1 along w (block 5)
+    g = torch.Generator().manual_seed(4)
+    u, w = (torch.nn.functional.normalize(torch.randn(8, generator=g), dim=0) for _ in range(2))
+    q = torch.zeros(1, 32, 4, 8)
+    q[:, :, 0], q[:, :, 1], q[:, :, 2:] = 4 * u, 4 * w, 4 * u
+    ck = torch.zeros(1, 7, 2, 8)
+    ck[:, 2, :] = 3 * u
+    ck[:, 5, :] = 5 * w  # sharper: the group's summed importance prefers block 5
+    pos = torch.tensor([28])
+    shared = make(block=4, stride=4, sel=4, n_sel=1)
+    assert as_sets(shared.select(q[:, pos], ck, pos, 32))[0][0] == [{5, 7}, {2, 7}]  # per kv group
+    per_head = make(block=4, stride=4, sel=4, n_sel=1, share_selection=False)
+    assert selections(per_head, q, torch.zeros(1, 32, 2, 8), 32).shape == (1, 32, 4, 2)  # one row per query head
+    idx = per_head.select(q[:, pos], ck.repeat_interleave(2, dim=2), pos, 32)  # what its forward computes
+    assert as_sets(idx)[0][0] == [{2, 7}, {5, 7}, {2, 7}, {2, 7}]  # per query head
+
+
+def test_compression_networks_hand_worked():
+    k = inputs(20)[1]  # blocks of 8 every 4 tokens: 4 complete blocks
+    blocks = k.unfold(1, 8, 4).transpose(-1, -2)  # (B, 4, Hkv, 8, D): block j = tokens 4j .. 4j + 7
+    conv = make(compress="conv_linear").compress_k
+    assert {n for n, _ in conv.named_parameters()} == {"pos", "w", "b"}
+    # one per-kv-head linear map of the flattened block: a grouped Conv1d of kernel 8, stride 4 over the tokens
+    want = torch.stack([torch.stack([(blocks[:, j, h] + conv.pos[h]).reshape(2, -1) @ conv.w[h] + conv.b[h]
+                                     for h in range(2)], 1) for j in range(4)], 1)
+    torch.testing.assert_close(conv(k), want, rtol=1e-5, atol=1e-6)
+    pool = make(compress="attention_pool").compress_k
+    with torch.no_grad():
+        pool.pos.zero_()
+    torch.testing.assert_close(pool(k), blocks.mean(-2))  # zero logits at first: the block's mean
+    with torch.no_grad():
+        pool.w.copy_(torch.eye(8).expand(2, 8, 8) * 3)  # logits = 3 x the feature: a soft maximum per feature
+    torch.testing.assert_close(pool(k), ((3 * blocks).softmax(-2) * blocks).sum(-2))
+    for net in (conv, pool):  # a range of blocks = the same blocks (the decoding cache compresses by ranges)
+        torch.testing.assert_close(net(k, 2, 2), net(k)[:, 2:4])
+
+
+@pytest.mark.parametrize("chunked_path", [True, False])
+def test_diff_topk_gradients_reach_the_importance_scores(chunked_path):
+    """With the compressed branch gated off, only the block importances could carry gradients to the compression
+    of the keys: none without diff_topk, some with it (their values are the float64 reference's, tested above)."""
+    def compress_k_grad(diff_topk):
+        backend = make(block=8, stride=4, sel=8, n_sel=2, diff_topk=diff_topk).train()
+        backend.chunked = chunked_path
+        with torch.no_grad():
+            backend.gate.weight[0::3] = 0  # the compressed gate of each head: sigmoid(-inf) = 0
+            backend.gate.bias[0::3] = float("-inf")
+        q, k, v, x = (z.requires_grad_() for z in inputs(40))
+        out = backend(q, k, v, x=x)
+        (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(2))).sum().backward()
+        return backend.compress_k.w1.grad
+    assert (compress_k_grad(False) == 0).all()
+    assert compress_k_grad(True).abs().sum() > 0
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"num_initial_blocks": -1}, "num_initial_blocks must be >= 0"),
+    ({"num_local_blocks": 0}, "num_local_blocks must be >= 1"),
+    ({"num_initial_blocks": 2, "num_local_blocks": 2, "num_selected_blocks": 2}, "forces 3 past blocks"),
+    ({"score_mapping": "mean"}, "score_mapping must be one of overlap, eq9"),
+    ({"compress": "gru"}, "compress must be one of mlp, conv_linear, attention_pool"),
+])
+def test_invalid_option_is_a_config_error_naming_the_key(bad, message):
+    cfg = recipes.get("nsa_debug").override({"name": "x", **{f"attention.nsa.{k}": v for k, v in bad.items()}})
+    with pytest.raises(ConfigError, match=message):
+        cfg.validate()
+    with pytest.raises(ConfigError, match="share_selection expects true/false"):
+        recipes.get("nsa_debug").override({"attention.nsa.share_selection": "maybe"})
+
+
+# every option away from today's value, alone and together, on overlapping / unequal block geometries
+OPTION_CASES = [{"num_initial_blocks": 1, "num_local_blocks": 2}, {"score_mapping": "eq9"}, {"share_selection": False},
+                {"diff_topk": True}, {"diff_topk": True, "score_mapping": "eq9"},
+                {"compress": "conv_linear"}, {"compress": "attention_pool", "diff_topk": True},
+                {"num_initial_blocks": 2, "num_local_blocks": 3, "score_mapping": "eq9", "share_selection": False,
+                 "diff_topk": True}]
+OPTION_GEOMETRIES = [(8, 4, 8, 4, 6), (16, 8, 8, 4, 12), (4, 4, 8, 4, 5)]  # block, stride, sel, n_sel, window
+
+
+@pytest.mark.parametrize("options", OPTION_CASES, ids=lambda o: "+".join(f"{k}={v}" for k, v in o.items()))
+@pytest.mark.parametrize("geometry", OPTION_GEOMETRIES, ids=str)
+def test_options_both_paths_equal_float64_reference_forward_selection_and_gradients(options, geometry, small_subchunks):
+    block, stride, sel, n_sel, window = geometry
+    t = 45
+    backend = make(block=block, stride=stride, sel=sel, n_sel=n_sel, window=window, **options).double().train()
+    backend.chunk_size = 7
+    q, k, v, x = (z.double() for z in inputs(t))
+    want, chosen = naive_nsa(backend, q, k, v, x)
+    with torch.no_grad():
+        assert as_sets(selections(backend, q, k, t)) == chosen
+    _, want_grads = grads(backend, q, k, v, x, lambda bk, *a: naive_nsa(bk, *a[:3], a[3])[0])
+    for chunked_path in (True, False):
+        backend.chunked = chunked_path
+        got, got_grads = grads(backend, q, k, v, x, lambda bk, q, k, v, x: bk(q, k, v, x=x))
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-11)
+        for name, g in want_grads.items():
+            torch.testing.assert_close(got_grads[name], g, rtol=1e-9, atol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize("options", OPTION_CASES, ids=lambda o: "+".join(f"{k}={v}" for k, v in o.items()))
+@pytest.mark.parametrize("chunked_path", [True, False])
+def test_options_cached_decoding_equals_full_forward(options, chunked_path):
+    backend = make(block=8, stride=4, sel=8, n_sel=4, window=6, **options)
+    backend.chunked = chunked_path
+    q, k, v, x = inputs(40)
+    with torch.no_grad():
+        full = backend(q, k, v, x=x)
+        cache = backend.new_cache(2, 40, torch.device("cpu"), torch.float32)
+        parts = [backend(q[:, :9], k[:, :9], v[:, :9], cache=cache, x=x[:, :9])]
+        parts += [backend(q[:, i:i + 2], k[:, i:i + 2], v[:, i:i + 2], cache=cache, x=x[:, i:i + 2])
+                  for i in range(9, 40, 2)]
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------ the chunked CPU path
@@ -272,7 +472,7 @@ def test_chunked_path_equals_naive_reference_forward_and_selection(case, chunk, 
     want, chosen = naive_nsa(backend, q, k, v, x)
     with torch.no_grad():
         got = backend(q, k, v, x=x)
-        idx = backend.select(q, backend.compress_k(k), torch.arange(t), t)
+        idx = selections(backend, q, k, t)
     assert as_sets(idx) == chosen
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     backend64 = chunked(case, chunk, torch.float64)  # float64 throughout: equal to rounding
@@ -394,14 +594,17 @@ def test_bfloat16_stays_bfloat16():
     assert (out.float() - want).abs().max() < 0.1
 
 
-def test_triton_selected_branch_equals_the_reference_forward_backward_and_cached():
+@pytest.mark.parametrize("options", [{}, {"num_initial_blocks": 1, "num_local_blocks": 2, "score_mapping": "eq9",
+                                          "share_selection": False}], ids=["default", "paper_forced_eq9_per_head"])
+def test_triton_selected_branch_equals_the_reference_forward_backward_and_cached(options):
     """The backend's selections fed to the Triton kernel (interpreted on CPU; tests/conftest.py sets
-    TRITON_INTERPRET=1) give the reference's output, gradients and cached decoding."""
+    TRITON_INTERPRET=1) give the reference's output, gradients and cached decoding; with the options that
+    change which blocks are attended too (per-head selection: the kernel gets k/v repeated per query head)."""
     from efftx.kernels.selected_attention import INTERPRETED, triton_available
 
     if not (triton_available() and (INTERPRETED or torch.cuda.is_available())):
         pytest.skip("the Triton kernel needs CUDA or TRITON_INTERPRET=1")
-    opts = dict(block=16, stride=8, sel=16, n_sel=2, window=8, head_dim=16)
+    opts = dict(block=16, stride=8, sel=16, n_sel=2, window=8, head_dim=16, **options)
     ref, tri = make(**opts, impl="reference"), make(**opts, impl="triton")
     assert tri.impl == "triton"
     q, k, v, x = (t.requires_grad_() for t in inputs(40, head_dim=16))

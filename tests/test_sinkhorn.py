@@ -1,21 +1,26 @@
-"""The Sinkhorn attention backend: sort matrix, padding, causality, sorted and local heads, GQA, gradients."""
+"""The Sinkhorn attention backend: sort matrix, padding, causality, sorted and local heads, GQA, gradients,
+the reference's causal top-k design (causal_mode=topk) and non-causal Gumbel noise."""
+
+import math
 
 import pytest
 import torch
 
-from efftx import attention
+from efftx import attention, recipes
 from efftx.attention.base import AttentionSpec
-from efftx.attention.sinkhorn import SinkhornAttention, SinkhornOptions, sinkhorn, sort_mask
+from efftx.attention.sinkhorn import SinkhornAttention, SinkhornOptions, sinkhorn, sort_mask, top_buckets
 from efftx.errors import ConfigError
 
 N = 4  # bucket size used throughout
+MODES = [{}, {"causal_mode": "topk"}, {"causal_mode": "topk", "topk": 2}]  # causal designs: blend, reference
+MODE_IDS = ["blend", "topk1", "topk2"]
 
 
-def make(heads=4, kv_heads=2, head_dim=8, causal=True, n_local=1, iters=8, dropout=0.0, seed=0):
+def make(heads=4, kv_heads=2, head_dim=8, causal=True, n_local=1, iters=8, dropout=0.0, seed=0, **options):
     spec = AttentionSpec(kind="sinkhorn", dim=heads * head_dim, heads=heads, kv_heads=kv_heads,
                          head_dim=head_dim, max_seq_len=64, causal=causal, dropout=dropout,
                          options=SinkhornOptions(bucket_size=N, n_local_attn_heads=n_local,
-                                                 sinkhorn_iters=iters))
+                                                 sinkhorn_iters=iters, **options))
     torch.manual_seed(seed)
     backend = attention.build(spec).eval()
     if backend.sort_net is not None:
@@ -82,9 +87,10 @@ def test_padding_matches_running_the_padded_length():
         torch.testing.assert_close(backend(q[:, :t], k[:, :t], v[:, :t]), full[:, :t], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
 @pytest.mark.parametrize("n_local", [0, 1, 4])
-def test_perturbing_position_j_leaves_earlier_outputs_unchanged(n_local):
-    backend = make(n_local=n_local)
+def test_perturbing_position_j_leaves_earlier_outputs_unchanged(n_local, mode):
+    backend = make(n_local=n_local, **mode)
     q, k, v = qkv(20)
     base = backend(q, k, v)
     # j mid-bucket: bucket 2's summary (which later sort rows use) changes, but queries of bucket 2
@@ -134,19 +140,21 @@ def test_local_heads_see_only_the_neighbouring_buckets(causal):
     assert (backend(q, k3, v)[:, p, :2] - base[:, p, :2]).abs().amax() > 1e-3
 
 
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("causal, mode", [(True, {}), (False, {}), *((True, m) for m in MODES[1:])],
+                         ids=["causal", "noncausal", *MODE_IDS[1:]])
 @pytest.mark.parametrize("n_local", [0, 1, 2])
-def test_gqa_equals_kv_repeated_to_every_head(causal, n_local):
-    gqa = make(kv_heads=2, causal=causal, n_local=n_local)
-    mha = make(kv_heads=4, causal=causal, n_local=n_local)
+def test_gqa_equals_kv_repeated_to_every_head(causal, n_local, mode):
+    gqa = make(kv_heads=2, causal=causal, n_local=n_local, **mode)
+    mha = make(kv_heads=4, causal=causal, n_local=n_local, **mode)
     mha.load_state_dict(gqa.state_dict())
     q, k, v = qkv(18)
     expected = mha(q, k.repeat_interleave(2, dim=2), v.repeat_interleave(2, dim=2))
     torch.testing.assert_close(gqa(q, k, v), expected, rtol=1e-5, atol=1e-6)
 
 
-def test_cached_decoding_equals_full_forward():
-    backend = make(n_local=1)  # the local/sorting split falls inside kv group 0
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_cached_decoding_equals_full_forward(mode):
+    backend = make(n_local=1, **mode)  # the local/sorting split falls inside kv group 0
     q, k, v = qkv(19)
     full = backend(q, k, v)
     cache = backend.new_cache(2, 32, torch.device("cpu"), torch.float32)
@@ -182,6 +190,156 @@ def test_attention_dropout_only_in_training():
     torch.testing.assert_close(backend(q, k, v), backend(q, k, v), rtol=0, atol=0)
     backend.train()
     assert not torch.allclose(backend(q, k, v), backend.eval()(q, k, v))
+
+
+# ------------------------------------------------------------------ causal_mode=topk: the reference's design
+
+def one_head(topk=1, weight=1.0):
+    """One sorting head, keys of width 2, buckets of 2, sort weight ``weight`` x identity."""
+    spec = AttentionSpec(kind="sinkhorn", dim=2, heads=1, kv_heads=1, head_dim=2, max_seq_len=64,
+                         options=SinkhornOptions(bucket_size=2, causal_mode="topk", topk=topk))
+    backend = attention.build(spec).eval()
+    with torch.no_grad():
+        backend.sort_net.weight.copy_(torch.eye(2) * weight)
+    return backend
+
+
+# buckets of 2 keys: summaries s0 = (1, 0), s1 = (0, 1), s2 = (-1, 0), s3 = (-1, -1.5); bucket 4 = position 8
+HAND_KEYS = torch.tensor([[1, 0], [1, 0], [0, 1], [0, 1], [-1, 0], [-1, 0], [3, -3], [-5, 0], [0, 0]],
+                         dtype=torch.float32)[None, :, None, :]
+
+
+def test_topk_picks_the_best_scored_past_bucket_by_hand():
+    backend = one_head()
+    picks, weights = backend.select_buckets(HAND_KEYS)
+    # Query side of bucket i: mean of keys 0 .. 2i. Bucket 1: (2/3, 1/3): s0 scores 2/3 > 0 (the null bucket).
+    # Bucket 2: (1, 2)/5: s0 0.2, s1 0.4 -> bucket 1. Bucket 3: (2, -1)/7: s0 2/7, s1 -1/7, s2 -2/7 -> bucket 0
+    # (not the previous bucket). Bucket 4: (-3, -1)/9: s0 -3/9, s1 -1/9, s2 3/9, s3 4.5/9 -> bucket 3.
+    assert picks[0, 0, :, 0].tolist() == [-1, 0, 1, 0, 3]  # bucket 0 gets the null bucket
+    scale = 1 / (math.sqrt(2) * 0.75)  # 1/sqrt(D), 1/temperature
+    l0 = 2 / 3 * scale
+    torch.testing.assert_close(weights[0, 0, 1, 0], torch.tensor(math.exp(l0) / (1 + math.exp(l0))))
+    assert weights[0, 0, 0, 0] == 1  # the null bucket is bucket 0's only candidate
+
+
+def test_topk_picks_the_null_bucket_when_it_outscores_the_past():
+    picks, _ = one_head(weight=-1.0).select_buckets(HAND_KEYS)  # every score flips sign
+    # bucket 1: s0 scores -2/3 < 0 = the null bucket's score; bucket 2: s0 -0.2, s1 -0.4: both below 0
+    assert picks[0, 0, 1:3, 0].tolist() == [-1, -1]
+    assert picks[0, 0, 3, 0] == 2 and picks[0, 0, 4, 0] == 0  # s0 -2/7, s1 1/7, s2 2/7; s0 3/9, s1 1/9
+
+
+def test_top2_picks_in_order_renormalising_over_the_rest():
+    picks, weights = one_head(topk=2).select_buckets(HAND_KEYS)
+    assert picks[0, 0, 0].tolist() == [-1, -1]  # two null buckets
+    assert picks[0, 0, 1].tolist() == [0, -1]  # one past bucket, then a null one
+    assert picks[0, 0, 2].tolist() == [1, 0]
+    scale = 1 / (math.sqrt(2) * 0.75)
+    e0, e1 = math.exp(0.2 * scale), math.exp(0.4 * scale)  # candidates: null, null, s0, s1
+    torch.testing.assert_close(weights[0, 0, 2], torch.tensor([e1 / (2 + e0 + e1), e0 / (2 + e0)]))
+
+
+def test_top_buckets_never_picks_an_excluded_candidate():
+    logits = torch.tensor([[0.0, -1e9, 5.0, -1e9, 1.0]])
+    picks, weights = top_buckets(logits, 3)
+    assert picks.tolist() == [[2, 4, 0]]
+    assert torch.all(weights > 0) and torch.all(weights <= 1)
+
+
+@pytest.mark.parametrize("topk", [1, 2])
+def test_topk_attention_matches_a_per_query_reference(topk):
+    backend = make(n_local=1, causal_mode="topk", topk=topk)  # head 0 local; heads 1..3 sort, kv groups 0, 1, 1
+    with torch.no_grad():
+        backend.null_key.normal_()
+        backend.null_value.normal_()
+    q, k, v = qkv(18)
+    out = backend(q, k, v)
+    picks, weights = backend.select_buckets(k)  # (B, 3, nb, topk)
+    for b in range(2):
+        for hs in range(3):
+            h, g = hs + 1, (hs + 1) // 2
+            for p in range(18):
+                i = p // N
+                keys, vals = [k[b, i * N:p + 1, g]], [v[b, i * N:p + 1, g]]  # own bucket up to p
+                for j, w in zip(picks[b, hs, i].tolist(), weights[b, hs, i]):
+                    if j < 0:
+                        keys.append(w * backend.null_key[hs].expand(N, -1))
+                        vals.append(w * backend.null_value[hs].expand(N, -1))
+                    else:
+                        assert j < i  # a complete past bucket
+                        keys.append(w * k[b, j * N:(j + 1) * N, g])
+                        vals.append(w * v[b, j * N:(j + 1) * N, g])
+                keys, vals = torch.cat(keys), torch.cat(vals)
+                expected = ((keys @ q[b, p, h]) / math.sqrt(8)).softmax(-1) @ vals
+                torch.testing.assert_close(out[b, p, h], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_first_bucket_reads_the_learned_null_bucket():
+    backend = make(n_local=1, causal_mode="topk")
+    q, k, v = qkv(12)
+    base = backend(q, k, v)
+    with torch.no_grad():
+        backend.null_value.add_(1.0)
+    out = backend(q, k, v)
+    assert (out[:, :N, 1:] - base[:, :N, 1:]).abs().amax() > 1e-3  # bucket 0's sorting heads see it
+    torch.testing.assert_close(out[:, :, :1], base[:, :, :1], rtol=0, atol=0)  # the local head not
+
+
+def test_topk_gradients_reach_the_sort_net_and_the_null_bucket():
+    backend = make(causal_mode="topk", topk=2).train()
+    q, k, v = (t.requires_grad_() for t in qkv(15))
+    backend(q, k, v).square().sum().backward()
+    for p in (backend.sort_net.weight, backend.null_key, backend.null_value):
+        assert torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+
+
+# ------------------------------------------------------------------ non-causal Gumbel noise
+
+def test_gumbel_noise_only_in_training():
+    noisy = make(causal=False, gumbel_noise=True)
+    plain = make(causal=False)
+    plain.load_state_dict(noisy.state_dict())
+    q, k, v = qkv(16)
+    torch.testing.assert_close(noisy(q, k, v), plain(q, k, v), rtol=0, atol=0)  # evaluation: no noise
+    torch.testing.assert_close(noisy.sort_matrix(k), plain.sort_matrix(k), rtol=0, atol=0)
+    noisy.train()
+    plain.train()
+    torch.testing.assert_close(plain.sort_matrix(k), plain.sort_matrix(k), rtol=0, atol=0)  # no dropout here
+    a, b = noisy.sort_matrix(k), noisy.sort_matrix(k)
+    assert (a - b).abs().amax() > 1e-2 and (a - plain.sort_matrix(k)).abs().amax() > 1e-2
+    torch.testing.assert_close(a.sum(-1), torch.ones_like(a.sum(-1)), rtol=0, atol=1e-5)  # still row-stochastic
+    q.requires_grad_()
+    noisy(q, k, v).sum().backward()
+    assert torch.isfinite(noisy.sort_net.weight.grad).all() and noisy.sort_net.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("options, key", [
+    ({"causal_mode": "sorted"}, "attention.sinkhorn.causal_mode='sorted' is not one of blend, topk"),
+    ({"causal_mode": "topk", "topk": 0}, "attention.sinkhorn.topk=0 must be an integer >= 1"),
+    ({"topk": 2}, "attention.sinkhorn.topk=2 has no effect unless attention.sinkhorn.causal_mode=topk"),
+    ({"gumbel_noise": True}, "attention.sinkhorn.gumbel_noise applies to non-causal attention only"),
+    ({"gumbel_noise": "yes"}, "attention.sinkhorn.gumbel_noise='yes' must be true or false"),
+])
+def test_bad_mode_options_are_config_errors(options, key):
+    causal = options != {"gumbel_noise": "yes"}
+    with pytest.raises(ConfigError, match=key):
+        make(causal=causal, **options)
+
+
+def test_topk_needs_causal_attention():
+    with pytest.raises(ConfigError, match="causal_mode=topk chooses the causal design"):
+        make(causal=False, causal_mode="topk")
+
+
+def test_recipe_keys_select_the_mode():
+    cfg = recipes.get("sinkhorn_debug").override({"name": "x", "attention.sinkhorn.causal_mode": "topk",
+                                                   "attention.sinkhorn.topk": "2"})
+    cfg.validate()
+    assert (cfg.attention.sinkhorn.causal_mode, cfg.attention.sinkhorn.topk) == ("topk", 2)
+    with pytest.raises(ConfigError, match="attention.sinkhorn.causal_mode='soft'"):
+        recipes.get("sinkhorn_debug").override({"name": "x", "attention.sinkhorn.causal_mode": "soft"}).validate()
 
 
 def test_bad_options_are_config_errors():

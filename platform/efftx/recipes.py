@@ -167,7 +167,13 @@ def performer_debug() -> Config:
 # keeps the seed's 16 sequences per step (--workers N multiplies it). nsa_full_<size> is the same model with
 # full (SDPA) attention, the baseline. Recipes nsa_<size> / nsa_full_<size> come from this table.
 
-_NSA_ARCH = {"model.tie_embeddings": False, "attention.kind": "nsa", "attention.nsa.compress_stride": 0}
+# The seed's NSA switches (every nsa_* size): QUERY_HEADS_SHARE_SELECTION=True -> share_selection, USE_DIFF_TOPK=True
+# -> diff_topk, INTERPOLATED_IMPORTANCE_SCORE=False -> score_mapping=overlap (the seed's repeat-then-mean mapping;
+# with l = l' = d = 16 every mapping is the identity), no forced initial block and the own (diagonal) block only.
+_NSA_ARCH = {"model.tie_embeddings": False, "attention.kind": "nsa", "attention.nsa.compress_stride": 0,
+             "attention.nsa.share_selection": True, "attention.nsa.diff_topk": True,
+             "attention.nsa.score_mapping": "overlap", "attention.nsa.num_initial_blocks": 0,
+             "attention.nsa.num_local_blocks": 1}
 _NSA_SIZES = {
     "enwik8": {
         "model.dim": 512, "model.depth": 6, "model.heads": 8, "model.kv_heads": 4, "model.head_dim": 64,

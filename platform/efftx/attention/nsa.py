@@ -8,24 +8,35 @@ the normed hidden state ``x`` (a ``Linear(dim, 3 * heads)``; the backend must be
   ``d`` = ``compress_stride``, 0 meaning ``d = l``). A learned network turns each block of keys (and,
   separately, of values) into one key (value): a learned intra-block position embedding (kv head,
   position in block, D) is added, the block is flattened to ``l * D`` and a per-kv-head two-layer MLP
-  (ReLU, hidden ``compress_mlp_mult * l * D``, as the seed's ``GroupedMLP``) maps it to ``D``. A query
+  (ReLU, hidden ``compress_mlp_mult * l * D``, as the seed's ``GroupedMLP``) maps it to ``D``
+  (``compress=mlp``; ``conv_linear``: one linear map of the flattened block, a grouped strided conv;
+  ``attention_pool``: per feature, a softmax over the block's positions of learned logits pools it). A query
   attends (one softmax, SDPA) to the compressed blocks that end at or before its own position. A query
   with no complete block yet (``p < l - 1``) gets zeros from this branch: no "memory" slot is added.
 * **Selected.** Block importance comes from the compressed branch's attention probabilities, summed
-  over the query heads of each GQA group (all heads of a group share one selection, as the NSA kernel
-  needs). They are mapped onto selection blocks (``l'`` = ``selection_block_size`` tokens) by overlap:
-  compressed block ``j`` gives selection block ``s`` the fraction of its ``l`` tokens lying in ``s``.
-  (With ``d | l`` and ``d | l'``, which the config requires as the paper does, both grids start on
-  multiples of ``d``; when ``l = d = l'`` the mapping is the identity.) Each query takes its own block
-  ``p // l'`` (keys after ``p`` are masked inside it: block-causal) plus its ``num_selected_blocks``
-  highest-scoring blocks among those strictly before its own, never a future block; slots it cannot
-  fill (fewer past blocks) are ``-1``. Exact ties, e.g. recent blocks no complete compressed block
-  covers yet, go to the most recent block. The attention over the chosen blocks is
-  :func:`efftx.kernels.selected_attention` (Triton on CUDA, a torch reference elsewhere; ``impl``).
+  over the query heads of each GQA group (``share_selection=true``: all heads of a group share one
+  selection, as the NSA kernel prefers; ``false``: each query head ranks by its own probabilities, and
+  every path runs with k, v and the compressed keys/values repeated per query head). They are mapped onto
+  selection blocks (``l'`` = ``selection_block_size`` tokens) by ``score_mapping``: ``overlap``, compressed
+  block ``j`` gives selection block ``s`` the fraction of its ``l`` tokens lying in ``s``; ``eq9``, the
+  paper's Eq. 9 taken literally (:func:`eq9_to_selection`). (With ``d | l`` and ``d | l'``, which the
+  config requires as the paper does, both grids start on multiples of ``d``; when ``l = d = l'`` both
+  mappings are the identity.) Each query takes its own block ``p // l'`` (keys after ``p`` are masked
+  inside it: block-causal) plus ``num_selected_blocks`` blocks strictly before its own, never a future
+  block: first the forced ones (the first ``num_initial_blocks`` blocks and the ``num_local_blocks - 1``
+  blocks just before its own; the paper keeps 1 initial and 2 local blocks, the own one counted), then
+  the highest-scoring others; slots it cannot fill (fewer past blocks) are ``-1``. Exact ties, e.g.
+  recent blocks no complete compressed block covers yet, go to the most recent block. The attention over
+  the chosen blocks is :func:`efftx.kernels.selected_attention` (Triton on CUDA, a torch reference
+  elsewhere; ``impl``).
   The probabilities are recomputed (q @ k in the input dtype, softmax in float32) in query chunks
   without autograd: the choice is discrete, and the compressed output itself goes through SDPA, which
   keeps no (T x T/d) probability matrix for the backward. As in the paper, gradients reach the
-  compression network through the compressed branch only.
+  compression network through the compressed branch only, unless ``diff_topk``: then each selected past
+  block's part of the selected output is multiplied by ``1 + s - s.detach()`` (``s`` its importance), a
+  straight-through factor equal to 1 whose gradient reaches the queries and compressed keys through the
+  importances (the chunked CPU path adds it in its backward, the branch-by-branch path by
+  :meth:`NativeSparseAttention.straight_through`).
 * **Sliding window.** Causal attention to the last ``sliding_window_size`` keys (the query's own
   included), computed chunk by chunk (queries in chunks of ``c <= w``, each against its ``c + w``
   neighbouring keys), so memory is O(T * w), never T x T.
@@ -86,6 +97,15 @@ class NSAOptions:
     num_selected_blocks: int = 4  # top-scored past blocks each query attends to, besides its own block
     sliding_window_size: int = 64  # tokens (the query's own and the previous ones) of the window branch
     impl: str = "auto"  # selected-block attention: auto (Triton on CUDA when possible) | triton | reference
+    # Forced blocks (the paper keeps 1 initial and 2 local blocks), counted within the selection: every query
+    # attends its own block plus num_selected_blocks past blocks; the forced past blocks take some of those
+    # slots and the top-scored blocks fill the rest.
+    num_initial_blocks: int = 0  # blocks 0 .. n-1, always selected (paper: 1)
+    num_local_blocks: int = 1  # the query's own block and the n-1 blocks just before it, always selected (paper: 2)
+    score_mapping: str = "overlap"  # compressed -> selection block scores: overlap (token fractions) | eq9 (paper)
+    share_selection: bool = True  # True: the query heads of a GQA group share one selection (summed scores)
+    diff_topk: bool = False  # True: gradients reach the importances of the selected blocks (straight-through)
+    compress: str = "mlp"  # compression network: mlp (the seed's GroupedMLP) | conv_linear | attention_pool
 
     @property
     def stride(self) -> int:
@@ -111,6 +131,24 @@ class NSAOptions:
             if getattr(self, key) % self.stride:
                 raise ConfigError(f"{k}{key}={getattr(self, key)} must be a multiple of the compression stride "
                                   f"({k}compress_stride, or {k}compress_block_size when the stride is 0) = {self.stride}")
+        if self.num_initial_blocks < 0:
+            raise ConfigError(f"{k}num_initial_blocks must be >= 0, got {self.num_initial_blocks}")
+        if self.num_local_blocks < 1:
+            raise ConfigError(f"{k}num_local_blocks must be >= 1 (the query's own block is always attended), "
+                              f"got {self.num_local_blocks}")
+        forced = self.num_initial_blocks + self.num_local_blocks - 1  # past blocks forced into the selection
+        if forced > self.num_selected_blocks:
+            raise ConfigError(f"{k}num_initial_blocks={self.num_initial_blocks} + {k}num_local_blocks="
+                              f"{self.num_local_blocks} - 1 (the own block) forces {forced} past blocks, more than "
+                              f"the {k}num_selected_blocks={self.num_selected_blocks} slots they are counted in")
+        if self.compress not in COMPRESSORS:
+            raise ConfigError(f"{k}compress must be one of {', '.join(COMPRESSORS)}; got {self.compress!r}")
+        if self.score_mapping not in SCORE_MAPPINGS:
+            raise ConfigError(f"{k}score_mapping must be one of {', '.join(SCORE_MAPPINGS)}; "
+                              f"got {self.score_mapping!r}")
+        for key in ("share_selection", "diff_topk"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"{k}{key} must be true or false, got {getattr(self, key)!r}")
         impls = ("auto", "triton", "reference")
         if self.impl not in impls:
             raise ConfigError(f"{k}impl must be one of {', '.join(impls)}; got {self.impl!r}")
@@ -152,6 +190,39 @@ def overlap_to_selection(scores: torch.Tensor, block: int, stride: int, sel_bloc
         weight = weight * (s < n_sel)
         out.index_add_(-1, s.clamp(max=n_sel - 1), scores * weight)
     return out
+
+
+def eq9_to_selection(scores: torch.Tensor, block: int, stride: int, sel_block: int, n_sel: int) -> torch.Tensor:
+    """Map (..., Nc) compressed-block scores onto (..., n_sel) selection blocks by the NSA paper's Eq. 9.
+
+    With ``d | l`` and ``d | l'`` (compressed block ``l``, stride ``d``, selection block ``l'``), Eq. 9 reads
+    ``p_slc[j] = sum_{m=0}^{l'/d - 1} sum_{n=0}^{l/d - 1} p_cmp[(l'/d) * j - m - n]``, indices outside
+    ``[0, Nc)`` counting 0. Taken literally: compressed block ``i`` enters selection block ``j`` with weight
+    ``#{(m, n): m + n = (l'/d) j - i}``, so with ``l = l' = 2d`` block ``j`` gets ``p[2j] + 2 p[2j-1] + p[2j-2]``
+    (the overlap mapping would give ``p[2j] + p[2j-1] / 2 + p[2j+1] / 2``); with ``l = l' = d`` it is the
+    identity, as the overlap mapping is. Differentiable in ``scores``.
+    """
+    a, c = sel_block // stride, block // stride
+    nc = scores.shape[-1]
+    out = scores.new_zeros(*scores.shape[:-1], n_sel)
+    base = torch.arange(n_sel, device=scores.device) * a
+    for r in range(a + c - 1):  # r = m + n
+        weight = min(r, a - 1) - max(0, r - c + 1) + 1  # pairs 0 <= m < a, 0 <= n < c with m + n = r
+        i = base - r
+        ok = (i >= 0) & (i < nc)
+        if ok.any():
+            out = out + weight * scores[..., i.clamp(0, max(nc - 1, 0))] * ok
+    return out
+
+
+SCORE_MAPPINGS = {"overlap": overlap_to_selection, "eq9": eq9_to_selection}
+
+
+def forced_blocks(blocks: torch.Tensor, own: torch.Tensor, initial: int, local: int) -> torch.Tensor:
+    """True where block ``blocks`` (a row) is forced into the selection of a query whose own block is ``own``
+    (a column): one of the first ``initial`` blocks or of the ``local`` blocks ending with the own one.
+    (Blocks after ``own`` come out True too; callers mask them as future afterwards.)"""
+    return (blocks < initial) | (blocks > own - local)
 
 
 def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
@@ -211,10 +282,53 @@ class BlockCompressor(nn.Module):
         if count <= 0:
             return t.new_zeros(b, 0, hkv, d)
         seg = t[:, first * self.stride:(first + count - 1) * self.stride + self.block]
-        blocks = seg.unfold(1, self.block, self.stride).transpose(-1, -2)  # (B, N, Hkv, block, D)
+        return self._compress(seg.unfold(1, self.block, self.stride).transpose(-1, -2))  # (B, N, Hkv, block, D)
+
+    def _compress(self, blocks: torch.Tensor) -> torch.Tensor:
+        """(B, N, Hkv, block, D) blocks of tokens -> (B, N, Hkv, D) compressed keys (values)."""
+        b, count, hkv, _, d = blocks.shape
+        t = blocks
         flat = (blocks + self.pos.to(t.dtype)).reshape(b, count, hkv, self.block * d)
         hidden = F.relu(torch.einsum("bnhi,hio->bnho", flat, self.w1.to(t.dtype)) + self.b1.to(t.dtype))
         return torch.einsum("bnho,hod->bnhd", hidden, self.w2.to(t.dtype)) + self.b2.to(t.dtype)
+
+
+class LinearCompressor(BlockCompressor):
+    """``compress=conv_linear`` (the seed's ConvLinearCompress): one per-kv-head linear map of the flattened block
+    (position embedding added) to D, i.e. a grouped Conv1d of kernel ``block`` and stride ``stride`` over the keys."""
+
+    def __init__(self, kv_heads: int, head_dim: int, block: int, stride: int, mult: float):
+        nn.Module.__init__(self)
+        self.block, self.stride = block, stride
+        fan_in = block * head_dim
+        self.pos = nn.Parameter(torch.zeros(kv_heads, block, head_dim))
+        self.w = nn.Parameter(torch.randn(kv_heads, fan_in, head_dim) / math.sqrt(fan_in))
+        self.b = nn.Parameter(torch.zeros(kv_heads, head_dim))
+
+    def _compress(self, blocks: torch.Tensor) -> torch.Tensor:
+        b, n, hkv, l, d = blocks.shape
+        flat = (blocks + self.pos.to(blocks.dtype)).reshape(b, n, hkv, l * d)
+        return torch.einsum("bnhi,hid->bnhd", flat, self.w.to(blocks.dtype)) + self.b.to(blocks.dtype)
+
+
+class PoolCompressor(BlockCompressor):
+    """``compress=attention_pool`` (the seed's AttentionPool): per feature, a softmax over the block's positions of
+    learned logits (a per-kv-head D x D map of each token, position embedding added) weights the tokens' sum.
+    The logits start at zero: a new layer compresses a block to its mean (plus the mean position embedding)."""
+
+    def __init__(self, kv_heads: int, head_dim: int, block: int, stride: int, mult: float):
+        nn.Module.__init__(self)
+        self.block, self.stride = block, stride
+        self.pos = nn.Parameter(torch.zeros(kv_heads, block, head_dim))
+        self.w = nn.Parameter(torch.zeros(kv_heads, head_dim, head_dim))
+
+    def _compress(self, blocks: torch.Tensor) -> torch.Tensor:
+        x = blocks + self.pos.to(blocks.dtype)  # (B, N, Hkv, block, D)
+        logits = torch.einsum("bnhld,hde->bnhle", x, self.w.to(blocks.dtype))
+        return (logits.softmax(-2) * x).sum(-2)
+
+
+COMPRESSORS = {"mlp": BlockCompressor, "conv_linear": LinearCompressor, "attention_pool": PoolCompressor}
 
 
 class NSACache:
@@ -293,7 +407,12 @@ class NativeSparseAttention(AttentionBackend):
         kernel_ok = self.sel_block % 16 == 0 and spec.head_dim <= MAX_TRITON_HEAD_DIM
         self.impl = "reference" if opts.impl == "auto" and not kernel_ok else opts.impl
         args = (spec.kv_heads, spec.head_dim, self.block, self.stride, opts.compress_mlp_mult)
-        self.compress_k, self.compress_v = BlockCompressor(*args), BlockCompressor(*args)
+        self.initial, self.local = opts.num_initial_blocks, opts.num_local_blocks
+        self.to_selection = SCORE_MAPPINGS[opts.score_mapping]
+        self.share = opts.share_selection
+        self.diff_topk = opts.diff_topk
+        network = COMPRESSORS[opts.compress]
+        self.compress_k, self.compress_v = network(*args), network(*args)
         self.gate = nn.Linear(spec.dim, 3 * spec.heads)  # per head: compressed, selected, window
         # CPU: all three branches in one chunked autograd.Function (nsa_cpu.py); False = the branch-by-branch
         # composition below (SDPA + selected_attention reference), which CUDA always uses.
@@ -348,15 +467,49 @@ class NativeSparseAttention(AttentionBackend):
                 scores = torch.einsum("bhgtd,bhnd->bhgtn", qg[:, :, :, a:a + chunk], ckt).float() * self.scale
                 seen = torch.arange(nc, device=q.device) < visible_blocks(p, self.block, self.stride)[:, None]
                 probs = scores.masked_fill(~seen, float("-inf")).softmax(-1).nan_to_num(0.0)  # no block: zeros
-                importance = overlap_to_selection(probs.sum(2), self.block, self.stride, self.sel_block, n_sel)
+                importance = self.to_selection(probs.sum(2), self.block, self.stride, self.sel_block, n_sel)
             else:
                 importance = q.new_zeros(b, hkv, len(p), n_sel, dtype=torch.float32)
             rank = importance.double() + blocks * _TIE_BREAK  # (B, Hkv, c, n_sel)
-            rank = rank.masked_fill(blocks >= (p // self.sel_block)[:, None], float("-inf"))  # own/future out
+            own_p = (p // self.sel_block)[:, None]
+            rank = rank.masked_fill(forced_blocks(blocks, own_p, self.initial, self.local), float("inf"))
+            rank = rank.masked_fill(blocks >= own_p, float("-inf"))  # own/future out
             top = rank.topk(k_top, dim=-1)
             picks.append(top.indices.masked_fill(top.values == float("-inf"), -1))
         past = torch.cat(picks, 2).permute(0, 2, 1, 3)  # (B, Tq, Hkv, k_top)
         return F.pad(torch.cat([own, past], -1), (0, self.n_sel - k_top), value=-1)
+
+    def straight_through(self, q, k, v, ck, idx, pos) -> torch.Tensor:
+        """diff_topk on the branch-by-branch path: ``sum_j (s_j - s_j.detach()) * O_j`` (B, Tq, H, D), zero in
+        value, where ``O_j`` is the part of the selected output that past slot ``j``'s block contributes (computed
+        without autograd) and ``s_j`` that block's importance, recomputed with autograd from q and the compressed
+        keys. Holds (B, H, Tq, Nc) probabilities and the (B, Tq, Hkv, slots x l', D) gathered keys: a fallback
+        for the accelerator path (the chunked CPU path adds the same gradient inside its backward)."""
+        b, tq, h, d = q.shape
+        tk, hkv, nc, grp = k.shape[1], k.shape[2], ck.shape[1], h // k.shape[2]
+        n_blocks, l = -(-tk // self.sel_block), self.sel_block
+        past = idx[..., 1:]  # (B, Tq, Hkv, n_sel)
+        if nc == 0 or past.shape[-1] == 0:
+            return torch.zeros_like(q)
+        qg = q.view(b, tq, hkv, grp, d)
+        work = torch.promote_types(q.dtype, torch.float32)
+        scores = torch.einsum("bthgd,bnhd->bhgtn", qg, ck).to(work) * self.scale
+        seen = torch.arange(nc, device=q.device) < visible_blocks(pos, self.block, self.stride)[:, None]
+        probs = scores.masked_fill(~seen, float("-inf")).softmax(-1).nan_to_num(0.0).sum(2)  # (B, Hkv, Tq, Nc)
+        imp = self.to_selection(probs, self.block, self.stride, self.sel_block, n_blocks).permute(0, 2, 1, 3)
+        s = imp.gather(-1, past.clamp(min=0)) * (past >= 0)  # (B, Tq, Hkv, n_sel)
+        with torch.no_grad():
+            key = idx[..., None] * l + torch.arange(l, device=q.device)  # (B, Tq, Hkv, S, l)
+            ok = (idx[..., None] >= 0) & (key <= pos.view(1, tq, 1, 1, 1))
+            flat = key.clamp(0, tk - 1).flatten(-2).permute(0, 2, 1, 3).reshape(b, hkv, -1)  # (B, Hkv, Tq * S * l)
+            gather = lambda t: t.transpose(1, 2).gather(2, flat[..., None].expand(-1, -1, -1, d))  # noqa: E731
+            ks, vs = (gather(t).view(b, hkv, tq, -1, d) for t in (k, v))  # (B, Hkv, Tq, S * l, D)
+            att = torch.einsum("bthgd,bhtnd->bhtgn", qg, ks).to(work) * self.scale
+            att = att.masked_fill(~ok.flatten(-2).permute(0, 2, 1, 3)[:, :, :, None], float("-inf")).softmax(-1)
+            part = torch.einsum("bhtgsl,bhtsld->bthgsd", att.nan_to_num(0.0).to(q.dtype).unflatten(-1, (-1, l)),
+                                vs.unflatten(-2, (-1, l)))[..., 1:, :]  # (B, Tq, Hkv, G, n_sel, D)
+        coef = (s - s.detach()).to(q.dtype)[:, :, :, None, :, None]
+        return (coef * part).sum(-2).reshape(b, tq, h, d)
 
     # ------------------------------------------------------------------------------------ forward
 
@@ -371,14 +524,21 @@ class NativeSparseAttention(AttentionBackend):
             ck, cv = self.compress_k(k), self.compress_v(v)  # (B, Nc, Hkv, D)
         tk = k.shape[1]
         g = torch.sigmoid(self.gate(x)).view(b, tq, h, 3)
+        if not self.share and h != k.shape[2]:
+            # per-head selection: every query head its own kv "group" (k, v, ck, cv repeated per query head), so
+            # each path (chunked CPU, reference, Triton) ranks blocks by that head's scores alone
+            k, v, ck, cv = (t.repeat_interleave(h // k.shape[2], dim=2) for t in (k, v, ck, cv))
         if self.uses_chunked_path(q):
             return nsa_attention(q, k, v, ck, cv, g.to(q.dtype), block=self.block, stride=self.stride,
                                  sel_block=self.sel_block, n_sel=self.n_sel, window=self.window, scale=self.scale,
-                                 chunk=self.chunk_size)
+                                 chunk=self.chunk_size, initial=self.initial, local=self.local,
+                                 mapping=self.opts.score_mapping, diff_topk=self.diff_topk)
         pos = torch.arange(tk - tq, tk, device=q.device)  # absolute positions of the queries
         out_cmp = self.compressed(q, ck, cv, tk - tq)
         idx = self.select(q, ck, pos, tk)
         out_sel = self._selected_attention(q, k, v, idx, self.sel_block, scale=self.scale, impl=self.impl)
+        if self.diff_topk and torch.is_grad_enabled() and (q.requires_grad or ck.requires_grad):
+            out_sel = out_sel + self.straight_through(q, k, v, ck, idx, pos)
         out_win = sliding_window_attention(q, k, v, self.window, self.scale)
         g = g.unsqueeze(-1).to(q.dtype)
         return g[:, :, :, 0] * out_cmp + g[:, :, :, 1] * out_sel + g[:, :, :, 2] * out_win  # (B, T, H, D)

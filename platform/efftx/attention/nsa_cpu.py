@@ -47,14 +47,16 @@ def _visible(pos: torch.Tensor | int, block: int, stride: int):
     return ((pos - block + 1).div(stride, rounding_mode="floor") + 1).clamp(min=0)
 
 
-def _to_selection(imp: torch.Tensor, block: int, stride: int, sel_block: int, n_blocks: int) -> torch.Tensor:
-    """(..., nv) compressed-block importances -> (..., n_blocks) selection-block importances (by token overlap)."""
+def _to_selection(imp: torch.Tensor, block: int, stride: int, sel_block: int, n_blocks: int,
+                  mapping: str = "overlap") -> torch.Tensor:
+    """(..., nv) compressed-block importances -> (..., n_blocks) selection-block importances (``mapping``: by
+    token overlap or by the paper's Eq. 9, see :mod:`efftx.attention.nsa`)."""
     nv = imp.shape[-1]
-    if block == stride == sel_block:  # the identity; blocks no compressed block covers yet score 0
+    if block == stride == sel_block:  # the identity (both mappings); blocks no compressed block covers yet score 0
         return imp[..., :n_blocks] if nv >= n_blocks else F.pad(imp, (0, n_blocks - nv))
-    from efftx.attention.nsa import overlap_to_selection
+    from efftx.attention.nsa import SCORE_MAPPINGS
 
-    return overlap_to_selection(imp, block, stride, sel_block, n_blocks)
+    return SCORE_MAPPINGS[mapping](imp, block, stride, sel_block, n_blocks)
 
 
 class _Layout:
@@ -68,8 +70,10 @@ class _Layout:
       of the (B, c, H, X) tensor when B = 1; consecutive queries are contiguous, so sub-chunks are slices).
     """
 
-    def __init__(self, q, k, ck, block, stride, sel_block, n_sel, window, scale, start, chunk):
+    def __init__(self, q, k, ck, block, stride, sel_block, n_sel, window, scale, start, chunk, initial=0, local=1,
+                 mapping="overlap", diff_topk=False):
         self.b, self.tq, self.h, self.d = q.shape
+        self.initial, self.local, self.mapping, self.diff_topk = initial, local, mapping, diff_topk
         self.tk, self.hkv = k.shape[1], k.shape[2]
         self.g = self.h // self.hkv
         self.bh = self.b * self.hkv
@@ -142,8 +146,11 @@ class _Layout:
         else:
             imp = probs.view(self.b, self.hkv, self.g, c, -1)
             imp = imp[:, :, 0] if self.g == 1 else imp.sum(2)  # (B, Hkv, c, nv)
-            rank = _to_selection(imp, self.block, self.stride, self.sel_block, cand) + tie  # float64
+            rank = _to_selection(imp, self.block, self.stride, self.sel_block, cand, self.mapping) + tie  # float64
         own = pos // self.sel_block
+        if self.initial or self.local > 1:  # forced blocks first (later ones are then masked as future)
+            cols = torch.arange(cand, device=self.device)[None, :]
+            rank.masked_fill_((cols < self.initial) | (cols > own[:, None] - self.local), float("inf"))
         first = int(own[0])  # blocks before it are candidates of every query of the chunk
         if first < cand:
             later = torch.arange(first, cand, device=self.device)[None, :] >= own[:, None]
@@ -210,6 +217,25 @@ def _window_probs(lay: _Layout, ch: _Chunk, kt, vt):
     return lo, hi, kw, vw, torch.softmax(s, -1)
 
 
+def _importance_grad(lay: _Layout, ch: _Chunk, d_slot: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+    """diff_topk: the gradient (B, Hkv, c, nv) of a chunk's compressed probabilities (summed over a group's heads)
+    through the importances of the selected past blocks. ``d_slot`` (c * B * Hkv, slots): dL/d(importance) of each
+    slot (the selected branch's output of that slot's block, dotted with dO); ``sel`` (c, B, Hkv, n_sel)."""
+    c, cand = ch.c, (ch.p1 - 1) // lay.sel_block
+    if cand == 0:  # no past block to select yet
+        return d_slot.new_zeros(lay.b, lay.hkv, c, ch.nv)
+    dsel = d_slot.view(c, lay.b, lay.hkv, lay.slots)[..., 1:]  # the past slots (slot 0, the own block, has no factor)
+    idx = sel.long()
+    dblk = dsel.new_zeros(c, lay.b, lay.hkv, max(cand, 1))
+    dblk.scatter_add_(-1, idx.clamp(min=0), dsel * (idx >= 0))  # unused slots (-1) add 0
+    dblk = dblk[..., :cand].permute(1, 2, 0, 3)  # (B, Hkv, c, cand)
+    with torch.enable_grad():  # the adjoint of the (linear) score mapping
+        x = dblk.new_zeros(lay.b, lay.hkv, c, ch.nv, requires_grad=True)
+        y = _to_selection(x, lay.block, lay.stride, lay.sel_block, cand, lay.mapping)
+        (grad,) = torch.autograd.grad(y, x, dblk, allow_unused=True)
+    return grad if grad is not None else dblk.new_zeros(lay.b, lay.hkv, c, ch.nv)
+
+
 class _NSAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ck, cv, gates, lay: _Layout):
@@ -264,10 +290,13 @@ class _NSAFunction(torch.autograd.Function):
             g_s = lay.per_query(gc[..., 1:2])  # (c * B * Hkv, G, 1)
             dq_s = torch.empty_like(ch.qs)
             delta_s = dq_s.new_empty(c * lay.bh, lay.g)
+            d_slot = dq_s.new_zeros(c * lay.bh, lay.slots) if lay.diff_topk else None
             for r0, r1, f, ks, vs, ps in _selected(lay, ch, kt_blocks, vt_blocks, sel_all[a:e]):
                 do_r, g_r = dos[r0:r1], g_s[r0:r1]
                 dp = torch.bmm(do_r, vs.transpose(1, 2))  # (m, G, N)
                 delta_s[r0:r1] = torch.linalg.vecdot(ps, dp)  # = dO . O_sel: the gate's gradient
+                if d_slot is not None:  # dO . (gated output of each slot's block), summed over the group's heads
+                    d_slot[r0:r1] = ((ps * dp).view(r1 - r0, lay.g, lay.slots, -1).sum(-1) * g_r).sum(1)
                 ds = torch._softmax_backward_data(dp, ps, -1, dtype)
                 torch.bmm(ds, ks, out=dq_s[r0:r1]).mul_(g_r * lay.scale)
                 dkt_blocks.index_add_(0, f, torch.bmm(ds.transpose(1, 2), ch.qs[r0:r1] * g_r).view(-1, blk))
@@ -292,10 +321,14 @@ class _NSAFunction(torch.autograd.Function):
                 nv, pc = ch.nv, ch.probs
                 dp = torch.matmul(dor, cv_t[:, :, :nv].transpose(-1, -2))  # (B, Hkv, G * c, nv)
                 dg[..., 0] = lay.unrows(torch.linalg.vecdot(pc, dp)[..., None], c)[..., 0]
-                ds = torch._softmax_backward_data(dp, pc, -1, dtype)
+                ds = torch._softmax_backward_data(dp, pc, -1, dtype).mul_(g_r)
                 del dp
-                dq_r += torch.matmul(ds, ck_t[:, :, :nv]).mul_(g_r * lay.scale)
-                dck_t[:, :, :nv] += torch.matmul(ds.transpose(-1, -2), ch.qr * g_r)
+                if d_slot is not None:  # diff_topk: the selected blocks' importances are functions of pc
+                    dimp = _importance_grad(lay, ch, d_slot, sel_all[a:e])  # (B, Hkv, c, nv)
+                    dimp = dimp[:, :, None].expand(-1, -1, lay.g, -1, -1).reshape(lay.b, lay.hkv, lay.g * c, nv)
+                    ds += torch._softmax_backward_data(dimp, pc, -1, dtype)
+                dq_r += torch.matmul(ds, ck_t[:, :, :nv]).mul_(lay.scale)
+                dck_t[:, :, :nv] += torch.matmul(ds.transpose(-1, -2), ch.qr)
                 dcv_t[:, :, :nv] += torch.matmul(pc.transpose(-1, -2), dor * g_r)
                 del ds
             else:
@@ -310,18 +343,23 @@ class _NSAFunction(torch.autograd.Function):
 
 def nsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor,
                   gates: torch.Tensor, *, block: int, stride: int, sel_block: int, n_sel: int, window: int,
-                  scale: float, chunk: int | None = None) -> torch.Tensor:
+                  scale: float, chunk: int | None = None, initial: int = 0, local: int = 1,
+                  mapping: str = "overlap", diff_topk: bool = False) -> torch.Tensor:
     """NSA attention of q (B, Tq, H, D) over k, v (B, Tk, Hkv, D) and compressed ck, cv (B, Nc, Hkv, D).
 
     Query ``i`` sits at position ``Tk - Tq + i``. ``gates`` (B, Tq, H, 3): the compressed, selected and window
     gates (after the sigmoid). Returns (B, Tq, H, D) in q's dtype; differentiable in q, k, v, ck, cv, gates
     (the block selection itself is discrete). ``chunk``: queries per chunk (default: 64, halved while one
-    chunk's compressed scores exceed ``SCORE_BUDGET`` elements).
+    chunk's compressed scores exceed ``SCORE_BUDGET`` elements). ``initial``/``local``: the forced first blocks
+    and local blocks (own block included), ``mapping`` (overlap | eq9) and ``diff_topk`` (the importances of the
+    selected past blocks get gradients: each block's part of the selected output is scaled by a straight-through
+    ``1 + s - s.detach()``), as ``attention.nsa.*`` define them.
     """
     dtype = q.dtype
     work = torch.promote_types(dtype, torch.float32)
     q, k, v, ck, cv, gates = (t.to(work) for t in (q, k, v, ck, cv, gates))
-    lay = _Layout(q, k, ck, block, stride, sel_block, n_sel, window, scale, k.shape[1] - q.shape[1], chunk)
+    lay = _Layout(q, k, ck, block, stride, sel_block, n_sel, window, scale, k.shape[1] - q.shape[1], chunk,
+                  initial, local, mapping, diff_topk)
     with torch.autocast(q.device.type, enabled=False):
         out = _NSAFunction.apply(q, k, v, ck, cv, gates, lay)
     return out.to(dtype)
