@@ -147,35 +147,113 @@ SHARED_PREFIXES = ("data.", "scaling.", "engine.", "tracking.uri", "tracking.exp
 
 
 def train_speculative_main(argv: list[str] | None = None) -> int:
-    """Train a draft, then a target that measures speculative decoding against it at every sample."""
+    """Train a speculative pair: the draft, then a target that measures speculative decoding against it at every
+    sample; or, with ``--distill``, the target first and then a draft distilled from the target's export
+    (``distill.teacher``), measured against the target at the end."""
     p = argparse.ArgumentParser(description="Train a speculative-decoding pair: the draft, then the target "
-                                            "(base vs speculative decoding timed and logged at every sample).")
+                                            "(base vs speculative decoding timed and logged at every sample); "
+                                            "with --distill the target, then a draft distilled from it.")
     p.add_argument("--size", default="small", choices=["debug", "small", "enwik8"],
                    help="recipes spec_draft_<size> and spec_target_<size>")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key of both runs (repeatable)")
+    p.add_argument("--draft-set", dest="draft_overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key of the draft run only, after --set (e.g. distill.alpha=0.5)")
     p.add_argument("--run-name", help="runs <name>-draft and <name>-target; re-using it resumes them")
     p.add_argument("--workers", type=int)
     p.add_argument("--deepspeed-config", metavar="PATH",
                    help="a DeepSpeed config JSON for both runs (engine.deepspeed_config; the file wins)")
+    p.add_argument("--distill", action="store_true",
+                   help="train the target first, then the draft distilled from its export (distill.teacher: KL "
+                        "to the target's distribution on the same batches, DistillSpec); the target's speculative "
+                        "measurement then runs once at the end, against the distilled draft, logged to its run")
+    p.add_argument("--target", metavar="EXPORT",
+                   help="with --distill: distill from this trained target (an export folder or models:/NAME/VERSION) "
+                        "instead of training one")
     args = p.parse_args(argv)
 
     def work():
         from efftx.train.launch import default_run_name, launch
 
+        if args.target and not args.distill:
+            raise ConfigError("--target names the teacher of a distilled draft: it goes with --distill")
         name = args.run_name or default_run_name(f"spec_{args.size}")
-        summaries = {}
-        for role in ("draft", "target"):
+
+        def config(role: str) -> Config:
             cfg = recipes.get(f"spec_{role}_{args.size}").override(args.overrides)
+            if role == "draft":
+                cfg.override(args.draft_overrides)
             cfg.name = f"{name}-{role}"
             if args.workers is not None:
                 cfg.scaling.num_workers = args.workers
             if args.deepspeed_config:
                 cfg.engine.deepspeed_config = args.deepspeed_config
-            if role == "target":
-                cfg.speculative.draft = summaries["draft"]["export_path"]
-            summaries[role] = launch(cfg)
-            _print_epilogue(summaries[role])
+            return cfg
+
+        summaries = {}
+        if not args.distill:
+            for role in ("draft", "target"):
+                cfg = config(role)
+                if role == "target":
+                    cfg.speculative.draft = summaries["draft"]["export_path"]
+                summaries[role] = launch(cfg)
+                _print_epilogue(summaries[role])
+            return summaries
+        target_cfg = config("target")
+        if args.target:
+            summaries["target"] = None
+            target_export = args.target
+        else:
+            summaries["target"] = launch(target_cfg)
+            _print_epilogue(summaries["target"])
+            target_export = summaries["target"]["export_path"]
+        draft_cfg = config("draft")
+        draft_cfg.distill.teacher = target_export
+        summaries["draft"] = launch(draft_cfg)
+        _print_epilogue(summaries["draft"])
+        summaries["speculative"] = final_speculative_measurement(target_export, summaries["draft"]["export_path"],
+                                                                 summaries["target"])
         return summaries
 
     return run_reporting(work)
+
+
+def final_speculative_measurement(target_export: str, draft_export: str, target_summary: dict | None) -> dict:
+    """The target's speculative measurement against a draft trained after it (``--distill``): the target run's
+    own sample (LMTask.sample with ``speculative.draft`` set: base vs speculative, timed, mean accepted), once, on
+    the driver, plus a greedy check that speculative decoding gives exactly the target's tokens. Logged to the
+    target's MLflow run at its final step (when this job trained it). Returns the metrics."""
+    import torch
+
+    from efftx.export import load_export, read_export_config, resolve_export
+    from efftx.generation.decode import generate
+    from efftx.generation.speculative import speculative_generate
+    from efftx.tracking import client_for
+    from efftx.train.tasks import get as get_task
+
+    folder = resolve_export(target_export, target_summary["tracking_uri"] if target_summary else "")
+    cfg, _ = read_export_config(folder)
+    cfg.speculative.draft = str(resolve_export(draft_export, cfg.tracking.uri))
+    cfg.distill.teacher = ""  # the target is measured, not distilled
+    task_cls = get_task(cfg.model.family)
+    task = task_cls(cfg, task_cls.prepare(cfg))
+    target, _, _ = load_export(folder)
+    step = (target_summary or {}).get("final_step") or 0
+    artifacts, metrics = task.sample(target, step)
+    draft = task._draft(torch.device("cpu"))
+    prompt_len = min(cfg.train.sample_prompt_len, cfg.data.seq_len)
+    prompt = task.data.val_windows(1, prompt_len)[:, :prompt_len]
+    n = max(1, min(cfg.train.sample_length, target.max_seq_len - prompt.shape[1] - cfg.speculative.gamma - 1))
+    spec, _ = speculative_generate(target, draft, prompt, n, gamma=cfg.speculative.gamma, temperature=0)
+    metrics["spec_greedy_equal"] = float(spec[0] == generate(target, prompt, n, temperature=0)[0].tolist())
+    if target_summary:
+        from mlflow.entities import Metric
+
+        client = client_for(target_summary["tracking_uri"])
+        run_id = target_summary["mlflow_run_id"]
+        client.log_batch(run_id, metrics=[Metric(k, float(v), 0, step) for k, v in metrics.items()])
+        for path, text in artifacts.items():
+            client.log_text(run_id, text, path.replace("samples/", "samples/final_speculative_"))
+    print(f"[efftx] final speculative measurement (target vs draft, gamma {cfg.speculative.gamma}): "
+          + " ".join(f"{k} {v:.3f}" for k, v in metrics.items()), flush=True)
+    return metrics

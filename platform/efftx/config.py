@@ -103,6 +103,36 @@ class SpeculativeConfig:
 
 
 @dataclass
+class DistillConfig:
+    """distill.*: train a language model on a frozen teacher's distribution (DistillSpec, Zhou et al. 2023): a
+    speculative draft distilled from its target proposes what the target would, so more drafts are accepted.
+
+    The loss is ``alpha * T^2 * KL(teacher_T || student_T) + (1 - alpha) * CE(next token)``, KL per predicted
+    token (forward KL: the student covers the teacher's whole distribution, which is what sampled speculative
+    acceptance, sum_x min(p, q), rewards), teacher and student softened by ``temperature`` T (T^2 keeps the
+    gradient scale of the KL term independent of T). The teacher is frozen: computed in eval mode, without
+    gradients, on each worker's device (efftx.train.tasks.LMTask).
+    """
+
+    teacher: str = ""  # the teacher: an export folder or models:/NAME/VERSION ("" = no distillation)
+    alpha: float = 1.0  # weight of the KL term; 1 - alpha on the usual next-token loss
+    temperature: float = 1.0  # softmax temperature of teacher and student in the KL term
+
+    RESUMABLE: ClassVar[frozenset[str]] = frozenset()  # the loss itself: a resumed run must keep it
+
+    def validate(self) -> None:
+        """Checks of this section (the teacher export itself is checked when the run prepares); errors name the
+        keys."""
+        if not 0 <= self.alpha <= 1:
+            raise ConfigError(f"distill.alpha must be in [0, 1] (the weight of the KL term), got {self.alpha}")
+        if not self.temperature > 0:
+            raise ConfigError(f"distill.temperature must be > 0, got {self.temperature}")
+        if not self.teacher and (self.alpha != 1.0 or self.temperature != 1.0):
+            raise ConfigError("distill.alpha and distill.temperature apply with distill.teacher, which is empty: set "
+                              "the teacher (an export folder or models:/NAME/VERSION) or leave them at 1.0")
+
+
+@dataclass
 class ImageDataConfig:
     """data.image.*: image + caption data of the dVAE and DALL-E (efftx/data/images.py).
 
@@ -520,6 +550,7 @@ class Config:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     vae: VAEConfig = field(default_factory=VAEConfig)
     dalle: DalleConfig = field(default_factory=DalleConfig)
 
@@ -664,6 +695,7 @@ class Config:
         d.validate()
         self.vae.validate()
         self.dalle.validate(m.depth)
+        self.distill.validate()
         # The backends a model may use check the shared rules (heads, head dim; in AttentionSpec) and their own
         # options section; the sections of the other backends are not checked.
         for kind in self.attention_kinds():

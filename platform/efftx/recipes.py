@@ -209,6 +209,8 @@ for _size, _settings in _NSA_SIZES.items():
 # batch 4 x accumulation 4, Adam 1e-4, clip 0.5, seq 512, validate every 100, sample every 500 (prime 128,
 # 512 generated), gamma 5. jobs/train_speculative.py trains the draft, then the target with
 # speculative.draft pointing at the draft's export, so every sample compares base and speculative decoding.
+# With --distill it trains the target first and the draft on the target's distribution (distill.teacher =
+# the target's export: KL to its logits on the same batches, DistillSpec), which raises acceptance.
 
 _SPEC = {
     "model.dim": 512, "model.heads": 8, "model.max_seq_len": 1024, "data.seq_len": 512,

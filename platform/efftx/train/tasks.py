@@ -203,6 +203,16 @@ def bits_per_byte(nats_per_token: float, tokens_per_byte: float) -> float:
     return nats_per_token * tokens_per_byte / math.log(2)
 
 
+def distill_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Forward KL(teacher || student) per predicted token (mean over every position of every row) of the
+    distributions softened by ``temperature``, times temperature^2 (Hinton et al.: the gradient scale of the
+    term then does not depend on the temperature). Logits: (..., V); 0 exactly when the two are equal."""
+    v = student_logits.shape[-1]
+    log_p = F.log_softmax(teacher_logits.reshape(-1, v) / temperature, -1)
+    log_q = F.log_softmax(student_logits.reshape(-1, v) / temperature, -1)
+    return F.kl_div(log_q, log_p, log_target=True, reduction="batchmean") * temperature ** 2
+
+
 def _synchronized_clock(device: torch.device) -> float:
     """``time.perf_counter()`` once the device has finished its queued work: CUDA kernels run asynchronously,
     so a clock read without a synchronize under-measures GPU time."""
@@ -273,6 +283,7 @@ class LMTask(Task):
             problem = same_tokenizer(codec, export_codec(folder, draft_cfg), ("target", "speculative.draft"))
             if problem:
                 raise ConfigError(f"{problem} (data.tokenizer={cfg.data.tokenizer or '(bytes)'})")
+        extra = {"teacher_export": cls._check_teacher(cfg, codec)} if cfg.distill.teacher else {}
         t = cfg.train
         drawn = t.micro_batch_size * t.grad_accum * cfg.scaling.num_workers
         if isinstance(codec, TokenizerCodec):
@@ -284,10 +295,43 @@ class LMTask(Task):
                              drawn, "data.corpus")
             params = {"data.tokenizer_sha256": codec.sha256, "data.tokenizer_vocab": codec.vocab_size,
                       "data.bytes_per_token": round(tokens.bytes_per_token, 4)}
-            return {"corpus": info.to_dict(), "tokens": tokens.to_dict(), "params": params}
+            return {"corpus": info.to_dict(), "tokens": tokens.to_dict(), "params": params, **extra}
         cls.warn_if_tiny(cfg, "training windows of data.seq_len bytes", info.train_bytes // cfg.data.seq_len,
                          drawn, "data.corpus")
-        return {"corpus": info.to_dict()}
+        return {"corpus": info.to_dict(), **extra}
+
+    @staticmethod
+    def _check_teacher(cfg, codec) -> str:
+        """The local folder of ``distill.teacher`` (a models:/ URI is downloaded), checked on the driver: a
+        language model with the student's vocabulary and tokenizer that reads whole training windows. Errors
+        name the key."""
+        from efftx.data.lm_tokenizer import export_codec
+        from efftx.errors import ExportError
+        from efftx.export import read_export_config, resolve_export
+
+        key = f"distill.teacher={cfg.distill.teacher}"
+        try:
+            folder = resolve_export(cfg.distill.teacher, cfg.tracking.uri)
+            teacher_cfg, _ = read_export_config(folder)
+        except ExportError as exc:
+            raise ConfigError(f"{key}: {exc}") from None
+        if teacher_cfg.model.family != "lm":
+            raise ConfigError(f"{key} is a {teacher_cfg.model.family!r} export: the teacher of a language model "
+                              f"must be a language model (model.family=lm)")
+        if teacher_cfg.model.vocab_size != cfg.model.vocab_size:
+            raise ConfigError(f"{key} has a vocabulary of {teacher_cfg.model.vocab_size}, the student (model."
+                              f"vocab_size) {cfg.model.vocab_size}: they must be the same")
+        try:
+            teacher_codec = export_codec(folder, teacher_cfg)
+        except ExportError as exc:
+            raise ConfigError(f"{key}: {exc}") from None
+        problem = same_tokenizer(codec, teacher_codec, ("student", "distill.teacher"))
+        if problem:
+            raise ConfigError(f"{problem} (data.tokenizer={cfg.data.tokenizer or '(bytes)'})")
+        if teacher_cfg.model.max_seq_len < cfg.data.seq_len:
+            raise ConfigError(f"{key} reads at most {teacher_cfg.model.max_seq_len} tokens (its model.max_seq_len), "
+                              f"fewer than a training window (data.seq_len={cfg.data.seq_len})")
+        return str(folder)
 
     @classmethod
     def share(cls, cfg, prepared: dict[str, Any]) -> dict[str, Any]:
@@ -330,10 +374,34 @@ class LMTask(Task):
         return self.data.train_batch(t.micro_batch_size, self.seq_len, batch_rng(t.seed, rank, step, micro))
 
     def loss(self, model, batch: torch.Tensor):
+        """Next-token cross-entropy; with ``distill.teacher``, mixed with the KL to the frozen teacher's
+        distribution on the same batch (:func:`distill_kl`): both parts are logged (``distill_ce``, ``distill_kl``)."""
         x, y = batch[:, :-1], batch[:, 1:]
-        logits = model(x)  # (B, T, V)
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
-        return loss, {}
+        logits = model(x).float()  # (B, T, V)
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        teacher = self._teacher(x.device)
+        if teacher is None:
+            return ce, {}
+        d = self.cfg.distill
+        with torch.no_grad():
+            teacher_logits = teacher(x).float()
+        kl = distill_kl(logits, teacher_logits, d.temperature)
+        return d.alpha * kl + (1 - d.alpha) * ce, {"distill_ce": ce.detach(), "distill_kl": kl.detach()}
+
+    def _teacher(self, device):
+        """The frozen teacher of ``distill.teacher`` (eval mode, no gradients), loaded once per worker on its
+        device; None without one."""
+        if not self.cfg.distill.teacher:
+            return None
+        if getattr(self, "_teacher_model", None) is None:
+            from efftx.export import load_export, resolve_export
+
+            folder = self.prepared.get("teacher_export") or ""
+            if not Path(folder).is_dir():  # a worker that cannot see the driver's folder fetches it again
+                folder = resolve_export(self.cfg.distill.teacher, self.cfg.tracking.uri)
+            teacher, _, _ = load_export(folder, device)
+            self._teacher_model = teacher.eval().requires_grad_(False)
+        return self._teacher_model
 
     def eval_batches(self, rank: int, world: int) -> list[torch.Tensor]:
         t = self.cfg.train
@@ -343,13 +411,22 @@ class LMTask(Task):
 
     @torch.no_grad()
     def evaluate(self, model, batches):
-        total, n = 0.0, 0
+        """``val_loss`` is the next-token loss whatever the training loss (so distilled and plain runs compare);
+        with ``distill.teacher``, ``val_kl`` too: the mean KL to the teacher (temperature 1) per token."""
+        teacher = self._teacher(next(model.parameters()).device)
+        total, total_kl, n = 0.0, 0.0, 0
         for batch in batches:
-            loss, _ = self.loss(model, batch)
-            total += loss.item() * batch.shape[0]
+            x, y = batch[:, :-1], batch[:, 1:]
+            logits = model(x).float()
+            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).item() * batch.shape[0]
+            if teacher is not None:
+                total_kl += distill_kl(logits, teacher(x).float()).item() * batch.shape[0]
             n += batch.shape[0]
         mean = total / n if n else 0.0
-        return {"val_loss": mean, "val_bpb": bits_per_byte(mean, self.val_tokens_per_byte)}, n
+        metrics = {"val_loss": mean, "val_bpb": bits_per_byte(mean, self.val_tokens_per_byte)}
+        if teacher is not None:
+            metrics["val_kl"] = total_kl / n if n else 0.0
+        return metrics, n
 
     @torch.no_grad()
     def sample(self, model, step: int) -> tuple[dict[str, str], dict[str, float]]:
@@ -357,7 +434,8 @@ class LMTask(Task):
         of the same prompt, timed, with the draft's mean accepted tokens (as the speculative seed logs)."""
         t = self.cfg.train
         prompt_len = min(t.sample_prompt_len, self.seq_len)
-        room = model.max_seq_len - prompt_len - (self.cfg.speculative.gamma + 1 if self.cfg.speculative.draft else 0)
+        speculating = self.cfg.speculative.draft or self.cfg.distill.teacher  # room for the drafted tokens
+        room = model.max_seq_len - prompt_len - (self.cfg.speculative.gamma + 1 if speculating else 0)
         length = max(1, min(t.sample_length, room))
         prompt = self.data.val_windows(1, prompt_len)[:, :prompt_len]
         device = next(model.parameters()).device
@@ -381,6 +459,15 @@ class LMTask(Task):
             report += (f"{'-' * 40} speculative (gamma {gamma}): {stats.mean_accepted:.2f} accepted per step, "
                        f"{spec_s * 1e3:.0f} ms vs base {base_s * 1e3:.0f} ms\n"
                        f"{self.codec.continuation(prompt_ids, list(spec[0]))}\n")
+        teacher = self._teacher(device)
+        if teacher is not None and draft is None and prompt_len + length + self.cfg.speculative.gamma < \
+                teacher.max_seq_len:  # a distilled draft: how many of its drafts its teacher accepts, as it trains
+            gamma = self.cfg.speculative.gamma
+            _, stats = speculative_generate(teacher, model, prompt.to(device), length, gamma=gamma,
+                                            seed=t.seed + step, **sampling)
+            metrics["distill_mean_accepted"] = stats.mean_accepted
+            report += (f"{'-' * 40} as a draft of distill.teacher (gamma {gamma}): {stats.mean_accepted:.2f} "
+                       f"accepted per step\n")
         return {f"samples/step_{step:06d}.txt": report}, metrics
 
     def export_files(self) -> dict[str, str | bytes]:
