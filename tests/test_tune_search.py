@@ -186,11 +186,11 @@ def _saved_statuses(exp_dir: Path) -> dict[str, str]:
 def test_killed_sweep_resumes_without_rerunning_finished_trials(ray_cluster, efftx_home, tmp_path):
     """The real CLI (--search optuna from a YAML space file, no ASHA) on the session's cluster, one trial at a
     time; its driver is killed with SIGKILL once Tune has saved a finished trial, and the same command is run
-    again. It resumes: the finished trials are not run again (their Tune results and MLflow metrics are as they
-    were), the rest are run (the one in flight continued), and the table has each of the 3 points once."""
+    again. It resumes: the finished trial is not run again (its Tune results and MLflow metrics are as they
+    were), the rest is run (the one in flight continued), and the table has each of the 2 points once."""
     from mlflow import MlflowClient
 
-    lrs = [1e-3, 3e-3, 1e-2]
+    lrs = [1e-3, 3e-3]
     space = write(tmp_path, "lr.yaml", f"recipe: dvae_shapes_debug\nspace:\n  train.lr: {lrs}\n")
     name = "killed-sweep"
     cmd = [sys.executable, "tune/sweep.py", "--space-file", str(space), "--search", "optuna", "--scheduler", "none",
@@ -209,17 +209,17 @@ def test_killed_sweep_resumes_without_rerunning_finished_trials(ray_cluster, eff
         first.wait(timeout=30)
     at_kill = _saved_statuses(exp_dir)
     done = [t for t, s in at_kill.items() if s == "TERMINATED"]
-    assert len(done) < 3, at_kill  # killed mid-way
+    assert len(done) < len(lrs), at_kill  # killed mid-way
     results = {t: next(exp_dir.glob(f"*{t}*/result.json")).read_text() for t in done}
 
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"resuming its Tune experiment {exp_dir}: {len(done)} of 3 trials finished" in proc.stdout
+    assert f"resuming its Tune experiment {exp_dir}: {len(done)} of {len(lrs)} trials finished" in proc.stdout
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert summary["resumed"] and summary["trials"] == 3 and summary["finished"] == 3
+    assert summary["resumed"] and summary["trials"] == summary["finished"] == len(lrs)
     assert (summary["search"], summary["scheduler"]) == ("optuna", "none")
     final = _saved_statuses(exp_dir)
-    assert len(final) == 3 and set(final.values()) == {"TERMINATED"} and set(done) <= set(final)
+    assert len(final) == len(lrs) and set(final.values()) == {"TERMINATED"} and set(done) <= set(final)
     for trial_id, text in results.items():  # no report after the kill: the finished trials did not run again
         assert next(exp_dir.glob(f"*{trial_id}*/result.json")).read_text() == text
 
