@@ -349,3 +349,166 @@ def test_bad_options_are_config_errors():
                          options=SinkhornOptions(bucket_size=0))
     with pytest.raises(ConfigError, match="bucket_size"):
         attention.build(spec)
+
+
+# ------------------------------------------------------------------ against a float64 per-query reference
+
+def reference(backend, q, k, v):
+    """Sinkhorn attention computed query by query in float64, straight from the module docstring: the oracle
+    of the backend's bucketed (SDPA) forward and of its gradients. Reads the backend's sort weights, null
+    bucket and options only."""
+    n, nl, causal = backend.bucket_size, backend.n_local, backend.spec.causal
+    b_, t, h, d = q.shape
+    rep = h // k.shape[2]
+    nb = -(-t // n)
+    topk_mode, top, temp = backend.topk_mode, backend.topk, backend.temperature
+    w = backend.sort_net.weight.double() if backend.sort_net is not None else None
+
+    def score(x, y, hs):  # bilinear sort score / sqrt(D) / temperature
+        return x @ w[hs] @ y / math.sqrt(d) / temp
+
+    out = torch.zeros(b_, t, h, d, dtype=torch.float64)
+    for b in range(b_):
+        for hh in range(h):
+            g, hs = hh // rep, hh - nl
+            kk, vv = k[b, :, g], v[b, :, g]
+            bucket = [slice(j * n, min((j + 1) * n, t)) for j in range(nb)]
+            mean = [kk[s].mean(0) for s in bucket]
+            if hh >= nl and not causal:  # Sinkhorn: row/column rounds in log space, then rows
+                x = torch.stack([torch.stack([score(mean[i], mean[j], hs) for j in range(nb)]) for i in range(nb)])
+                for _ in range(backend.iters):
+                    x = x - torch.logsumexp(x, 1, keepdim=True)
+                    x = x - torch.logsumexp(x, 0, keepdim=True)
+                p_mat = (x - torch.logsumexp(x, 1, keepdim=True)).exp()
+            for p in range(t):
+                i = p // n
+                own = slice(i * n, p + 1) if causal else bucket[i]
+                keys, vals = [kk[own]], [vv[own]]
+                if hh < nl:  # local: previous (+ next) bucket
+                    for j in ([i - 1] if causal else [i - 1, i + 1]):
+                        if 0 <= j < nb:
+                            keys.append(kk[bucket[j]])
+                            vals.append(vv[bucket[j]])
+                elif not causal:  # slot s: P-weighted mix of the buckets real at slot s
+                    for s in range(n):
+                        real = [j for j in range(nb) if j * n + s < t]
+                        mass = sum(p_mat[i, j] for j in real)
+                        if mass > 1e-6:
+                            keys.append((sum(p_mat[i, j] * kk[j * n + s] for j in real) / mass)[None])
+                            vals.append((sum(p_mat[i, j] * vv[j * n + s] for j in real) / mass)[None])
+                elif not topk_mode:  # blend: softmax over the past buckets, scored from bucket i - 1
+                    if i >= 1:
+                        pr = torch.stack([score(mean[i - 1], mean[j], hs) for j in range(i)]).softmax(0)
+                        keys.append(sum(pr[j] * kk[bucket[j]] for j in range(i)))
+                        vals.append(sum(pr[j] * vv[bucket[j]] for j in range(i)))
+                else:  # topk: null candidates (score 0) and past buckets, scored from the mean of keys 0 .. i*n
+                    qside = kk[:i * n + 1].mean(0)
+                    cand = [torch.zeros((), dtype=torch.float64)] * top + [score(qside, mean[j], hs) for j in range(i)]
+                    x, taken = torch.stack(cand), []
+                    for _ in range(top):
+                        probs = x.softmax(0)
+                        c = max((c for c in range(len(cand)) if c not in taken), key=lambda c: probs[c].item())
+                        taken.append(c)
+                        if c < top:
+                            keys.append(probs[c] * backend.null_key[hs].double().expand(n, d))
+                            vals.append(probs[c] * backend.null_value[hs].double().expand(n, d))
+                        else:
+                            keys.append(probs[c] * kk[bucket[c - top]])
+                            vals.append(probs[c] * vv[bucket[c - top]])
+                        x = x.clone()
+                        x[c] = -1e9
+                kc, vc = torch.cat(keys), torch.cat(vals)
+                out[b, p, hh] = ((kc @ q[b, p, hh]) / math.sqrt(d)).softmax(0) @ vc
+    return out
+
+
+REF_CASES = [  # (causal, mode, n_local, kv_heads)
+    (True, {}, 1, 2), (True, {}, 0, 4), (True, {}, 2, 1), (True, {}, 4, 2),
+    (True, {"causal_mode": "topk"}, 1, 2), (True, {"causal_mode": "topk", "topk": 2}, 2, 4),
+    (False, {}, 1, 2), (False, {}, 0, 1),
+]
+
+
+@pytest.mark.parametrize("causal, mode, n_local, kv_heads", REF_CASES)
+@pytest.mark.parametrize("t", [3, 13, 16])  # one partial bucket; a partial last bucket; whole buckets
+def test_forward_and_gradients_match_a_float64_reference(causal, mode, n_local, kv_heads, t):
+    backend = make(kv_heads=kv_heads, causal=causal, n_local=n_local, **mode).double()
+    if backend.topk_mode:
+        with torch.no_grad():
+            backend.null_key.normal_()
+            backend.null_value.normal_()
+    q, k, v = (x.double().requires_grad_() for x in qkv(t, kv_heads=kv_heads))
+    params = [p for p in backend.parameters()]
+    g = torch.randn(2, t, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    out = backend(q, k, v)
+    expected = reference(backend, q, k, v)
+    # the sort net scores in float32 (SortNet): agreement to float32 precision
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    got = torch.autograd.grad((out * g).sum(), [q, k, v, *params], allow_unused=True)
+    want = torch.autograd.grad((expected * g).sum(), [q, k, v, *params], allow_unused=True)
+    for a, e in zip(got, want):
+        if e is None:
+            assert a is None or a.abs().max() == 0
+        else:
+            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ the decoding cache's own state
+
+def feed(backend, cache, q, k, v, steps):
+    """Feeds q, k, v[a:b] for consecutive chunk sizes ``steps`` through ``cache``; the outputs, concatenated."""
+    parts, a = [], cache.length
+    for step in steps:
+        parts.append(backend(q[:, a:a + step], k[:, a:a + step], v[:, a:a + step], cache=cache))
+        a += step
+    return torch.cat(parts, 1)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_a_decode_step_reads_its_own_buckets_and_the_kept_selection_only(mode):
+    backend = make(n_local=1, **mode)
+    q, k, v = qkv(15)
+    cache = backend.new_cache(2, 32, torch.device("cpu"), torch.float32)
+    feed(backend, cache, q, k, v, [13])  # buckets 0..3; position 12 starts bucket 3, whose selection is kept
+    assert cache.selected[0] == 3 and cache.sums.shape[1] == 3  # the complete buckets 0..2 summed
+    expected = backend(q[:, 13:14], k[:, 13:14], v[:, 13:14], cache=cache)
+    cache.rewind(1)
+    cache.k[:, :2 * N] += 5.0  # buckets 0 and 1: neither the local window (2, 3) nor the own bucket
+    cache.v[:, :2 * N] -= 5.0
+    step = backend(q[:, 13:14], k[:, 13:14], v[:, 13:14], cache=cache)
+    torch.testing.assert_close(step, expected, rtol=0, atol=0)  # the step did not re-sort the cache
+    # ... while recomputing from the keys would have seen the change (the sorting heads read buckets 0, 1)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :2 * N] += 5.0
+    v2[:, :2 * N] -= 5.0
+    assert (backend(q[:, :14], k2[:, :14], v2[:, :14])[:, 13] - expected[:, 0]).abs().amax() > 1e-3
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("keep, steps", [(12, [1, 1, 2, 1, 3]), (6, [1, 3, 1, 1, 4, 2]), (8, [5, 1, 1, 1])])
+def test_rewound_cache_state_matches_the_new_tokens(mode, keep, steps):
+    # 12: bucket 3's first token is replaced (topk's selection of bucket 3 reads it); 6: bucket 1 is no longer
+    # complete (its kept key sum must go); 8: a rewind to a bucket boundary
+    backend = make(n_local=1, **mode)
+    q, k, v = qkv(20)
+    cache = backend.new_cache(2, 32, torch.device("cpu"), torch.float32)
+    feed(backend, cache, q, k, v, [9, 1, 1, 1, 1])
+    cache.rewind(13 - keep)
+    q2, k2, v2 = (torch.cat([x[:, :keep], x[:, keep:].flip(1) * 1.5], 1) for x in (q, k, v))  # other tokens
+    out = feed(backend, cache, q2, k2, v2, steps)
+    torch.testing.assert_close(out, backend(q2, k2, v2)[:, keep:keep + sum(steps)], rtol=1e-5, atol=1e-6)
+
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_a_prefill_through_the_cache_has_the_full_forwards_gradients(mode):
+    backend = make(**mode)
+    q, k, v = (x.requires_grad_() for x in qkv(14))
+    cache = backend.new_cache(2, 32, torch.device("cpu"), torch.float32)
+    g = torch.randn(2, 14, 4, 8)
+    params = [q, k, v, backend.sort_net.weight]
+    got = torch.autograd.grad((backend(q, k, v, cache=cache) * g).sum(), params)
+    want = torch.autograd.grad((backend(q, k, v) * g).sum(), params)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+

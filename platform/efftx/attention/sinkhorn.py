@@ -46,12 +46,38 @@ How it works:
 Grouped-query attention: query head ``h`` reads kv head ``h // (H // Hkv)`` everywhere (summaries, own
 bucket, sorted or picked buckets), and each query head has its own sort weights (and null bucket).
 
-Cache: a plain :class:`KVCache` holding every key and value. Each call appends the new keys/values,
-then computes exactly what the full forward computes for the new positions: the bucket summaries and
-the (small) sort scores are recomputed from the cache, and attention is computed for the buckets that
-hold new tokens only (a decode step recomputes its own bucket's queries, never all past positions). In
-both causal modes the choice for bucket ``i`` reads only keys at positions ``<= i * bucket_size``, all
-in the cache by the time any query of bucket ``i`` arrives.
+How it is computed (memory and speed):
+
+* Every softmax runs in torch's SDPA (on CPU its flash kernel): per bucket, the queries against
+  the block of keys they read. It keeps no attention probabilities for backward (it recomputes them from
+  the saved log-sum-exp), which is what held most of the forward+backward memory before.
+* Local heads read overlapping windows of the keys as ``unfold`` views, not copies; the sorting heads' block
+  is the own bucket followed by the sorted or picked bucket(s) (the one copy made).
+* Bucket 0, which has no previous or past bucket, is computed on its own, so every other bucket shares one
+  (r, K) mask instead of a per-bucket one. Causally the own-bucket mask is the triangle alone: for every real
+  query it already excludes the padding after the last key, and padded query rows are dropped.
+* Causal ``blend``: the rows of the sort matrix are softmaxes over the complete past buckets, so every
+  slot of the sorted bucket carries weight 1 (up to rounding) and needs no renormalisation (only non-causal
+  attention over a padded last bucket does). The past buckets are mixed straight from the (unpadded) keys.
+* Causal ``topk``: the picked buckets are a one-hot (weighted) mix of the past buckets plus the weighted null
+  bucket, so no gathered copy of the keys is kept for backward.
+* With attention dropout in training, SDPA takes its math path (probabilities materialised).
+* A call whose new queries all sit in one bucket (a decode step) reads its keys as plain views of the cache,
+  unpadded, and with at most 16 query rows uses two small products instead of SDPA, whose flash kernel
+  costs more to set up than such a step's whole attention.
+
+Cache: :class:`SinkhornCache`, a :class:`KVCache` that also keeps, for causal attention, the key sums of
+complete buckets (extended as buckets complete) and the sorted/picked keys and values of the newest query
+bucket. Each call appends the new keys/values and computes exactly what the full forward computes for the
+new positions, for the buckets holding new tokens only; when the new tokens sit in one bucket, only their
+query rows. A decode step inside a bucket therefore reads its own bucket, the previous one (local heads)
+and the kept selection: its cost does not grow with the context. The first token of a bucket computes that
+bucket's selection (one sort-net row over the bucket summaries and a mix of the past buckets, O(context)).
+In both causal modes the choice for bucket ``i`` reads only keys at positions ``<= i * bucket_size``, all
+in the cache by the time any query of bucket ``i`` arrives, so it holds for the rest of the bucket; a
+rewind drops the sums of buckets no longer complete and the selection of a bucket whose first token it
+removed. Non-causal attention with a cache recomputes the sort matrix from all keys each call (every
+bucket summary may change).
 """
 
 from __future__ import annotations
@@ -186,6 +212,35 @@ class SortNet(nn.Module):
         return scores / math.sqrt(key_side.shape[-1])
 
 
+class SinkhornCache(KVCache):
+    """The key/value cache of Sinkhorn attention plus what a decoding step would otherwise recompute from the
+    whole cache (causal attention only):
+
+    * ``sums``: (B, nc, Hkv, D) float32 key sums of the first ``nc`` complete buckets, extended as buckets
+      complete (a complete bucket's sum never changes);
+    * ``selected``: ``(i, keys, values)``, the sorted (``blend``) or picked (``topk``) keys and values of
+      query bucket ``i``, (B, 1, K, Hs, D). They read only keys at positions ``<= i * bucket_size``, so
+      they hold for every later query of bucket ``i``.
+
+    Both are kept detached (a cache is for decoding: its keys are written in place, so no gradient runs
+    through it anyway). A rewind drops what the forgotten tokens made: the sums of buckets no longer
+    complete, and the selection of a bucket whose first token went.
+    """
+
+    def __init__(self, batch_size: int, max_len: int, kv_heads: int, head_dim: int, *, bucket_size: int,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        super().__init__(batch_size, max_len, kv_heads, head_dim, device=device, dtype=dtype)
+        self.bucket_size = bucket_size
+        self.sums = torch.zeros(batch_size, 0, kv_heads, head_dim, device=device, dtype=torch.float32)
+        self.selected: tuple[int, torch.Tensor, torch.Tensor] | None = None
+
+    def _rewound(self, old: list[int]) -> None:
+        length = min(self.lengths)
+        self.sums = self.sums[:, :length // self.bucket_size]
+        if self.selected is not None and length <= self.selected[0] * self.bucket_size:
+            self.selected = None
+
+
 @register("sinkhorn", options=SinkhornOptions)
 class SinkhornAttention(AttentionBackend):
     contract_options = {"bucket_size": 8, "n_local_attn_heads": 2}  # several buckets, both kinds of heads
@@ -209,173 +264,327 @@ class SinkhornAttention(AttentionBackend):
         rep = spec.heads // spec.kv_heads
         self.register_buffer("kv_of_head", torch.arange(spec.heads) // rep, persistent=False)
 
-    # ------------------------------------------------------------------------------------ pieces
+    def new_cache(self, batch_size: int, max_len: int, device: torch.device, dtype: torch.dtype) -> SinkhornCache:
+        s = self.spec
+        return SinkhornCache(batch_size, max_len, s.kv_heads, s.head_dim, bucket_size=self.bucket_size,
+                             device=device, dtype=dtype)
+
+    # ------------------------------------------------------------------------------------ sorting
 
     def sort_matrix(self, k: torch.Tensor) -> torch.Tensor:
         """Soft permutation of the sorting heads for keys (B, L, Hkv, D): (B, Hs, nb, nb), float32
         (the non-causal and the causal ``blend`` design)."""
-        kb, valid = self._buckets(k)
-        return self._sort(kb, valid)
+        n = self.bucket_size
+        nb = -(-k.shape[1] // n)
+        if not self.spec.causal:
+            return self._sinkhorn(k, nb)
+        return F.pad(self._blend_rows(self._sums(k, nb - 1), 0, nb), (0, 1))  # column nb - 1: no row reads it
 
     def select_buckets(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Causal ``topk`` design: the buckets every query bucket picks, for keys (B, L, Hkv, D).
         Returns bucket indices (B, Hs, nb, topk), -1 for the null bucket, and their weights (float32)."""
-        kb, valid = self._buckets(k)
-        picks, weights = self._select(kb, valid, 0)
+        nb = -(-k.shape[1] // self.bucket_size)
+        picks, weights = self._pick_rows(k, self._sums(k, nb - 1), 0, nb)
         return torch.where(picks < self.topk, -1, picks - self.topk), weights
 
-    def _buckets(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, L, Hkv, D) -> zero-padded (B, Hkv, nb, n, D) and the (nb, n) bool mask of real positions."""
-        b, length, hkv, d = t.shape
+    def _sums(self, k: torch.Tensor, j: int, cache: SinkhornCache | None = None) -> torch.Tensor:
+        """Key sums (B, j, Hkv, D), float32, of the first ``j`` buckets, which must be complete; with a
+        cache, only the buckets it does not hold yet are summed (and kept)."""
         n = self.bucket_size
-        nb = -(-length // n)
-        t = F.pad(t, (0, 0, 0, 0, 0, nb * n - length))
-        valid = (torch.arange(nb * n, device=t.device) < length).view(nb, n)
-        return t.view(b, nb, n, hkv, d).permute(0, 3, 1, 2, 4), valid
+        if cache is None:
+            return k[:, :j * n].unflatten(1, (j, n)).float().sum(2)
+        have = cache.sums.shape[1]
+        if have >= j:
+            return cache.sums[:, :j]
+        sums = torch.cat([cache.sums, k[:, have * n:j * n].unflatten(1, (j - have, n)).float().sum(2)], 1)
+        cache.sums = sums.detach()
+        return sums
 
-    def _sort(self, kb: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        count = valid.sum(-1).clamp(min=1)[:, None]  # (nb, 1)
-        summary = kb.float().sum(3) / count  # (B, Hkv, nb, D): mean of each bucket's real keys
-        summary = summary[:, self.kv_of_head[self.n_local:]]  # (B, Hs, nb, D)
-        causal = self.spec.causal
-        # causal: row i reads the summary of bucket i - 1 (row 0 gets zeros; it is masked)
-        query_side = F.pad(summary[:, :, :-1], (0, 0, 1, 0)) if causal else summary
-        logits = self.sort_net(query_side, summary)
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, X, Hkv, D) per kv head -> (B, Hs, X, D) per sorting head."""
+        return t.transpose(1, 2)[:, self.kv_of_head[self.n_local:]]
+
+    def _blend_rows(self, sums: torch.Tensor, r0: int, nb: int) -> torch.Tensor:
+        """Causal ``blend``: rows r0 .. nb - 1 of the sort matrix over the J = nb - 1 complete buckets
+        whose key sums are ``sums`` (B, J, Hkv, D): (B, Hs, nb - r0, J), each row a softmax over the
+        buckets before it (row 0: all zero)."""
+        j = sums.shape[1]
+        summary = self._heads(sums / self.bucket_size)  # (B, Hs, J, D)
+        query_side = F.pad(summary, (0, 0, 1, 0))[:, :, r0:nb]  # row i reads bucket i - 1 (row 0: zeros)
+        x = self.sort_net(query_side, summary).float() / self.temperature
+        past = torch.arange(j, device=x.device)[None, :] < torch.arange(r0, nb, device=x.device)[:, None]
+        x = x.masked_fill(~past, _MASKED)
+        x = (x - torch.logsumexp(x, dim=-1, keepdim=True)).masked_fill(~past, _MASKED)
+        return x.exp().masked_fill(~past, 0.0)
+
+    def _pick_rows(self, k: torch.Tensor, sums: torch.Tensor, r0: int, nb: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Causal ``topk``: the picks of query buckets r0 .. nb - 1 among [topk null buckets, the J = nb - 1
+        complete buckets whose key sums are ``sums``]: candidate indices (B, Hs, nb - r0, topk) (index <
+        topk: the null bucket) and weights (float32)."""
+        n, top = self.bucket_size, self.topk
+        j = sums.shape[1]
+        summary = self._heads(sums / n)
+        # query side of bucket i: mean of the keys at positions 0 .. i * n (its first token included)
+        before = F.pad(sums.cumsum(1), (0, 0, 0, 0, 1, 0))[:, r0:nb]  # (B, nr, Hkv, D): buckets before i
+        first = k[:, r0 * n:(nb - 1) * n + 1:n].float()  # (B, nr, Hkv, D)
+        count = (torch.arange(r0, nb, device=k.device, dtype=torch.float32) * n + 1)[:, None, None]
+        query_side = self._heads((before + first) / count)
+        logits = self.sort_net(query_side, summary) / self.temperature  # (B, Hs, nr, J)
+        past = torch.arange(j, device=k.device)[None, :] < torch.arange(r0, nb, device=k.device)[:, None]
+        logits = F.pad(logits.masked_fill(~past, _MASKED), (top, 0))  # the null candidates score 0
+        return top_buckets(logits, top)
+
+    def _sinkhorn(self, k: torch.Tensor, nb: int) -> torch.Tensor:
+        """Non-causal: the (B, Hs, nb, nb) doubly stochastic sort matrix over every (maybe partial) bucket."""
+        n, length = self.bucket_size, k.shape[1]
+        sums = F.pad(k, (0, 0, 0, 0, 0, nb * n - length)).unflatten(1, (nb, n)).float().sum(2)
+        count = (length - torch.arange(nb, device=k.device) * n).clamp(max=n)[:, None, None]
+        summary = self._heads(sums / count)
+        logits = self.sort_net(summary, summary)
         if self.gumbel_noise and self.training:
             logits = logits + gumbel_like(logits)
-        return sinkhorn(logits / self.temperature, self.iters, causal)
+        return sinkhorn(logits / self.temperature, self.iters, False)
 
-    def _select(self, kb: torch.Tensor, valid: torch.Tensor, b0: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Picks of query buckets b0.. among [topk null buckets, buckets 0..nb-1]: candidate indices
-        (B, Hs, nb - b0, topk) (index < topk: the null bucket) and weights (float32)."""
-        n, k = self.bucket_size, self.topk
-        nb = kb.shape[2]
-        sums = kb.float().sum(3)  # (B, Hkv, nb, D)
-        summary = sums / valid.sum(-1).clamp(min=1)[:, None]
-        # query side of bucket i: mean of the keys at positions 0 .. i * n (its first token included)
-        before = F.pad(sums.cumsum(2)[:, :, :-1], (0, 0, 1, 0))[:, :, b0:]  # keys of the buckets before i
-        first = kb[:, :, b0:, 0].float()
-        count = (torch.arange(b0, nb, device=kb.device, dtype=torch.float32) * n + 1)[:, None]
-        query_side = (before + first) / count  # (B, Hkv, nq, D)
-        heads = self.kv_of_head[self.n_local:]
-        logits = self.sort_net(query_side[:, heads], summary[:, heads]) / self.temperature  # (B, Hs, nq, nb)
-        rows = torch.arange(b0, nb, device=kb.device)[:, None]
-        past = torch.arange(nb, device=kb.device)[None, :] < rows  # (nq, nb): j < i only
-        logits = F.pad(logits.masked_fill(~past, _MASKED), (k, 0))  # the null candidates score 0
-        return top_buckets(logits, k)
+    def _mix(self, w: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """Weighted sums of whole buckets, slot by slot: weights (B, Hs, nr, m, J) per sorting head over the
+        buckets kv (B, J, n, Hkv, D) -> (B, nr, m, n, Hs, D). The keys are not copied to every query head:
+        the local heads sharing the first sorting head's kv group get zero weight rows."""
+        b, hs, nr, m, j = w.shape
+        n, hkv, d = kv.shape[2:]
+        rep = self.spec.heads // hkv
+        g0, lead = self.n_local // rep, self.n_local % rep
+        if j == 0:
+            return kv.new_zeros(b, nr, m, n, hs, d)
+        pg = F.pad(w, (0, 0, 0, 0, 0, 0, lead, 0)).unflatten(1, (hkv - g0, rep)).to(kv.dtype)
+        out = torch.einsum("bgrimj,bjsgd->bimsgrd", pg, kv[:, :, :, g0:])
+        return out.flatten(4, 5)[:, :, :, :, lead:]
 
-    def _softmax_attend(self, q, k, v, mask):
-        """One softmax per query over its block's keys: q (B, h, I, n, D); k, v (B, h, I, K, D);
-        mask broadcastable to (B, h, I, n, K), True = may attend. Returns (B, h, I, n, D)."""
-        scores = torch.einsum("bhisd,bhitd->bhist", q, k).float() / math.sqrt(q.shape[-1])
-        probs = scores.masked_fill(~mask, torch.finfo(scores.dtype).min).softmax(-1)
-        if self.training and self.spec.dropout > 0:
-            probs = F.dropout(probs, self.spec.dropout)
-        return torch.einsum("bhist,bhitd->bhisd", probs.to(v.dtype), v)
+    def _selected(self, k, v, r0: int, nb: int, cache: SinkhornCache | None):
+        """Causal: the sorted (blend) or picked (topk) keys and values of query buckets r0 .. nb - 1,
+        (B, nr, K, Hs, D) with K = bucket_size (blend) or topk * bucket_size (topk)."""
+        n = self.bucket_size
+        j = nb - 1  # complete buckets: every past bucket of the rows computed here
+        sums = self._sums(k, j, cache)
+        past_k, past_v = (t[:, :j * n].unflatten(1, (j, n)) for t in (k, v))  # (B, J, n, Hkv, D), views
+        if not self.topk_mode:
+            p = self._blend_rows(sums, r0, nb)[:, :, :, None]  # (B, Hs, nr, 1, J)
+            return self._mix(p, past_k).squeeze(2), self._mix(p, past_v).squeeze(2)
+        top = self.topk
+        picks, weights = self._pick_rows(k, sums, r0, nb)  # (B, Hs, nr, top)
+        null = picks < top
+        real = weights.masked_fill(null, 0.0)
+        onehot = torch.zeros(*picks.shape, j + 1, device=k.device, dtype=weights.dtype)
+        onehot = onehot.scatter(-1, (picks - top).clamp(min=0)[..., None], real[..., None])[..., :j]
+        out = []
+        for t, learned in ((past_k, self.null_key), (past_v, self.null_value)):
+            chosen = self._mix(onehot, t)  # (B, nr, top, n, Hs, D)
+            w_null = weights.masked_fill(~null, 0.0).permute(0, 2, 3, 1)[:, :, :, None, :, None]
+            chosen = chosen + w_null.to(t.dtype) * learned.to(t.dtype)  # (B, nr, top, 1, Hs, D)
+            out.append(chosen.flatten(2, 3))
+        return out[0], out[1]
 
-    # ------------------------------------------------------------------------------------ forward
+    def _selected_noncausal(self, k, v, b0: int, nb: int):
+        """Non-causal: the sorted buckets of query buckets b0.. (B, nq, n, Hs, D) and the (B, nq, Hs, n)
+        mask of their slots that hold any key, or None when every slot does."""
+        n, length = self.bucket_size, k.shape[1]
+        p = self._sinkhorn(k, nb)[:, :, b0:]  # (B, Hs, nq, nb)
+        pad = nb * n - length
+        kb, vb = (F.pad(t, (0, 0, 0, 0, 0, pad)).unflatten(1, (nb, n)) for t in (k, v))
+        sel_k, sel_v = self._mix(p[:, :, :, None], kb).squeeze(2), self._mix(p[:, :, :, None], vb).squeeze(2)
+        if not pad:
+            return sel_k, sel_v, None  # whole buckets: rows of p sum to 1 in every slot
+        # Slot s of the sorted bucket averages slot s of the buckets; renormalise by the weight on buckets
+        # that are real at slot s (only the last bucket is partly padding).
+        valid = (torch.arange(nb * n, device=k.device) < length).view(nb, n)
+        mass = torch.einsum("bhij,js->bihs", p, valid.float())  # (B, nq, Hs, n)
+        slot_ok = mass > 1e-6
+        scale = (1.0 / mass.clamp(min=1e-6)).masked_fill(~slot_ok, 0.0).transpose(2, 3)[..., None]
+        return sel_k * scale.to(sel_k.dtype), sel_v * scale.to(sel_v.dtype), slot_ok
+
+    # ------------------------------------------------------------------------------------ attention
+
+    def _attend(self, q, k, v, mask):
+        """One softmax per query over its block's keys, by SDPA (its flash kernel keeps no probabilities for
+        backward): q (B, nq, r, h, D); k, v (B, nq, K, hk, D) (views welcome) with h a multiple of hk (query
+        head i reads kv head i // (h // hk)); mask bool, True = may attend: (r, K) shared by every bucket,
+        (nq, r, K) per bucket, or (B * nq, h, r, K). Returns (B, nq, r, h, D)."""
+        b, nq, r, h, d = q.shape
+        if nq * r <= 16 and not (self.training and self.spec.dropout > 0):
+            # a few query rows (a decode step): plain products, cheaper than setting up the flash kernel
+            rep = h // k.shape[3]
+            if rep > 1:
+                k, v = k.repeat_interleave(rep, 3), v.repeat_interleave(rep, 3)
+            mask = mask.view(b, nq, h, r, -1) if mask.dim() == 4 else mask[:, None] if mask.dim() == 3 else mask
+            scores = torch.einsum("bnrhd,bnkhd->bnhrk", q.float(), k.float()) / math.sqrt(d)
+            probs = scores.masked_fill(~mask, torch.finfo(scores.dtype).min).softmax(-1)
+            return torch.einsum("bnhrk,bnkhd->bnrhd", probs, v.float()).to(q.dtype)
+        q4, k4, v4 = (t.flatten(0, 1).transpose(1, 2) for t in (q, k, v))  # (B * nq, heads, len, D)
+        if mask.dim() == 3:
+            mask = mask[:, None]
+            if b > 1:
+                mask = mask.expand(b, *mask.shape).flatten(0, 1)
+        dropout = self.spec.dropout if self.training else 0.0
+        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, dropout_p=dropout,
+                                             enable_gqa=k4.shape[1] != h)
+        return out.transpose(1, 2).unflatten(0, (b, nq))
+
+    def _head_kv(self, t: torch.Tensor, h0: int, h1: int) -> torch.Tensor:
+        """The kv heads of query heads h0 .. h1 - 1 of t (..., Hkv, D): a slice (for SDPA's GQA) when the
+        heads cover whole kv groups, else one kv head per query head (copied)."""
+        rep = self.spec.heads // t.shape[-2]
+        if h0 % rep == 0 and h1 % rep == 0:
+            return t[..., h0 // rep:h1 // rep, :]
+        return t[..., self.kv_of_head[h0:h1], :]
 
     def forward(self, q, k, v, *, cache: KVCache | None = None, x=None):
         # q: (B, T, H, D); k, v: (B, T, Hkv, D)
         t = q.shape[1]
         if cache is not None:
-            k, v = cache.append(k, v)  # (B, L, Hkv, D), all tokens so far
+            k, v = cache.append(k, v)  # (B, L, Hkv, D), views of all tokens so far
+        state = cache if isinstance(cache, SinkhornCache) and self.spec.causal else None
         length = k.shape[1]
         start = length - t  # absolute position of the first new query
-        n, nl, causal = self.bucket_size, self.n_local, self.spec.causal
-        b, _, h, d = q.shape
-        hkv = k.shape[2]
-
-        kb, valid = self._buckets(k)  # (B, Hkv, nb, n, D), (nb, n)
-        vb, _ = self._buckets(v)
-        nb = kb.shape[2]
+        n, nl, h = self.bucket_size, self.n_local, q.shape[2]
+        nb = -(-length // n)
         b0 = start // n  # first bucket holding a new query; only buckets b0.. are computed
         nq = nb - b0
         off = start - b0 * n
-        qb = F.pad(q, (0, 0, 0, 0, off, nb * n - length))  # (B, nq * n, H, D)
-        qb = qb.view(b, nq, n, h, d).permute(0, 3, 1, 2, 4)  # (B, H, nq, n, D)
-
-        own_mask = valid[b0:, None, :]  # (nq, 1, n): real keys of the own bucket
-        if causal:
-            own_mask = own_mask & torch.ones(n, n, dtype=torch.bool, device=q.device).tril()  # (nq, n, n)
-        own_mask = own_mask.expand(nq, n, n)
+        if nq == 1:  # the new queries all sit in one bucket: only they are computed
+            qb, qpos = q[:, None], torch.arange(off, off + t, device=q.device)
+        else:  # whole buckets (zero queries before the first new one and after the last; dropped)
+            qb = F.pad(q, (0, 0, 0, 0, off, nb * n - length)).unflatten(1, (nq, n))
+            qpos = torch.arange(n, device=q.device)
+        geo = _Geometry(n, length, b0, nb, qpos, self.spec.causal)
         outs = []
+        if nl:
+            outs.append(self._local_heads(qb[..., :nl, :], k, v, geo))
+        if nl < h:
+            outs.append(self._sorting_heads(qb[..., nl:, :], k, v, geo, state))
+        out = torch.cat(outs, 3) if len(outs) > 1 else outs[0]  # (B, nq, r, H, D)
+        out = out.flatten(1, 2)
+        if nq > 1:
+            out = out[:, off:off + t]
+        return out.to(q.dtype)  # (B, T, H, D)
 
-        if nl:  # local heads: previous + own (+ next, non-causal) bucket
-            lo = max(b0 - 1, 0)
-            pad = (0, 0, 0, 0, 1 if b0 == 0 else 0, 1)  # a zero bucket before bucket 0 and after the last
-            idx = self.kv_of_head[:nl]
-            seg_k = F.pad(kb[:, :, lo:], pad)[:, idx]  # (B, nl, nq + 2, n, D)
-            seg_v = F.pad(vb[:, :, lo:], pad)[:, idx]
-            bucket = torch.arange(b0, nb, device=q.device)
-            prev_mask = (bucket >= 1)[:, None, None].expand(nq, n, n)
-            parts_k, parts_v, masks = [seg_k[:, :, :nq], seg_k[:, :, 1:nq + 1]], \
-                [seg_v[:, :, :nq], seg_v[:, :, 1:nq + 1]], [prev_mask, own_mask]
-            if not causal:
-                next_valid = F.pad(valid, (0, 0, 0, 1), value=False)[b0 + 1:]  # (nq, n)
-                parts_k.append(seg_k[:, :, 2:])
-                parts_v.append(seg_v[:, :, 2:])
-                masks.append(next_valid[:, None, :].expand(nq, n, n))
-            outs.append(self._softmax_attend(qb[:, :nl], torch.cat(parts_k, 3), torch.cat(parts_v, 3),
-                                             torch.cat(masks, -1)))
-
-        if nl < h:  # sorting heads: own bucket + sorted (blend) or picked (topk) buckets
-            hs = h - nl
-            idx = self.kv_of_head[nl:]
-            own_k, own_v = kb[:, idx, b0:], vb[:, idx, b0:]  # (B, Hs, nq, n, D)
-            if self.topk_mode:
-                sel_k, sel_v = self._picked(kb, vb, valid, b0)  # (B, Hs, nq, topk * n, D)
-                sel_ok = torch.ones(nq, n, sel_k.shape[3], dtype=torch.bool, device=q.device)
-                mask = torch.cat([own_mask, sel_ok], -1)  # (nq, n, n + topk * n)
+    def _local_heads(self, q, k, v, geo: "_Geometry"):
+        """Local heads: one softmax over the previous, own (and, non-causal, next) bucket. The windows are
+        overlapping views of the keys (``unfold``), not copies; bucket 0, which has no previous bucket,
+        is computed on its own, so every other bucket shares one mask. q (B, nq, r, nl, D)."""
+        n, b0, nb, causal = geo.n, geo.b0, geo.nb, geo.causal
+        nl = q.shape[3]
+        width = 2 if causal else 3
+        lo = max(b0 - 1, 0)
+        if causal and q.shape[1] == 1:  # one bucket (a decode step): the window is a plain view of the keys
+            keys, vals = (self._head_kv(z, 0, nl)[:, lo * n:geo.length, None] for z in (k, v))
+            span = torch.arange(geo.length - lo * n, device=q.device)
+            mask = span[None, :] <= (b0 - lo) * n + geo.qpos[:, None]  # the previous bucket, own up to the query
+            return self._attend(q, keys.transpose(1, 2), vals.transpose(1, 2), mask)
+        kl, vl = (geo.whole(self._head_kv(z, 0, nl)[:, lo * n:], 0 if causal else n) for z in (k, v))
+        outs = []
+        if b0 == 0:  # bucket 0: own (and next) bucket only
+            m = 1 if causal else 2
+            mask = torch.cat([geo.own_mask(0)] + ([] if causal else [geo.valid_keys(1)]), -1)
+            outs.append(self._attend(q[:, :1], kl[:, None, :m * n], vl[:, None, :m * n], mask))
+            q = q[:, 1:]
+        if q.shape[1]:
+            win_k, win_v = (z.unfold(1, width * n, n).movedim(-1, 2) for z in (kl, vl))  # (B, nq', width*n, .)
+            i0 = max(b0, 1)
+            if causal:  # previous bucket (complete) + own bucket up to the query: the same for every bucket
+                mask = torch.cat([torch.ones_like(geo.own_mask(i0)), geo.own_mask(i0)], -1)
             else:
-                sel_k, sel_v, slot_ok = self._blended(kb, vb, valid, b0)
-                mask = torch.cat([own_mask.expand(b, hs, nq, n, n),
-                                  slot_ok[:, :, :, None, :].expand(b, hs, nq, n, n)], -1)  # (B, Hs, nq, n, 2n)
-            outs.append(self._softmax_attend(qb[:, nl:], torch.cat([own_k, sel_k], 3),
-                                             torch.cat([own_v, sel_v], 3), mask))
+                mask = torch.stack([torch.cat([torch.ones_like(geo.own_mask(i)), geo.own_mask(i),
+                                               geo.valid_keys(i + 1)], -1) for i in range(i0, nb)])
+            outs.append(self._attend(q, win_k, win_v, mask))
+        return torch.cat(outs, 1) if len(outs) > 1 else outs[0]
 
-        out = torch.cat(outs, 1) if len(outs) > 1 else outs[0]  # (B, H, nq, n, D)
-        out = out.permute(0, 2, 3, 1, 4).reshape(b, nq * n, h, d)
-        return out[:, off:off + t].to(q.dtype)  # (B, T, H, D)
+    def _sorting_heads(self, q, k, v, geo: "_Geometry", state: SinkhornCache | None):
+        """Sorting heads: one softmax over the own bucket and the sorted (blend) or picked (topk) bucket(s).
+        Causal ``blend`` bucket 0 has no past bucket: it is computed on its own (own bucket only), so every
+        other bucket shares one mask. q (B, nq, r, Hs, D)."""
+        n, b0, nb, causal = geo.n, geo.b0, geo.nb, geo.causal
+        b, nq, r, hs = q.shape[:4]
+        nl = self.n_local
+        rep = self.spec.heads // k.shape[2]
+        if causal and nq == 1:  # one bucket (a decode step): its keys so far, no padding
+            own_k, own_v = k[:, None, b0 * n:], v[:, None, b0 * n:]
+        else:
+            own_k, own_v = (geo.whole(z[:, b0 * n:]).unflatten(1, (nq, n)) for z in (k, v))  # (B, nq, n, Hkv, D)
+        if rep == 1:
+            own_k, own_v = own_k[..., nl:, :], own_v[..., nl:, :]
+        elif not causal or self.topk_mode or nb > max(b0, 1):  # the selection is per query head: so the own bucket
+            idx = self.kv_of_head[nl:]
+            own_k, own_v = own_k[..., idx, :], own_v[..., idx, :]
+        else:  # only causal blend bucket 0: own bucket alone, by kv group
+            own_k, own_v = self._head_kv(own_k, nl, self.spec.heads), self._head_kv(own_v, nl, self.spec.heads)
+        if not causal:
+            sel_k, sel_v, slot_ok = self._selected_noncausal(k, v, b0, nb)
+            m = sel_k.shape[2]
+            own = torch.stack([geo.own_mask(i) for i in range(b0, nb)])  # (nq, r, n)
+            if slot_ok is None:
+                mask = F.pad(own, (0, m), value=True)
+            else:  # (B * nq, Hs, r, n + n): per head
+                mask = torch.cat([own[None, :, None].expand(b, nq, hs, r, n),
+                                  slot_ok[:, :, :, None, :].expand(b, nq, hs, r, m)], -1).flatten(0, 1)
+            return self._attend(q, torch.cat([own_k, sel_k.to(own_k.dtype)], 2),
+                                torch.cat([own_v, sel_v.to(own_v.dtype)], 2), mask)
+        outs = []
+        if b0 == 0 and not self.topk_mode:  # blend bucket 0: no past bucket, own bucket only
+            outs.append(self._attend(q[:, :1], own_k[:, :1], own_v[:, :1], geo.own_mask(0)))
+            q, own_k, own_v = q[:, 1:], own_k[:, 1:], own_v[:, 1:]
+        if q.shape[1]:
+            i0 = b0 if self.topk_mode else max(b0, 1)
+            sel_k, sel_v = self._causal_selection(k, v, i0, nb, state)  # (B, nq', m, Hs, D)
+            own = geo.own_mask(i0)
+            mask = F.pad(own, (0, sel_k.shape[2]), value=True)  # past buckets (and null ones): every slot
+            outs.append(self._attend(q, torch.cat([own_k, sel_k.to(own_k.dtype)], 2),
+                                     torch.cat([own_v, sel_v.to(own_v.dtype)], 2), mask))
+        return torch.cat(outs, 1) if len(outs) > 1 else outs[0]
 
-    def _blended(self, kb, vb, valid, b0):
-        """The sorted bucket of each query bucket b0..: the P-weighted mixture of whole buckets, slot by slot.
-        Returns keys, values (B, Hs, nq, n, D) and the (B, Hs, nq, n) mask of slots that hold any key."""
-        b, hkv, nb, n, d = kb.shape
-        nl, h = self.n_local, self.spec.heads
-        nq = nb - b0
-        p = self._sort(kb, valid)[:, :, b0:]  # (B, Hs, nq, nb) rows of the new buckets
-        # Mix whole buckets per kv group without copying the keys to every query head: pad the
-        # local heads that share the first sorting head's kv group with zero rows.
-        rep = h // hkv
-        g0, lead = nl // rep, nl % rep
-        pg = F.pad(p, (0, 0, 0, 0, lead, 0)).view(b, hkv - g0, rep, nq, nb)
-        mix_k = torch.einsum("bgrij,bgjsd->bgrisd", pg.to(kb.dtype), kb[:, g0:])
-        mix_v = torch.einsum("bgrij,bgjsd->bgrisd", pg.to(vb.dtype), vb[:, g0:])
-        mix_k = mix_k.reshape(b, -1, nq, n, d)[:, lead:]  # (B, Hs, nq, n, D)
-        mix_v = mix_v.reshape(b, -1, nq, n, d)[:, lead:]
-        # Slot s of the sorted bucket averages slot s of the chosen buckets; renormalise by the
-        # weight on buckets that are real at slot s (only the last bucket can be partly padding).
-        mass = torch.einsum("bhij,js->bhis", p, valid.float())  # (B, Hs, nq, n)
-        slot_ok = mass > 1e-6  # causal bucket 0: no past bucket, all slots masked
-        scale = (1.0 / mass.clamp(min=1e-6)).masked_fill(~slot_ok, 0.0)[..., None]
-        return mix_k * scale.to(mix_k.dtype), mix_v * scale.to(mix_v.dtype), slot_ok
+    def _causal_selection(self, k, v, r0: int, nb: int, state: SinkhornCache | None):
+        """The selection of query buckets r0 .. nb - 1; with a cache, bucket r0's is taken from it when it
+        holds it, and the last bucket's is kept for the next call."""
+        parts = []
+        if state is not None and state.selected is not None and state.selected[0] == r0:
+            parts.append(state.selected[1:])
+            r0 += 1
+        if r0 < nb:
+            parts.append(self._selected(k, v, r0, nb, state))
+        sel_k = torch.cat([p[0] for p in parts], 1) if len(parts) > 1 else parts[0][0]
+        sel_v = torch.cat([p[1] for p in parts], 1) if len(parts) > 1 else parts[0][1]
+        if state is not None:
+            state.selected = (nb - 1, sel_k[:, -1:].detach(), sel_v[:, -1:].detach())
+        return sel_k, sel_v
 
-    def _picked(self, kb, vb, valid, b0):
-        """The buckets query buckets b0.. pick (causal topk): keys and values (B, Hs, nq, topk * n, D),
-        each picked bucket scaled by its weight; null picks are the learned null key/value in every slot.
-        Picked real buckets are complete past buckets, so every slot holds a key."""
-        b, _, nb, n, d = kb.shape
-        k = self.topk
-        picks, weights = self._select(kb, valid, b0)  # (B, Hs, nq, k)
-        is_null = (picks < k)[..., None, None]
-        bucket = (picks - k).clamp(min=0)
-        batch = torch.arange(b, device=kb.device)[:, None, None, None]
-        group = self.kv_of_head[self.n_local:][None, :, None, None]
-        w = weights[..., None, None]
-        out = []
-        for t, null in ((kb, self.null_key), (vb, self.null_value)):
-            chosen = t[batch, group, bucket]  # (B, Hs, nq, k, n, D)
-            chosen = torch.where(is_null, null[None, :, None, None, None, :].to(t.dtype), chosen)
-            out.append((chosen * w.to(t.dtype)).flatten(3, 4))
-        return out[0], out[1]
+
+@dataclass
+class _Geometry:
+    """Where the queries of one call sit: bucket size n, keys so far, buckets b0 .. nb - 1 computed, and the
+    positions ``qpos`` of the computed query rows within their bucket."""
+
+    n: int
+    length: int
+    b0: int
+    nb: int
+    qpos: torch.Tensor
+    causal: bool
+
+    def valid_keys(self, i: int) -> torch.Tensor:
+        """(r, n) bool: the slots of bucket i that hold a key (none beyond the last bucket)."""
+        slots = torch.arange(self.n, device=self.qpos.device)
+        return (slots < self.length - i * self.n)[None, :].expand(len(self.qpos), self.n)
+
+    def own_mask(self, i: int) -> torch.Tensor:
+        """(r, n) bool: the keys of its own bucket i a query row reads: up to itself (causal; this excludes
+        padding for every real query), or every real key. Causal with one bucket computed: (r, keys so far
+        in it), as its keys are then not padded."""
+        if self.causal:
+            width = self.length - self.b0 * self.n if self.nb - self.b0 == 1 else self.n
+            return torch.arange(width, device=self.qpos.device)[None, :] <= self.qpos[:, None]
+        return self.valid_keys(i)
+
+    def whole(self, z: torch.Tensor, extra: int = 0) -> torch.Tensor:
+        """Keys (B, from bucket boundary .. length, ...) zero-padded to whole buckets plus ``extra`` slots
+        (a view when nothing is padded)."""
+        pad = (-z.shape[1]) % self.n + extra
+        return F.pad(z, (0, 0, 0, 0, 0, pad)) if pad else z
