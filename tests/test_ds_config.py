@@ -432,3 +432,31 @@ def test_compiled_ops_are_cached_with_the_venv_unless_the_user_says_otherwise(mo
     with pytest.raises(SystemExit) as info:
         ops.main(["cpu_adamw"])
     assert info.value.code == 2
+
+
+def test_a_stale_build_lock_is_removed_and_a_live_one_kept(monkeypatch, tmp_path, capsys):
+    """A process killed while DeepSpeed built an op leaves ``<op>/lock``; every later run waited on it forever
+    (seen: two Ray Train workers blocked in FileBaton.wait). Locks older than any build are cleared when the
+    cache is chosen; a lock a build may still hold is kept."""
+    import os
+    import time
+
+    from efftx.train import ops
+
+    now = time.time()
+    built, unbuilt, fresh = (tmp_path / name for name in ("built_op", "unbuilt_op", "fresh_op"))
+    for op in (built, unbuilt, fresh):
+        op.mkdir()
+        (op / "lock").touch()
+    (built / "built_op.so").touch()
+    (fresh / "fresh_op.so").touch()
+    os.utime(built / "lock", (now - ops.STALE_LOCK_BUILT_S - 5,) * 2)  # built long ago: stale
+    os.utime(unbuilt / "lock", (now - ops.STALE_LOCK_BUILT_S - 5,) * 2)  # no .so yet: a slow build may hold it
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert ops.use_venv_cache() == str(tmp_path)
+    assert not (built / "lock").exists()
+    assert (unbuilt / "lock").exists() and (fresh / "lock").exists()
+    assert "a build lock 10 minutes old" in capsys.readouterr().err
+    os.utime(unbuilt / "lock", (now - ops.STALE_LOCK_UNBUILT_S - 5,) * 2)  # no build takes an hour
+    assert ops.clear_stale_locks(tmp_path, log=lambda m: None) == [unbuilt / "lock"]
+    assert (fresh / "lock").exists()

@@ -26,11 +26,41 @@ def venv_cache() -> Path:
     return Path(sys.prefix) / "torch_extensions"
 
 
+# A build holds ``<op>/lock`` (torch's FileBaton) while it compiles; a process killed meanwhile leaves the lock behind
+# and every later run waits on it forever, silently. A lock this much older than any build is stale: with the op
+# built (its .so present) after STALE_LOCK_BUILT_S, without it after STALE_LOCK_UNBUILT_S (a build takes ~1 minute).
+STALE_LOCK_BUILT_S = 600.0
+STALE_LOCK_UNBUILT_S = 3600.0
+
+
+def clear_stale_locks(cache: str | Path, log=print, now: float | None = None) -> list[Path]:
+    """Remove the build locks under ``cache`` that no live build can hold (see STALE_LOCK_*); -> removed paths."""
+    now = time.time() if now is None else now
+    removed = []
+    for lock in Path(cache).glob("*/lock"):
+        try:
+            age = now - lock.stat().st_mtime
+        except OSError:
+            continue  # released meanwhile
+        built = any(lock.parent.glob("*.so"))
+        if age > (STALE_LOCK_BUILT_S if built else STALE_LOCK_UNBUILT_S):
+            try:
+                lock.unlink()
+            except OSError:
+                continue
+            removed.append(lock)
+            log(f"removed {lock}: a build lock {age / 60:.0f} minutes old, left by a process stopped while building "
+                f"DeepSpeed's {lock.parent.name} op (every run would otherwise wait on it)")
+    return removed
+
+
 def use_venv_cache() -> str:
     """Set TORCH_EXTENSIONS_DIR to the venv's cache unless it is set already (or the venv is read-only);
-    returns the directory in use. Inherited by Ray's workers started from this process."""
+    returns the directory in use, after clearing its stale build locks. Inherited by Ray's workers started from
+    this process."""
     current = os.environ.get("TORCH_EXTENSIONS_DIR")
     if current:
+        clear_stale_locks(current, log=lambda message: print(f"[efftx] {message}", file=sys.stderr))
         return current
     cache = venv_cache()
     try:
@@ -40,6 +70,7 @@ def use_venv_cache() -> str:
     if not os.access(cache, os.W_OK):
         return ""
     os.environ["TORCH_EXTENSIONS_DIR"] = str(cache)
+    clear_stale_locks(cache, log=lambda message: print(f"[efftx] {message}", file=sys.stderr))
     return str(cache)
 
 
