@@ -25,10 +25,11 @@ import sys
 from measure import timed_peak  # bench/measure.py
 
 HEADS, HEAD_DIM = 8, 64
-# Backend options at benchmark scale (the recipes' enwik8 settings; nsa: the seed's, NSAOptions' defaults).
+# Backend options at benchmark scale (the recipes' enwik8 settings; nsa: the seed's, NSAOptions' defaults;
+# performer: 256 features, PerformerOptions' default chunk of 64 tokens).
 OPTIONS = {
     "sinkhorn": {"attention.sinkhorn.bucket_size": 128, "attention.sinkhorn.n_local_attn_heads": 4},
-    "performer": {"attention.performer.nb_features": 256, "attention.performer.chunk_size": 128},
+    "performer": {"attention.performer.nb_features": 256, "attention.performer.chunk_size": 64},
 }
 
 # issue 17, CPU: (backend, what, T or None = every T from `since`, bound on backend/full, since)

@@ -212,19 +212,135 @@ def test_cache_sums_are_the_feature_sums_and_rewind_restores_them():
     cache = backend.new_cache(2, 16, torch.device("cpu"), torch.float32)
     backend(q[:, :7], k[:, :7], v[:, :7], cache=cache)
     s7, z7 = cache.s.clone(), cache.z.clone()
-    torch.testing.assert_close(cache.z, cache.phi_k[:, :7].sum(1))
+    assert cache.state.dtype == torch.float64
+    torch.testing.assert_close(cache.z, cache.phi_k[:, :7].double().sum(1))
+    torch.testing.assert_close(cache.s, torch.einsum("bthm,bthd->bhmd", cache.phi_k[:, :7].double(),
+                                                     cache.v[:, :7].double()))
     backend(q[:, 7:], k[:, 7:], v[:, 7:], cache=cache)
     assert cache.length == 12
     cache.rewind(5)
     assert cache.length == 7
-    torch.testing.assert_close(cache.s, s7, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(cache.z, z7, rtol=1e-5, atol=1e-6)
+    # the removed tokens' float64 contributions are subtracted: back to s7 up to float64 rounding of the sums
+    torch.testing.assert_close(cache.s, s7, rtol=1e-12, atol=1e-12 * float(s7.abs().max()))
+    torch.testing.assert_close(cache.z, z7, rtol=1e-12, atol=1e-12 * float(z7.abs().max()))
     with pytest.raises(ValueError):
         cache.rewind(8)
     with pytest.raises(ValueError):
         cache.rewind(-1)
     with pytest.raises(ValueError):  # capacity 16: 7 + 12 overflows
         backend(q, k, v, cache=cache)
+
+
+def decode(backend, cache, q, k, v, a, e, step=1):
+    """Feed tokens [a, e) of (q, k, v) through ``cache`` ``step`` tokens at a time; the outputs."""
+    return torch.cat([backend(q[:, i:min(i + step, e)], k[:, i:min(i + step, e)], v[:, i:min(i + step, e)],
+                              cache=cache) for i in range(a, e, step)], 1)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("step", [1, 3])  # decode steps (the O(1) path) and speculative-verify blocks
+def test_cached_steps_after_a_prefill_equal_the_full_forward(causal, step):
+    """A prefill of 9 tokens (chunks of 4: the last partial), then 11 more tokens one (or three) at a time:
+    the same outputs as one forward over the 20 tokens (causal) / over each prefix (non-causal)."""
+    backend = make(chunk_size=4, causal=causal)
+    q, k, v = qkv(b=2, t=20)
+    cache = backend.new_cache(2, 32, torch.device("cpu"), torch.float32)
+    got = torch.cat([backend(q[:, :9], k[:, :9], v[:, :9], cache=cache), decode(backend, cache, q, k, v, 9, 20, step)], 1)
+    if causal:
+        want = naive_favor(q, k, v, backend.projection).float()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    else:  # a block sees every cached token and all of its own
+        ends = [9] + [min(i + step, 20) for i in range(9, 20, step)]
+        for a, e in zip([0] + ends[:-1], ends):
+            want = naive_favor(q[:, :e], k[:, :e], v[:, :e], backend.projection, causal=False)[:, a:e].float()
+            torch.testing.assert_close(got[:, a:e], want, rtol=1e-4, atol=1e-5)
+
+
+def record_sum(cache, row, n):
+    """float64 Σ phi(k) [v, 1] over the first n records of one row: (1, Hkv, m, D + 1)."""
+    kf, v = cache.phi_k[row:row + 1, :n].double(), cache.v[row:row + 1, :n].double()
+    return torch.einsum("bthm,bthd->bhmd", kf, torch.cat((v, torch.ones_like(v[..., :1])), -1))
+
+
+@pytest.mark.parametrize("rewind", [4, [2, 5]])  # every row alike, or ragged (a subtraction per row)
+def test_rewind_equals_never_having_decoded_the_tokens(rewind):
+    """Prefill 9, decode 6, rewind, decode 5 more. After the rewind the state is the float64 sum of the kept
+    tokens' records to float64 rounding (1e-12 of its size: the same float64 products added, then subtracted),
+    and the cache equals one that never saw the removed tokens; that one is fed in other batch shapes, so its
+    float32 features differ by rounding (the state by ~1e-6 relative), hence 1e-5 on its state and outputs."""
+    backend = make(chunk_size=4)
+    q, k, v = qkv(b=2, t=20)
+    counts = [rewind] * 2 if isinstance(rewind, int) else rewind
+    cache = backend.new_cache(2, 32, torch.device("cpu"), torch.float32)
+    backend(q[:, :9], k[:, :9], v[:, :9], cache=cache)
+    decode(backend, cache, q, k, v, 9, 15)
+    cache.rewind(rewind)
+    assert cache.lengths == [15 - c for c in counts]
+    for row, c in enumerate(counts):
+        exact = record_sum(cache, row, 15 - c)
+        torch.testing.assert_close(cache.state[row:row + 1], exact, rtol=1e-12, atol=1e-12 * float(exact.abs().max()))
+        # the same as a cache that never decoded the removed tokens, and so are the next outputs
+        clean = backend.new_cache(1, 32, torch.device("cpu"), torch.float32)
+        rq, rk, rv = q[row:row + 1], k[row:row + 1], v[row:row + 1]
+        backend(rq[:, :9], rk[:, :9], rv[:, :9], cache=clean)
+        decode(backend, clean, rq, rk, rv, 9, 15 - c)
+        torch.testing.assert_close(cache.state[row:row + 1], clean.state, rtol=1e-5,
+                                   atol=1e-6 * float(exact.abs().max()))
+        one = backend.new_cache(1, 32, torch.device("cpu"), torch.float32)
+        one.state.copy_(cache.state[row:row + 1])
+        one.lengths = [cache.lengths[row]]
+        torch.testing.assert_close(decode(backend, one, rq, rk, rv, 15, 20), decode(backend, clean, rq, rk, rv, 15, 20),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_cached_steps_record_a_graph_when_inputs_require_grad():
+    """The decode step and the cached prefill run under autograd too (no in-place update breaks the graph). The
+    cache's state is a constant: a decode step's gradient reaches its query, not the keys and values it adds."""
+    backend = make(chunk_size=4)
+    q, k, v = (z.requires_grad_() for z in qkv(b=2, t=12))
+    cache = backend.new_cache(2, 16, torch.device("cpu"), torch.float32)
+    out = torch.cat([backend(q[:, :9], k[:, :9], v[:, :9], cache=cache), decode(backend, cache, q, k, v, 9, 12)], 1)
+    out.sum().backward()
+    for g in (q.grad, k.grad, v.grad):
+        assert torch.isfinite(g).all() and g[:, :9].abs().sum() > 0
+    assert q.grad[:, 9:].abs().sum() > 0
+
+
+def test_rewind_reads_only_the_removed_tokens():
+    """Rewind costs O(tokens removed): the kept tokens' records are never read (NaN there changes nothing)."""
+    backend = make(chunk_size=4)
+    q, k, v = qkv(b=2, t=20)
+    cache = backend.new_cache(2, 32, torch.device("cpu"), torch.float32)
+    backend(q[:, :12], k[:, :12], v[:, :12], cache=cache)
+    s8 = cache.state.clone() - torch.einsum("bthm,bthd->bhmd", cache.phi_k[:, 8:12].double(),
+                                             torch.cat((cache.v[:, 8:12], torch.ones(2, 4, 2, 1)), -1).double())
+    cache.phi_k[:, :7] = float("nan")
+    cache.v[:, :7] = float("nan")
+    cache.rewind(4)
+    torch.testing.assert_close(cache.state, s8, rtol=1e-12, atol=1e-12)
+    cache.rewind([1, 0])  # ragged: row 0 loses slot 7 alone
+    assert torch.isfinite(cache.state).all() and cache.lengths == [7, 8]
+    torch.testing.assert_close(cache.state[1], s8[1], rtol=0, atol=0)
+
+
+def test_many_speculative_cycles_do_not_drift():
+    """300 rounds of 'append 5 tokens, rewind 1 to 5 of them' (a speculative decoder's pattern): the state stays
+    the float64 sum of the records it holds, to float64 rounding."""
+    backend = make(chunk_size=4)
+    q, k, v = qkv(b=1, t=320)
+    cache = backend.new_cache(1, 640, torch.device("cpu"), torch.float32)
+    backend(q[:, :16], k[:, :16], v[:, :16], cache=cache)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        if cache.length + 5 > 320:
+            break
+        a = cache.length
+        decode(backend, cache, q, k, v, a, a + 5, step=int(torch.randint(1, 6, (1,), generator=g)))
+        cache.rewind(int(torch.randint(1, 6, (1,), generator=g)))
+    n = cache.length
+    assert n > 100
+    want = record_sum(cache, 0, n)
+    torch.testing.assert_close(cache.state, want, rtol=1e-11, atol=1e-11 * float(want.abs().max()))
 
 
 # --- GQA -----------------------------------------------------------------------------------------
@@ -271,15 +387,18 @@ def test_chunked_function_equals_naive_reference_forward_and_gradients(chunk_siz
         torch.testing.assert_close(g, w, rtol=1e-8, atol=1e-10, msg=name)
 
 
-@pytest.mark.parametrize("segment_budget", [None, 1])
-def test_chunked_function_float32_at_bench_settings_equals_float64_reference(segment_budget, monkeypatch):
-    """256 features, chunks of 128 (the bench's settings), T = 300: three chunks, the last partial; by default
-    in segments of two chunks (the second segment partial), with a budget of 1 one chunk per segment."""
+@pytest.mark.parametrize("chunk_size, segment_budget, segment", [(64, None, 256), (64, 1 << 20, 512), (64, 1, 64),
+                                                                  (128, None, 256)])
+def test_chunked_function_float32_at_bench_settings_equals_float64_reference(chunk_size, segment_budget, segment,
+                                                                             monkeypatch):
+    """256 features, chunks of 64 (the bench's settings) or 128, T = 300: the last chunk partial; by default in
+    segments of 256 tokens (the second partial), with a budget of 1 << 20 in one partial segment, with a budget
+    of 1 one chunk per segment."""
     if segment_budget is not None:
         monkeypatch.setattr(performer, "SEGMENT_BUDGET", segment_budget)
-    backend = make(heads=4, kv_heads=2, head_dim=16, nb_features=256, chunk_size=128).train()
+    backend = make(heads=4, kv_heads=2, head_dim=16, nb_features=256, chunk_size=chunk_size).train()
     q, k, v = qkv(b=2, t=300, h=4, hkv=2, d=16, scale=0.7)
-    assert performer.segment_length(2, 4, 256, 128) == (256 if segment_budget is None else 128)
+    assert performer.segment_length(2, 4, 256, chunk_size) == segment
     got, got_grads = favor_grads(lambda *a: backend(*a), q, k, v)
     want, want_grads = favor_grads(lambda *a: naive_favor(*a, backend.projection), *(z.double() for z in (q, k, v)))
     assert got.dtype == torch.float32
@@ -306,9 +425,10 @@ def test_chunked_function_equals_the_autograd_composition_with_clamped_keys():
         torch.testing.assert_close(g, wg, rtol=1e-8, atol=1e-10)
 
 
-def test_chunked_function_saves_only_its_inputs_and_segment_states(monkeypatch):
+def test_chunked_function_saves_only_its_inputs_output_denominators_and_segment_states(monkeypatch):
     """No feature of any token is kept for the backward: it recomputes them from q and k and the state entering
-    each segment."""
+    each segment. Besides the inputs it keeps its own output (the same storage as the tensor it returns, which
+    the output projection keeps anyway) and one denominator per query."""
     monkeypatch.setattr(performer, "SEGMENT_BUDGET", 2 * 4 * 64 * 8)  # segments of 8 tokens (2 chunks)
     backend = make(nb_features=64, chunk_size=4).train()
     q, k, v = (z.requires_grad_() for z in qkv(t=40))
@@ -317,5 +437,8 @@ def test_chunked_function_saves_only_its_inputs_and_segment_states(monkeypatch):
     assert type(node).__name__ == "_CausalFavorBackward"
     segments = 40 // performer.segment_length(2, 4, 64, 4)
     assert segments == 5
-    assert sorted(tuple(z.shape) for z in node.saved_tensors) == sorted(
-        [tuple(q.shape), tuple(k.shape), tuple(v.shape), tuple(backend.projection.shape), (segments, 2, 2, 64, 9)])
+    saved = node.saved_tensors
+    assert sorted(tuple(z.shape) for z in saved) == sorted(
+        [tuple(q.shape), tuple(k.shape), tuple(v.shape), tuple(backend.projection.shape), (segments, 2, 2, 64, 9),
+         tuple(out.shape), (2, 2, 10, 8, 1)])
+    assert any(z.data_ptr() == out.data_ptr() for z in saved)
