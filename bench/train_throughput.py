@@ -1,77 +1,194 @@
-"""Train-step throughput and MFU of a recipe, against this machine's measured matmul peak.
+"""Train-step MFU of recipes at batch 1 and 4, against this machine's fp32 matmul peak measured beside each row.
 
-    python bench/train_throughput.py [--recipe lm_small] [--steps 20] [--threads N] [--set key=value ...]
+    python bench/train_throughput.py [--recipes spec_target_enwik8 lm_enwik8 nsa_full_enwik8] [--batches 1 4]
+                                     [--seq-len 512] [--steps 5] [--warmup 2] [--threads N] [--gpt] [--compile]
+                                     [--profile] [--set key=value ...]
 
-Both numbers are measured in the same process, one after the other, with the same thread count:
-1. the fp32 peak: best time of large square matmuls (what this machine's BLAS can reach);
-2. the train step of the recipe (forward + backward + AdamW, the model FLOPs the loop counts).
-It prints tokens/s, achieved FLOP/s and MFU = achieved / peak. The step excludes Ray and DeepSpeed
-overheads: it is the model's own cost (the loop's logged MFU includes those).
+Everything runs in this process, with the same thread count. For every (recipe, batch) row: first the fp32
+peak, the best time of large square matmuls (what this machine's BLAS reaches right now: measured again before
+each row, so a row and its peak share the machine's load), then the train step (forward, loss, backward,
+the engine's AdamW and schedule: efftx.train.engine, the model FLOPs the loop counts, efftx.flops). It prints
+the median step, tokens/s, achieved FLOP/s and MFU = achieved / peak, and marks issue 17's goal, MFU >= 75% for
+the full-attention models (other backends' rows are printed, unmarked: their attention FLOPs are counted per
+backend, see efftx.flops). The step excludes Ray and DeepSpeed (the loop's logged MFU includes them).
+
+``--gpt`` adds a row of bench/learning.py's plain GPT (LayerNorm, fused qkv, learned positions, untied head) of
+the first recipe's width, depth and heads, same optimizer: the reference a train step can reach here.
+``--compile`` adds, per row, the step with the training forward compiled (engine.compile=on) and the ratio.
+``--profile`` prints, per row, where the step's CPU time goes (torch.profiler over a few steps, grouped):
+shares, which are robust to the machine's load where absolute times are not.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
+from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
 
-from efftx import recipes
+from efftx import models, recipes
 from efftx.flops import measure_matmul_peak
-from efftx.train.engine import lr_lambda, param_groups
-from efftx import models
+from efftx.train import engine as engine_lib
+
+GOAL = 0.75  # issue 17: train-step MFU of the full-attention models
+
+# op names (profiler, self time) -> group; the rest is "other elementwise / glue"
+GROUPS = {
+    "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
+               "aten::_scaled_dot_product_flash_attention_for_cpu_backward"),
+    "optimizer": ("aten::_fused_adamw_", "aten::_foreach_", "aten::lerp_", "aten::addcdiv_", "aten::addcmul_",
+                  "aten::sqrt"),
+    "norms": ("aten::native_layer_norm", "aten::native_layer_norm_backward", "aten::_fused_rms_norm",
+              "aten::_fused_rms_norm_backward", "aten::rsqrt", "aten::pow", "aten::mean", "aten::norm"),
+    "gelu": ("aten::gelu", "aten::gelu_backward"),
+    "loss": ("aten::_log_softmax", "aten::_log_softmax_backward_data", "aten::nll_loss_forward",
+             "aten::nll_loss_backward"),
+    "copies / cat / fill": ("aten::copy_", "aten::cat", "aten::fill_", "aten::zero_", "aten::clone"),
+}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--recipe", default="lm_small")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--set", dest="overrides", action="append", default=[])
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
+def group_of(name: str) -> str:
+    for group, names in GROUPS.items():
+        if any(name == n or (n.endswith("_") and name.startswith(n)) for n in names):
+            return group
+    return "other elementwise"
 
-    cfg = recipes.get(args.recipe).override(args.overrides)
-    cfg.name = "bench"
-    cfg.validate()
-    peak = max(measure_matmul_peak("cpu", torch.float32, n=n) for n in (1024, 2048))
 
-    torch.manual_seed(0)
-    model = models.build(cfg)
-    opt = torch.optim.AdamW(param_groups(model, cfg.train.weight_decay), lr=cfg.train.lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
-    b, t = cfg.train.micro_batch_size, cfg.data.seq_len
-    data = torch.randint(0, cfg.model.vocab_size, (b, t + 1))
+class PlainGPTFlops:
+    """bench/learning.py's PlainGPT with the MFU count of efftx's models (6 x matmul weights + 12·L·D·T)."""
+
+    def __init__(self, cfg):
+        import sys
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package
+        from learning import PlainGPT
+
+        m = cfg.model
+        self.model = PlainGPT(m.vocab_size, m.dim, m.depth, m.heads, m.mlp_mult, m.max_seq_len)
+        self.model.num_params = lambda: sum(p.numel() for p in self.model.parameters())
+        lookups = self.model.tok.weight.numel() + self.model.pos.weight.numel()
+        self.model.flops_per_token = lambda t: 6 * (self.model.num_params() - lookups) + 12 * m.depth * m.dim * t
+
+
+def make_step(model, cfg, batch: torch.Tensor):
+    opt = engine_lib.torch_adamw(engine_lib.param_groups(model, cfg.train.weight_decay), cfg.train)
+    sched = engine_lib.Schedule(opt, cfg)
+    model.train()
 
     def step() -> None:
-        logits = model(data[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), data[:, 1:].reshape(-1))
+        logits = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
         loss.backward()
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
 
-    for _ in range(args.warmup):
+    return step
+
+
+def median_step(step, warmup: int, steps: int) -> float:
+    for _ in range(warmup):
         step()
     times = []
-    for _ in range(args.steps):
+    for _ in range(steps):
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    times.sort()
-    median = times[len(times) // 2]
-    tok_s = b * t / median
-    achieved = model.flops_per_token(t) * tok_s
+    return statistics.median(times)
 
-    print(f"recipe {args.recipe}: {model.num_params():,} params, batch {b} x {t} tokens, {args.threads} threads")
-    print(f"{'measure':<28}{'value':>16}")
-    print(f"{'fp32 matmul peak':<28}{peak / 1e9:>12.1f} GFLOP/s")
-    print(f"{'train step (median)':<28}{median * 1e3:>13.1f} ms")
-    print(f"{'tokens/s':<28}{tok_s:>16,.0f}")
-    print(f"{'achieved':<28}{achieved / 1e9:>12.1f} GFLOP/s")
-    print(f"{'MFU (achieved / peak)':<28}{achieved / peak:>16.1%}")
+
+def profile_shares(step, steps: int = 2) -> dict[str, float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    shares: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        if event.key.startswith("aten::"):
+            shares[group_of(event.key)] += event.self_cpu_time_total
+    total = sum(shares.values())
+    return {k: v / total for k, v in sorted(shares.items(), key=lambda kv: -kv[1])}
+
+
+def build(name: str, cfg, compiled: bool = False):
+    torch.manual_seed(0)
+    if name == "gpt":
+        return PlainGPTFlops(cfg).model
+    model = models.build(cfg)
+    if compiled:
+        on = cfg.copy().override({"engine.compile": "on"})
+        engine_lib.compile_model(model, on, "cpu", log=lambda message: print(f"  [{name}] {message}"))
+    return model
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--recipes", nargs="+", default=["spec_target_enwik8", "lm_enwik8", "nsa_full_enwik8"])
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 4])
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--gpt", action="store_true", help="add the plain GPT of the first recipe's size")
+    p.add_argument("--compile", action="store_true", help="also measure engine.compile=on per row")
+    p.add_argument("--profile", action="store_true", help="print where each row's step spends its CPU time")
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+
+    rows = [(name, recipes.get(name).override(args.overrides).override({"data.seq_len": args.seq_len, "name": "bench"}))
+            for name in args.recipes]
+    for _, cfg in rows:
+        cfg.validate()
+    if args.gpt:
+        rows.insert(0, ("gpt", rows[0][1]))
+    print(f"train step at seq {args.seq_len}, {args.threads} threads, median of {args.steps} steps after "
+          f"{args.warmup}; peak = best fp32 matmul, measured before each row")
+    header = (f"{'model':<22}{'attention':>10}{'params':>12}{'batch':>6}{'step ms':>10}{'tok/s':>9}"
+              f"{'GFLOP/s':>9}{'peak':>8}{'MFU':>8}  goal >= {GOAL:.0%}")
+    print(header)
+    results = []
+    for name, cfg in rows:
+        kind = "gpt" if name == "gpt" else cfg.attention.kind
+        for b in args.batches:
+            batch = torch.randint(0, cfg.model.vocab_size, (b, args.seq_len + 1),
+                                  generator=torch.Generator().manual_seed(0))
+            model = build(name, cfg)
+            step = make_step(model, cfg, batch)
+            peak = max(measure_matmul_peak("cpu", torch.float32, n=n) for n in (1024, 2048))
+            seconds = median_step(step, args.warmup, args.steps)
+            tok_s = b * args.seq_len / seconds
+            achieved = model.flops_per_token(args.seq_len) * tok_s
+            mfu = achieved / peak
+            full = kind in ("full", "gpt")
+            mark = ("met" if mfu >= GOAL else "NOT met") if full else "(efficient attention: not a goal row)"
+            print(f"{name:<22}{kind:>10}{model.num_params() / 1e6:>11.1f}M{b:>6}{seconds * 1e3:>10.0f}"
+                  f"{tok_s:>9,.0f}{achieved / 1e9:>9.1f}{peak / 1e9:>8.1f}{mfu:>8.1%}  {mark}", flush=True)
+            results.append((name, b, mfu))
+            if args.profile:
+                shares = profile_shares(step)
+                print("    CPU time: " + ", ".join(f"{k} {v:.0%}" for k, v in shares.items()), flush=True)
+            if args.compile and name != "gpt":
+                compiled_step = make_step(build(name, cfg, compiled=True), cfg, batch)
+                t0 = time.perf_counter()
+                compiled_step()
+                first = time.perf_counter() - t0
+                eager_s = median_step(step, 0, args.steps)  # eager and compiled side by side, same load
+                compiled_s = median_step(compiled_step, args.warmup - 1, args.steps)
+                print(f"    engine.compile=on: first step {first:.0f} s (compiling), then {compiled_s * 1e3:.0f} ms vs "
+                      f"eager {eager_s * 1e3:.0f} ms: x{eager_s / compiled_s:.2f} "
+                      f"({'pays' if compiled_s < eager_s else 'does not pay'})", flush=True)
+    full_rows = [r for r in results if r[0] != "gpt" and dict(rows)[r[0]].attention.kind == "full"]
+    if full_rows:
+        worst = min(full_rows, key=lambda r: r[2])
+        verdict = "met" if worst[2] >= GOAL else "NOT met"
+        print(f"goal (full-attention recipes, every batch, MFU >= {GOAL:.0%}): {verdict}; lowest {worst[2]:.1%} "
+              f"({worst[0]}, batch {worst[1]})")
 
 
 if __name__ == "__main__":

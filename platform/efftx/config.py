@@ -290,8 +290,11 @@ class EngineConfig:
     # AdamW mode). offload_param=cpu also keeps the parameters in host memory between uses (zero_stage 3 only).
     offload_optimizer: str = "none"
     offload_param: str = "none"
+    # torch.compile of the model's training forward: off | auto (CUDA only: on CPU not shown to pay)
+    # | on; a failed compile falls back to eager with a log line saying why (efftx.train.engine.compile_model)
+    compile: str = "off"
 
-    RESUMABLE: ClassVar[frozenset[str]] = frozenset({"deepspeed_config"})
+    RESUMABLE: ClassVar[frozenset[str]] = frozenset({"deepspeed_config", "compile"})  # compile: speed only
 
     def validate(self) -> None:
         """Checks between engine keys; errors name the keys. (Precision and optimizer against the device are
@@ -302,6 +305,7 @@ class EngineConfig:
         _choice("engine.optimizer", self.optimizer, ("torch_adamw", "adam", "adamw", "lamb"))
         _choice("engine.offload_optimizer", self.offload_optimizer, ("none", "cpu"))
         _choice("engine.offload_param", self.offload_param, ("none", "cpu"))
+        _choice("engine.compile", self.compile, ("off", "auto", "on"))
         if self.offload_optimizer != "none" and self.zero_stage < 1:
             raise ConfigError(f"engine.offload_optimizer={self.offload_optimizer} is ZeRO-Offload: it needs "
                               f"engine.zero_stage 1, 2 or 3, got {self.zero_stage}")

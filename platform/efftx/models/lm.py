@@ -18,6 +18,7 @@ from torch import nn
 
 from efftx.attention.base import AttentionSpec
 from efftx.attention.cache import ModelCache
+from efftx.flops import attention_cost
 from efftx.models.layers import Block, Rotary, make_norm
 from efftx.models.registry import register
 from efftx.models.reversible import ReversibleStack, run_blocks
@@ -100,15 +101,23 @@ class LM(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 x matmul weights + 12·L·H·D·T for attention (PaLM, appendix B).
+        """Training FLOPs per token: 6 x matmul weights + 3 x each layer's attention forward FLOPs per token
+        (:func:`efftx.flops.attention_cost`, per backend: 12·H·D·T per layer for full attention, PaLM appendix B).
 
-        Embedding lookups are not matmuls; the output projection is (tied or not). Reversible and checkpointed
-        blocks recompute their forward in the backward pass: that extra work is not counted (MFU convention).
+        Embedding lookups are not matmuls; the output projection is (tied or not). Attention parameters not applied
+        once per token (Sinkhorn's sort net, NSA's compression) are counted by the backend's cost instead. Reversible
+        and checkpointed blocks recompute their forward in the backward pass: that extra work is not counted (MFU
+        convention).
         """
         lookups = (self.pos.weight.numel() if self.pos is not None else 0)
         lookups += self.embed.weight.numel() if self.head is not None else 0
-        spec = self.blocks[0].attention.spec
-        return 6 * (self.num_params() - lookups) + 12 * len(self.blocks) * spec.heads * spec.head_dim * seq_len
+        attention_flops, excluded = 0.0, 0
+        for blk in self.blocks:
+            cost = attention_cost(blk.attention.spec, seq_len)
+            attention_flops += 3 * cost.forward / seq_len
+            excluded += sum(p.numel() for name, p in blk.attention.inner.named_parameters()
+                            if name.startswith(cost.excluded))
+        return 6 * (self.num_params() - lookups - excluded) + attention_flops
 
 
 def init_weights(model: nn.Module, m) -> None:

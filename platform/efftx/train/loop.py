@@ -144,6 +144,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     model = models.build(cfg)
     task.load_pretrained(model)  # weights this run does not train (DALL-E's frozen dVAE)
+    engine_lib.compile_model(model, cfg, device, log=lambda message: log(rank, message))
     engine, _, scheduler = engine_lib.initialize(model, cfg)
     dev = engine.device
 
