@@ -24,6 +24,14 @@ VARIANTS = [
     "nsa:diff_topk=true",  # straight-through top-k: gradients reach the block importances
     "nsa:compress=conv_linear",  # the seed's other compression networks
     "nsa:compress=attention_pool",
+    "nsa:separate_kv=true",  # the paper's own key/value projections for the compressed and window branches
+    "nsa:compress_mem_kv=2",  # the seed library's learned memory slots in the compressed branch
+    "nsa:separate_kv=true,compress_mem_kv=1,share_selection=false,diff_topk=true",
+    "nsa:importance=logits_softmax,diff_topk=true",  # the seed library's ranking (softmax of the mean logits)
+    "nsa:min_importance=0.3",  # blocks below an importance threshold are left out (the seed library: 1e-10)
+    # the seed library's choices together
+    "nsa:importance=logits_softmax,min_importance=1e-10,compress_mem_kv=1,diff_topk=true,diff_topk_gate=keys",
+    "nsa:diff_topk=true,diff_topk_gate=keys",  # the straight-through gate on the selected blocks' keys
 ]
 BACKENDS += VARIANTS
 

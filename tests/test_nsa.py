@@ -33,6 +33,9 @@ def make(heads=4, kv_heads=2, head_dim=8, block=8, stride=4, sel=8, n_sel=2, win
         backend.gate.weight.normal_(0, 0.5)
         backend.compress_k.pos.normal_(0, 0.5)
         backend.compress_v.pos.normal_(0, 0.5)
+        if backend.mem:  # memory slots away from their zero start, so that what a query reads from them shows
+            backend.mem_k.normal_(0, 1.0)
+            backend.mem_v.normal_(0, 1.0)
     return backend
 
 
@@ -51,11 +54,13 @@ def masked_attention(q, k, v, allowed):
     return torch.einsum("bhtl,blhd->bthd", probs, v.double()), probs
 
 
-def naive_selection(importance, own, n_sel, initial=0, local=1):
+def naive_selection(importance, own, n_sel, initial=0, local=1, min_importance=0.0):
     """``own``, the forced past blocks (the first ``initial``, the ``local - 1`` before ``own``) and, in the
-    slots of ``n_sel`` they leave, the top blocks before ``own`` by importance (ties: the later block); a set."""
+    slots of ``n_sel`` they leave, the top blocks before ``own`` by importance (ties: the later block), those of an
+    importance below ``min_importance`` left out; a set."""
     forced = {s for s in range(own) if s < initial or s > own - local}
-    ranked = sorted((s for s in range(own) if s not in forced), key=lambda s: (-importance[s], -s))
+    ranked = sorted((s for s in range(own) if s not in forced and importance[s] >= min_importance),
+                    key=lambda s: (-importance[s], -s))
     return set(ranked[:n_sel - len(forced)]) | forced | {own}
 
 
@@ -81,21 +86,39 @@ def naive_nsa(backend, q, k, v, x):
     rep = h // hkv
     cb, st, sb, w = backend.block, backend.stride, backend.sel_block, backend.window
     opts = backend.opts
-    ck, cv = backend.compress_k(k), backend.compress_v(v)
-    nc = ck.shape[1]
+    kc, vc, kw, vw = k, v, k, v  # the compressed and window branches' keys/values
+    if opts.separate_kv:  # their own projections of x (the backend alone has no rotary: nothing rotated)
+        kc, vc = backend.kv_cmp(x).view(b, t, 2, hkv, d).unbind(2)
+        kw, vw = backend.kv_win(x).view(b, t, 2, hkv, d).unbind(2)
+    ck, cv = backend.compress_k(kc), backend.compress_v(vc)
+    nc, m = ck.shape[1], opts.compress_mem_kv
     pos = torch.arange(t)
     up = lambda z: z.repeat_interleave(rep, dim=2)  # noqa: E731  kv heads -> query heads
     seen = (torch.arange(nc)[None, :] * st + cb - 1) <= pos[:, None]  # (T, Nc)
-    out_cmp, probs = masked_attention(q, up(ck), up(cv), seen.expand(b, h, t, nc))
+    if m:  # memory slots in front of the blocks, seen by every query
+        ck = torch.cat([backend.mem_k.transpose(0, 1).expand(b, m, hkv, d), ck], 1)
+        cv = torch.cat([backend.mem_v.transpose(0, 1).expand(b, m, hkv, d), cv], 1)
+        seen = torch.cat([torch.ones(t, m, dtype=torch.bool), seen], 1)
+    out_cmp, probs = masked_attention(q, up(ck), up(cv), seen.expand(b, h, t, m + nc))
+    probs = probs[..., m:]  # the blocks' probabilities (the memory slots share the softmax, are no block)
     # importance of selection blocks: compressed probabilities x mapping weights, summed per group (per head when
     # the heads of a group do not share their selection)
     n_blocks = -(-t // sb)
     weights = naive_mapping(nc, n_blocks, cb, st, sb, opts.score_mapping)
     per = rep if opts.share_selection else 1  # query heads per selection
-    imp = probs.view(b, h // per, per, t, nc).sum(2) @ weights  # (B, groups, T, blocks), differentiable
+    if opts.importance == "logits_softmax":  # softmax over the past blocks of the heads' mean logits, mapped
+        logits = torch.einsum("bthd,bnhd->bhtn", q.double(), up(ck[:, m:]).double()) / math.sqrt(d)
+        z = logits.masked_fill(~seen[:, m:], 0.0).view(b, h // per, per, t, nc).mean(2) @ weights
+        past = torch.arange(n_blocks)[None, :] < (pos // sb)[:, None]  # (T, blocks)
+        imp = torch.zeros_like(z)
+        for p in range(t):
+            if past[p].any():
+                imp[:, :, p, past[p]] = z[:, :, p, past[p]].softmax(-1)
+    else:
+        imp = probs.view(b, h // per, per, t, nc).sum(2) @ weights  # (B, groups, T, blocks), differentiable
     importance = imp.detach().tolist()
     chosen = [[[naive_selection(importance[i][g][p], p // sb, backend.n_sel, opts.num_initial_blocks,
-                                opts.num_local_blocks) for g in range(h // per)]
+                                opts.num_local_blocks, opts.min_importance) for g in range(h // per)]
                for p in range(t)] for i in range(b)]
     key_block = torch.arange(t) // sb
     sel_mask = torch.zeros(b, h, t, t, dtype=torch.bool)
@@ -114,18 +137,27 @@ def naive_nsa(backend, q, k, v, x):
                 for g in range(h // per):
                     picked[i, g, p, sorted(chosen[i][p][g] - {p // sb})] = True
         coef = ((imp - imp.detach()) * picked).repeat_interleave(per, dim=1)  # (B, H, T, blocks)
-        out_sel = out_sel + torch.einsum("bhtj,bhtjd->bthd", coef, part)
+        if opts.diff_topk_gate == "keys":  # the seed library's: the selected blocks' keys times 1 + s - s.detach()
+            gate = 1 + torch.einsum("bhtj,lj->bhtl", coef, torch.nn.functional.one_hot(key_block, n_blocks).double())
+            raw = torch.einsum("bthd,blhd->bhtl", q.double(), up(k).double()) / math.sqrt(d)
+            p_gated = (raw * gate).masked_fill(~sel_mask, float("-inf")).softmax(-1).nan_to_num(0.0)
+            out_sel = torch.einsum("bhtl,blhd->bthd", p_gated, up(v).double())
+        else:
+            out_sel = out_sel + torch.einsum("bhtj,bhtjd->bthd", coef, part)
     band = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - w)
-    out_win, _ = masked_attention(q, up(k), up(v), band.expand(b, h, t, t))
+    out_win, _ = masked_attention(q, up(kw), up(vw), band.expand(b, h, t, t))
     gates = torch.sigmoid(backend.gate(x).double()).view(b, t, h, 3, 1)
     out = gates[..., 0, :] * out_cmp + gates[..., 1, :] * out_sel + gates[..., 2, :] * out_win
     return out, chosen
 
 
-def selections(backend, q, k, t):
+def selections(backend, q, k, t, x=None):
     """The backend's selections (B, T, groups, S) for a full forward of t tokens, as its forward makes them: per
     query head (k's compressed keys repeated per head) when the heads of a GQA group do not share them."""
+    if backend.separate:
+        k = backend.kv_cmp(x).view(*k.shape[:2], 2, *k.shape[2:]).unbind(2)[0]
     ck = backend.compress_k(k)
+    ck = backend.with_memory(ck, ck)[0]
     if not backend.opts.share_selection:
         ck = ck.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
     return backend.select(q, ck, torch.arange(t), t)
@@ -188,7 +220,11 @@ def test_recipes_reproduce_the_seed_and_full_baseline_differs_only_in_attention(
             "attention.nsa.share_selection": True, "attention.nsa.diff_topk": True,
             "attention.nsa.score_mapping": "overlap", "attention.nsa.num_initial_blocks": 0,
             "attention.nsa.num_local_blocks": 1, "attention.nsa.compress": "mlp",
-            "attention.nsa.compress_mlp_mult": 1.0}
+            "attention.nsa.compress_mlp_mult": 1.0,
+            # the library's: num_compressed_mem_kv=1, softmax of the mean logits, 1e-10 mask, gated keys, one k/v projection
+            "attention.nsa.compress_mem_kv": 1, "attention.nsa.importance": "logits_softmax",
+            "attention.nsa.min_importance": 1e-10, "attention.nsa.diff_topk_gate": "keys",
+            "attention.nsa.separate_kv": False}
     assert {k: nsa[k] for k in seed} == seed
 
 
@@ -274,7 +310,7 @@ def test_backend_equals_naive_dense_reference(block, stride, sel, n_sel, window)
     want, chosen = naive_nsa(backend, q, k, v, x)
     with torch.no_grad():
         got = backend(q, k, v, x=x)
-        idx = selections(backend, q, k, 26)
+        idx = selections(backend, q, k, 26, x)
     assert as_sets(idx) == chosen
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
@@ -380,12 +416,190 @@ def test_diff_topk_gradients_reach_the_importance_scores(chunked_path):
     assert compress_k_grad(True).abs().sum() > 0
 
 
+def only_gate(backend, branch):
+    """Gates of every head off (sigmoid(-inf) = 0) but ``branch`` (0 compressed, 1 selected, 2 window), which is
+    sigmoid(0) = 1/2 everywhere."""
+    with torch.no_grad():
+        backend.gate.weight.zero_()
+        backend.gate.bias.fill_(float("-inf"))
+        backend.gate.bias[branch::3] = 0.0
+    return backend
+
+
+@pytest.mark.parametrize("chunked_path", [True, False])
+def test_separate_kv_window_branch_reads_its_own_projection_hand_worked(chunked_path):
+    """Window of 1 token, the window gate alone on: each query reads its own token's value, which with separate_kv
+    is the window branch's projection of x (not the layer's v); the layer's k, v still serve the selected branch."""
+    q, k, v, x = inputs(20)
+    for separate in (False, True):
+        backend = only_gate(make(window=1, separate_kv=separate), 2)
+        backend.chunked = chunked_path
+        with torch.no_grad():
+            out = backend(q, k, v, x=x)
+            own = backend.kv_win(x).view(2, 20, 2, 2, 8)[:, :, 1] if separate else v  # (B, T, Hkv, D) values
+            torch.testing.assert_close(out, 0.5 * own.repeat_interleave(2, dim=2))
+            # and the layer's k, v do not reach the window branch at all with separate_kv
+            changed = backend(q, k + 1, v + 1, x=x)
+            assert torch.equal(changed, out) == separate
+    sel = only_gate(make(window=1, separate_kv=True), 1)  # the selected branch: the layer's k, v
+    sel.chunked = chunked_path
+    with torch.no_grad():
+        assert not torch.allclose(sel(q, k, v + 1, x=x), sel(q, k, v, x=x))
+        # its first query reads only its own key: the layer's v
+        torch.testing.assert_close(sel(q, k, v, x=x)[:, 0], 0.5 * v[:, 0].repeat_interleave(2, dim=1))
+
+
+def test_separate_kv_keys_are_rotated_like_the_layer_keys():
+    """In a model with rotary positions the branches' own keys are rotated too (at their absolute positions), so
+    cached decoding (positions from the cache's length) equals the full forward; without the rotary hook a model's
+    separate keys would carry no positions."""
+    from efftx.models import build as build_model
+
+    cfg = recipes.get("nsa_debug").override({"name": "t", "attention.nsa.separate_kv": True, "model.max_seq_len": 64})
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    inner = model.blocks[0].attention.inner
+    assert inner.separate and inner.rotary is model.blocks[0].attention.rotary is not None
+    x = torch.randn(1, 5, cfg.model.dim)
+    k0, _ = inner.branch_kv(inner.kv_win, x, 0)
+    k3, _ = inner.branch_kv(inner.kv_win, x, 3)
+    raw = inner.kv_win(x).view(1, 5, 2, inner.spec.kv_heads, inner.spec.head_dim)[:, :, 0]
+    torch.testing.assert_close(k0[:, 0], raw[:, 0])  # position 0: no rotation
+    assert not torch.allclose(k0[:, 1:], raw[:, 1:]) and not torch.allclose(k3, k0)
+    torch.testing.assert_close(k3[:, :2], model.blocks[0].attention.rotary(raw, 3)[:, :2])
+
+
+@pytest.mark.parametrize("chunked_path", [True, False])
+def test_compress_mem_kv_early_queries_read_the_memory_slots_hand_worked(chunked_path):
+    """Blocks of 8: queries 0..6 see no complete block. Without memory slots they get zeros from the compressed
+    branch; with one slot, exactly its value (a softmax over one slot); later queries mix slot and blocks."""
+    q, k, v, x = inputs(24)
+    for mem in (0, 1):
+        backend = only_gate(make(block=8, stride=4, compress_mem_kv=mem), 0)
+        backend.chunked = chunked_path
+        with torch.no_grad():
+            out = backend(q, k, v, x=x)
+        if mem == 0:
+            assert (out[:, :7] == 0).all()
+        else:
+            want = 0.5 * backend.mem_v[:, 0].repeat_interleave(2, dim=0)  # (H, D): per query head its group's slot
+            torch.testing.assert_close(out[:, :7], want.expand(2, 7, 4, 8))
+            # query 7 reads the slot and block 0 ([0, 8)): softmax over two scores, by hand
+            ck, cv = backend.compress_k(k), backend.compress_v(v)
+            mk, mv = backend.mem_k[:, 0], backend.mem_v[:, 0]  # (Hkv, D)
+            for h in range(4):
+                g = h // 2
+                s = torch.stack([q[:, 7, h] @ mk[g], (q[:, 7, h] * ck[:, 0, g]).sum(-1)], -1) / math.sqrt(8)
+                p = s.softmax(-1)
+                want7 = 0.5 * (p[:, :1] * mv[g] + p[:, 1:] * cv[:, 0, g])
+                torch.testing.assert_close(out[:, 7, h], want7, rtol=1e-5, atol=1e-6)
+
+
+def test_compress_mem_kv_is_no_block_and_keeps_one_head_rankings():
+    """The memory slots share the compressed softmax but are never selected: with one query head per group (and
+    compressed = selection blocks) every block's probability is scaled alike, so the selections are those without
+    memory slots, although the probabilities differ."""
+    q, k, _, x = inputs(40, heads=2, kv_heads=2)
+    plain, mem = (make(heads=2, kv_heads=2, block=4, stride=4, sel=4, n_sel=3, compress_mem_kv=m) for m in (0, 2))
+    with torch.no_grad():
+        a, b = selections(plain, q, k, 40, x), selections(mem, q, k, 40, x)
+    assert torch.equal(a, b) and (b < 10).all()  # block ids, never shifted by the slots
+    # with two heads per group the summed probabilities can rank differently: the slots do change the importances
+    q4, k4, _, x4 = inputs(40)
+    plain4, mem4 = (make(block=4, stride=4, sel=4, n_sel=3, compress_mem_kv=m) for m in (0, 2))
+    with torch.no_grad():
+        assert not torch.equal(selections(plain4, q4, k4, 40, x4), selections(mem4, q4, k4, 40, x4))
+
+
+def test_logits_softmax_importance_picks_another_block_than_the_probability_sum_hand_worked():
+    """Blocks of 4 (compressed = selection), a query at 28 (own block 7, past blocks 0..6), one kv group of two heads
+    with scaled queries along orthonormal u (head 0) and w (head 1), so a logit is u . ck or w . ck. Block 2 =
+    10u - 10w, block 5 = 3w, the others 0: head 0's logits 10 (block 2), 0 elsewhere; head 1's: -10 (block 2), 3
+    (block 5), 0 elsewhere. Summed probabilities: block 2 ~ 1.0 + 0, block 5 ~ 0 + e^3 / (e^3 + 5) = 0.80: block 2.
+    Mean logits: block 2 = 0, block 5 = 1.5: block 5, importance e^1.5 / (e^1.5 + 6) = 0.4276."""
+    g = torch.Generator().manual_seed(5)
+    u, w = torch.linalg.qr(torch.randn(8, 2, generator=g))[0].T  # orthonormal
+    q = torch.zeros(1, 32, 2, 8)
+    q[:, :, 0], q[:, :, 1] = math.sqrt(8) * u, math.sqrt(8) * w  # the 1 / sqrt(D) scale undone
+    ck = torch.zeros(1, 7, 1, 8)
+    ck[0, 2, 0], ck[0, 5, 0] = 10 * u - 10 * w, 3 * w
+    pos = torch.tensor([28])
+    picks = {}
+    for importance in ("probs_sum", "logits_softmax"):
+        bk = make(heads=2, kv_heads=1, block=4, stride=4, sel=4, n_sel=1, importance=importance)
+        picks[importance] = as_sets(bk.select(q[:, pos], ck, pos, 32))[0][0][0]
+        scores = torch.einsum("btgd,bnd->bgtn", q[:, pos], ck[:, :, 0])[:, None] * bk.scale  # (B, Hkv, G, 1, Nc)
+        imp = bk.importance(scores, torch.ones(1, 7, dtype=torch.bool), pos, 8)[0, 0, 0]
+        if importance == "logits_softmax":
+            torch.testing.assert_close(imp[5], torch.tensor(math.exp(1.5) / (math.exp(1.5) + 6)), rtol=1e-4, atol=0)
+            assert imp[7] == 0 and abs(float(imp.sum()) - 1) < 1e-6  # a softmax over the past blocks only
+        else:
+            assert abs(float(imp[5]) - math.exp(3) / (math.exp(3) + 5)) < 1e-3 and imp[2] > 0.99
+    assert picks == {"probs_sum": {2, 7}, "logits_softmax": {5, 7}}
+
+
+def test_min_importance_drops_unimportant_blocks_hand_worked():
+    """Blocks of 4 (compressed = selection), a query at 28 (past blocks 0..6): block 0's logit is 3 x 30 / sqrt(8) =
+    31.8, every other block's 0, so (logits_softmax) the others' importance is about e^-31.8 = 1.5e-14 each. Today
+    three slots take block 0 and, by the tie-break, the most recent blocks 6 and 5; with min_importance=1e-10 (the
+    seed library's) only block 0 is selected; a forced block (local) stays whatever its importance."""
+    q, ck = aligned([30.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    pos = torch.tensor([28, 31])
+    def sets(**o):
+        bk = make(block=4, stride=4, sel=4, n_sel=3, importance="logits_softmax", **o)
+        return [row[0] for row in as_sets(bk.select(q[:, pos], ck, pos, 32))[0]]
+
+    assert sets() == [{0, 6, 5, 7}] * 2
+    assert sets(min_importance=1e-10) == [{0, 7}] * 2
+    assert sets(min_importance=1e-10, num_local_blocks=2) == [{0, 6, 7}] * 2
+    # the chunked path drops the same blocks: its unused slots read nothing
+    bk = make(block=4, stride=4, sel=4, n_sel=3, importance="logits_softmax", min_importance=1e-10)
+    lay = nsa_cpu._Layout(q[:, pos], torch.zeros(2, 32, 2, 8), ck, 4, 4, 4, 3, 4, bk.scale, 28, None,
+                          importance="logits_softmax", min_importance=1e-10)
+    scores = torch.matmul(lay.rows(q[:, pos] * bk.scale), ck.transpose(1, 2).transpose(-1, -2))
+    sel = lay.select(scores.softmax(-1), pos, 32, scores)  # (c, B, Hkv, n_sel)
+    assert [set(r) for r in sel[:, 0, 0].tolist()] == [{0, -1}] * 2
+
+
+@pytest.mark.parametrize("chunked_path", [True, False])
+def test_diff_topk_gate_keys_hand_worked(chunked_path):
+    """With the compressed branch gated off, the compression of the keys learns only through the importances of
+    the selected blocks. Gate on the keys (the seed library's): d(loss)/d(gate) = sum over the block's keys of
+    dS * S, zero when every query is orthogonal to every key (queries along e_0, keys with e_0 = 0: all scores
+    exactly 0), although the gate on the output (dO . the block's part of the output) still gives a gradient there;
+    with generic keys both give one."""
+    def compress_k_grad(gate, orthogonal):
+        backend = make(block=8, stride=4, sel=8, n_sel=2, diff_topk=True, diff_topk_gate=gate).train()
+        backend.chunked = chunked_path
+        with torch.no_grad():
+            backend.gate.weight[0::3] = 0
+            backend.gate.bias[0::3] = float("-inf")  # compressed gate 0
+        q, k, v, x = inputs(40)
+        if orthogonal:
+            q = torch.zeros_like(q)
+            q[..., 0] = torch.randn(q.shape[:-1], generator=torch.Generator().manual_seed(9))
+            k = k.clone()
+            k[..., 0] = 0
+        q, k, v, x = (z.requires_grad_() for z in (q, k, v, x))
+        out = backend(q, k, v, x=x)
+        (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(2))).sum().backward()
+        return backend.compress_k.w1.grad
+    assert (compress_k_grad("keys", orthogonal=True) == 0).all()
+    assert compress_k_grad("output", orthogonal=True).abs().sum() > 0
+    assert compress_k_grad("keys", orthogonal=False).abs().sum() > 0
+
+
 @pytest.mark.parametrize("bad, message", [
     ({"num_initial_blocks": -1}, "num_initial_blocks must be >= 0"),
     ({"num_local_blocks": 0}, "num_local_blocks must be >= 1"),
     ({"num_initial_blocks": 2, "num_local_blocks": 2, "num_selected_blocks": 2}, "forces 3 past blocks"),
     ({"score_mapping": "mean"}, "score_mapping must be one of overlap, eq9"),
     ({"compress": "gru"}, "compress must be one of mlp, conv_linear, attention_pool"),
+    ({"compress_mem_kv": -1}, "attention.nsa.compress_mem_kv must be an integer >= 0"),
+    ({"importance": "logits"}, "attention.nsa.importance must be one of probs_sum, logits_softmax"),
+    ({"min_importance": -0.1}, r"attention.nsa.min_importance must be a number in \[0, 1\)"),
+    ({"min_importance": 1.0}, r"attention.nsa.min_importance must be a number in \[0, 1\)"),
+    ({"diff_topk_gate": "values"}, "attention.nsa.diff_topk_gate must be one of output, keys"),
 ])
 def test_invalid_option_is_a_config_error_naming_the_key(bad, message):
     cfg = recipes.get("nsa_debug").override({"name": "x", **{f"attention.nsa.{k}": v for k, v in bad.items()}})
@@ -393,6 +607,12 @@ def test_invalid_option_is_a_config_error_naming_the_key(bad, message):
         cfg.validate()
     with pytest.raises(ConfigError, match="share_selection expects true/false"):
         recipes.get("nsa_debug").override({"attention.nsa.share_selection": "maybe"})
+    with pytest.raises(ConfigError, match="separate_kv expects true/false"):
+        recipes.get("nsa_debug").override({"attention.nsa.separate_kv": "maybe"})
+    spec = AttentionSpec(kind="nsa", dim=32, heads=4, kv_heads=2, head_dim=8, max_seq_len=64)
+    for key, value in (("separate_kv", 1), ("compress_mem_kv", 1.5), ("compress_mem_kv", True)):
+        with pytest.raises(ConfigError, match=f"attention.nsa.{key} must be"):
+            NSAOptions(**{key: value}).validate(spec)
 
 
 # every option away from today's value, alone and together, on overlapping / unequal block geometries
@@ -400,7 +620,23 @@ OPTION_CASES = [{"num_initial_blocks": 1, "num_local_blocks": 2}, {"score_mappin
                 {"diff_topk": True}, {"diff_topk": True, "score_mapping": "eq9"},
                 {"compress": "conv_linear"}, {"compress": "attention_pool", "diff_topk": True},
                 {"num_initial_blocks": 2, "num_local_blocks": 3, "score_mapping": "eq9", "share_selection": False,
-                 "diff_topk": True}]
+                 "diff_topk": True},
+                {"separate_kv": True}, {"separate_kv": True, "share_selection": False, "diff_topk": True},
+                {"compress_mem_kv": 1}, {"compress_mem_kv": 3, "diff_topk": True, "score_mapping": "eq9"},
+                {"separate_kv": True, "compress_mem_kv": 2, "share_selection": False, "diff_topk": True},
+                {"importance": "logits_softmax"}, {"importance": "logits_softmax", "diff_topk": True},
+                {"importance": "logits_softmax", "diff_topk": True, "score_mapping": "eq9", "compress_mem_kv": 1},
+                {"importance": "logits_softmax", "diff_topk": True, "share_selection": False, "separate_kv": True},
+                # thresholds that drop 9-55% of the selections here (the seed's 1e-10 rarely bites on random data)
+                {"min_importance": 0.4}, {"min_importance": 0.3, "diff_topk": True, "num_initial_blocks": 1,
+                                           "num_local_blocks": 2, "score_mapping": "eq9"},
+                {"min_importance": 1e-10, "importance": "logits_softmax", "diff_topk": True, "compress_mem_kv": 1,
+                 "share_selection": False},
+                {"diff_topk": True, "diff_topk_gate": "keys"},
+                {"diff_topk": True, "diff_topk_gate": "keys", "share_selection": False, "score_mapping": "eq9"},
+                # the seed library's choices together
+                {"diff_topk": True, "diff_topk_gate": "keys", "importance": "logits_softmax", "min_importance": 1e-10,
+                 "compress_mem_kv": 1}]
 OPTION_GEOMETRIES = [(8, 4, 8, 4, 6), (16, 8, 8, 4, 12), (4, 4, 8, 4, 5)]  # block, stride, sel, n_sel, window
 
 
@@ -414,7 +650,7 @@ def test_options_both_paths_equal_float64_reference_forward_selection_and_gradie
     q, k, v, x = (z.double() for z in inputs(t))
     want, chosen = naive_nsa(backend, q, k, v, x)
     with torch.no_grad():
-        assert as_sets(selections(backend, q, k, t)) == chosen
+        assert as_sets(selections(backend, q, k, t, x)) == chosen
     _, want_grads = grads(backend, q, k, v, x, lambda bk, *a: naive_nsa(bk, *a[:3], a[3])[0])
     for chunked_path in (True, False):
         backend.chunked = chunked_path
@@ -472,7 +708,7 @@ def test_chunked_path_equals_naive_reference_forward_and_selection(case, chunk, 
     want, chosen = naive_nsa(backend, q, k, v, x)
     with torch.no_grad():
         got = backend(q, k, v, x=x)
-        idx = selections(backend, q, k, t)
+        idx = selections(backend, q, k, t, x)
     assert as_sets(idx) == chosen
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     backend64 = chunked(case, chunk, torch.float64)  # float64 throughout: equal to rounding
@@ -595,7 +831,11 @@ def test_bfloat16_stays_bfloat16():
 
 
 @pytest.mark.parametrize("options", [{}, {"num_initial_blocks": 1, "num_local_blocks": 2, "score_mapping": "eq9",
-                                          "share_selection": False}], ids=["default", "paper_forced_eq9_per_head"])
+                                          "share_selection": False},
+                                     {"separate_kv": True, "compress_mem_kv": 1, "importance": "logits_softmax",
+                                      "min_importance": 0.2},
+                                     {"min_importance": 0.4, "diff_topk": True, "diff_topk_gate": "keys"}],
+                         ids=["default", "paper_forced_eq9_per_head", "separate_kv_mem_logits_min", "min_keys_gate"])
 def test_triton_selected_branch_equals_the_reference_forward_backward_and_cached(options):
     """The backend's selections fed to the Triton kernel (interpreted on CPU; tests/conftest.py sets
     TRITON_INTERPRET=1) give the reference's output, gradients and cached decoding; with the options that

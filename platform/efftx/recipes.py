@@ -170,10 +170,15 @@ def performer_debug() -> Config:
 # The seed's NSA switches (every nsa_* size): QUERY_HEADS_SHARE_SELECTION=True -> share_selection, USE_DIFF_TOPK=True
 # -> diff_topk, INTERPOLATED_IMPORTANCE_SCORE=False -> score_mapping=overlap (the seed's repeat-then-mean mapping;
 # with l = l' = d = 16 every mapping is the identity), no forced initial block and the own (diagonal) block only.
+# Its library's (native_sparse_attention_pytorch) own defaults: one learned memory key/value slot in the compressed
+# branch (num_compressed_mem_kv=1), blocks ranked by a softmax of the group-mean compressed logits, selected blocks of
+# importance below 1e-10 masked, use_diff_topk's gate on the selected keys, one k/v projection for the three branches.
 _NSA_ARCH = {"model.tie_embeddings": False, "attention.kind": "nsa", "attention.nsa.compress_stride": 0,
              "attention.nsa.share_selection": True, "attention.nsa.diff_topk": True,
              "attention.nsa.score_mapping": "overlap", "attention.nsa.num_initial_blocks": 0,
-             "attention.nsa.num_local_blocks": 1}
+             "attention.nsa.num_local_blocks": 1, "attention.nsa.compress_mem_kv": 1,
+             "attention.nsa.importance": "logits_softmax", "attention.nsa.min_importance": 1e-10,
+             "attention.nsa.diff_topk_gate": "keys", "attention.nsa.separate_kv": False}
 _NSA_SIZES = {
     "enwik8": {
         "model.dim": 512, "model.depth": 6, "model.heads": 8, "model.kv_heads": 4, "model.head_dim": 64,

@@ -11,9 +11,12 @@ the normed hidden state ``x`` (a ``Linear(dim, 3 * heads)``; the backend must be
   (ReLU, hidden ``compress_mlp_mult * l * D``, as the seed's ``GroupedMLP``) maps it to ``D``
   (``compress=mlp``; ``conv_linear``: one linear map of the flattened block, a grouped strided conv;
   ``attention_pool``: per feature, a softmax over the block's positions of learned logits pools it). A query
-  attends (one softmax, SDPA) to the compressed blocks that end at or before its own position. A query
-  with no complete block yet (``p < l - 1``) gets zeros from this branch: no "memory" slot is added.
-* **Selected.** Block importance comes from the compressed branch's attention probabilities, summed
+  attends (one softmax, SDPA) to the compressed blocks that end at or before its own position, and to the
+  ``compress_mem_kv`` learned memory key/value slots (per kv head, zeros at first, as the seed library's) that
+  lead them, which every query reads. Without memory slots (the default) a query with no complete block yet
+  (``p < l - 1``) gets zeros from this branch.
+* **Selected.** Block importance (``importance=probs_sum``) comes from the compressed branch's attention
+  probabilities (the blocks' columns: memory slots are never selected), summed
   over the query heads of each GQA group (``share_selection=true``: all heads of a group share one
   selection, as the NSA kernel prefers; ``false``: each query head ranks by its own probabilities, and
   every path runs with k, v and the compressed keys/values repeated per query head). They are mapped onto
@@ -25,7 +28,11 @@ the normed hidden state ``x`` (a ``Linear(dim, 3 * heads)``; the backend must be
   inside it: block-causal) plus ``num_selected_blocks`` blocks strictly before its own, never a future
   block: first the forced ones (the first ``num_initial_blocks`` blocks and the ``num_local_blocks - 1``
   blocks just before its own; the paper keeps 1 initial and 2 local blocks, the own one counted), then
-  the highest-scoring others; slots it cannot fill (fewer past blocks) are ``-1``. Exact ties, e.g.
+  the highest-scoring others; slots it cannot fill (fewer past blocks, or only blocks of an importance below
+  ``min_importance``, which are never selected unless forced) are ``-1``. ``importance=logits_softmax`` (the seed
+  library's ranking): the compressed logits of the complete blocks averaged over the heads (0 for the others),
+  mapped the same way, then a softmax over the query's past selection blocks
+  (:func:`efftx.attention.nsa_cpu.logit_importance`). Exact ties, e.g.
   recent blocks no complete compressed block covers yet, go to the most recent block. The attention over
   the chosen blocks is :func:`efftx.kernels.selected_attention` (Triton on CUDA, a torch reference
   elsewhere; ``impl``).
@@ -36,7 +43,13 @@ the normed hidden state ``x`` (a ``Linear(dim, 3 * heads)``; the backend must be
   block's part of the selected output is multiplied by ``1 + s - s.detach()`` (``s`` its importance), a
   straight-through factor equal to 1 whose gradient reaches the queries and compressed keys through the
   importances (the chunked CPU path adds it in its backward, the branch-by-branch path by
-  :meth:`NativeSparseAttention.straight_through`).
+  :meth:`NativeSparseAttention.straight_through`). ``diff_topk_gate=keys`` (the seed library's) puts that factor on
+  the selected block's keys instead (its scores become ``(1 + s - s.detach()) q.k``): the same forward, and the
+  importance's gradient is the sum over the block's keys of ``dS * S`` rather than ``dO . O_j``.
+* **Separate projections.** With ``separate_kv`` the compressed and window branches read keys/values of their
+  own, two more ``Linear(dim, 2 * Hkv * D)`` of ``x`` held by this backend (their keys rotated as the layer's k when
+  the model has rotary positions: :meth:`NativeSparseAttention.use_rotary`); the layer's k, v serve the selected
+  branch. Default: all three share the layer's k, v (as the seed does).
 * **Sliding window.** Causal attention to the last ``sliding_window_size`` keys (the query's own
   included), computed chunk by chunk (queries in chunks of ``c <= w``, each against its ``c + w``
   neighbouring keys), so memory is O(T * w), never T x T.
@@ -56,7 +69,8 @@ compresses rotated keys and scores them with rotated queries. Attention dropout 
 
 Cached decoding (:class:`NSACache`): a :class:`KVCache` of every key/value, the compressed keys and
 values of every complete block (each block is compressed once, when its last token arrives) and, as the
-tail of the key cache, the tokens not yet compressed. Each call runs exactly the full forward's
+tail of the key cache, the tokens not yet compressed (with ``separate_kv`` also the compressed and window
+branches' own keys/values, whole, so that a rewind can cut them). Each call runs exactly the full forward's
 computation for the new queries, so decoding equals the full forward (up to rounding, which could only
 change a selection where two blocks' importances tie to within it). ``rewind(n)`` shortens the key
 cache and drops the compressed blocks that lose a token. Rows of one cache stay of equal length
@@ -75,7 +89,7 @@ from torch import nn
 
 from efftx.attention.base import AttentionBackend, AttentionSpec
 from efftx.attention.cache import KVCache
-from efftx.attention.nsa_cpu import nsa_attention
+from efftx.attention.nsa_cpu import logit_importance, nsa_attention
 from efftx.attention.registry import register
 from efftx.errors import ConfigError
 
@@ -106,6 +120,18 @@ class NSAOptions:
     share_selection: bool = True  # True: the query heads of a GQA group share one selection (summed scores)
     diff_topk: bool = False  # True: gradients reach the importances of the selected blocks (straight-through)
     compress: str = "mlp"  # compression network: mlp (the seed's GroupedMLP) | conv_linear | attention_pool
+    # True: the compressed and window branches get key/value projections of their own (the paper's design; the
+    # layer's k, v then serve the selected branch only); False: all three share the layer's k, v (the seed's)
+    separate_kv: bool = False
+    compress_mem_kv: int = 0  # learned memory key/value slots leading the compressed keys (the seed library's: 1)
+    # block importance: probs_sum (compressed probabilities summed over the selection's heads) | logits_softmax
+    # (the seed library's: a softmax over each query's past blocks of the compressed logits averaged over the heads)
+    importance: str = "probs_sum"
+    # past blocks of an importance below this are not selected (forced blocks excepted; the seed library's: 1e-10)
+    min_importance: float = 0.0
+    # diff_topk's straight-through factor 1 + s - s.detach() scales: output (each selected past block's part of the
+    # selected output) | keys (the block's keys, as the seed library's use_diff_topk): other gradients, same forward
+    diff_topk_gate: str = "output"
 
     @property
     def stride(self) -> int:
@@ -143,12 +169,23 @@ class NSAOptions:
                               f"the {k}num_selected_blocks={self.num_selected_blocks} slots they are counted in")
         if self.compress not in COMPRESSORS:
             raise ConfigError(f"{k}compress must be one of {', '.join(COMPRESSORS)}; got {self.compress!r}")
+        if isinstance(self.min_importance, bool) or not isinstance(self.min_importance, (int, float)) \
+                or not 0 <= self.min_importance < 1:
+            raise ConfigError(f"{k}min_importance must be a number in [0, 1), got {self.min_importance!r}")
+        if self.diff_topk_gate not in ("output", "keys"):
+            raise ConfigError(f"{k}diff_topk_gate must be one of output, keys; got {self.diff_topk_gate!r}")
+        if self.importance not in IMPORTANCES:
+            raise ConfigError(f"{k}importance must be one of {', '.join(IMPORTANCES)}; got {self.importance!r}")
         if self.score_mapping not in SCORE_MAPPINGS:
             raise ConfigError(f"{k}score_mapping must be one of {', '.join(SCORE_MAPPINGS)}; "
                               f"got {self.score_mapping!r}")
-        for key in ("share_selection", "diff_topk"):
+        for key in ("share_selection", "diff_topk", "separate_kv"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{k}{key} must be true or false, got {getattr(self, key)!r}")
+        if isinstance(self.compress_mem_kv, bool) or not isinstance(self.compress_mem_kv, int) \
+                or self.compress_mem_kv < 0:
+            raise ConfigError(f"{k}compress_mem_kv must be an integer >= 0 (memory slots), "
+                              f"got {self.compress_mem_kv!r}")
         impls = ("auto", "triton", "reference")
         if self.impl not in impls:
             raise ConfigError(f"{k}impl must be one of {', '.join(impls)}; got {self.impl!r}")
@@ -216,6 +253,7 @@ def eq9_to_selection(scores: torch.Tensor, block: int, stride: int, sel_block: i
 
 
 SCORE_MAPPINGS = {"overlap": overlap_to_selection, "eq9": eq9_to_selection}
+IMPORTANCES = ("probs_sum", "logits_softmax")
 
 
 def forced_blocks(blocks: torch.Tensor, own: torch.Tensor, initial: int, local: int) -> torch.Tensor:
@@ -336,12 +374,16 @@ class NSACache:
 
     ``kv``: every key/value so far (:class:`KVCache`). ``ck``/``cv`` (B, max blocks, Hkv, D): the
     compressed keys/values of the ``blocks`` complete blocks. The keys from ``blocks * stride`` on,
-    not yet in any compressed block, are the partial block (:meth:`partial`).
+    not yet in any compressed block, are the partial block (:meth:`partial`). With ``separate`` (``separate_kv``)
+    the compressed and window branches' own keys/values are kept too (``kv_cmp``, ``kv_win``; else both are ``kv``).
     """
 
     def __init__(self, batch_size: int, max_len: int, kv_heads: int, head_dim: int, block: int, stride: int, *,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, separate: bool = False):
         self.kv = KVCache(batch_size, max_len, kv_heads, head_dim, device=device, dtype=dtype)
+        new = lambda: KVCache(batch_size, max_len, kv_heads, head_dim, device=device, dtype=dtype)  # noqa: E731
+        self.kv_cmp = new() if separate else self.kv
+        self.kv_win = new() if separate else self.kv
         self.block, self.stride = block, stride
         n = max(complete_blocks(max_len, block, stride), 0)
         self.ck = torch.zeros(batch_size, n, kv_heads, head_dim, device=device, dtype=dtype)
@@ -359,17 +401,25 @@ class NSACache:
     def partial(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values (B, P, Hkv, D) from the start of the next block to compress to the end."""
         start = self.blocks * self.stride
-        return self.kv.k[:, start:self.length], self.kv.v[:, start:self.length]
+        return self.kv_cmp.k[:, start:self.length], self.kv_cmp.v[:, start:self.length]
 
-    def append(self, k: torch.Tensor, v: torch.Tensor, compress_k: BlockCompressor, compress_v: BlockCompressor):
-        """Store new keys/values, compress the blocks they complete; return (k, v, ck, cv) so far."""
+    def append(self, k: torch.Tensor, v: torch.Tensor, compress_k: BlockCompressor, compress_v: BlockCompressor,
+               cmp: tuple[torch.Tensor, torch.Tensor] | None = None,
+               win: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Store new keys/values (and, with separate projections, the compressed branch's ``cmp`` and the window
+        branch's ``win``), compress the blocks they complete; return ((k, v), (window k, v), ck, cv) so far."""
+        if (cmp is not None) != (self.kv_cmp is not self.kv):
+            raise ValueError("this nsa cache was made for another attention.nsa.separate_kv: make it with the "
+                             "layer's new_cache")
         k, v = self.kv.append(k, v)  # (B, L, Hkv, D)
+        kc, vc = self.kv_cmp.append(*cmp) if self.kv_cmp is not self.kv else (k, v)
+        kw, vw = self.kv_win.append(*win) if self.kv_win is not self.kv else (k, v)
         n = complete_blocks(self.length, self.block, self.stride)
         if n > self.blocks:
-            self.ck[:, self.blocks:n] = compress_k(k, self.blocks, n - self.blocks).to(self.ck.dtype)
-            self.cv[:, self.blocks:n] = compress_v(v, self.blocks, n - self.blocks).to(self.cv.dtype)
+            self.ck[:, self.blocks:n] = compress_k(kc, self.blocks, n - self.blocks).to(self.ck.dtype)
+            self.cv[:, self.blocks:n] = compress_v(vc, self.blocks, n - self.blocks).to(self.cv.dtype)
             self.blocks = n
-        return k, v, self.ck[:, :n], self.cv[:, :n]
+        return (k, v), (kw, vw), self.ck[:, :n], self.cv[:, :n]
 
     def rewind(self, n: int | Sequence[int]) -> None:
         """Forget the last ``n`` tokens (one count, or one per row, all equal); compressed blocks that
@@ -379,7 +429,8 @@ class NSACache:
             if len(counts) != 1:
                 raise ValueError(f"the nsa cache keeps rows of equal length; got rewind counts {list(n)}")
             n = counts.pop()
-        self.kv.rewind(n)
+        for kv in {id(c): c for c in (self.kv, self.kv_cmp, self.kv_win)}.values():
+            kv.rewind(n)
         self.blocks = min(self.blocks, complete_blocks(self.length, self.block, self.stride))
 
 
@@ -413,11 +464,41 @@ class NativeSparseAttention(AttentionBackend):
         self.diff_topk = opts.diff_topk
         network = COMPRESSORS[opts.compress]
         self.compress_k, self.compress_v = network(*args), network(*args)
+        self.separate, self.mem = opts.separate_kv, opts.compress_mem_kv
+        if self.separate:  # the compressed and window branches' own key/value projections (the layer's: selected)
+            width = 2 * spec.kv_heads * spec.head_dim
+            self.kv_cmp = nn.Linear(spec.dim, width, bias=False)
+            self.kv_win = nn.Linear(spec.dim, width, bias=False)
+        if self.mem:  # learned memory slots leading the compressed keys/values; zeros at first, as the seed's
+            self.mem_k = nn.Parameter(torch.zeros(spec.kv_heads, self.mem, spec.head_dim))
+            self.mem_v = nn.Parameter(torch.zeros(spec.kv_heads, self.mem, spec.head_dim))
+        self.__dict__["rotary"] = None  # the layer's rotary module (use_rotary), a plain attribute: not our child
         self.gate = nn.Linear(spec.dim, 3 * spec.heads)  # per head: compressed, selected, window
         # CPU: all three branches in one chunked autograd.Function (nsa_cpu.py); False = the branch-by-branch
         # composition below (SDPA + selected_attention reference), which CUDA always uses.
         self.chunked = True
         self.chunk_size: int | None = None  # queries per chunk of the chunked path (None: its default)
+
+    def use_rotary(self, rotary: nn.Module | None) -> None:
+        """The layer's rotary positions (called by :class:`efftx.models.layers.Attention`): with ``separate_kv``
+        the branches' own keys are rotated as the layer rotates its k."""
+        self.__dict__["rotary"] = rotary
+
+    def branch_kv(self, proj: nn.Linear, x: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys, values (B, T, Hkv, D) of a branch's own projection of x (tokens from position ``offset``)."""
+        b, t, _ = x.shape
+        k, v = proj(x).view(b, t, 2, self.spec.kv_heads, self.spec.head_dim).unbind(2)
+        if self.rotary is not None:
+            k = self.rotary(k, offset)
+        return k, v
+
+    def with_memory(self, ck: torch.Tensor, cv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ck, cv (B, Nc, Hkv, D) with the ``compress_mem_kv`` memory slots in front: (B, M + Nc, Hkv, D)."""
+        if not self.mem:
+            return ck, cv
+        b = ck.shape[0]
+        mk, mv = (m.to(ck.dtype).transpose(0, 1).expand(b, -1, -1, -1) for m in (self.mem_k, self.mem_v))
+        return torch.cat([mk, ck], 1), torch.cat([mv, cv], 1)
 
     def uses_chunked_path(self, q: torch.Tensor) -> bool:
         """True where the forward runs :func:`efftx.attention.nsa_cpu.nsa_attention` (CPU tensors, not Triton)."""
@@ -426,18 +507,21 @@ class NativeSparseAttention(AttentionBackend):
     def new_cache(self, batch_size, max_len, device, dtype) -> NSACache:
         s = self.spec
         return NSACache(batch_size, max_len, s.kv_heads, s.head_dim, self.block, self.stride, device=device,
-                        dtype=dtype)
+                        dtype=dtype, separate=self.separate)
 
     # ------------------------------------------------------------------------------------ branches
 
     def compressed(self, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, start: int) -> torch.Tensor:
-        """Attention of q (B, Tq, H, D), query i at position ``start + i``, over compressed ck/cv (B, Nc, Hkv, D)."""
+        """Attention of q (B, Tq, H, D), query i at position ``start + i``, over compressed ck/cv (B, M + Nc, Hkv, D)
+        (the ``compress_mem_kv`` memory slots first, seen by every query)."""
         b, tq, h, d = q.shape
-        first = min(tq, max(0, self.block - 1 - start))  # the queries before this one see no complete block
+        # the queries before this one see no complete block (and, without memory slots, nothing)
+        first = 0 if self.mem else min(tq, max(0, self.block - 1 - start))
         if first == tq or ck.shape[1] == 0:
             return torch.zeros_like(q)
         pos = torch.arange(start + first, start + tq, device=q.device)
-        mask = torch.arange(ck.shape[1], device=q.device) < visible_blocks(pos, self.block, self.stride)[:, None]
+        seen = self.mem + visible_blocks(pos, self.block, self.stride)
+        mask = torch.arange(ck.shape[1], device=q.device) < seen[:, None]
         out = F.scaled_dot_product_attention(q[:, first:].transpose(1, 2), ck.transpose(1, 2), cv.transpose(1, 2),
                                              attn_mask=mask, scale=self.scale, enable_gqa=h != ck.shape[2])
         return torch.cat([q.new_zeros(b, first, h, d), out.transpose(1, 2)], 1)  # (B, Tq, H, D)
@@ -446,10 +530,12 @@ class NativeSparseAttention(AttentionBackend):
     def select(self, q: torch.Tensor, ck: torch.Tensor, pos: torch.Tensor, n_keys: int) -> torch.Tensor:
         """Selection blocks (B, Tq, Hkv, num_selected_blocks + 1) for queries at ``pos``; -1 = unused.
 
-        Slot 0 is the query's own block; the others are its top past blocks by importance.
+        Slot 0 is the query's own block; the others are its top past blocks by importance. ``ck`` (B, M + Nc, Hkv,
+        D): the memory slots (which share the softmax but are no block) and the compressed blocks' keys.
         """
         b, tq, h, d = q.shape
-        hkv, nc = ck.shape[2], ck.shape[1]
+        hkv, ncol = ck.shape[2], ck.shape[1]
+        nc = ncol - self.mem
         n_sel = -(-n_keys // self.sel_block)
         own = (pos // self.sel_block).view(1, tq, 1, 1).expand(b, tq, hkv, 1)
         k_top = min(self.n_sel, n_sel)
@@ -459,18 +545,20 @@ class NativeSparseAttention(AttentionBackend):
         ckt = ck.transpose(1, 2)  # (B, Hkv, Nc, D)
         blocks = torch.arange(n_sel, device=q.device)
         budget = _SCORE_CHUNK_CPU if q.device.type == "cpu" else _SCORE_CHUNK_ACCELERATOR
-        chunk = max(1, budget // max(1, b * h * nc))
+        chunk = max(1, budget // max(1, b * h * ncol))
         picks = []
         for a in range(0, tq, chunk):
             p = pos[a:a + chunk]
             if nc:
                 scores = torch.einsum("bhgtd,bhnd->bhgtn", qg[:, :, :, a:a + chunk], ckt).float() * self.scale
-                seen = torch.arange(nc, device=q.device) < visible_blocks(p, self.block, self.stride)[:, None]
-                probs = scores.masked_fill(~seen, float("-inf")).softmax(-1).nan_to_num(0.0)  # no block: zeros
-                importance = self.to_selection(probs.sum(2), self.block, self.stride, self.sel_block, n_sel)
+                seen = torch.arange(ncol, device=q.device) < (
+                    self.mem + visible_blocks(p, self.block, self.stride)[:, None])
+                importance = self.importance(scores, seen, p, n_sel)
             else:
                 importance = q.new_zeros(b, hkv, len(p), n_sel, dtype=torch.float32)
             rank = importance.double() + blocks * _TIE_BREAK  # (B, Hkv, c, n_sel)
+            if self.opts.min_importance > 0:  # too unimportant: not selected (forced blocks are set just below)
+                rank = rank.masked_fill(importance < self.opts.min_importance, float("-inf"))
             own_p = (p // self.sel_block)[:, None]
             rank = rank.masked_fill(forced_blocks(blocks, own_p, self.initial, self.local), float("inf"))
             rank = rank.masked_fill(blocks >= own_p, float("-inf"))  # own/future out
@@ -479,14 +567,28 @@ class NativeSparseAttention(AttentionBackend):
         past = torch.cat(picks, 2).permute(0, 2, 1, 3)  # (B, Tq, Hkv, k_top)
         return F.pad(torch.cat([own, past], -1), (0, self.n_sel - k_top), value=-1)
 
+    def importance(self, scores: torch.Tensor, seen: torch.Tensor, pos: torch.Tensor, n_blocks: int) -> torch.Tensor:
+        """Selection-block importances (B, Hkv, Tq, n_blocks) from compressed scores (B, Hkv, G, Tq, M + Nc) (memory
+        slots first) and ``seen`` (Tq, M + Nc), the columns each query reads: ``importance=probs_sum``, the
+        probabilities summed over the G heads and mapped (``score_mapping``); ``logits_softmax``, the complete
+        blocks' logits averaged over the heads, mapped, softmaxed over the query's past blocks. Differentiable."""
+        if self.opts.importance == "logits_softmax":
+            mean = scores[..., self.mem:].masked_fill(~seen[:, self.mem:], 0.0).mean(2)
+            return logit_importance(mean, pos // self.sel_block, self.block, self.stride, self.sel_block, n_blocks,
+                                    self.opts.score_mapping)
+        probs = scores.masked_fill(~seen, float("-inf")).softmax(-1).nan_to_num(0.0)  # no block: zeros
+        return self.to_selection(probs[..., self.mem:].sum(2), self.block, self.stride, self.sel_block, n_blocks)
+
     def straight_through(self, q, k, v, ck, idx, pos) -> torch.Tensor:
         """diff_topk on the branch-by-branch path: ``sum_j (s_j - s_j.detach()) * O_j`` (B, Tq, H, D), zero in
         value, where ``O_j`` is the part of the selected output that past slot ``j``'s block contributes (computed
         without autograd) and ``s_j`` that block's importance, recomputed with autograd from q and the compressed
         keys. Holds (B, H, Tq, Nc) probabilities and the (B, Tq, Hkv, slots x l', D) gathered keys: a fallback
-        for the accelerator path (the chunked CPU path adds the same gradient inside its backward)."""
+        for the accelerator path (the chunked CPU path adds the same gradient inside its backward). With
+        ``diff_topk_gate=keys``, ``O_j`` is instead the output's derivative in a gate on slot ``j``'s keys,
+        ``sum_i P_i S_i (v_i - O)`` over its keys ``i``."""
         b, tq, h, d = q.shape
-        tk, hkv, nc, grp = k.shape[1], k.shape[2], ck.shape[1], h // k.shape[2]
+        tk, hkv, nc, grp = k.shape[1], k.shape[2], ck.shape[1] - self.mem, h // k.shape[2]
         n_blocks, l = -(-tk // self.sel_block), self.sel_block
         past = idx[..., 1:]  # (B, Tq, Hkv, n_sel)
         if nc == 0 or past.shape[-1] == 0:
@@ -494,9 +596,9 @@ class NativeSparseAttention(AttentionBackend):
         qg = q.view(b, tq, hkv, grp, d)
         work = torch.promote_types(q.dtype, torch.float32)
         scores = torch.einsum("bthgd,bnhd->bhgtn", qg, ck).to(work) * self.scale
-        seen = torch.arange(nc, device=q.device) < visible_blocks(pos, self.block, self.stride)[:, None]
-        probs = scores.masked_fill(~seen, float("-inf")).softmax(-1).nan_to_num(0.0).sum(2)  # (B, Hkv, Tq, Nc)
-        imp = self.to_selection(probs, self.block, self.stride, self.sel_block, n_blocks).permute(0, 2, 1, 3)
+        seen = torch.arange(ck.shape[1], device=q.device) < (
+            self.mem + visible_blocks(pos, self.block, self.stride)[:, None])
+        imp = self.importance(scores, seen, pos, n_blocks).permute(0, 2, 1, 3)  # (B, Tq, Hkv, n_blocks)
         s = imp.gather(-1, past.clamp(min=0)) * (past >= 0)  # (B, Tq, Hkv, n_sel)
         with torch.no_grad():
             key = idx[..., None] * l + torch.arange(l, device=q.device)  # (B, Tq, Hkv, S, l)
@@ -504,10 +606,18 @@ class NativeSparseAttention(AttentionBackend):
             flat = key.clamp(0, tk - 1).flatten(-2).permute(0, 2, 1, 3).reshape(b, hkv, -1)  # (B, Hkv, Tq * S * l)
             gather = lambda t: t.transpose(1, 2).gather(2, flat[..., None].expand(-1, -1, -1, d))  # noqa: E731
             ks, vs = (gather(t).view(b, hkv, tq, -1, d) for t in (k, v))  # (B, Hkv, Tq, S * l, D)
-            att = torch.einsum("bthgd,bhtnd->bhtgn", qg, ks).to(work) * self.scale
-            att = att.masked_fill(~ok.flatten(-2).permute(0, 2, 1, 3)[:, :, :, None], float("-inf")).softmax(-1)
-            part = torch.einsum("bhtgsl,bhtsld->bthgsd", att.nan_to_num(0.0).to(q.dtype).unflatten(-1, (-1, l)),
-                                vs.unflatten(-2, (-1, l)))[..., 1:, :]  # (B, Tq, Hkv, G, n_sel, D)
+            raw = torch.einsum("bthgd,bhtnd->bhtgn", qg, ks).to(work) * self.scale
+            att = raw.masked_fill(~ok.flatten(-2).permute(0, 2, 1, 3)[:, :, :, None], float("-inf")).softmax(-1)
+            att = att.nan_to_num(0.0)
+            if self.opts.diff_topk_gate == "keys":  # d O / d (slot gate) = sum over its keys of P S (v - O)
+                o = torch.einsum("bhtgn,bhtnd->bhtgd", att, vs.to(work))  # (B, Hkv, Tq, G, D) the selected output
+                w = (att * raw).unflatten(-1, (-1, l))  # (B, Hkv, Tq, G, S, l') P S
+                part = (torch.einsum("bhtgsl,bhtsld->bthgsd", w, vs.to(work).unflatten(-2, (-1, l)))
+                        - w.sum(-1).permute(0, 2, 1, 3, 4)[..., None] * o.permute(0, 2, 1, 3, 4)[..., None, :])
+                part = part.to(q.dtype)[..., 1:, :]
+            else:
+                part = torch.einsum("bhtgsl,bhtsld->bthgsd", att.to(q.dtype).unflatten(-1, (-1, l)),
+                                    vs.unflatten(-2, (-1, l)))[..., 1:, :]  # (B, Tq, Hkv, G, n_sel, D)
         coef = (s - s.detach()).to(q.dtype)[:, :, :, None, :, None]
         return (coef * part).sum(-2).reshape(b, tq, h, d)
 
@@ -518,27 +628,38 @@ class NativeSparseAttention(AttentionBackend):
         if x is None:
             raise ValueError("the nsa backend gates its branches by the hidden state: call it with x=(B, T, dim)")
         b, tq, h, _ = q.shape
-        if cache is not None:
-            k, v, ck, cv = cache.append(k, v, self.compress_k, self.compress_v)  # all tokens so far
+        cmp = win = None
+        if self.separate:  # the compressed and window branches' own keys/values
+            offset = cache.length if cache is not None else 0
+            cmp, win = self.branch_kv(self.kv_cmp, x, offset), self.branch_kv(self.kv_win, x, offset)
+        if cache is not None:  # all tokens so far
+            (k, v), (kw, vw), ck, cv = cache.append(k, v, self.compress_k, self.compress_v, cmp, win)
         else:
-            ck, cv = self.compress_k(k), self.compress_v(v)  # (B, Nc, Hkv, D)
+            kc, vc = cmp if cmp is not None else (k, v)
+            kw, vw = win if win is not None else (k, v)
+            ck, cv = self.compress_k(kc), self.compress_v(vc)  # (B, Nc, Hkv, D)
+        ck, cv = self.with_memory(ck, cv)  # (B, M + Nc, Hkv, D)
         tk = k.shape[1]
         g = torch.sigmoid(self.gate(x)).view(b, tq, h, 3)
         if not self.share and h != k.shape[2]:
             # per-head selection: every query head its own kv "group" (k, v, ck, cv repeated per query head), so
             # each path (chunked CPU, reference, Triton) ranks blocks by that head's scores alone
-            k, v, ck, cv = (t.repeat_interleave(h // k.shape[2], dim=2) for t in (k, v, ck, cv))
+            rep = h // k.shape[2]
+            k, v, ck, cv = (t.repeat_interleave(rep, dim=2) for t in (k, v, ck, cv))
+            kw, vw = (t.repeat_interleave(rep, dim=2) for t in (kw, vw)) if self.separate else (k, v)
         if self.uses_chunked_path(q):
             return nsa_attention(q, k, v, ck, cv, g.to(q.dtype), block=self.block, stride=self.stride,
                                  sel_block=self.sel_block, n_sel=self.n_sel, window=self.window, scale=self.scale,
                                  chunk=self.chunk_size, initial=self.initial, local=self.local,
-                                 mapping=self.opts.score_mapping, diff_topk=self.diff_topk)
+                                 mapping=self.opts.score_mapping, diff_topk=self.diff_topk, mem=self.mem,
+                                 window_kv=(kw, vw) if self.separate else None, importance=self.opts.importance,
+                                 min_importance=self.opts.min_importance, diff_topk_gate=self.opts.diff_topk_gate)
         pos = torch.arange(tk - tq, tk, device=q.device)  # absolute positions of the queries
         out_cmp = self.compressed(q, ck, cv, tk - tq)
         idx = self.select(q, ck, pos, tk)
         out_sel = self._selected_attention(q, k, v, idx, self.sel_block, scale=self.scale, impl=self.impl)
         if self.diff_topk and torch.is_grad_enabled() and (q.requires_grad or ck.requires_grad):
             out_sel = out_sel + self.straight_through(q, k, v, ck, idx, pos)
-        out_win = sliding_window_attention(q, k, v, self.window, self.scale)
+        out_win = sliding_window_attention(q, kw, vw, self.window, self.scale)
         g = g.unsqueeze(-1).to(q.dtype)
         return g[:, :, :, 0] * out_cmp + g[:, :, :, 1] * out_sel + g[:, :, :, 2] * out_win  # (B, T, H, D)

@@ -59,6 +59,18 @@ def _to_selection(imp: torch.Tensor, block: int, stride: int, sel_block: int, n_
     return SCORE_MAPPINGS[mapping](imp, block, stride, sel_block, n_blocks)
 
 
+def logit_importance(mean_logits: torch.Tensor, own: torch.Tensor, block: int, stride: int, sel_block: int,
+                     n_blocks: int, mapping: str = "overlap") -> torch.Tensor:
+    """``importance=logits_softmax`` (the seed library's ranking): (..., c, nb) compressed-block logits averaged over
+    a selection's heads (0 for blocks not yet complete) -> (..., c, n_blocks) importances: the logits mapped onto
+    selection blocks (``mapping``), then a softmax over each query's past blocks (those before ``own`` (c,)); 0 for
+    its own and later blocks (a query with no past block: all 0). Differentiable in ``mean_logits``."""
+    z = _to_selection(mean_logits, block, stride, sel_block, n_blocks, mapping)
+    past = torch.arange(n_blocks, device=z.device)[None, :] < own[:, None]  # (c, n_blocks)
+    z = z.masked_fill(~past, float("-inf")).masked_fill(~past.any(-1, keepdim=True), 0.0)  # no NaN rows
+    return z.softmax(-1) * past
+
+
 class _Layout:
     """Shapes, options and the layouts shared by the forward and the backward of one call.
 
@@ -71,9 +83,15 @@ class _Layout:
     """
 
     def __init__(self, q, k, ck, block, stride, sel_block, n_sel, window, scale, start, chunk, initial=0, local=1,
-                 mapping="overlap", diff_topk=False):
+                 mapping="overlap", diff_topk=False, mem=0, separate=False, importance="probs_sum",
+                 min_importance=0.0, gate="output"):
         self.b, self.tq, self.h, self.d = q.shape
         self.initial, self.local, self.mapping, self.diff_topk = initial, local, mapping, diff_topk
+        self.mem = mem  # learned memory slots leading the compressed keys/values, visible to every query
+        self.separate = separate  # the window branch has keys/values of its own (kw, vw)
+        self.logits = importance == "logits_softmax"  # rank by the logits' softmax, not the summed probabilities
+        self.min_importance = min_importance  # past blocks of a lower importance are never selected (unless forced)
+        self.gate_keys = gate == "keys"  # diff_topk: the straight-through gate scales the block's keys, not its output
         self.tk, self.hkv = k.shape[1], k.shape[2]
         self.g = self.h // self.hkv
         self.bh = self.b * self.hkv
@@ -120,10 +138,15 @@ class _Layout:
         return t.view(c, self.b, self.hkv, self.g, -1).transpose(0, 1)
 
     # ------------------------------------------------------------------ masks and selections
+    def visible(self, pos):
+        """Compressed columns (memory slots first, then complete blocks) the query at ``pos`` reads."""
+        return self.mem + _visible(pos, self.block, self.stride)
+
     def cmp_mask(self, pos: torch.Tensor, first: int, nv: int) -> torch.Tensor:
-        """(c, nv - first) True = compressed block ``first + j`` not yet complete for the query at ``pos``."""
+        """(c, nv - first) True = compressed column ``first + j`` (a block) not yet complete for the query at
+        ``pos``."""
         cols = torch.arange(first, nv, device=self.device)
-        return cols[None, :] >= _visible(pos, self.block, self.stride)[:, None]
+        return cols[None, :] >= self.visible(pos)[:, None]
 
     def window_mask(self, pos: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """(c, hi - lo) True = key outside the query's window ``(p - window, p]``."""
@@ -131,9 +154,18 @@ class _Layout:
         p = pos[:, None]
         return (key > p) | (key <= p - self.window)
 
-    def select(self, probs: torch.Tensor | None, pos: torch.Tensor, p1: int) -> torch.Tensor:
+    def mean_logits(self, logits: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """A chunk's compressed scores (B, Hkv, G * c, nv) -> the blocks' logits averaged over the group's heads
+        (B, Hkv, c, nv - mem), 0 for blocks not yet complete."""
+        c, nv = pos.shape[0], logits.shape[-1]
+        lg = logits.view(self.b, self.hkv, self.g, c, nv)[..., self.mem:]
+        return lg.masked_fill(self.cmp_mask(pos, self.mem, nv), 0.0).mean(2)
+
+    def select(self, probs: torch.Tensor | None, pos: torch.Tensor, p1: int,
+               logits: torch.Tensor | None = None) -> torch.Tensor:
         """Top past selection blocks (c, B, Hkv, n_sel), -1 = unused, from a chunk's compressed probabilities
-        (B, Hkv, G * c, nv) (None when no compressed block is visible yet)."""
+        (B, Hkv, G * c, nv) (None when no compressed block is visible yet), or (``importance=logits_softmax``) its
+        compressed scores ``logits`` of the same shape."""
         c = pos.shape[0]
         out = torch.full((c, self.b, self.hkv, self.n_sel), -1, dtype=torch.int64, device=self.device)
         cand = (p1 - 1) // self.sel_block  # blocks before the last query's own block
@@ -141,12 +173,21 @@ class _Layout:
         if k_top == 0:
             return out
         tie = torch.arange(cand, device=self.device, dtype=torch.float64) * TIE_BREAK
-        if probs is None:
+        if probs is None:  # every importance is 0
             rank = tie.expand(self.b, self.hkv, c, cand).clone()
+            if self.min_importance > 0:
+                rank.fill_(float("-inf"))
         else:
-            imp = probs.view(self.b, self.hkv, self.g, c, -1)
-            imp = imp[:, :, 0] if self.g == 1 else imp.sum(2)  # (B, Hkv, c, nv)
-            rank = _to_selection(imp, self.block, self.stride, self.sel_block, cand, self.mapping) + tie  # float64
+            if self.logits:
+                imp = logit_importance(self.mean_logits(logits, pos), pos // self.sel_block, self.block, self.stride,
+                                       self.sel_block, cand, self.mapping)
+            else:
+                imp = probs.view(self.b, self.hkv, self.g, c, -1)[..., self.mem:]  # the blocks' columns
+                imp = imp[:, :, 0] if self.g == 1 else imp.sum(2)  # (B, Hkv, c, nv)
+                imp = _to_selection(imp, self.block, self.stride, self.sel_block, cand, self.mapping)
+            rank = imp.double() + tie
+            if self.min_importance > 0:  # blocks below it are not selected (unless forced): their slots stay -1
+                rank.masked_fill_(imp < self.min_importance, float("-inf"))
         own = pos // self.sel_block
         if self.initial or self.local > 1:  # forced blocks first (later ones are then masked as future)
             cols = torch.arange(cand, device=self.device)[None, :]
@@ -170,14 +211,15 @@ class _Chunk:
         qc = q[:, a:e] * lay.scale
         self.qr = lay.rows(qc)  # (B, Hkv, G * c, D)
         self.qs = lay.per_query(qc)  # (c * B * Hkv, G, D)
-        self.nv = min(_visible(self.p1 - 1, lay.block, lay.stride), lay.nc)
-        self.probs = None
+        self.nv = min(lay.visible(self.p1 - 1), lay.nc)  # memory slots included
+        self.probs = self.logits = None
         if self.nv:
-            first = min(_visible(self.p0, lay.block, lay.stride), self.nv)  # blocks every query of the chunk sees
+            first = min(lay.visible(self.p0), self.nv)  # columns every query of the chunk sees
             s = torch.matmul(self.qr, ck_t[:, :, :self.nv].transpose(-1, -2))  # (B, Hkv, G * c, nv)
             if first < self.nv:
                 tail = s.view(lay.b, lay.hkv, lay.g, self.c, self.nv)[..., first:]
                 tail.masked_fill_(lay.cmp_mask(self.pos, first, self.nv), float("-inf"))
+            self.logits = s if lay.logits else None  # (masked: -inf; mean_logits reads only complete blocks)
             self.probs = torch.softmax(s, -1)
             if first == 0:  # queries that see no complete block yet: all-masked rows, zeros
                 self.probs.nan_to_num_(0.0)
@@ -191,7 +233,7 @@ def _selected(lay: _Layout, ch: _Chunk, kt_blocks: torch.Tensor, vt_blocks: torc
     own = (ch.pos // l).view(c, 1, 1, 1).expand(c, lay.b, lay.hkv, 1)
     idx = torch.cat([own, sel.long()], -1)  # (c, B, Hkv, S); slot 0 = the query's own block
     unused = None
-    if ch.p0 < lay.n_sel * l:  # later queries fill every slot
+    if ch.p0 < lay.n_sel * l or lay.min_importance > 0:  # later queries fill every slot, unless blocks are dropped
         unused = (idx < 0).view(c, bh, 1, n, 1)
         idx = idx.clamp(min=0)
     flat = (idx + (torch.arange(bh, device=lay.device) * lay.nblk).view(1, lay.b, lay.hkv, 1)).view(c, -1)
@@ -221,25 +263,34 @@ def _importance_grad(lay: _Layout, ch: _Chunk, d_slot: torch.Tensor, sel: torch.
     """diff_topk: the gradient (B, Hkv, c, nv) of a chunk's compressed probabilities (summed over a group's heads)
     through the importances of the selected past blocks. ``d_slot`` (c * B * Hkv, slots): dL/d(importance) of each
     slot (the selected branch's output of that slot's block, dotted with dO); ``sel`` (c, B, Hkv, n_sel)."""
-    c, cand = ch.c, (ch.p1 - 1) // lay.sel_block
-    if cand == 0:  # no past block to select yet
+    c, cand, nb = ch.c, (ch.p1 - 1) // lay.sel_block, ch.nv - lay.mem
+    if cand == 0 or nb == 0:  # no past block to select yet, or no complete compressed block (memory slots only)
         return d_slot.new_zeros(lay.b, lay.hkv, c, ch.nv)
     dsel = d_slot.view(c, lay.b, lay.hkv, lay.slots)[..., 1:]  # the past slots (slot 0, the own block, has no factor)
     idx = sel.long()
     dblk = dsel.new_zeros(c, lay.b, lay.hkv, max(cand, 1))
     dblk.scatter_add_(-1, idx.clamp(min=0), dsel * (idx >= 0))  # unused slots (-1) add 0
     dblk = dblk[..., :cand].permute(1, 2, 0, 3)  # (B, Hkv, c, cand)
-    with torch.enable_grad():  # the adjoint of the (linear) score mapping
-        x = dblk.new_zeros(lay.b, lay.hkv, c, ch.nv, requires_grad=True)
-        y = _to_selection(x, lay.block, lay.stride, lay.sel_block, cand, lay.mapping)
+    with torch.enable_grad():
+        if lay.logits:  # through the softmax over the past blocks and the mapping to the group-mean logits
+            x = lay.mean_logits(ch.logits, ch.pos).detach().requires_grad_()
+            y = logit_importance(x, ch.pos // lay.sel_block, lay.block, lay.stride, lay.sel_block, cand, lay.mapping)
+        else:  # the adjoint of the (linear) score mapping
+            x = dblk.new_zeros(lay.b, lay.hkv, c, nb, requires_grad=True)
+            y = _to_selection(x, lay.block, lay.stride, lay.sel_block, cand, lay.mapping)
         (grad,) = torch.autograd.grad(y, x, dblk, allow_unused=True)
-    return grad if grad is not None else dblk.new_zeros(lay.b, lay.hkv, c, ch.nv)
+    if grad is None:
+        grad = dblk.new_zeros(lay.b, lay.hkv, c, nb)
+    if lay.logits:  # the mean over the group's heads, complete blocks only: each head's score gets grad / G
+        grad = grad.masked_fill(lay.cmp_mask(ch.pos, lay.mem, ch.nv), 0.0) / lay.g
+    return F.pad(grad, (lay.mem, 0))  # memory slots are no block: no importance
 
 
 class _NSAFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ck, cv, gates, lay: _Layout):
+    def forward(ctx, q, k, v, ck, cv, gates, kw, vw, lay: _Layout):
         kt, vt = lay.heads_major(k), lay.heads_major(v)  # (B, Hkv, nblk * l', D)
+        kwt, vwt = (lay.heads_major(kw), lay.heads_major(vw)) if lay.separate else (kt, vt)  # the window's
         kt_blocks = kt.view(-1, lay.sel_block * lay.d)  # (B * Hkv * nblk, l' * D): one row per block
         vt_blocks = vt.view(-1, lay.sel_block * lay.d)
         ck_t, cv_t = ck.transpose(1, 2).contiguous(), cv.transpose(1, 2).contiguous()  # (B, Hkv, Nc, D)
@@ -248,7 +299,7 @@ class _NSAFunction(torch.autograd.Function):
         for a, e in lay.chunks():
             ch = _Chunk(lay, q, a, e, ck_t)
             gc = gates[:, a:e].view(lay.b, ch.c, lay.hkv, lay.g, 3)
-            sel = lay.select(ch.probs, ch.pos, ch.p1)
+            sel = lay.select(ch.probs, ch.pos, ch.p1, ch.logits)
             sel_all[a:e] = sel
             o = out[:, a:e].view(lay.b, ch.c, lay.hkv, lay.g, lay.d)
             sub = lay.sub
@@ -256,25 +307,27 @@ class _NSAFunction(torch.autograd.Function):
                 a2 = i * sub
                 torch.mul(lay.unper_query(torch.bmm(ps, vs), (r1 - r0) // lay.bh), gc[:, a2:a2 + sub, ..., 1:2],
                           out=o[:, a2:a2 + sub])
-            _, _, _, vw, pw = _window_probs(lay, ch, kt, vt)
-            o.addcmul_(lay.unrows(torch.matmul(pw, vw), ch.c), gc[..., 2:3])
+            _, _, _, vwin, pw = _window_probs(lay, ch, kwt, vwt)
+            o.addcmul_(lay.unrows(torch.matmul(pw, vwin), ch.c), gc[..., 2:3])
             if ch.probs is not None:
                 o.addcmul_(lay.unrows(torch.matmul(ch.probs, cv_t[:, :, :ch.nv]), ch.c), gc[..., 0:1])
-        ctx.save_for_backward(q, k, v, ck, cv, gates, sel_all)
+        ctx.save_for_backward(q, k, v, ck, cv, gates, sel_all, *((kw, vw) if lay.separate else ()))
         ctx.lay = lay
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, ck, cv, gates, sel_all = ctx.saved_tensors
+        q, k, v, ck, cv, gates, sel_all, *window_kv = ctx.saved_tensors
         lay: _Layout = ctx.lay
         dtype = q.dtype
         kt, vt = lay.heads_major(k), lay.heads_major(v)
+        kwt, vwt = (lay.heads_major(t) for t in window_kv) if lay.separate else (kt, vt)
         kt_blocks, vt_blocks = kt.view(-1, lay.sel_block * lay.d), vt.view(-1, lay.sel_block * lay.d)
         ck_t, cv_t = ck.transpose(1, 2).contiguous(), cv.transpose(1, 2).contiguous()
         dq = torch.empty_like(q)
         dkt, dvt = torch.zeros_like(kt), torch.zeros_like(vt)
         dkt_blocks, dvt_blocks = dkt.view_as(kt_blocks), dvt.view_as(vt_blocks)
+        dkwt, dvwt = (torch.zeros_like(kwt), torch.zeros_like(vwt)) if lay.separate else (dkt, dvt)
         dck_t, dcv_t = torch.zeros_like(ck_t), torch.zeros_like(cv_t)
         dgates = torch.empty_like(gates)  # (B, T, H, 3)
         blk = lay.sel_block * lay.d
@@ -295,9 +348,12 @@ class _NSAFunction(torch.autograd.Function):
                 do_r, g_r = dos[r0:r1], g_s[r0:r1]
                 dp = torch.bmm(do_r, vs.transpose(1, 2))  # (m, G, N)
                 delta_s[r0:r1] = torch.linalg.vecdot(ps, dp)  # = dO . O_sel: the gate's gradient
-                if d_slot is not None:  # dO . (gated output of each slot's block), summed over the group's heads
-                    d_slot[r0:r1] = ((ps * dp).view(r1 - r0, lay.g, lay.slots, -1).sum(-1) * g_r).sum(1)
                 ds = torch._softmax_backward_data(dp, ps, -1, dtype)
+                if d_slot is not None and lay.gate_keys:  # keys x gate: dS . S over each slot's keys
+                    raw = torch.bmm(ch.qs[r0:r1], ks.transpose(1, 2))  # (m, G, N) the scores (finite: unmasked)
+                    d_slot[r0:r1] = ((ds * raw).view(r1 - r0, lay.g, lay.slots, -1).sum(-1) * g_r).sum(1)
+                elif d_slot is not None:  # dO . (gated output of each slot's block), summed over the group's heads
+                    d_slot[r0:r1] = ((ps * dp).view(r1 - r0, lay.g, lay.slots, -1).sum(-1) * g_r).sum(1)
                 torch.bmm(ds, ks, out=dq_s[r0:r1]).mul_(g_r * lay.scale)
                 dkt_blocks.index_add_(0, f, torch.bmm(ds.transpose(1, 2), ch.qs[r0:r1] * g_r).view(-1, blk))
                 dvt_blocks.index_add_(0, f, torch.bmm(ps.transpose(1, 2), do_r * g_r).view(-1, blk))
@@ -305,14 +361,14 @@ class _NSAFunction(torch.autograd.Function):
 
             # window branch
             g_r = lay.rows(gc[..., 2:3])
-            lo, hi, kw, vw, pw = _window_probs(lay, ch, kt, vt)
+            lo, hi, kw, vw, pw = _window_probs(lay, ch, kwt, vwt)
             dp = torch.matmul(dor, vw.transpose(-1, -2))  # (B, Hkv, G * c, L)
             dg[..., 2] = lay.unrows(torch.linalg.vecdot(pw, dp)[..., None], c)[..., 0]
             ds = torch._softmax_backward_data(dp, pw, -1, dtype)
             del dp
             dq_r = torch.matmul(ds, kw).mul_(g_r * lay.scale)
-            dkt[:, :, lo:hi] += torch.matmul(ds.transpose(-1, -2), ch.qr * g_r)
-            dvt[:, :, lo:hi] += torch.matmul(pw.transpose(-1, -2), dor * g_r)
+            dkwt[:, :, lo:hi] += torch.matmul(ds.transpose(-1, -2), ch.qr * g_r)
+            dvwt[:, :, lo:hi] += torch.matmul(pw.transpose(-1, -2), dor * g_r)
             del pw, ds
 
             # compressed branch
@@ -326,7 +382,8 @@ class _NSAFunction(torch.autograd.Function):
                 if d_slot is not None:  # diff_topk: the selected blocks' importances are functions of pc
                     dimp = _importance_grad(lay, ch, d_slot, sel_all[a:e])  # (B, Hkv, c, nv)
                     dimp = dimp[:, :, None].expand(-1, -1, lay.g, -1, -1).reshape(lay.b, lay.hkv, lay.g * c, nv)
-                    ds += torch._softmax_backward_data(dimp, pc, -1, dtype)
+                    # of the probabilities (through their softmax), or (logits_softmax) of the scores themselves
+                    ds += dimp if lay.logits else torch._softmax_backward_data(dimp, pc, -1, dtype)
                 dq_r += torch.matmul(ds, ck_t[:, :, :nv]).mul_(lay.scale)
                 dck_t[:, :, :nv] += torch.matmul(ds.transpose(-1, -2), ch.qr)
                 dcv_t[:, :, :nv] += torch.matmul(pc.transpose(-1, -2), dor * g_r)
@@ -338,13 +395,18 @@ class _NSAFunction(torch.autograd.Function):
             torch.add(lay.unrows(dq_r, c), lay.unper_query(dq_s, c), out=dq_c)
         dk = dkt[:, :, :lay.tk].transpose(1, 2)
         dv = dvt[:, :, :lay.tk].transpose(1, 2)
-        return dq, dk, dv, dck_t.transpose(1, 2), dcv_t.transpose(1, 2), dgates, None
+        dkw = dkwt[:, :, :lay.tk].transpose(1, 2) if lay.separate else None
+        dvw = dvwt[:, :, :lay.tk].transpose(1, 2) if lay.separate else None
+        return dq, dk, dv, dck_t.transpose(1, 2), dcv_t.transpose(1, 2), dgates, dkw, dvw, None
 
 
 def nsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor,
                   gates: torch.Tensor, *, block: int, stride: int, sel_block: int, n_sel: int, window: int,
                   scale: float, chunk: int | None = None, initial: int = 0, local: int = 1,
-                  mapping: str = "overlap", diff_topk: bool = False) -> torch.Tensor:
+                  mapping: str = "overlap", diff_topk: bool = False, mem: int = 0,
+                  window_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  importance: str = "probs_sum", min_importance: float = 0.0,
+                  diff_topk_gate: str = "output") -> torch.Tensor:
     """NSA attention of q (B, Tq, H, D) over k, v (B, Tk, Hkv, D) and compressed ck, cv (B, Nc, Hkv, D).
 
     Query ``i`` sits at position ``Tk - Tq + i``. ``gates`` (B, Tq, H, 3): the compressed, selected and window
@@ -353,13 +415,20 @@ def nsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ck: torch.T
     chunk's compressed scores exceed ``SCORE_BUDGET`` elements). ``initial``/``local``: the forced first blocks
     and local blocks (own block included), ``mapping`` (overlap | eq9) and ``diff_topk`` (the importances of the
     selected past blocks get gradients: each block's part of the selected output is scaled by a straight-through
-    ``1 + s - s.detach()``), as ``attention.nsa.*`` define them.
+    ``1 + s - s.detach()``), as ``attention.nsa.*`` define them. ``mem``: the first ``mem`` rows of ck/cv are
+    learned memory slots every query reads (no block: they take no part in the selection). ``window_kv``: the
+    window branch's own keys/values (B, Tk, Hkv, D) (``separate_kv``); None: it reads k, v. ``importance``:
+    probs_sum | logits_softmax (:func:`logit_importance`); past blocks whose importance is below ``min_importance``
+    are not selected (forced ones excepted), their slots left unused. ``diff_topk_gate``: what the straight-through
+    factor of ``diff_topk`` scales, each selected past block's part of the output or (``keys``) its keys.
     """
     dtype = q.dtype
     work = torch.promote_types(dtype, torch.float32)
     q, k, v, ck, cv, gates = (t.to(work) for t in (q, k, v, ck, cv, gates))
+    kw, vw = (t.to(work) for t in window_kv) if window_kv is not None else (None, None)
     lay = _Layout(q, k, ck, block, stride, sel_block, n_sel, window, scale, k.shape[1] - q.shape[1], chunk,
-                  initial, local, mapping, diff_topk)
+                  initial, local, mapping, diff_topk, mem, window_kv is not None, importance, min_importance,
+                  diff_topk_gate)
     with torch.autocast(q.device.type, enabled=False):
-        out = _NSAFunction.apply(q, k, v, ck, cv, gates, lay)
+        out = _NSAFunction.apply(q, k, v, ck, cv, gates, kw, vw, lay)
     return out.to(dtype)
