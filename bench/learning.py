@@ -15,14 +15,23 @@ A row may carry its own overrides: ``lm_small:model.emb_init_std=0.02,model.tie_
 experiments of docs/models.md, "Initialisation and learning per step", are rows of this kind).
 
 Prints held-out loss in nats per byte and bits per byte, tokens/s and peak memory per row with its gap to the
-plain GPT, and whether efftx's full-attention LM is within ``--tolerance`` (0.02) nats of the plain GPT.
+plain GPT and to the first full-attention efftx row, and whether efftx's full-attention LM is within
+``--tolerance`` (0.02) nats of the plain GPT.
+
+``--isolate`` trains each row in a fresh process (same batches, same seed), so each row's peak memory is its
+own (in one process a row's peak RSS growth is 0 once an earlier, larger row set the peak). ``--wall S`` also
+stops every row after S seconds of training: rows then see the same wall budget instead of the same tokens (the
+table says how many steps each ran; on a shared machine this budget is only as fair as the load is steady).
+``--seeds 0 1 2`` repeats the whole table per seed (model init and batches) and prints each row's mean and range.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import resource
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -88,6 +97,7 @@ class Result:
     val_nats: float  # held-out cross-entropy, nats per byte (one token = one byte)
     tokens_per_s: float
     peak_mb: float
+    steps: int = 0  # training steps run (fewer than given when a wall budget stopped the row)
 
     @property
     def val_bpb(self) -> float:
@@ -122,16 +132,20 @@ def _peak_rss_mb() -> float:
 
 
 def train(model: nn.Module, batches: list[torch.Tensor], val: torch.Tensor, *, lr: float, clip: float,
-          weight_decay: float = 0.0, betas=(0.9, 0.99), eval_batch: int = 16, name: str = "") -> Result:
-    """A plain AdamW loop at a constant ``lr`` over ``batches``; the held-out loss after the last step."""
+          weight_decay: float = 0.0, betas=(0.9, 0.99), eval_batch: int = 16, name: str = "",
+          wall: float = 0.0) -> Result:
+    """A plain AdamW loop at a constant ``lr`` over ``batches`` (stopping after ``wall`` seconds when > 0); the
+    held-out loss after the last step."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
     model.train()
     cuda = next(model.parameters()).is_cuda
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     rss0 = _peak_rss_mb()
-    tokens, start = 0, time.perf_counter()
+    tokens, steps, start = 0, 0, time.perf_counter()
     for rows in batches:
+        if wall > 0 and time.perf_counter() - start >= wall:
+            break
         logits = model(rows[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), rows[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
@@ -140,12 +154,13 @@ def train(model: nn.Module, batches: list[torch.Tensor], val: torch.Tensor, *, l
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         tokens += rows[:, 1:].numel()
+        steps += 1
     elapsed = time.perf_counter() - start
     # peak memory: the accelerator's, else growth of the process's peak RSS during this run (0 once an
     # earlier, larger row set the peak: a lower bound, compare rows on a GPU for memory)
     peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else max(_peak_rss_mb() - rss0, 0.0)
     return Result(name, sum(p.numel() for p in model.parameters()), evaluate(model, val, eval_batch),
-                  tokens / elapsed, peak)
+                  tokens / elapsed, peak, steps)
 
 
 # ------------------------------------------------------------------------------------------ rows
@@ -174,7 +189,72 @@ def build_gpt(like: LM, seq_len: int, seed: int) -> PlainGPT:
     return PlainGPT(m.vocab_size, m.dim, m.depth, m.heads, m.mlp_mult, max(m.max_seq_len, seq_len))
 
 
+def row_kind(spec: str, model: nn.Module) -> str:
+    return "full" if spec == "gpt" else model.attention_cfg.kind
+
+
+def run_rows(args, seed: int, only: int | None = None) -> list[tuple[Result, str]]:
+    """Train the table's rows (``only``: just that row index, 0 = the GPT when present) for one seed."""
+    dev = torch.device(args.device)
+    data = corpus(args.seq_len)
+    batches = [b.to(dev) for b in make_batches(data, args.steps, args.batch, args.seq_len, seed)]
+    val = data.val_windows(args.val_windows, args.seq_len).to(dev)
+    specs = ([] if args.no_gpt else ["gpt"]) + list(args.recipes)
+    rows = []
+    for index, spec in enumerate(specs):
+        if only is not None and index != only:
+            continue
+        try:
+            model = (build_gpt(build_efftx(args.recipes[0], args.overrides, args.seq_len, seed), args.seq_len, seed)
+                     if spec == "gpt" else build_efftx(spec, args.overrides, args.seq_len, seed))
+        except ConfigError as exc:
+            raise SystemExit(f"bench/learning.py: {spec}: {exc}") from None
+        r = train(model.to(dev), batches, val, lr=args.lr, clip=args.clip, weight_decay=args.weight_decay, name=spec,
+                  wall=args.wall)
+        rows.append((r, row_kind(spec, model)))
+        del model
+    return rows
+
+
+def run_isolated(args, argv: list[str], seed: int) -> list[tuple[Result, str]]:
+    """Each row in a fresh process of this script (``--row``), so each peak memory is the row's own."""
+    n = len(args.recipes) + (0 if args.no_gpt else 1)
+    rows = []
+    base = [a for a in argv if a != "--isolate"]
+    for index in range(n):
+        out = subprocess.run([sys.executable, __file__, *base, "--row", str(index), "--row-seed", str(seed)],
+                             capture_output=True, text=True)
+        if out.returncode:
+            raise SystemExit(f"bench/learning.py: row {index} failed:\n{out.stderr[-3000:]}")
+        d = json.loads(out.stdout.strip().splitlines()[-1])
+        kind = d.pop("kind")
+        rows.append((Result(**d), kind))
+        print_row(rows[-1][0])
+    return rows
+
+
+def print_row(r: Result) -> None:
+    print(f"  {r.name}: {r.val_nats:.4f} nats/byte ({r.val_bpb:.3f} bpb), {r.steps} steps, "
+          f"{r.tokens_per_s:,.0f} tokens/s, peak {r.peak_mb:.0f} MiB", flush=True)
+
+
+def print_table(rows: list[tuple[Result, str]], has_gpt: bool) -> None:
+    ref = rows[0][0] if has_gpt else None
+    full = next((r for r, kind in rows[1 if has_gpt else 0:] if kind == "full"), None)
+    width = max(len(r.name) for r, _ in rows) + 2
+    print(f"\n{'row':<{width}}{'params':>11}{'steps':>7}{'val nats/B':>12}{'val bpb':>9}{'vs gpt':>9}"
+          f"{'vs full':>9}{'tokens/s':>11}{'x full':>8}{'peak MiB':>10}{'x full':>8}")
+    for r, _ in rows:
+        gap = f"{r.val_nats - ref.val_nats:+.4f}" if ref is not None else "-"
+        fgap = f"{r.val_nats - full.val_nats:+.4f}" if full is not None else "-"
+        speed = f"{r.tokens_per_s / full.tokens_per_s:.2f}" if full is not None else "-"
+        mem = f"{r.peak_mb / full.peak_mb:.2f}" if full is not None and full.peak_mb > 0 else "-"
+        print(f"{r.name:<{width}}{r.params:>11,}{r.steps:>7}{r.val_nats:>12.4f}{r.val_bpb:>9.3f}{gap:>9}{fgap:>9}"
+              f"{r.tokens_per_s:>11,.0f}{speed:>8}{r.peak_mb:>10.0f}{mem:>8}")
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipes", nargs="+", default=["lm_small"],
                    help="efftx rows: recipe names, each optionally 'recipe:key=value,key=value'")
@@ -182,55 +262,59 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--wall", type=float, default=0.0, help="also stop each row after this many seconds of training")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--clip", type=float, default=0.5)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, nargs="+", help="repeat the table per seed; mean and range per row")
     p.add_argument("--val-windows", type=int, default=64, help="held-out windows evenly spaced over the split")
     p.add_argument("--tolerance", type=float, default=0.02, help="nats/byte a full-attention row may trail the GPT")
     p.add_argument("--set", dest="overrides", action="append", default=[], help="key=value for every efftx row")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--isolate", action="store_true", help="each row in a fresh process (its own peak memory)")
+    p.add_argument("--row", type=int, help=argparse.SUPPRESS)  # internal: one row, printed as JSON
+    p.add_argument("--row-seed", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    dev = torch.device(args.device)
+    if args.wall < 0:
+        raise SystemExit(f"bench/learning.py: --wall must be >= 0, got {args.wall}")
 
-    data = corpus(args.seq_len)
-    batches = [b.to(dev) for b in make_batches(data, args.steps, args.batch, args.seq_len, args.seed)]
-    val = data.val_windows(args.val_windows, args.seq_len).to(dev)
-    print(f"{args.steps} steps x {args.batch} x {args.seq_len} bytes, AdamW lr {args.lr} (constant), clip "
-          f"{args.clip}, weight decay {args.weight_decay}, seed {args.seed}, {args.val_windows} held-out windows, "
-          f"{torch.get_num_threads()} threads on {dev}", flush=True)
+    if args.row is not None:  # a child of --isolate
+        (r, kind), = run_rows(args, args.row_seed, only=args.row)
+        print(json.dumps({**vars(r), "kind": kind}))
+        return 0
 
-    rows: list[tuple[Result, str]] = []
-    try:
-        models = [(spec, build_efftx(spec, args.overrides, args.seq_len, args.seed)) for spec in args.recipes]
-    except ConfigError as exc:
-        raise SystemExit(f"bench/learning.py: {exc}") from None
+    seeds = args.seeds or [args.seed]
+    budget = f", at most {args.wall:g} s per row" if args.wall else ""
+    print(f"{args.steps} steps x {args.batch} x {args.seq_len} bytes{budget}, AdamW lr {args.lr} (constant), clip "
+          f"{args.clip}, weight decay {args.weight_decay}, seeds {seeds}, {args.val_windows} held-out windows, "
+          f"{torch.get_num_threads()} threads on {args.device}{', one process per row' if args.isolate else ''}",
+          flush=True)
+    tables = []
+    for seed in seeds:
+        if len(seeds) > 1:
+            print(f"seed {seed}", flush=True)
+        rows = run_isolated(args, argv, seed) if args.isolate else run_rows(args, seed)
+        if not args.isolate:
+            for r, _ in rows:
+                print_row(r)
+        print_table(rows, not args.no_gpt)
+        tables.append(rows)
+    if len(seeds) > 1:
+        print(f"\nover seeds {seeds}: val nats/byte mean [min, max]")
+        for i, (r, _) in enumerate(tables[0]):
+            vals = [t[i][0].val_nats for t in tables]
+            print(f"  {r.name}: {sum(vals) / len(vals):.4f} [{min(vals):.4f}, {max(vals):.4f}]")
+    rows = tables[0]
     if not args.no_gpt:
-        models.insert(0, ("gpt", build_gpt(models[0][1], args.seq_len, args.seed)))
-    for spec, model in models:
-        kind = "full" if spec == "gpt" else model.attention_cfg.kind
-        r = train(model.to(dev), batches, val, lr=args.lr, clip=args.clip, weight_decay=args.weight_decay, name=spec)
-        rows.append((r, kind))
-        print(f"  {spec}: {r.val_nats:.4f} nats/byte ({r.val_bpb:.3f} bpb), {r.tokens_per_s:,.0f} tokens/s",
-              flush=True)
-        del model
-
-    ref = rows[0][0] if not args.no_gpt else None
-    width = max(len(r.name) for r, _ in rows) + 2
-    print(f"\n{'row':<{width}}{'params':>11}{'val nats/B':>12}{'val bpb':>9}{'vs gpt':>9}{'tokens/s':>11}"
-          f"{'peak MiB':>10}")
-    for r, _ in rows:
-        gap = f"{r.val_nats - ref.val_nats:+.4f}" if ref is not None else "-"
-        print(f"{r.name:<{width}}{r.params:>11,}{r.val_nats:>12.4f}{r.val_bpb:>9.3f}{gap:>9}"
-              f"{r.tokens_per_s:>11,.0f}{r.peak_mb:>10.0f}")
-    full = [r for r, kind in rows[1:] if kind == "full"] if ref is not None else []
-    for r in full:
-        ok = r.val_nats <= ref.val_nats + args.tolerance
-        print(f"goal {'met' if ok else 'NOT met'}: {r.name} is {r.val_nats - ref.val_nats:+.4f} nats/byte from the "
-              f"plain GPT (tolerance {args.tolerance})")
+        ref = rows[0][0]
+        for r in [r for r, kind in rows[1:] if kind == "full"]:
+            ok = r.val_nats <= ref.val_nats + args.tolerance
+            print(f"goal {'met' if ok else 'NOT met'}: {r.name} is {r.val_nats - ref.val_nats:+.4f} nats/byte from "
+                  f"the plain GPT (tolerance {args.tolerance}, seed {seeds[0]})")
     return 0
 
 
