@@ -3,30 +3,36 @@
     python bench/serve_load.py [--clients 16] [--requests 64] [--modes base,speculative]
                                [--target PATH --draft PATH | --size small|debug] [--quick]
 
-Starts a local Ray cluster and Serve on 127.0.0.1 and deploys the text app three ways, one after another, in
-one run: ``unbatched`` (``batching=static``, ``max_batch_size=1``), ``static`` (``@serve.batch``, 8 per batch)
-and ``continuous`` (iteration-level scheduling, the default). Without ``--target``/``--draft`` it exports
-randomly initialised ``spec_{target,draft}_{size}`` models itself (the load, not the text, is measured; ``debug``
-models get a 256-token context so that 128 new tokens fit) and says so.
+Starts a local Ray cluster and Serve on 127.0.0.1 and deploys the text app several ways, one after another, in
+one run: ``unbatched`` (``batching=static``, ``max_batch_size=1``), ``static`` (``@serve.batch``, 8 per batch),
+``fifo`` (continuous batching without priority: ``short_tokens=0``, every row in every step) and ``continuous``
+(iteration-level scheduling with its default priority to short requests). Without ``--target``/``--draft`` it
+exports randomly initialised ``spec_{target,draft}_{size}`` models itself (the load, not the text, is measured;
+``debug`` models get a 256-token context so that 128 new tokens fit) and says so.
 
 For each configuration and mode (base, speculative with gamma 5):
 
-* **unloaded**: short requests (8 new tokens) sent one at a time: their median latency;
+* **unloaded**: short requests of 8 and of 16 new tokens (the shortest and the longest short request) sent one
+  at a time: their median latency per length;
 * **load**: ``--clients`` client threads send ``--requests`` requests between them, each with its own seed and a
   length drawn from 8..128 new tokens (a fixed, seeded mix; every 4th request is a ``/generate/stream`` whose
   time to the first ``step`` event is its time to first token, the others ``POST /generate``).
 
-Before the load, the scheduler's step cost is measured in-process (1 row vs ``--clients`` rows): a short request
-sharing a full running batch cannot beat that ratio, whatever the scheduling. Printed per row: requests/s, p50/p99
-latency, p99 latency of the short requests (8..16 new tokens), time to first token (streams, p50/p99), errors; then
-the goals, each met or not: continuous batching serves >= 3x the requests/s of unbatched serving (base and
-speculative), the short requests' p99 under load is <= 2x their unloaded latency, and no request fails.
+Before the load, the scheduler's step cost is measured in-process for 1, 4, 8 and ``--clients`` rows (best of 3,
+after a warm-up): a short request sharing a step of many rows cannot beat that ratio, which is why the scheduler
+steps short requests apart (``fast_rows`` is best set where this cost stops being nearly flat). Printed per row:
+requests/s, p50/p99 latency, p50/p99 latency of the short requests (8..16 new tokens), each short request's
+latency over the unloaded latency at its own length (interpolated between the 8- and 16-token medians; p50/p99),
+time to first token (streams, p50/p99), errors, and the load average. Then the goals, each met or not:
+continuous batching serves >= 3x the requests/s of unbatched serving (base and speculative), the short requests'
+p99 latency ratio under load is <= 2x, and no request fails.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import socket
 import statistics
@@ -41,6 +47,7 @@ PROMPTS = ["def main():\n    ", "import os\n", "class Foo(object):\n", "for i in
            "# a helper that reads a file\n", "while True:\n", "return sorted(", "print(", "if __name__ =="]
 CONFIGS = [("unbatched", {"batching": "static", "max_batch_size": 1}),
            ("static (8)", {"batching": "static", "max_batch_size": 8, "batch_wait_timeout_s": 0.02}),
+           ("fifo", {"batching": "continuous", "max_batch_size": 32, "short_tokens": 0}),
            ("continuous", {"batching": "continuous", "max_batch_size": 32})]
 SHORT = 16  # requests with at most this many new tokens are "short"
 
@@ -115,25 +122,38 @@ def load(url: str, mode: str, clients: int, total: int, lengths: list[int], time
     ok = [r for r in results if r[1]]
     lat = [r[2] for r in ok]
     short = [r[2] for r in ok if r[0] <= SHORT]
+    shorts = [(r[0], r[2]) for r in ok if r[0] <= SHORT]
     ttft = [r[3] for r in ok if r[3] is not None]
     return {"ok": len(ok), "errors": total - len(ok), "rps": len(ok) / wall, "tokens_s": sum(r[0] for r in ok) / wall,
             "p50": pct(lat, 0.5), "p99": pct(lat, 0.99), "short_p50": pct(short, 0.5), "short_p99": pct(short, 0.99), "shorts": len(short),
-            "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99)}
+            "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99), "short_list": shorts}
 
 
-def unloaded_short(url: str, mode: str, n: int, timeout: float) -> float:
-    """Median latency (ms) of short requests sent one at a time."""
-    lat = []
-    for i in range(n):
-        ok, secs, _ = one(url, body_for(10000 + i, 8, mode), False, timeout)
-        if ok:
-            lat.append(secs)
-    return statistics.median(lat) * 1e3 if lat else float("nan")
+def unloaded_short(url: str, mode: str, n: int, timeout: float, lengths=(8, SHORT)) -> dict[int, float]:
+    """Median latency (ms) of short requests sent one at a time, per length (the shortest and the longest short
+    request: latency is affine in the tokens, :func:`short_ratios` interpolates between them)."""
+    out = {}
+    for new in lengths:
+        lat = []
+        for i in range(n):
+            ok, secs, _ = one(url, body_for(10000 + i, new, mode), False, timeout)
+            if ok:
+                lat.append(secs)
+        out[new] = statistics.median(lat) * 1e3 if lat else float("nan")
+    return out
 
 
-def step_costs(paths: dict, rows: int, modes: list[str]) -> dict[str, tuple[float, float]]:
-    """In-process, no HTTP: ms per decoding step of the continuous-batching scheduler with 1 row and with ``rows``
-    rows (what a short request's latency scales with when it shares the running batch)."""
+def short_ratios(shorts: list[tuple[int, float]], alone: dict[int, float]) -> list[float]:
+    """Each short request's latency under load over its unloaded latency at its own length (interpolated)."""
+    (a, la), (b, lb) = sorted(alone.items())
+    return [secs * 1e3 / (la + (lb - la) * (n - a) / (b - a)) for n, secs in shorts]
+
+
+def step_costs(paths: dict, counts: list[int], modes: list[str], repeats: int = 3) -> dict[str, dict[int, float]]:
+    """In-process, no HTTP: ms per decoding step of the continuous-batching scheduler (no priority: every row in
+    every step) for each row count in ``counts`` (what a short request's latency scales with when it shares a
+    step), after a warm-up; the counts are interleaved and each takes its best of ``repeats`` (the machine's
+    other load inflates single timings)."""
     from efftx.serving.continuous import Job, Sampling, Scheduler
     from efftx.export import load_export
 
@@ -142,17 +162,81 @@ def step_costs(paths: dict, rows: int, modes: list[str]) -> dict[str, tuple[floa
     draft = load_export(paths["draft"])[0] if "draft" in paths else None
     out = {}
     for mode in modes:
-        costs = []
-        for n in (1, rows):
-            scheduler = Scheduler(target, draft, max_rows=max(rows, 1))
-            for i in range(n):
-                scheduler.submit(Job(list(PROMPTS[i % len(PROMPTS)].encode()), 32, Sampling(0.8, 32), i,
-                                     5 if mode == "speculative" else None))
-            t0 = time.perf_counter()
-            scheduler.drain()
-            costs.append((time.perf_counter() - t0) * 1e3 / max(scheduler.steps, 1))
-        out[mode] = (costs[0], costs[1])
+        best: dict[int, float] = {}
+        for rep in range(repeats + 1):  # the first round warms up
+            for n in counts:
+                scheduler = Scheduler(target, draft, max_rows=max(counts), short_tokens=0)
+                for i in range(n):
+                    scheduler.submit(Job(list(PROMPTS[i % len(PROMPTS)].encode()), 32, Sampling(0.8, 32), i,
+                                         5 if mode == "speculative" else None))
+                scheduler.run_once()  # admission (prefill) and a first step, not timed
+                steps = scheduler.steps
+                t0 = time.perf_counter()
+                scheduler.drain()
+                ms = (time.perf_counter() - t0) * 1e3 / max(scheduler.steps - steps, 1)
+                if rep:
+                    best[n] = min(best.get(n, float("inf")), ms)
+        out[mode] = best
     return out
+
+
+def inprocess(paths: dict, modes: list[str], clients: int, lengths: list[int], unloaded: int) -> None:
+    """``--inprocess``: the same closed-loop load on the scheduler itself (no HTTP, no Ray), with and without
+    priority, timed on the decoding thread's CPU clock: a request's "latency" is the CPU time the decoding thread
+    spent from its submission to its last token, so the figures measure the scheduling (whose work a short request
+    waits for) and hardly the machine's other load. Prints per mode and policy: the decoding thread's CPU seconds
+    for the whole load (the throughput cost), and the short requests' latency over their unloaded latency."""
+    from efftx.serving.continuous import Job, Sampling, Scheduler
+    from efftx.export import load_export
+
+    torch.set_num_threads(1)
+    target = load_export(paths["target"])[0]
+    draft = load_export(paths["draft"])[0] if "draft" in paths else None
+    print(f"in-process, {clients} clients, {len(lengths)} requests; load average "
+          + " ".join(f"{x:.1f}" for x in os.getloadavg()))
+    for mode in modes:
+        for name, knobs in (("fifo", {"short_tokens": 0}), ("continuous", {})):
+            scheduler = Scheduler(target, draft, max_rows=32, **knobs).start()
+            clock = time.pthread_getcpuclockid(scheduler._thread.ident)
+
+            def run(i: int, new: int) -> tuple[float, float]:
+                done = threading.Event()
+                job = Job(list(PROMPTS[i % len(PROMPTS)].encode()), new, Sampling(0.8, 32), 1000 + i,
+                          5 if mode == "speculative" else None)
+                spent = []
+                job.on_done = lambda j: (spent.append(time.thread_time() - c0), done.set())  # the decoding thread
+                c0 = time.clock_gettime(clock)
+                scheduler.submit(job)
+                done.wait()
+                return spent[0], job.first_token_s or float("nan")
+
+            run(0, SHORT)  # warm-up
+            alone = {n: statistics.median(run(10000 + k, n)[0] for k in range(unloaded)) for n in (8, SHORT)}
+            results, lock, nxt = [], threading.Lock(), [0]
+
+            def client():
+                while True:
+                    with lock:
+                        i = nxt[0]
+                        if i >= len(lengths):
+                            return
+                        nxt[0] += 1
+                    cpu, _ = run(i, lengths[i])
+                    with lock:
+                        results.append((lengths[i], cpu))
+
+            c_start = time.clock_gettime(clock)
+            threads = [threading.Thread(target=client) for _ in range(clients)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            total = time.clock_gettime(clock) - c_start
+            scheduler.close()
+            ratios = short_ratios([(n, c) for n, c in results if n <= SHORT], {n: v * 1e3 for n, v in alone.items()})
+            print(f"  {mode:<12}{name:<11} decoding thread CPU {total:6.2f} s; short requests' latency / unloaded "
+                  f"(CPU clock): p50 {pct(ratios, 0.5) / 1e3:.2f}x, p99 {pct(ratios, 0.99) / 1e3:.2f}x "
+                  f"(unloaded 8/{SHORT} tokens {alone[8] * 1e3:.0f}/{alone[SHORT] * 1e3:.0f} ms CPU)", flush=True)
 
 
 def export_models(size: str) -> tuple[dict, str]:
@@ -178,7 +262,7 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--requests", type=int, default=64, help="requests per configuration and mode")
     p.add_argument("--modes", default="base,speculative")
-    p.add_argument("--configs", default=",".join(c for c, _ in CONFIGS), help="some of: unbatched, static (8), "
+    p.add_argument("--configs", default=",".join(c for c, _ in CONFIGS), help="some of: unbatched, static (8), fifo, "
                                                                               "continuous")
     p.add_argument("--target", default=None)
     p.add_argument("--draft", default=None)
@@ -189,6 +273,8 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--quick", action="store_true", help="8 clients, 24 requests, up to 48 new tokens")
     p.add_argument("--json", default=None, help="also write the figures here")
+    p.add_argument("--inprocess", action="store_true", help="only the load on the scheduler itself, timed on the "
+                                                              "decoding thread's CPU clock (no HTTP, no Ray)")
     args = p.parse_args()
     if args.quick:
         args.clients, args.requests, args.max_new, args.unloaded = 8, 24, 48, 3
@@ -207,11 +293,16 @@ def main() -> None:
         note = f"models: {paths}"
     else:
         paths, note = export_models(args.size)
+    load_before = " ".join(f"{x:.1f}" for x in os.getloadavg())
     rng = random.Random(0)
     # a fixed mix of lengths (the same for every configuration): a third short, the rest spread up to max_new
     lengths = [rng.choice([args.min_new, SHORT]) if i % 3 == 0 else rng.randint(args.min_new, args.max_new)
                for i in range(args.requests)]
-    floors = step_costs(paths, args.clients, modes)
+    if args.inprocess:
+        inprocess(paths, modes, args.clients, lengths, args.unloaded)
+        return
+    counts = sorted({1, 4, 8, args.clients})
+    floors = step_costs(paths, counts, modes)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -225,9 +316,12 @@ def main() -> None:
             for mode in modes:
                 one(url, body_for(0, 16, mode), False, args.timeout)  # warm-up
                 one(url, body_for(1, 16, mode), True, args.timeout)
-                alone = unloaded_short(url, mode, args.unloaded, args.timeout)
+                alone = unloaded_short(url, mode, args.unloaded, args.timeout)  # per length: 8, 16
                 r = load(url, mode, args.clients, args.requests, lengths, args.timeout)
-                r["unloaded_short"] = alone
+                r["unloaded"] = alone
+                r["unloaded_short"] = max(alone.values())
+                ratios = short_ratios(r.pop("short_list"), alone)
+                r["short_ratio_p50"], r["short_ratio_p99"] = pct(ratios, 0.5) / 1e3, pct(ratios, 0.99) / 1e3
                 results[(name, mode)] = r
                 print(f"  {name:<12} {mode:<12} {r['rps']:6.2f} req/s, errors {r['errors']}", flush=True)
             serve.delete("load")
@@ -240,28 +334,39 @@ def main() -> None:
           f"(mean {statistics.mean(lengths):.0f}; {sum(n <= SHORT for n in lengths)} short <= {SHORT}), every 4th a "
           f"stream; torch {torch.__version__}, {'CUDA' if torch.cuda.is_available() else 'CPU'}")
     head = (f"{'':<13}{'mode':<12}{'ok':>4}{'err':>5}{'req/s':>8}{'vs unb.':>8}{'tok/s':>8}{'p50 ms':>8}{'p99 ms':>8}"
-            f"{'short p50':>10}{'short p99':>10}{'unloaded':>9}{'ttft p50':>9}{'ttft p99':>9}")
+            f"{'short p50':>10}{'short p99':>10}{'unl. 8/16':>11}{'x p50':>7}{'x p99':>7}{'ttft p50':>9}{'ttft p99':>9}")
     print(head)
     for (name, mode), r in results.items():
         ref = results.get(("unbatched", mode))
         ratio = r["rps"] / ref["rps"] if ref and ref["rps"] else float("nan")
+        unl = "/".join(f"{v:.0f}" for _, v in sorted(r["unloaded"].items()))
         print(f"{name:<13}{mode:<12}{r['ok']:>4}{r['errors']:>5}{r['rps']:>8.2f}{ratio:>7.2f}x{r['tokens_s']:>8.0f}"
-              f"{r['p50']:>8.0f}{r['p99']:>8.0f}{r['short_p50']:>10.0f}{r['short_p99']:>10.0f}{r['unloaded_short']:>9.0f}"
-              f"{r['ttft_p50']:>9.0f}{r['ttft_p99']:>9.0f}")
+              f"{r['p50']:>8.0f}{r['p99']:>8.0f}{r['short_p50']:>10.0f}{r['short_p99']:>10.0f}{unl:>11}"
+              f"{r['short_ratio_p50']:>6.2f}x{r['short_ratio_p99']:>6.2f}x{r['ttft_p50']:>9.0f}{r['ttft_p99']:>9.0f}")
+    print("(x p50 / x p99: a short request's latency under load over the unloaded latency at its own length, "
+          "interpolated between the 8- and 16-token medians; fifo: continuous batching without priority, "
+          "short_tokens=0)")
+    for mode in modes:
+        costs = floors[mode]
+        print(f"in-process decoding step, {mode}, best of 3: " + ", ".join(
+            f"{n} rows {ms:.1f} ms ({ms / costs[1]:.2f}x)" for n, ms in sorted(costs.items())))
+    print(f"load average: {load_before} before, {' '.join(f'{x:.1f}' for x in os.getloadavg())} after")
     print("\ngoals (continuous batching):")
     for mode in modes:
-        c, u = results.get(("continuous", mode)), results.get(("unbatched", mode))
+        c, u, f = (results.get((n, mode)) for n in ("continuous", "unbatched", "fifo"))
         if c and u:
             ratio = c["rps"] / u["rps"] if u["rps"] else float("nan")
             print(f"  [{'met' if ratio >= 3 else 'NOT met'}] {mode}: requests/s >= 3x unbatched: {ratio:.2f}x "
-                  f"({c['rps']:.2f} vs {u['rps']:.2f})")
+                  f"({c['rps']:.2f} vs {u['rps']:.2f})" + (f"; without priority (fifo): {f['rps'] / u['rps']:.2f}x"
+                                                          if f else ""))
         if c:
-            lat = c["short_p99"] / c["unloaded_short"]
-            one_row, full = floors[mode]
-            print(f"  [{'met' if lat <= 2 else 'NOT met'}] {mode}: short requests' p99 under load <= 2x unloaded: "
-                  f"{lat:.2f}x ({c['short_p99']:.0f} ms vs {c['unloaded_short']:.0f} ms); on this device a decoding "
-                  f"step of {args.clients} rows costs {full / one_row:.1f}x one of 1 row ({full:.1f} vs "
-                  f"{one_row:.1f} ms, in-process)")
+            lat = c["short_ratio_p99"]
+            costs = floors[mode]
+            print(f"  [{'met' if lat <= 2 else 'NOT met'}] {mode}: short requests' p99 under load <= 2x unloaded (at "
+                  f"their own lengths): {lat:.2f}x (p99 {c['short_p99']:.0f} ms; unloaded 8/16 tokens "
+                  + "/".join(f"{v:.0f}" for _, v in sorted(c["unloaded"].items())) + " ms)"
+                  + (f"; without priority (fifo): {f['short_ratio_p99']:.2f}x" if f else "")
+                  + f"; a step of {args.clients} rows costs {costs[args.clients] / costs[1]:.1f}x one of 1 row")
             print(f"  [{'met' if c['errors'] == 0 else 'NOT met'}] {mode}: no errors: {c['errors']}")
             print(f"  [info] {mode}: time to first token p50 {c['ttft_p50']:.0f} ms, p99 {c['ttft_p99']:.0f} ms "
                   f"(unbatched: p50 {u['ttft_p50']:.0f} ms, p99 {u['ttft_p99']:.0f} ms)" if u else "")

@@ -10,6 +10,7 @@ row.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
@@ -111,7 +112,7 @@ def test_requests_joining_at_different_steps_get_their_solo_output(pairs, kind):
     jobs = run_rounds(scheduler, MIXED)
     assert_alone(target, draft, jobs)
     batched = scheduler.base.batched
-    assert batched == (kind in ("full", "performer")) == splittable(target)  # Sinkhorn / NSA: row by row
+    assert batched == splittable(target)  # non-splittable caches: row by row
     # rows really shared steps: more than one row in a running batch, and fewer steps than rows decoded alone
     assert max(j.batch_size for j in jobs if j.gamma is None) >= 3
     assert max(j.batch_size for j in jobs if j.gamma == 3) >= 2
@@ -283,3 +284,128 @@ def test_cancelled_rows_leave_the_batch():
     assert not scheduler.spec  # its batch was emptied and dropped
     scheduler.drain()
     assert_alone(target, draft, [keep])
+
+
+# ---------------------------------------------------------------------------------------------- priority
+def rounds_of(scheduler: Scheduler, plan, knobs=None):
+    """Run ``plan`` (entries as in MIXED, plus a name) and record, per name, the rounds in which it got tokens and
+    the round it finished; returns (jobs by name, token rounds by name, finishing round by name)."""
+    got: dict[str, list[int]] = {}
+    finished: dict[str, int] = {}
+    jobs: dict[str, Job] = {}
+    now = [0]
+
+    def make(p):
+        name = p[6]
+        job = Job(p[1], p[2], p[3], p[4], p[5], tag=p[:6],
+                  on_step=lambda toks, acc: got.setdefault(name, []).append(now[0]) if toks else None,
+                  on_done=lambda j: finished.setdefault(name, now[0]))
+        jobs[name] = job
+        return job
+
+    last = max(p[0] for p in plan)
+    with torch.no_grad():
+        while now[0] <= last or scheduler.running or scheduler._queue:
+            for p in plan:
+                if p[0] == now[0]:
+                    scheduler.submit(make(p))
+            scheduler.run_once()
+            now[0] += 1
+            assert now[0] < 2000
+    return jobs, got, finished
+
+
+def test_short_requests_step_every_round_and_long_ones_every_long_every_rounds():
+    """Two long rows fill the fast lane, a third starts in the slow lane. A short arrival takes the fast row of the
+    long row with the most tokens left (the speculative one: it moves to the slow lane). While the short row runs,
+    the slow lane steps one round in three and a long arrival waits for such a round to be prefilled; the short
+    row and the long row left in the fast lane step every round. Once the short row is gone, every row steps every
+    round again. Every row gets exactly its solo tokens and acceptance."""
+    target, draft = lm(0), lm(1, 1)
+    scheduler = Scheduler(target, draft, short_tokens=8, fast_rows=2, long_every=3)
+    plan = [(0, [5, 6, 7], 30, HOT, 1, None, "long"), (0, [9, 9], 60, GREEDY, 2, 3, "spec"),
+            (0, [2, 7], 24, NUCLEUS, 5, None, "third"),
+            (4, [1, 2, 3], 8, HOT, 3, None, "short"), (5, [4, 4], 20, HOT, 4, None, "late")]
+    jobs, got, finished = rounds_of(scheduler, plan)
+    # the short request: admitted at once, a token every round (two in its first: the prefill's and the step's)
+    assert got["short"] == [4, 4, 5, 6, 7, 8, 9, 10] and finished["short"] == 10
+    assert got["long"][:13] == [0] + list(range(12))  # the fast lane: every round
+    # the slow lane (the third row from the start, the speculative one from round 4): every round before the short
+    # one came and after it left, meanwhile one round in three
+    assert got["third"][:9] == [0, 0, 1, 2, 3, 6, 9, 11, 12]
+    assert got["spec"][:8] == [0, 1, 2, 3, 6, 9, 11, 12]
+    # the long arrival of round 5 is prefilled (its first token) in the next round the slow lanes step
+    assert got["late"][:4] == [6, 6, 9, 11]
+    assert_alone(target, draft, list(jobs.values()))
+
+
+def test_short_requests_beyond_the_fast_rows_wait_fewest_tokens_first():
+    target, draft = lm(0), lm(1, 1)
+    scheduler = Scheduler(target, draft, short_tokens=8, fast_rows=1, long_every=2)
+    plan = [(0, [1, 2], 8, HOT, 1, None, "eight"), (0, [3, 4], 3, HOT, 2, None, "three"),
+            (0, [5], 5, GREEDY, 3, 2, "five"), (0, [6, 7], 12, HOT, 4, None, "long")]
+    jobs, got, finished = rounds_of(scheduler, plan)
+    # one short row at a time (no long row in the fast lane to make room), the fewest tokens first; the long row
+    # is not held up by them: it starts in the first round of the slow lane (the second: long_every=2)
+    assert got["three"][0] == 0 and got["five"][0] > finished["three"] and got["eight"][0] > finished["five"]
+    assert got["long"][0] == 1
+    assert max(j.batch_size for n, j in jobs.items() if n != "long") <= 2  # a short row and at most the long one
+    assert_alone(target, draft, list(jobs.values()))
+
+
+def test_long_rows_do_not_starve_under_a_stream_of_short_requests():
+    """A short request arrives every round for 120 rounds: the running long row still advances once every
+    ``long_every`` rounds, and a long request queued behind full batches (``max_rows``) is admitted after
+    ``max_wait_rounds``; both get their solo tokens."""
+    target, draft = lm(0), lm(1, 1)
+    scheduler = Scheduler(target, draft, max_rows=3, short_tokens=4, fast_rows=2, long_every=4, max_wait_rounds=10)
+    plan = [(0, [5, 6], 20, HOT, 1, None, "long"), (1, [7], 10, HOT, 2, None, "queued")]
+    plan += [(r, [r % 50 + 1, 3], 4, HOT, 100 + r, None, f"s{r}") for r in range(1, 121)]
+    jobs, got, finished = rounds_of(scheduler, plan)
+    gaps = [b - a for a, b in zip(got["long"], got["long"][1:])]
+    assert max(gaps) <= 4 and finished["long"] <= 4 * 20
+    assert got["queued"][0] <= 1 + 10 + 1  # waited max_wait_rounds, then went ahead of the queued short requests
+    assert finished["queued"] < 120  # long before the stream of short requests ends
+    assert_alone(target, draft, [jobs["long"], jobs["queued"], jobs["s7"], jobs["s120"]])
+
+
+@pytest.mark.parametrize("kind", ["full", "nsa"])
+def test_priority_keeps_every_requests_solo_output(pairs, kind):
+    """The mixed plan (every mode, sampling and gamma, arrivals at different rounds) under a tight priority policy:
+    short rows capped and long rows stepped one round in three."""
+    target, draft = pair(pairs, kind)
+    scheduler = Scheduler(target, draft, max_rows=8, short_tokens=12, fast_rows=3, long_every=3)
+    jobs = run_rounds(scheduler, MIXED)
+    assert_alone(target, draft, jobs)
+    # the policy had rows to order: short ones, long rows moved out of a fast lane of several rows
+    assert sum(scheduler.short(j) for j in jobs) == 5 and scheduler.moves >= 1
+
+
+def test_priority_settings_are_checked_and_reach_the_scheduler(debug_exports):
+    target = lm(0)
+    for bad in ({"short_tokens": -1}, {"fast_rows": 0}, {"long_every": 0}, {"max_wait_rounds": -2},
+                {"long_every": 2.5}, {"fast_rows": True}):
+        name = next(iter(bad))
+        with pytest.raises(ValueError, match=name):
+            Scheduler(target, **bad)
+    from efftx.serving.app_args import TextAppArgs
+    from efftx.serving.text import build
+
+    args = TextAppArgs(target="/nowhere/target", short_tokens="4", long_every=2)
+    assert args.priority() == {"short_tokens": 4, "long_every": 2}
+    assert build(args)._bound_deployment.init_kwargs["priority"] == {"short_tokens": 4, "long_every": 2}
+    assert "priority" not in build(TextAppArgs(target="/nowhere/target"))._bound_deployment.init_kwargs
+    from efftx.serving.text import TextGenerator
+
+    cls = TextGenerator.func_or_class
+    replica = cls.__new__(cls)
+    init = cls.__init__(replica, debug_exports["target"], priority={"short_tokens": 4, "long_every": 2})
+    if asyncio.iscoroutine(init):  # @serve.ingress makes the constructor a coroutine
+        asyncio.run(init)
+    try:  # the replica's scheduler (built outside Serve here) has the settings, the defaults for the others
+        assert (replica.scheduler.short_tokens, replica.scheduler.long_every) == (4, 2)
+        assert replica.scheduler.fast_rows == Scheduler(target).fast_rows
+    finally:
+        replica.scheduler.close()
+    with pytest.raises(ValueError, match="fast_rows: only with batching=continuous"):
+        TextAppArgs(target="/nowhere/target", batching="static", fast_rows=3)

@@ -34,6 +34,8 @@ Batching = Literal["continuous", "static"]
 Device = Literal["auto", "cpu", "cuda"]
 assert get_args(Device) == DEVICES, "Device and efftx.serving.devices.DEVICES disagree"
 
+PRIORITY = ("short_tokens", "fast_rows", "long_every")  # efftx.serving.continuous.Scheduler's knobs, as given
+
 _PATH = ("an export folder or an MLflow registered-model URI (models:/NAME@champion, models:/NAME/VERSION or "
          "models:/NAME/latest)")
 
@@ -60,6 +62,14 @@ class TextAppArgs(BaseModel):
     batch_wait_timeout_s: float | None = Field(None, ge=0, description=(
         "continuous: how long the first request of an idle replica waits for others to start with it (default 0); "
         "static: ``@serve.batch``'s wait (default 0.02 s)."))
+    short_tokens: int | None = Field(None, ge=0, description=(
+        "continuous: requests asking for at most this many new tokens are short and get priority (default 16; 0: no "
+        "priority). See :mod:`efftx.serving.continuous`."))
+    fast_rows: int | None = Field(None, gt=0, description=(
+        "continuous: the rows stepped every round while short requests decode: short ones first, long ones in the "
+        "room left (default 8; more short requests wait in the queue)."))
+    long_every: int | None = Field(None, gt=0, description=(
+        "continuous: while short requests decode, the long ones step once every this many rounds (default 8)."))
     limits: Limits | None = Field(None, description=(
         "Request limits of the text endpoints (:class:`efftx.serving.schemas.Limits`; unset fields keep their "
         "defaults): a mapping, or its JSON text. GET /openapi.json states them as the bounds of the fields."))
@@ -93,6 +103,17 @@ class TextAppArgs(BaseModel):
             return {k: v for k, v in data.items()
                     if not (k in cls.model_fields and (v is None or (isinstance(v, str) and not v.strip())))}
         return data
+
+    @model_validator(mode="after")
+    def _priority_needs_continuous(self) -> "TextAppArgs":
+        given = [k for k in PRIORITY if getattr(self, k) is not None]
+        if given and self.batching != "continuous":
+            raise ValueError(f"{', '.join(given)}: only with batching=continuous (got batching={self.batching})")
+        return self
+
+    def priority(self) -> dict[str, int]:
+        """The continuous-batching priority settings given (the scheduler's defaults for the others)."""
+        return {k: getattr(self, k) for k in PRIORITY if getattr(self, k) is not None}
 
     @field_validator("batching", "device", mode="before")
     @classmethod

@@ -1,14 +1,16 @@
 """Continuous batching: iteration-level scheduling of the text app's decoding.
 
 A :class:`Scheduler` per replica keeps **running batches** and one background thread (off the replica's event
-loop) that repeats: admit the requests that arrived, then run one decoding step of every running batch.
+loop) that repeats rounds: admit the requests that may start, then run one decoding step of the running rows
+(all of them, or only the short ones: see *Priority*).
 
-* **Joining.** A request that arrives while others decode joins at the next step: its prompt is prefilled (all
-  arrivals of that moment in one ragged pass), its cache rows are appended to the running batch's, and from then
-  on it decodes with the rest. Base decoding draws its first token from the prefill, so a short request's first
+* **Joining.** A request that arrives while others decode joins at the next step (a long one, while short rows
+  run and the fast lane is full, at the next step of the slow lane): its prompt is prefilled (the arrivals of
+  that moment for one lane in one ragged pass), its cache rows are appended to its lane's, and from then on it
+  decodes with the rest. Base decoding draws its first token from the prefill, so a short request's first
   token never waits for a long request to finish.
 * **Leaving.** A row that has its ``max_new_tokens`` leaves at once: its result is handed back in the step that
-  finished it, and its cache rows are dropped from the batch.
+  finished it, and its cache rows are dropped from its lane.
 * **Batches.** One running batch for base decoding (target only), and one per ``gamma`` for speculative decoding
   (target + draft; rows of one batch draft ``gamma`` tokens in the same passes and are verified in one target
   pass, each row with its own acceptance and its own rewind, as in
@@ -16,6 +18,20 @@ loop) that repeats: admit the requests that arrived, then run one decoding step 
   are per row: rows share every forward pass whatever their settings, and the logits are turned into
   distributions per group of rows with equal settings. Every row draws from its own generator (``seed``), so
   each request's tokens, and in speculative decoding its acceptance, are exactly those it gets alone.
+* **Priority to short requests.** A decoding step of many rows costs more than one of a few (on a CPU a 16-row
+  step costs several times a 1-row step, while up to a few rows cost about one), so a short request stepped with
+  every running row would take several times its unloaded latency. Requests declare ``max_new_tokens``: those
+  asking for at most ``short_tokens`` are *short*. Each batch keeps its rows in two lanes, stepped as separate
+  passes, each holding its rows' caches. The **fast lane** (``fast_rows`` rows in all) steps every round: short
+  rows, and long ones in the room left. The **slow lane** holds the other long rows: it steps every round while
+  no short row runs, and otherwise once every ``long_every`` rounds, when long arrivals that found no fast row
+  are also prefilled; so a short request's rounds are mostly one small step, and a long request is at most about
+  ``long_every`` times slower while short ones run (it cannot starve). A short arrival takes a free fast row, or
+  the one of the fast long row with the most tokens left (that row moves to the slow lane: its cache rows are
+  copied, its tokens unchanged), or else waits in the queue, fewest tokens first. A queued request that waited
+  ``max_wait_rounds`` rounds goes ahead of every other. ``short_tokens=0`` turns priority off: both lanes step
+  every round and the queue is served in arrival order. A row's tokens (and acceptance) do not depend on when or
+  in which lane it is stepped: priority changes a request's latency, never its output.
 * **Streams** are rows like any other: their ``on_step`` callback receives each step's tokens as they are
   produced.
 * **Caches.** Backends with ragged, splittable caches (full attention, Performer:
@@ -126,6 +142,7 @@ class Job:
         self.generator: torch.Generator | None = None
         self.batch_size = 0  # the most rows it shared a step with (itself included)
         self.submitted = time.perf_counter()
+        self.queued_round: int | None = None  # the scheduling round that first saw it queued
         self.first_token: float | None = None
         self.finished: float | None = None
         self.failure: RowFailure | None = None
@@ -228,54 +245,81 @@ class _State:
 
 # ---------------------------------------------------------------------------------------------- engines
 class _Engine:
-    """One running batch. Subclasses define ``prefill(jobs) -> (state, result)``, ``compute(state) -> result``
-    (the step's forward passes, cache rewinds and draws: all that can fail) and ``commit(state, result, batch)``
-    (host bookkeeping: tokens to the jobs; returns which rows finished)."""
+    """One running batch, in two lanes stepped as separate passes: ``fast`` (stepped every round: the short requests
+    and, in the room left, long ones) and ``slow`` (long requests the scheduler steps less often while short ones
+    run); each lane holds its rows' caches. Subclasses define
+    ``prefill(jobs) -> (state, result)``, ``compute(state) -> result`` (the step's forward passes, cache rewinds and
+    draws: all that can fail) and ``commit(state, result, batch)`` (host bookkeeping: tokens to the jobs; returns
+    which rows finished)."""
 
     kind = "?"
+    LANES = ("fast", "slow")
 
     def __init__(self, hook: Callable[[str, list[Job]], None] | None):
         self.hook = hook
-        self.state: _State | None = None
+        self.lanes: dict[str, _State | None] = {"fast": None, "slow": None}
 
     def __len__(self) -> int:
-        return 0 if self.state is None else len(self.state.jobs)
+        return sum(len(s.jobs) for s in self.lanes.values() if s is not None)
+
+    def rows(self, lane: str) -> int:
+        state = self.lanes[lane]
+        return 0 if state is None else len(state.jobs)
+
+    def jobs(self, lane: str | None = None) -> list[Job]:
+        lanes = self.LANES if lane is None else (lane,)
+        return [j for name in lanes if self.lanes[name] is not None for j in self.lanes[name].jobs]
 
     def _hook(self, jobs: list[Job]) -> None:
         if self.hook is not None:
             self.hook(self.kind, jobs)
 
-    def _merge(self, parts: list[tuple[_State, Any]], batch: int) -> None:
-        kept = [] if self.state is None else [self.state]
+    def _merge(self, parts: list[tuple[_State, Any]], batch: int, lane: str) -> None:
+        kept = [] if self.lanes[lane] is None else [self.lanes[lane]]
         for state, result in parts:
             finished = self.commit(state, result, batch)
             keep = [i for i, f in enumerate(finished) if not f]
             if keep:
                 kept.append(state.select(keep))
-        self.state = _State.concat(kept) if kept else None
+        self.lanes[lane] = _State.concat(kept) if kept else None
 
-    def admit(self, jobs: list[Job]) -> None:
-        """Prefill ``jobs`` and add them to the running batch (a failing prefill is retried job by job)."""
+    def move(self, job: Job, lane: str) -> None:
+        """Move ``job``'s row to ``lane`` (its cache rows copied; its tokens are unchanged)."""
+        source = "slow" if lane == "fast" else "fast"
+        state = self.lanes[source]
+        i = state.jobs.index(job)
+        rest = [k for k in range(len(state.jobs)) if k != i]
+        row = state.select([i])
+        self.lanes[source] = state.select(rest) if rest else None
+        self.lanes[lane] = row if self.lanes[lane] is None else _State.concat([self.lanes[lane], row])
+
+    def admit(self, jobs: list[Job], lane: str = "fast") -> None:
+        """Prefill ``jobs`` and add them to a lane (a failing prefill is retried job by job)."""
         batch = len(self) + len(jobs)
         try:
             parts = [self.prefill(jobs)]
         except Exception as exc:  # noqa: BLE001 - contained below
             parts = self._alone(jobs, exc)
-        self._merge(parts, batch)
+        self._merge(parts, batch, lane)
 
-    def step(self) -> None:
-        """One decoding step of every running row; finished rows leave."""
-        state = self.state
+    def drop_cancelled(self) -> None:
+        """Cancelled rows leave (whichever lane they are in)."""
+        for lane, state in self.lanes.items():
+            if state is None:
+                continue
+            cancelled = [i for i, j in enumerate(state.jobs) if j.cancelled]
+            if cancelled:
+                for i in cancelled:
+                    state.jobs[i]._finish()
+                keep = [i for i, j in enumerate(state.jobs) if not j.cancelled]
+                self.lanes[lane] = state.select(keep) if keep else None
+
+    def step(self, lane: str = "fast") -> None:
+        """One decoding step of every row of ``lane``; finished rows leave."""
+        self.drop_cancelled()
+        state = self.lanes[lane]
         if state is None:
             return
-        cancelled = [i for i, j in enumerate(state.jobs) if j.cancelled]
-        if cancelled:
-            for i in cancelled:
-                state.jobs[i]._finish()
-            keep = [i for i, j in enumerate(state.jobs) if not j.cancelled]
-            self.state = state = state.select(keep) if keep else None
-            if state is None:
-                return
         batch = len(state.jobs)
         snapshot, gens = state.snapshot(), _gen_states(state.jobs)
         try:
@@ -284,8 +328,8 @@ class _Engine:
             state.restore(snapshot)
             _set_gen_states(state.jobs, gens)
             parts = self._alone(state.jobs, exc, state)
-        self.state = None
-        self._merge(parts, batch)
+        self.lanes[lane] = None
+        self._merge(parts, batch, lane)
 
     def _alone(self, jobs: list[Job], exc: Exception, state: _State | None = None) -> list[tuple[_State, Any]]:
         """A batched prefill (``state`` None) or step raised: run it for each row alone; a row that fails alone
@@ -309,10 +353,9 @@ class _Engine:
         return parts
 
     def fail_all(self, exc: BaseException) -> None:
-        if self.state is not None:
-            for job in self.state.jobs:
-                job._fail(exc, f"{self.kind} decoding")
-        self.state = None
+        for job in self.jobs():
+            job._fail(exc, f"{self.kind} decoding")
+        self.lanes = {"fast": None, "slow": None}
 
     # subclasses
     def prefill(self, jobs: list[Job]) -> tuple[_State, Any]:
@@ -467,19 +510,40 @@ class SpeculativeEngine(_Engine):
 class Scheduler:
     """Continuous batching over a target (and a draft) for one replica; see the module docstring.
 
-    ``max_rows``: the most rows of one running batch (the rest wait in the queue, in order).
+    ``max_rows``: the most rows of one running batch (the rest wait in the queue).
     ``admit_wait_s``: when nothing is running, the first arrival waits up to this long for others to join it
     (0: start at once). ``hook(kind, jobs)``: called before every prefill and step with the rows it covers
     (tests use it to inject faults). ``observe(kind, rows)``: called after every decoding step of a running batch
-    with its kind (``base`` | ``speculative``) and its rows (the app's metrics, :mod:`efftx.serving.metrics`)."""
+    with its kind (``base`` | ``speculative``) and its rows (the app's metrics, :mod:`efftx.serving.metrics`).
+
+    Priority to short requests (see the module docstring), its knobs:
+
+    * ``short_tokens``: a request asking for at most this many new tokens is *short* (0: none is; then the slow
+      lanes step every round like the fast ones and the queue is served in arrival order);
+    * ``fast_rows``: the rows of the fast lanes, stepped every round: short rows first, long ones in the room left
+      (more short requests wait in the queue, fewest tokens first). Set it where a decoding step's cost stops being
+      nearly flat in its rows (``bench/serve_load.py`` prints the step cost per row count);
+    * ``long_every``: while short rows run, the slow lanes step, and long arrivals that find no fast row are
+      prefilled, once every this many rounds (1: every round): a long row in the slow lane is at most about this
+      many times slower than it would be stepped every round, so it cannot starve;
+    * ``max_wait_rounds``: a queued request waits at most this many rounds before it goes ahead of every other.
+    """
 
     def __init__(self, target, draft=None, *, max_rows: int = 32, admit_wait_s: float = 0.0,
+                 short_tokens: int = 16, fast_rows: int = 8, long_every: int = 8, max_wait_rounds: int = 64,
                  hook: Callable[[str, list[Job]], None] | None = None,
                  observe: Callable[[str, int], None] | None = None):
-        if max_rows < 1:
-            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        for name, value, least in (("max_rows", max_rows, 1), ("short_tokens", short_tokens, 0),
+                                   ("fast_rows", fast_rows, 1), ("long_every", long_every, 1),
+                                   ("max_wait_rounds", max_wait_rounds, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+        if not admit_wait_s >= 0:
+            raise ValueError(f"admit_wait_s must be >= 0, got {admit_wait_s!r}")
         self.target, self.draft = target, draft
         self.max_rows, self.admit_wait_s, self.hook = int(max_rows), float(admit_wait_s), hook
+        self.short_tokens, self.fast_rows, self.long_every = short_tokens, fast_rows, long_every
+        self.max_wait_rounds = max_wait_rounds
         self.observe = observe
         self.base = BaseEngine(target, hook)
         self.spec: dict[int, SpeculativeEngine] = {}
@@ -487,7 +551,10 @@ class Scheduler:
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stop = False
-        self.steps = 0  # decoding steps run (all batches)
+        self.steps = 0  # decoding steps run (all batches and lanes)
+        self.rounds = 0  # scheduling rounds run
+        self.moves = 0  # long rows moved from a fast lane to a slow one to make room for short ones
+        self._long_round = 0  # the round the slow lanes last stepped
 
     # -- the outside (any thread)
     def submit(self, job: Job) -> Job:
@@ -530,11 +597,25 @@ class Scheduler:
             self.spec[job.gamma] = SpeculativeEngine(self.target, self.draft, job.gamma, self.hook)
         return self.spec[job.gamma]
 
-    def _take(self) -> dict[_Engine, list[Job]]:
-        """The queued jobs that fit in their batches (in arrival order); the others stay queued."""
-        taken: dict[_Engine, list[Job]] = {}
+    def _engines(self) -> list[_Engine]:
+        return [self.base, *self.spec.values()]
+
+    def short(self, job: Job) -> bool:
+        """Whether ``job`` asks for at most ``short_tokens`` new tokens (then it has priority)."""
+        return 0 < job.max_new <= self.short_tokens
+
+    def _take(self, long_due: bool) -> tuple[dict[_Engine, dict[str, list[Job]]], list[tuple[_Engine, Job]]]:
+        """The queued jobs to prefill now, per engine and lane (the others stay queued, in arrival order), and the
+        long rows to move from the fast lane to the slow one to make room for short arrivals.
+
+        Taken first: jobs queued for ``max_wait_rounds`` rounds or more (in arrival order), then short jobs (fewest
+        tokens first), then long ones in arrival order, each while its batch has room (``max_rows``). A short job
+        takes a fast row: a free one, else one a long row leaves for the slow lane (the one with the most tokens
+        left), else it waits. A long job takes a free fast row, else a slow one when the slow lanes step this round
+        (``long_due``) or when it has waited too long, else it waits."""
+        taken: dict[_Engine, dict[str, list[Job]]] = {}
         with self._cv:
-            waiting: deque[Job] = deque()
+            pending: list[Job] = []
             while self._queue:
                 job = self._queue.popleft()
                 if job.cancelled or job.max_new <= 0:
@@ -543,37 +624,87 @@ class Scheduler:
                 if job.speculative and job.gamma < 1:
                     job._fail(ValueError(f"gamma must be >= 1, got {job.gamma}"), "speculative decoding")
                     continue
-                engine = self._engine(job)
-                group = taken.setdefault(engine, [])
-                if len(engine) + len(group) < self.max_rows:
-                    group.append(job)
-                else:
-                    waiting.append(job)
-            self._queue = waiting
-        return {e: jobs for e, jobs in taken.items() if jobs}
+                if job.queued_round is None:
+                    job.queued_round = self.rounds
+                pending.append(job)
+        aged = {id(j) for j in pending if self.rounds - j.queued_round >= self.max_wait_rounds}
+
+        def order(item):
+            i, job = item
+            if id(job) in aged:
+                return (0, 0, i)
+            return (1, job.max_new, i) if self.short(job) else (2, 0, i)
+
+        fast = sum(e.rows("fast") for e in self._engines())
+        # long rows of the fast lanes that may leave for a short arrival: the most tokens left first
+        movable = sorted(((e, j) for e in self._engines() for j in e.jobs("fast") if not self.short(j)),
+                         key=lambda ej: -(ej[1].max_new - len(ej[1].out)))
+        moves: list[tuple[_Engine, Job]] = []
+        waiting = []
+        for i, job in sorted(enumerate(pending), key=order):
+            engine = self._engine(job)
+            lanes = taken.setdefault(engine, {"fast": [], "slow": []})
+            if len(engine) + len(lanes["fast"]) + len(lanes["slow"]) >= self.max_rows:
+                waiting.append((i, job))
+            elif fast < self.fast_rows:
+                lanes["fast"].append(job)
+                fast += 1
+            elif self.short(job) and movable:
+                moves.append(movable.pop(0))
+                lanes["fast"].append(job)
+            elif not self.short(job) and (long_due or id(job) in aged):
+                lanes["slow"].append(job)
+            else:
+                waiting.append((i, job))
+        if waiting:
+            with self._cv:  # ahead of what arrived meanwhile, in arrival order
+                self._queue.extendleft(job for _, job in sorted(waiting, key=lambda item: -item[0]))
+        return taken, moves
 
     def run_once(self) -> int:
-        """Admit what arrived, then one step of every running batch. Returns the rows still running."""
-        for engine, jobs in self._take().items():
-            self._guarded(engine, engine.admit, jobs)
-        for engine in [self.base, *self.spec.values()]:
-            rows = len(engine)
-            if rows:
-                self._guarded(engine, engine.step)
-                self.steps += 1
-                if self.observe is not None:
-                    _call(self.observe, engine.kind, rows)
+        """One scheduling round: admit what may start now, one step of the fast lanes, and one step of the slow
+        lanes when no short row runs, or else once every ``long_every`` rounds. Returns the rows still running."""
+        self.rounds += 1
+        for engine in self._engines():
+            engine.drop_cancelled()
+        with self._cv:
+            short_soon = any(self.short(j) for j in self._queue)
+        short_soon = short_soon or any(self.short(j) for e in self._engines() for j in e.jobs())
+        long_due = not short_soon or self.rounds - self._long_round >= self.long_every
+        taken, moves = self._take(long_due)
+        for engine, job in moves:
+            self._guarded(engine, engine.move, job, "slow", jobs=[job])
+            self.moves += 1
+        for engine, lanes in taken.items():
+            for lane, jobs in lanes.items():
+                if jobs:
+                    self._guarded(engine, engine.admit, jobs, lane, jobs=jobs)
+        engines = [e for e in self._engines() if len(e)]
+        # the slow lanes step when due, or when no short row runs after all (e.g. the short arrivals failed)
+        if long_due or not any(self.short(j) for e in engines for j in e.jobs()):
+            lanes = ("fast", "slow")
+            self._long_round = self.rounds
+        else:
+            lanes = ("fast",)
+        for lane in lanes:
+            for engine in engines:
+                rows = engine.rows(lane)
+                if rows:
+                    self._guarded(engine, engine.step, lane)
+                    self.steps += 1
+                    if self.observe is not None:
+                        _call(self.observe, engine.kind, rows)
         for gamma in [g for g, e in self.spec.items() if not len(e)]:
             del self.spec[gamma]
         return self.running
 
     @staticmethod
-    def _guarded(engine: _Engine, fn, *args) -> None:
+    def _guarded(engine: _Engine, fn, *args, jobs: Sequence[Job] = ()) -> None:
         try:
             fn(*args)
         except Exception as exc:  # noqa: BLE001 - a fault outside the contained passes: fail this batch, go on
             logger.exception("continuous batching: the %s batch failed outside its rows' passes", engine.kind)
-            for job in (args[0] if args else []):
+            for job in jobs:
                 if not job.done:
                     job._fail(exc, f"{engine.kind} decoding")
             engine.fail_all(exc)

@@ -29,7 +29,8 @@ Endpoints (FastAPI; OpenAPI docs at /docs and /openapi.json):
   batches (base decoding; speculative decoding per ``gamma``) decoded by one background thread; a request, a
   stream included, joins at the next decoding step and leaves the moment it has its tokens.
   ``max_batch_size`` (default 32) bounds the rows of a running batch; ``batch_wait_timeout_s`` (default 0) is
-  how long the first request of an idle replica waits for others to start with it.
+  how long the first request of an idle replica waits for others to start with it. Short requests get priority
+  (``short_tokens``, ``short_rows``, ``long_every``: the scheduler's knobs).
 * ``static``: ``@serve.batch`` groups requests (``max_batch_size`` default 8, ``batch_wait_timeout_s`` default
   0.02) and a batch is answered when its longest request is done; streams decode alone.
 
@@ -216,7 +217,7 @@ class TextGenerator:
     def __init__(self, target: str, draft: str | None = None, name: str | None = None,
                  limits: dict[str, Any] | None = None, max_batch_size: int | None = None,
                  batch_wait_timeout_s: float | None = None, images=None, image_limits: dict[str, Any] | None = None,
-                 device: str = "auto", batching: str = "continuous"):
+                 device: str = "auto", batching: str = "continuous", priority: dict[str, int] | None = None):
         from efftx.export import load_export, resolve_export
 
         torch.set_num_threads(1)
@@ -257,7 +258,7 @@ class TextGenerator:
         self.scheduler: Scheduler | None = None
         if batching == "continuous":
             self.scheduler = Scheduler(self.target, self.draft, max_rows=max_batch_size,
-                                       admit_wait_s=batch_wait_timeout_s,
+                                       admit_wait_s=batch_wait_timeout_s, **(priority or {}),
                                        hook=lambda kind, jobs: self._step_hook(kind, [j.tag for j in jobs]),
                                        observe=lambda kind, rows: metrics.batch("continuous", kind, rows)).start()
         else:
@@ -634,4 +635,4 @@ def build_with(args: TextAppArgs | dict[str, Any], *, text_deployment=TextGenera
     image_limits = None if args.image_limits is None else args.image_limits.model_dump()
     return with_gpus(text_deployment, text_gpus).bind(
         args.target, args.draft, args.name, limits, max_batch_size, batch_wait_timeout_s, images, image_limits,
-        device=device, batching=args.batching)
+        device=device, batching=args.batching, **({"priority": args.priority()} if args.priority() else {}))
