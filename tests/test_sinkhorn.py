@@ -470,7 +470,8 @@ def test_a_decode_step_reads_its_own_buckets_and_the_kept_selection_only(mode):
     q, k, v = qkv(15)
     cache = backend.new_cache(2, 32, torch.device("cpu"), torch.float32)
     feed(backend, cache, q, k, v, [13])  # buckets 0..3; position 12 starts bucket 3, whose selection is kept
-    assert cache.selected[0] == 3 and cache.sums.shape[1] == 3  # the complete buckets 0..2 summed
+    assert cache.sel_bucket.tolist() == [3, 3]  # the complete buckets 0..2 summed:
+    torch.testing.assert_close(cache.sums[:, :3], k[:, :12].unflatten(1, (3, N)).sum(2))
     expected = backend(q[:, 13:14], k[:, 13:14], v[:, 13:14], cache=cache)
     cache.rewind(1)
     cache.k[:, :2 * N] += 5.0  # buckets 0 and 1: neither the local window (2, 3) nor the own bucket
@@ -512,3 +513,187 @@ def test_a_prefill_through_the_cache_has_the_full_forwards_gradients(mode):
     for a, e in zip(got, want):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
 
+
+
+# ------------------------------------------------------------------ ragged rows (issue 15)
+
+CPU = torch.device("cpu")
+
+
+def decode_ragged(backend, seqs, prompts, steps, rewind_after=None, counts=None, other=None):
+    """Row r of ``seqs`` (q, k, v) through one cache: its first prompts[r] tokens in one padded prefill (the padding
+    random, then rewound, as Rows.prefill does), then a call per entry of ``steps`` (tokens per row) at each row's
+    own position. After call ``rewind_after`` the rows are rewound by ``counts`` and continue with ``other``'s tokens
+    from their new lengths on. Returns each row's outputs (position -> (H, D)), the cache and the final sequences."""
+    q = seqs[0]
+    b = q.shape[0]
+    cache = backend.new_cache(b, 48, CPU, q.dtype)
+    longest = max(prompts)
+    g = torch.Generator().manual_seed(7)
+    real = (torch.arange(longest)[None, :] < torch.tensor(prompts)[:, None])[:, :, None, None]
+    padded = [torch.where(real, z[:, :longest], 3 * torch.randn(z[:, :longest].shape, generator=g, dtype=z.dtype))
+              for z in seqs]
+    out = backend(*padded, cache=cache)
+    got = [{p: out[r, p] for p in range(n)} for r, n in enumerate(prompts)]
+    cache.rewind([longest - n for n in prompts])
+    assert cache.lengths == list(prompts)
+    for i, n in enumerate(steps):
+        start = list(cache.lengths)
+        out = backend(*(torch.stack([z[r, s:s + n] for r, s in enumerate(start)]) for z in seqs), cache=cache)
+        for r, s in enumerate(start):
+            got[r].update({s + j: out[r, j] for j in range(n)})
+        if i == rewind_after:
+            cache.rewind(counts)
+            keep = torch.tensor(cache.lengths)
+            new = (torch.arange(q.shape[1])[None, :] >= keep[:, None])[:, :, None, None]
+            seqs = [torch.where(new, o, z) for z, o in zip(seqs, other)]
+            got = [{p: o for p, o in row.items() if p < int(keep[r])} for r, row in enumerate(got)]
+    return got, cache, seqs
+
+
+def assert_rows_alone(backend, seqs, got, **tol):
+    """Every row's outputs equal the uncached forward of that row alone."""
+    for r, row in enumerate(got):
+        want = backend(*(z[r:r + 1] for z in seqs))[0]
+        pos = sorted(row)
+        torch.testing.assert_close(torch.stack([row[p] for p in pos]), want[pos], **tol,
+                                   msg=lambda m: f"row {r}: {m}")
+
+
+RAGGED_CASES = [dict(n_local=1, **m) for m in MODES] + [dict(n_local=0), dict(n_local=3, kv_heads=4),
+                                                         dict(n_local=4)]
+RAGGED_IDS = MODE_IDS + ["no_local", "mha_3local", "all_local"]
+
+
+@pytest.mark.parametrize("case", RAGGED_CASES, ids=RAGGED_IDS)
+def test_ragged_rows_decode_as_each_row_alone(case):
+    """Prompts of 5, 5, 11 and 2 tokens (bucket phases 1, 1, 3, 2: rows 0 and 1 decode as one group of equal
+    length, the others cross bucket boundaries at other steps), steps of 1, 2 and 3 tokens, per-row rewinds (row 0
+    not at all, row 1 removing its bucket's first token (which topk's selection reads), row 2 back across two
+    buckets, row 3 within its bucket), other tokens fed after them."""
+    kv_heads = case.pop("kv_heads", 2)
+    backend = make(kv_heads=kv_heads, **case)
+    seqs = qkv(30, kv_heads=kv_heads, b=4)
+    other = qkv(30, kv_heads=kv_heads, b=4, seed=5)
+    got, cache, seqs = decode_ragged(backend, seqs, [5, 5, 11, 2], [1, 1, 3, 1, 1, 1, 2, 1, 1, 1, 3, 1],
+                                     rewind_after=6, counts=[0, 3, 8, 2], other=other)
+    assert cache.lengths == [22, 19, 20, 17]
+    assert_rows_alone(backend, seqs, got, rtol=1e-5, atol=1e-5)
+
+
+def test_ragged_rows_in_float64_equal_each_row_alone_cached():
+    """In float64 the batched ragged cache gives each row what a batch-1 cache of that row alone gives (to rounding
+    of float64; the uncached forward only to float32's, as the sort net and the few-row products of a decode step
+    compute in float32)."""
+    backend = make(n_local=1).double()
+    seqs = [z.double() for z in qkv(24, b=3)]
+    steps = [1, 2, 1, 1, 1, 1, 3, 1]
+    got, _, _ = decode_ragged(backend, seqs, [6, 3, 9], steps)
+    for r, n in enumerate([6, 3, 9]):
+        alone, _, _ = decode_ragged(backend, [z[r:r + 1] for z in seqs], [n], steps)
+        pos = sorted(alone[0])
+        assert sorted(got[r]) == pos
+        torch.testing.assert_close(torch.stack([got[r][p] for p in pos]), torch.stack([alone[0][p] for p in pos]),
+                                   rtol=1e-12, atol=1e-12)
+    assert_rows_alone(backend, seqs, got, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_ragged_cache_keeps_each_rows_bucket_state(mode):
+    """Each row keeps the key sums of its complete buckets; a step of rows at different bucket phases reads each
+    row's own kept selection (changing the keys of a bucket only their sorting heads read does not change the
+    step, while recomputing would); per-row rewinds drop exactly the selections of rows whose bucket lost its
+    first token."""
+    backend = make(n_local=1, **mode)
+    seqs = qkv(20, b=3)
+    _, cache, _ = decode_ragged(backend, seqs, [13, 10, 9], [1])
+    assert cache.lengths == [14, 11, 10] and cache.sel_bucket.tolist() == [3, 2, 2]
+    for r, n in enumerate(cache.lengths):  # the complete buckets before each row's own are summed
+        j = cache.summed(n)
+        assert j == (n - 1) // N
+        torch.testing.assert_close(cache.sums[r, :j], seqs[1][r, :j * N].unflatten(0, (j, N)).sum(1))
+    pos = cache.lengths
+    new = [torch.stack([z[r, p] for r, p in enumerate(pos)])[:, None] for z in seqs]
+    expected = torch.stack([backend(*(z[r:r + 1, :p + 1] for z in seqs))[0, -1] for r, p in enumerate(pos)])
+    cache.k[:, :N] += 5.0  # bucket 0: neither own nor previous bucket of any row; their sorting heads read it
+    cache.v[:, :N] -= 5.0
+    cache.sums[:, :1] += 5.0 * N
+    step = backend(*new, cache=cache)[:, 0]
+    torch.testing.assert_close(step, expected, rtol=1e-5, atol=1e-5)  # no row re-sorted its cache
+    changed = [z.clone() for z in seqs]
+    changed[1][:, :N] += 5.0
+    changed[2][:, :N] -= 5.0
+    resorted = torch.stack([backend(*(z[r:r + 1, :p + 1] for z in changed))[0, -1] for r, p in enumerate(pos)])
+    assert (resorted - expected).abs().amax() > 1e-3
+    assert cache.lengths == [15, 12, 11]
+    cache.rewind([2, 3, 1])  # to 13, 9, 10: the first tokens of buckets 3 (12), 2 (8) and 2 stay
+    assert cache.sel_bucket.tolist() == [3, 2, 2]
+    cache.rewind([1, 0, 2])  # to 12 and 8: the first tokens of buckets 3 and 2 go; 9 keeps bucket 2's
+    assert cache.sel_bucket.tolist() == [-1, 2, -1]
+    cache.rewind([0, 1, 0])  # to 8
+    assert cache.sel_bucket.tolist() == [-1, -1, -1]
+
+
+def sinkhorn_lm(**options):
+    from efftx.models import build as build_model
+
+    small = {"attention.sinkhorn.bucket_size": N, "attention.sinkhorn.n_local_attn_heads": 1,
+             **{f"attention.sinkhorn.{k}": v for k, v in options.items()}}
+    cfg = recipes.get("lm_debug").override({"attention.kind": "sinkhorn", "model.max_seq_len": 64, **small})
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    with torch.no_grad():  # random sort weights, so that buckets are scored differently
+        for blk in model.blocks:
+            blk.attention.inner.sort_net.weight.normal_(0, 1)
+    return model
+
+
+@pytest.mark.parametrize("mode", MODES[:2], ids=MODE_IDS[:2])
+def test_lm_rows_batched_split_and_joined_decode_as_the_rows_alone(mode):
+    """A Sinkhorn LM is splittable and decodes in one batched forward pass per step; rows prefilled together
+    (prompts of different lengths), taken out (Rows.select), joined with another batch (Rows.concat) and rewound
+    per row give the logits of each row decoding alone (batch 1) and of the full uncached forward."""
+    from efftx.generation.decode import Rows, splittable
+
+    model = sinkhorn_lm(**mode)
+    assert model.supports_ragged and splittable(model)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 11, 2, 7)]
+    feed = torch.randint(0, 256, (4, 12), generator=g)
+    cap = 40
+    with torch.no_grad():
+        first, second = Rows(model, 2, cap), Rows(model, 2, cap)
+        assert first.batched
+        got = list(first.prefill(prompts[:2]).split(1)) + list(second.prefill(prompts[2:]).split(1))
+        got = [[x] for x in got]
+        done = [0] * 4
+        for i in range(3):  # rows 0, 1 together; rows 2, 3 together
+            for state, rows in ((first, [0, 1]), (second, [2, 3])):
+                out = state.forward(feed[rows, i:i + 1])[:, -1]
+                for j, r in enumerate(rows):
+                    got[r].append(out[j:j + 1])
+                    done[r] += 1
+        # row 1 leaves; rows 3, 0, 2 decode together, each at its own position (bucket phases 2, 0, 1)
+        state = Rows.concat([second.select([1]), first.select([0]), second.select([0])])
+        order = [3, 0, 2]
+        calls = state.forward_calls
+        for step in range(5):
+            out = state.forward(torch.stack([feed[r, done[r]] for r in order])[:, None])[:, -1]
+            for j, r in enumerate(order):
+                got[r].append(out[j:j + 1])
+                done[r] += 1
+            if step == 2:
+                counts = [1, 0, 3]
+                state.rewind(counts)
+                for r, n in zip(order, counts):
+                    del got[r][len(got[r]) - n:]
+                    done[r] -= n
+        assert state.forward_calls - calls == 5  # one batched pass per step
+        for r in range(4):
+            seq = torch.tensor([prompts[r] + feed[r, :done[r]].tolist()])
+            alone = Rows(model, 1, cap, batched=True)
+            want = [alone.prefill([prompts[r]])] + [alone.forward(feed[r:r + 1, i:i + 1])[:, -1]
+                                                    for i in range(done[r])]
+            torch.testing.assert_close(torch.cat(got[r]), torch.cat(want), rtol=1e-4, atol=1e-4)
+            full = model(seq)[0, len(prompts[r]) - 1:]  # the uncached forward
+            torch.testing.assert_close(torch.cat(got[r]), full, rtol=1e-4, atol=1e-4)

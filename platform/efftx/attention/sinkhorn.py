@@ -75,9 +75,18 @@ and the kept selection: its cost does not grow with the context. The first token
 bucket's selection (one sort-net row over the bucket summaries and a mix of the past buckets, O(context)).
 In both causal modes the choice for bucket ``i`` reads only keys at positions ``<= i * bucket_size``, all
 in the cache by the time any query of bucket ``i`` arrives, so it holds for the rest of the bucket; a
-rewind drops the sums of buckets no longer complete and the selection of a bucket whose first token it
-removed. Non-causal attention with a cache recomputes the sort matrix from all keys each call (every
-bucket summary may change).
+rewind drops the selection of a bucket whose first token it removed (the sums of buckets no longer
+complete are summed again when needed). Non-causal attention with a cache recomputes the sort matrix
+from all keys each call (every bucket summary may change).
+
+Rows of different lengths (``supports_ragged``; issue 15): the cache keeps that state per row (each row's
+bucket sums, selection and the bucket it belongs to), every tensor one entry per row, so rows at different
+positions (different bucket phases) share one cache and can be split and joined (continuous batching). The
+model's forward is one batched pass; inside the attention, a one-token step of rows at different positions is
+one batched step too: each row's own (and previous) bucket is gathered from the cache at its own position and
+its kept selection read, and only rows whose token starts a bucket compute their new selection, each on its
+own. Any other call (a ragged prefill, padded by the caller; chunks of several tokens) takes the runs of
+consecutive rows of equal length one after another, each exactly as a batch of equal rows, on views of the cache.
 """
 
 from __future__ import annotations
@@ -214,35 +223,74 @@ class SortNet(nn.Module):
 
 class SinkhornCache(KVCache):
     """The key/value cache of Sinkhorn attention plus what a decoding step would otherwise recompute from the
-    whole cache (causal attention only):
+    whole cache (causal attention only), one entry per row, so that rows at different positions (different
+    bucket phases) share one cache and rows can be split and joined (continuous batching):
 
-    * ``sums``: (B, nc, Hkv, D) float32 key sums of the first ``nc`` complete buckets, extended as buckets
-      complete (a complete bucket's sum never changes);
-    * ``selected``: ``(i, keys, values)``, the sorted (``blend``) or picked (``topk``) keys and values of
-      query bucket ``i``, (B, 1, K, Hs, D). They read only keys at positions ``<= i * bucket_size``, so
-      they hold for every later query of bucket ``i``.
+    * ``sums``: (B, max_len // bucket_size, Hkv, D) float32 key sums of complete buckets. Row ``b``'s sums of
+      buckets ``j < (lengths[b] - 1) // bucket_size`` (every complete bucket before the one holding its last
+      token) are valid: a call that reaches bucket ``i`` sums every complete bucket before it when it computes
+      bucket ``i``'s selection, and a complete bucket's sum never changes. A rewind needs no bookkeeping:
+      what lies beyond the rule is summed again when needed (a padded prefill's padding included).
+    * ``sel_k``, ``sel_v``: (B, K, Hs, D), the sorted (``blend``, K = bucket_size) or picked (``topk``,
+      K = topk * bucket_size) keys and values of the newest query bucket ``sel_bucket[b]`` of each row. They
+      read only keys at positions ``<= i * bucket_size``, so they hold for every later query of bucket ``i``.
+    * ``sel_bucket``: (B,) long, on the host (it decides what to compute; a device copy would cost a sync
+      per step), the bucket whose selection row ``b`` holds, -1 for none.
 
-    Both are kept detached (a cache is for decoding: its keys are written in place, so no gradient runs
-    through it anyway). A rewind drops what the forgotten tokens made: the sums of buckets no longer
-    complete, and the selection of a bucket whose first token went.
+    All are kept detached (a cache is for decoding: its keys are written in place, so no gradient runs through
+    it anyway). A rewind drops the selection of a row whose bucket lost its first token.
     """
 
     def __init__(self, batch_size: int, max_len: int, kv_heads: int, head_dim: int, *, bucket_size: int,
+                 sort_heads: int = 0, selected_len: int = 0,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         super().__init__(batch_size, max_len, kv_heads, head_dim, device=device, dtype=dtype)
         self.bucket_size = bucket_size
-        self.sums = torch.zeros(batch_size, 0, kv_heads, head_dim, device=device, dtype=torch.float32)
-        self.selected: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        buckets = max_len // bucket_size if sort_heads else 0  # no causal sorting heads: nothing is kept
+        self.sums = torch.zeros(batch_size, buckets, kv_heads, head_dim, device=device, dtype=torch.float32)
+        self.sel_k = torch.zeros(batch_size, selected_len, sort_heads, head_dim, device=device, dtype=dtype)
+        self.sel_v = torch.zeros_like(self.sel_k)
+        self.sel_bucket = torch.full((batch_size,), -1, dtype=torch.long)  # host side
+
+    def summed(self, length: int) -> int:
+        """Complete buckets whose sums are valid for a row holding ``length`` tokens."""
+        return max(length - 1, 0) // self.bucket_size
+
+    def rows(self, a: int, b: int, length: int) -> "_RowState":
+        """The decoding state of rows a .. b - 1, which held ``length`` tokens each before the call that
+        appended the new ones (views: writes land in the cache)."""
+        return _RowState(self.sums[a:b], self.sel_k[a:b], self.sel_v[a:b], self.sel_bucket[a:b],
+                         self.summed(length))
 
     def _rewound(self, old: list[int]) -> None:
-        length = min(self.lengths)
-        self.sums = self.sums[:, :length // self.bucket_size]
-        if self.selected is not None and length <= self.selected[0] * self.bucket_size:
-            self.selected = None
+        lengths = torch.tensor(self.lengths, dtype=torch.long)
+        self.sel_bucket.masked_fill_(lengths <= self.sel_bucket * self.bucket_size, -1)
+
+
+@dataclass
+class _RowState:
+    """Rows of a :class:`SinkhornCache` holding equally many tokens, as one forward call sees them: views of
+    the cache's per-row state, and ``have``, how many leading bucket sums are valid for every one of them."""
+
+    sums: torch.Tensor
+    sel_k: torch.Tensor
+    sel_v: torch.Tensor
+    sel_bucket: torch.Tensor
+    have: int
+
+    def holds(self, i: int) -> bool:
+        """Whether every row holds the selection of query bucket ``i``."""
+        return bool((self.sel_bucket == i).all())
+
+    def keep(self, i: int, sel_k: torch.Tensor, sel_v: torch.Tensor) -> None:
+        self.sel_k.copy_(sel_k.detach())
+        self.sel_v.copy_(sel_v.detach())
+        self.sel_bucket.fill_(i)
 
 
 @register("sinkhorn", options=SinkhornOptions)
 class SinkhornAttention(AttentionBackend):
+    supports_ragged = True
     contract_options = {"bucket_size": 8, "n_local_attn_heads": 2}  # several buckets, both kinds of heads
 
     def __init__(self, spec: AttentionSpec):
@@ -266,7 +314,10 @@ class SinkhornAttention(AttentionBackend):
 
     def new_cache(self, batch_size: int, max_len: int, device: torch.device, dtype: torch.dtype) -> SinkhornCache:
         s = self.spec
+        keep = s.causal and self.sort_net is not None  # only causal sorting heads keep a selection
         return SinkhornCache(batch_size, max_len, s.kv_heads, s.head_dim, bucket_size=self.bucket_size,
+                             sort_heads=s.heads - self.n_local if keep else 0,
+                             selected_len=(self.topk if self.topk_mode else 1) * self.bucket_size if keep else 0,
                              device=device, dtype=dtype)
 
     # ------------------------------------------------------------------------------------ sorting
@@ -287,18 +338,19 @@ class SinkhornAttention(AttentionBackend):
         picks, weights = self._pick_rows(k, self._sums(k, nb - 1), 0, nb)
         return torch.where(picks < self.topk, -1, picks - self.topk), weights
 
-    def _sums(self, k: torch.Tensor, j: int, cache: SinkhornCache | None = None) -> torch.Tensor:
+    def _sums(self, k: torch.Tensor, j: int, state: "_RowState | None" = None) -> torch.Tensor:
         """Key sums (B, j, Hkv, D), float32, of the first ``j`` buckets, which must be complete; with a
         cache, only the buckets it does not hold yet are summed (and kept)."""
         n = self.bucket_size
-        if cache is None:
+        if state is None:
             return k[:, :j * n].unflatten(1, (j, n)).float().sum(2)
-        have = cache.sums.shape[1]
+        have = state.have
         if have >= j:
-            return cache.sums[:, :j]
-        sums = torch.cat([cache.sums, k[:, have * n:j * n].unflatten(1, (j - have, n)).float().sum(2)], 1)
-        cache.sums = sums.detach()
-        return sums
+            return state.sums[:, :j]
+        new = k[:, have * n:j * n].unflatten(1, (j - have, n)).float().sum(2)
+        state.sums[:, have:j] = new.detach()
+        state.have = j
+        return torch.cat([state.sums[:, :have], new], 1)
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
         """(B, X, Hkv, D) per kv head -> (B, Hs, X, D) per sorting head."""
@@ -360,7 +412,7 @@ class SinkhornAttention(AttentionBackend):
         out = torch.einsum("bgrimj,bjsgd->bimsgrd", pg, kv[:, :, :, g0:])
         return out.flatten(4, 5)[:, :, :, :, lead:]
 
-    def _selected(self, k, v, r0: int, nb: int, cache: SinkhornCache | None):
+    def _selected(self, k, v, r0: int, nb: int, cache: "_RowState | None"):
         """Causal: the sorted (blend) or picked (topk) keys and values of query buckets r0 .. nb - 1,
         (B, nr, K, Hs, D) with K = bucket_size (blend) or topk * bucket_size (topk)."""
         n = self.bucket_size
@@ -415,7 +467,7 @@ class SinkhornAttention(AttentionBackend):
             rep = h // k.shape[3]
             if rep > 1:
                 k, v = k.repeat_interleave(rep, 3), v.repeat_interleave(rep, 3)
-            mask = mask.view(b, nq, h, r, -1) if mask.dim() == 4 else mask[:, None] if mask.dim() == 3 else mask
+            mask = mask.reshape(b, nq, h, r, -1) if mask.dim() == 4 else mask[:, None] if mask.dim() == 3 else mask
             scores = torch.einsum("bnrhd,bnkhd->bnhrk", q.float(), k.float()) / math.sqrt(d)
             probs = scores.masked_fill(~mask, torch.finfo(scores.dtype).min).softmax(-1)
             return torch.einsum("bnhrk,bnkhd->bnrhd", probs, v.float()).to(q.dtype)
@@ -439,10 +491,66 @@ class SinkhornAttention(AttentionBackend):
 
     def forward(self, q, k, v, *, cache: KVCache | None = None, x=None):
         # q: (B, T, H, D); k, v: (B, T, Hkv, D)
+        if cache is None:
+            return self._forward(q, k, v, None)
+        if not isinstance(cache, SinkhornCache):  # a plain key/value cache: rows of equal length
+            k, v = cache.append(k, v)
+            return self._forward(q, k, v, None)
         t = q.shape[1]
-        if cache is not None:
-            k, v = cache.append(k, v)  # (B, L, Hkv, D), views of all tokens so far
-        state = cache if isinstance(cache, SinkhornCache) and self.spec.causal else None
+        before = list(cache.lengths)
+        k, v, _ = cache.append_rows(k, v, self.spec.causal)  # (B, L, Hkv, D): each row's tokens at its place
+        causal = self.spec.causal
+        runs = _runs(before)
+        if causal and t == 1 and len(runs) > 1 and not (self.training and self.spec.dropout > 0):
+            return self._decode_rows(q, k, v, cache, before)  # a decode step of rows at different positions
+        outs = []
+        for a, b in runs:  # rows of equal length: one call on views of their keys and state
+            end = before[a] + t
+            state = cache.rows(a, b, before[a]) if causal else None
+            outs.append(self._forward(q[a:b], k[a:b, :end], v[a:b, :end], state))
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _decode_rows(self, q, k, v, cache: SinkhornCache, before: list[int]):
+        """Causal, one new query per row, rows at different positions (``before``, each row's new position):
+        one batched step. Each row reads a window of the cache gathered at its own bucket (local heads: the
+        previous and own bucket; sorting heads: the own bucket) and its kept selection; a row whose new token
+        starts a bucket (or whose selection a rewind dropped) first computes its selection on its own, as in
+        :meth:`_forward`. q (B, 1, H, D); k, v (B, L, Hkv, D), the cache's keys after the write."""
+        n, nl, h = self.bucket_size, self.n_local, q.shape[2]
+        b, dev, last = q.shape[0], q.device, k.shape[1] - 1
+        pos = torch.tensor(before, device=dev)[:, None]  # (B, 1)
+        start = pos - pos % n  # each row's own bucket
+        rows = torch.arange(b, device=dev)[:, None]
+        qb = q[:, None]  # (B, nq=1, r=1, H, D)
+        outs = []
+        if nl:
+            idx = start - n + torch.arange(2 * n, device=dev)  # (B, 2n): the previous and the own bucket
+            ok = (idx >= 0) & (idx <= pos)
+            idx = idx.clamp(0, last)
+            keys, vals = (self._head_kv(z, 0, nl)[rows, idx][:, None] for z in (k, v))  # (B, 1, 2n, hk, D)
+            outs.append(self._attend(qb[..., :nl, :], keys, vals, ok[:, None, None].expand(b, nl, 1, 2 * n)))
+        if nl < h:
+            bucket = [p // n for p in before]
+            for r, (p, i) in enumerate(zip(before, bucket)):  # rows that need their bucket's selection
+                if int(cache.sel_bucket[r]) != i and (self.topk_mode or i > 0):
+                    self._causal_selection(k[r:r + 1, :p + 1], v[r:r + 1, :p + 1], i, i + 1, cache.rows(r, r + 1, p))
+            idx = start + torch.arange(n, device=dev)  # (B, n): the own bucket
+            ok = idx <= pos
+            idx = idx.clamp(max=last)
+            heads = self.kv_of_head[nl:]
+            m = cache.sel_k.shape[1]
+            held = (cache.sel_bucket == torch.tensor(bucket)).to(dev)  # blend rows in bucket 0 have none
+            keys, vals = (torch.cat([z[rows, idx][:, :, heads], sel.to(z.dtype)], 1)[:, None]
+                          for z, sel in ((k, cache.sel_k), (v, cache.sel_v)))  # (B, 1, n + m, Hs, D)
+            mask = torch.cat([ok, held[:, None].expand(b, m)], 1)
+            outs.append(self._attend(qb[..., nl:, :], keys, vals, mask[:, None, None].expand(b, h - nl, 1, n + m)))
+        out = torch.cat(outs, 3) if len(outs) > 1 else outs[0]  # (B, 1, 1, H, D)
+        return out.flatten(1, 2).to(q.dtype)
+
+    def _forward(self, q, k, v, state: "_RowState | None"):
+        """Rows of equal length: the new queries q (B, T, H, D) against every key so far k, v (B, L, Hkv, D)
+        (with a cache, views of it), the queries sitting at the last T positions."""
+        t = q.shape[1]
         length = k.shape[1]
         start = length - t  # absolute position of the first new query
         n, nl, h = self.bucket_size, self.n_local, q.shape[2]
@@ -498,7 +606,7 @@ class SinkhornAttention(AttentionBackend):
             outs.append(self._attend(q, win_k, win_v, mask))
         return torch.cat(outs, 1) if len(outs) > 1 else outs[0]
 
-    def _sorting_heads(self, q, k, v, geo: "_Geometry", state: SinkhornCache | None):
+    def _sorting_heads(self, q, k, v, geo: "_Geometry", state: "_RowState | None"):
         """Sorting heads: one softmax over the own bucket and the sorted (blend) or picked (topk) bucket(s).
         Causal ``blend`` bucket 0 has no past bucket: it is computed on its own (own bucket only), so every
         other bucket shares one mask. q (B, nq, r, Hs, D)."""
@@ -541,20 +649,30 @@ class SinkhornAttention(AttentionBackend):
                                      torch.cat([own_v, sel_v.to(own_v.dtype)], 2), mask))
         return torch.cat(outs, 1) if len(outs) > 1 else outs[0]
 
-    def _causal_selection(self, k, v, r0: int, nb: int, state: SinkhornCache | None):
-        """The selection of query buckets r0 .. nb - 1; with a cache, bucket r0's is taken from it when it
-        holds it, and the last bucket's is kept for the next call."""
+    def _causal_selection(self, k, v, r0: int, nb: int, state: "_RowState | None"):
+        """The selection of query buckets r0 .. nb - 1; with a cache, bucket r0's is taken from it when every
+        row holds it, and the last bucket's is kept for the next call."""
         parts = []
-        if state is not None and state.selected is not None and state.selected[0] == r0:
-            parts.append(state.selected[1:])
+        if state is not None and state.holds(r0):
+            parts.append((state.sel_k[:, None], state.sel_v[:, None]))
             r0 += 1
         if r0 < nb:
             parts.append(self._selected(k, v, r0, nb, state))
         sel_k = torch.cat([p[0] for p in parts], 1) if len(parts) > 1 else parts[0][0]
         sel_v = torch.cat([p[1] for p in parts], 1) if len(parts) > 1 else parts[0][1]
-        if state is not None:
-            state.selected = (nb - 1, sel_k[:, -1:].detach(), sel_v[:, -1:].detach())
+        if state is not None and r0 < nb:  # a new selection: keep the last bucket's
+            state.keep(nb - 1, sel_k[:, -1], sel_v[:, -1])
         return sel_k, sel_v
+
+
+def _runs(lengths: list[int]) -> list[tuple[int, int]]:
+    """Maximal runs [a, b) of consecutive rows of equal length."""
+    runs, a = [], 0
+    for i in range(1, len(lengths) + 1):
+        if i == len(lengths) or lengths[i] != lengths[a]:
+            runs.append((a, i))
+            a = i
+    return runs
 
 
 @dataclass
