@@ -1,22 +1,35 @@
 """Base vs speculative decoding tokens/s for a trained pair (and a distilled draft), goals of issue 15 marked.
 
     python bench/speculative.py [--target models:/spec_target_small/latest] [--draft models:/spec_draft_small/latest]
-                                [--distilled-draft EXPORT] [--batches 1,4,8] [--gamma 5]
-                                [--max-gamma 8] [--new-tokens 64] [--repeats 3] [--temperature 0.8]
+                                [--distilled-draft EXPORT] [--batches 1,4,8] [--gamma 5] [--max-gamma 8]
+                                [--new-tokens 64] [--repeats 3] [--temperature 0.8] [--compile off|on|off,on]
+                                [--overhead] [--costs] [--untrained]
 
 Train a pair first (python jobs/train_speculative.py --size small), and a distilled draft of its target
 (python jobs/train_speculative.py --size small --distill --target <the target's export>); any export folders
-work too. Prompts are windows of the bundled corpus; sampling at --temperature (0 = greedy) with top-k 32, fixed
-seeds. Rows: each draft (plain, distilled) with a fixed gamma and with an adaptive gamma per row (starting at
-gamma, at most --max-gamma). Columns: tokens/s, the ratio to base cached decoding at the same batch size,
+work too (``--untrained``: the spec_target_small / spec_draft_small architectures with seeded random weights, for
+the step costs and overheads only: such a pair's acceptance means nothing). Prompts are windows of the bundled
+corpus; sampling at --temperature (0 = greedy) with top-k 32, fixed seeds. Rows: each draft (plain, distilled)
+with a fixed gamma and with an adaptive gamma per row (starting at gamma, at most --max-gamma), eagerly and/or
+compiled (``--compile``: the draft's one-token steps and the target's verify passes through
+efftx.generation.compiled; base decoding gets a compiled row too). Columns: tokens/s, the ratio to base cached
+decoding at the same batch size (eager, the library's default: the issue's "base"; and compiled, where timed),
 accepted draft tokens per step and per drafted token, and the issue's goal for that batch size (batch 1: 2.5x,
-batches 4 and 8: 1.5x), met or not. Every draft's greedy speculative output is checked to equal greedy base
-decoding, token for token. All figures come from this one run, side by side.
+batches 4 and 8: 1.5x), met or not. Every decoding runs once untimed first (compilation, warm caches), then
+``--repeats`` times round robin (median). Every draft's greedy speculative output is checked to equal greedy
+base decoding, token for token.
+
+``--overhead``: per speculative row, the time per step outside the models' forward passes (the step time minus
+the sum of its draft and target passes, from one more instrumented run): sampling, acceptance, rewinds, Python.
+``--costs``: per batch size, the eager and compiled cost (fastest of 15 calls) of one target pass of 1 token (a base step), of
+gamma + 1 tokens (a verify pass) and of one draft step, and the speedup they allow at a given acceptance:
+(1 + accepted) * base step / (gamma * draft step + verify pass). All figures come from this one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -24,7 +37,8 @@ import torch
 
 from efftx.data.bytes import ByteData, prepare
 from efftx.export import load_export, resolve_export
-from efftx.generation.decode import generate
+from efftx.generation.compiled import StaticDecoder, capacity_for
+from efftx.generation.decode import Rows, generate
 from efftx.generation.sampling import sample
 from efftx.generation.speculative import speculative_generate
 from efftx.paths import default_data_dir
@@ -48,36 +62,128 @@ def recompute_window(model, prompt, new_tokens, temperature, seed):
     return seq[:, prompt.shape[1]:]
 
 
+def load_models(args):
+    """(target, {draft name: draft}) from exports, or untrained models of the small recipes (--untrained)."""
+    if args.untrained:
+        from efftx import recipes
+        from efftx.models import build
+
+        torch.manual_seed(0)
+        target = build(recipes.get("spec_target_small")).eval()
+        torch.manual_seed(1)
+        return target, {"untrained": build(recipes.get("spec_draft_small")).eval()}
+    target, _, _ = load_export(resolve_export(args.target))
+    drafts = {"plain": load_export(resolve_export(args.draft))[0]}
+    if args.distilled_draft:
+        drafts["distilled"] = load_export(resolve_export(args.distilled_draft))[0]
+    return target, drafts
+
+
+class PassTimer:
+    """Adds up the seconds spent in the models' forward passes (eager Rows and compiled StaticDecoder) while on."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self._saved = []
+
+    def __enter__(self):
+        for cls in (Rows, StaticDecoder):
+            original = cls.forward
+
+            def timed(obj, tokens, original=original):
+                t0 = time.perf_counter()
+                out = original(obj, tokens)
+                self.seconds += time.perf_counter() - t0
+                return out
+
+            self._saved.append((cls, original))
+            cls.forward = timed
+        return self
+
+    def __exit__(self, *exc):
+        for cls, original in self._saved:
+            cls.forward = original
+
+
+def min_ms(fn, repeats: int = 15) -> float:
+    """The fastest of ``repeats`` calls (after one untimed): a pass's cost with the least interference from
+    other work on the machine."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times) * 1e3
+
+
+def step_costs(target, draft, batch: int, gamma: int, prompt_len: int, mode: str) -> dict[str, float]:
+    """Median ms of a target pass of 1 and of gamma + 1 tokens and of a draft step, eager (Rows) or compiled
+    (StaticDecoder), every row at position prompt_len (each pass rewound after)."""
+    out = {}
+    for name, model, t in (("base step", target, 1), ("verify", target, gamma + 1), ("draft step", draft, 1)):
+        tokens = torch.ones(batch, t, dtype=torch.long)
+        rows = Rows(model, batch, prompt_len + gamma + 2)
+        rows.prefill([[1] * prompt_len] * batch)
+        state = rows
+        decoder = None
+        if mode != "off":
+            decoder = StaticDecoder(model, batch, capacity_for(model, prompt_len + gamma + 2), True, "on")
+            decoder.load(rows.caches[0], rows.lengths)
+            state = decoder
+
+        def one(state=state, tokens=tokens, t=t, base=name == "base step" and decoder is not None):
+            if base:  # compiled base decoding's own one-token step (generate(compile="on"): the same graph)
+                state(tokens[:, 0])
+            else:
+                state.forward(tokens)
+            state.rewind([t] * batch)
+
+        with torch.no_grad():
+            out[name] = min_ms(one)
+        if decoder is not None:
+            decoder.release()
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="models:/spec_target_small/latest")
     p.add_argument("--draft", default="models:/spec_draft_small/latest", help="the plain draft")
     p.add_argument("--distilled-draft", default="", help="a draft distilled from the target (optional)")
+    p.add_argument("--untrained", action="store_true",
+                   help="untrained spec_target_small / spec_draft_small models (costs and overheads only)")
     p.add_argument("--batches", default="1,4,8")
     p.add_argument("--gamma", type=int, default=5)
     p.add_argument("--more-gammas", default="", help="more fixed gammas to time, e.g. 2,3 (comma-separated)")
     p.add_argument("--max-gamma", type=int, default=8, help="the cap of the adaptive gamma rows")
+    p.add_argument("--no-adaptive", action="store_true", help="leave out the adaptive gamma rows")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--compile", default="off", help="off, on, or off,on: eager and/or compiled decoding rows")
+    p.add_argument("--overhead", action="store_true", help="time per step outside the forward passes, per row")
+    p.add_argument("--costs", action="store_true", help="per-pass costs and the speedup they allow")
     p.add_argument("--acceptance-prompts", type=int, default=32, help="prompts of the exactness/acceptance check")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    target, _, _ = load_export(resolve_export(args.target))
-    drafts = {"plain": load_export(resolve_export(args.draft))[0]}
-    if args.distilled_draft:
-        drafts["distilled"] = load_export(resolve_export(args.distilled_draft))[0]
+    modes = [m.strip() for m in args.compile.split(",") if m.strip()]
+    for m in modes:
+        if m not in ("off", "on"):
+            raise SystemExit(f"--compile takes off, on or off,on, not {m!r}")
+    target, drafts = load_models(args)
     batches = [int(b) for b in args.batches.split(",")]
     data = ByteData(prepare("bundled", default_data_dir(), args.prompt_len))
     prompts = data.val_windows(max(batches), args.prompt_len)[:, :args.prompt_len]
     n, gamma, sampling = args.new_tokens, args.gamma, {"temperature": args.temperature, "top_k": 32}
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
 
     print(f"target {sum(x.numel() for x in target.parameters()):,} params, drafts "
           + ", ".join(f"{k} {sum(x.numel() for x in d.parameters()):,}" for k, d in drafts.items())
           + f"; {n} new tokens after {args.prompt_len}; temperature {args.temperature}, top-k 32; "
-          f"{args.threads} thread(s); median of {args.repeats}, timed round robin")
+          f"{args.threads} thread(s); median of {args.repeats}, timed round robin; load average {load:.1f}")
     # Exactness and acceptance over many prompts (no timing, so the machine's load does not matter): greedy
     # speculative output is the target's own, token for token; accepted drafts per step and per drafted token.
     many = data.val_windows(args.acceptance_prompts, args.prompt_len)[:, :args.prompt_len]
@@ -94,24 +200,46 @@ def main() -> None:
                          f"{greedy.acceptance_rate:.2f}, T={args.temperature} {sampled.mean_accepted:.2f} / "
                          f"{sampled.acceptance_rate:.2f}, greedy output == base: {'yes' if out == base else 'NO'}")
         print(f"  {name + ' draft':<16}" + ("\n" + " " * 18).join(cells))
-    header = (f"{'decoding':<40}{'batch':>6}{'gamma':>7}{'tokens/s':>10}{'vs base':>9}{'acc/step':>10}"
-              f"{'acc/draft':>10}{'goal':>7}  met")
+
+    if args.costs:
+        first = next(iter(drafts.values()))
+        print(f"pass costs (ms, fastest of 15) at position {args.prompt_len}, gamma {gamma}; 'allows' = "
+              f"(1 + a) * base step / (gamma * draft step + verify) at a accepted drafts per step:")
+        for batch in batches:
+            for mode in modes:
+                c = step_costs(target, first, batch, gamma, args.prompt_len, mode)
+                allows = "  ".join(f"a={a}: {(1 + a) * c['base step'] / (gamma * c['draft step'] + c['verify']):.2f}x"
+                                   for a in (2, 3, 4, gamma))
+                print(f"  batch {batch} {'compiled' if mode == 'on' else 'eager':<8}"
+                      + "".join(f"{k} {v:6.2f}" + "  " for k, v in c.items())
+                      + f"verify/base {c['verify'] / c['base step']:.2f}  allows {allows}")
+
+    header = (f"{'decoding':<44}{'batch':>6}{'gamma':>7}{'tokens/s':>10}{'vs base':>9}{'vs comp':>9}{'acc/step':>10}"
+              f"{'acc/draft':>10}{'goal':>7}  met" + ("   gap ms/step (% of step)" if args.overhead else ""))
     print(header)
     best: dict[int, tuple[float, str]] = {}
     more = [int(g) for g in args.more_gammas.split(",") if g.strip()]
+    adaptives = (False,) if args.no_adaptive else (False, True)
     for batch in batches:
         x = prompts[:batch]
-        runs = {"base, KV cache": (lambda: generate(target, x, n, seed=0, **sampling), None)}
+        runs = {}
+        for mode in modes:
+            suffix = ", compiled" if mode == "on" else ""
+            runs["base, KV cache" + suffix] = ((lambda mode=mode: generate(target, x, n, seed=0, compile=mode,
+                                                                            **sampling)), None)
         if batch == 1:
             runs["base, recompute window"] = (lambda: recompute_window(target, x, n, args.temperature, 0), None)
-        configs = [(name, draft, False, g) for name, draft in drafts.items() for g in more if g != gamma]
-        configs += [(name, draft, adaptive, gamma) for name, draft in drafts.items() for adaptive in (False, True)]
-        for name, draft, adaptive, g in configs:
-            label = (f"speculative, {name} draft" + (", adaptive" if adaptive else "")
-                     + (f" ({g})" if g != gamma else ""))
-            runs[label] = ((lambda draft=draft, adaptive=adaptive, g=g: speculative_generate(
-                target, draft, x, n, gamma=g, seed=0, adaptive_gamma=adaptive,
-                max_gamma=args.max_gamma if adaptive else None, **sampling)), (adaptive, g))
+        for mode in modes:
+            configs = [(name, draft, False, g) for name, draft in drafts.items() for g in more if g != gamma]
+            configs += [(name, draft, adaptive, gamma) for name, draft in drafts.items() for adaptive in adaptives]
+            for name, draft, adaptive, g in configs:
+                label = (f"speculative, {name}" + (", adaptive" if adaptive else "")
+                         + (", compiled" if mode == "on" else "") + (f" ({g})" if g != gamma else ""))
+                runs[label] = ((lambda draft=draft, adaptive=adaptive, g=g, mode=mode: speculative_generate(
+                    target, draft, x, n, gamma=g, seed=0, adaptive_gamma=adaptive, compile=mode,
+                    max_gamma=args.max_gamma if adaptive else None, **sampling)), (adaptive, g))
+        for fn, _ in runs.values():  # untimed: compilation, first-touch allocations
+            fn()
         # round robin: every repeat times each decoding once, so a change in the machine's load hits all alike
         times: dict[str, list[float]] = {label: [] for label in runs}
         results = {}
@@ -120,23 +248,33 @@ def main() -> None:
                 t0 = time.perf_counter()
                 results[label] = fn()
                 times[label].append(time.perf_counter() - t0)
-        base_s = statistics.median(times["base, KV cache"])
-        for label, (_, spec) in runs.items():
+        base_s = statistics.median(times["base, KV cache"]) if "base, KV cache" in times else None
+        comp_s = statistics.median(times["base, KV cache, compiled"]) if "base, KV cache, compiled" in times else None
+        for label, (fn, spec) in runs.items():
             secs = statistics.median(times[label])
-            ratio = base_s / secs
+            ratio = base_s / secs if base_s else float("nan")
+            vs_comp = f"{comp_s / secs:>8.2f}x" if comp_s else f"{'-':>9}"
             if spec is None:
-                print(f"{label:<40}{batch:>6}{'-':>7}{batch * n / secs:>10,.0f}{ratio:>8.2f}x"
+                print(f"{label:<44}{batch:>6}{'-':>7}{batch * n / secs:>10,.0f}{ratio:>8.2f}x{vs_comp}"
                       f"{'-':>10}{'-':>10}{'-':>7}")
                 continue
             adaptive, g = spec
             stats = results[label][1]
             shown = f"{g}-{args.max_gamma}" if adaptive else str(g)
-            print(f"{label:<40}{batch:>6}{shown:>7}{batch * n / secs:>10,.0f}{ratio:>8.2f}x"
+            gap = ""
+            if args.overhead:
+                with PassTimer() as timer:
+                    t0 = time.perf_counter()
+                    _, st = fn()
+                    total = time.perf_counter() - t0
+                steps = max(st.target_calls, 1)
+                gap = f"   {(total - timer.seconds) / steps * 1e3:6.2f} ({100 * (total - timer.seconds) / total:3.0f}%)"
+            print(f"{label:<44}{batch:>6}{shown:>7}{batch * n / secs:>10,.0f}{ratio:>8.2f}x{vs_comp}"
                   f"{stats.mean_accepted:>10.2f}{stats.acceptance_rate:>10.2f}{goal(batch):>6.1f}x  "
-                  f"{'MET' if ratio >= goal(batch) else 'not met'}")
+                  f"{'MET' if ratio >= goal(batch) else 'not met'}{gap}")
             if g == gamma and ratio > best.get(batch, (0.0, ""))[0]:  # the goals are at --gamma
                 best[batch] = (ratio, label)
-    print("goals (issue 15, speculative tokens/s over base at the same batch size):")
+    print("goals (issue 15, speculative tokens/s over eager base at the same batch size):")
     for batch, (ratio, label) in best.items():
         print(f"  batch {batch}: at least {goal(batch):.1f}x: best {ratio:.2f}x ({label}): "
               f"{'MET' if ratio >= goal(batch) else 'NOT MET'}")

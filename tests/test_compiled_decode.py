@@ -119,6 +119,33 @@ def test_device_lengths_advance_on_the_device_and_buffers_are_reused(lm, monkeyp
     assert compiled._POOLS[lm][key] == [cache]
 
 
+def test_multi_token_passes_and_per_row_rewinds_match_eager_rows(lm, monkeypatch):
+    """StaticDecoder.forward (T tokens per row, each row at its own device position) and rewind (a count per row,
+    one subtraction on the device lengths), speculative decoding's verify pass and rejection, give the eager
+    ragged cache's logits, pass after pass; a pass past the capacity and a bad rewind are clear errors."""
+    from efftx.generation.decode import Rows
+
+    monkeypatch.setattr(compiled, "compiled_forward", lambda device_type: compiled.forward_step)
+    eager = Rows(lm, 3, 64)
+    eager.prefill(RAGGED)
+    static = compiled.StaticDecoder(lm, 3, 64, True, "on")
+    try:
+        static.load(eager.caches[0], eager.lengths)
+        g = torch.Generator().manual_seed(0)
+        for t, counts in ((4, [3, 0, 4]), (1, [1, 1, 0]), (6, [2, 5, 6]), (3, [0, 0, 0])):
+            tokens = torch.randint(0, 256, (3, t), generator=g)
+            torch.testing.assert_close(static.forward(tokens), eager.forward(tokens))
+            static.rewind(counts)
+            eager.rewind(counts)
+            assert static.lengths == eager.lengths == static.cache.lengths.tolist()
+        with pytest.raises(ValueError, match="cannot rewind 40 tokens"):
+            static.rewind([40, 0, 0])
+        with pytest.raises(ValueError, match="cache overflow"):
+            static.forward(torch.zeros(3, 64, dtype=torch.long))
+    finally:
+        static.release()
+
+
 # ------------------------------------------------------------------------------------------ compiled (slow)
 @pytest.fixture(scope="module")
 def compiled_counts(lm):

@@ -85,6 +85,44 @@ def test_greedy_speculative_equals_greedy_base(kind, gamma):
     assert stats.target_calls >= longest_row
 
 
+def varied_pair(kind: str, noise: float = 0.1) -> tuple[LM, LM]:
+    """A target whose matrices are redrawn with std 2/sqrt(fan_in), so its greedy tokens depend on the context
+    (the noisy_pair targets mostly repeat one token, where a token taken from the wrong position can go unseen),
+    and a noisy copy of it as the draft: steps that accept nothing, some, and every draft."""
+    target = lm(0, 2, kind)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in target.parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 2 * p.shape[1] ** -0.5)
+    draft = copy.deepcopy(target)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * noise * p.abs().mean().clamp_min(1e-3))
+    return target, draft
+
+
+@pytest.mark.parametrize("kind", DECODING_KINDS)
+def test_greedy_speculative_with_context_dependent_tokens_equals_base(kind, monkeypatch):
+    """Greedy speculative decoding (its argmax fast path: acceptance and last tokens from the target's argmax)
+    gives the target's greedy tokens where they change from position to position, for every count of accepted
+    drafts, the bonus token after a fully accepted step included; for dense attention through the compiled
+    path's device caches too."""
+    target, draft = varied_pair(kind)
+    prompts = [[10, 20, 30, 40, 50], [7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
+    base = [generate(target, [p], 30, temperature=0)[0].tolist() for p in prompts]
+    assert sum(len(set(row)) for row in base) > 25  # tokens that depend on the context
+    modes = ["off"]
+    if kind == "full":
+        static_eager(monkeypatch)
+        modes.append("on")
+    for gamma in (1, 3):
+        for mode in modes:
+            out, stats = speculative_generate(target, draft, prompts, 30, gamma=gamma, temperature=0, compile=mode)
+            assert out == base, (gamma, mode)
+            assert stats.histogram[0] > 0 and stats.histogram[-1] > 0  # steps rejecting at once, accepting all
+
+
 def test_identical_draft_accepts_everything():
     target = lm(0)
     out, stats = speculative_generate(target, target, [[1, 2, 3]], 24, gamma=4, temperature=0.8, top_k=20, seed=3)
@@ -220,26 +258,25 @@ def test_sampled_tokens_follow_the_target_distribution():
     assert min(pvalues.values()) > 1e-3, pvalues
 
 
-_verify = speculative.verify
+_correction, _kept_tokens = speculative.correction, speculative.kept_tokens
 
 
-def _bonus_from_the_last_draft_position(p, q, drafted, ratios, generator):
-    out, n = _verify(p, q, drafted, ratios, generator)
-    if n == len(drafted):  # off by one: the bonus drawn from p_gamma instead of p_{gamma+1}
-        out[-1] = int(torch.multinomial(p[n - 1][None], 1, generator=generator)[0, 0])
-    return out, n
+def _bonus_from_the_last_draft_position(p, q, n, full):
+    dist = _correction(p, q, n, full)  # off by one: the bonus drawn from p_gamma instead of p_{gamma+1}
+    rows = torch.arange(p.shape[0])
+    return torch.where(full[:, None], p[rows, (n - 1).clamp_min(0)], dist)
 
 
-def _caches_one_short_after_full_accept(p, q, drafted, ratios, generator):
-    out, n = _verify(p, q, drafted, ratios, generator)
-    return out, n - 1 if n == len(drafted) else n  # the caches keep one accepted token too few
+def _caches_one_short_after_full_accept(accepted, emitted, drafted):
+    keep = _kept_tokens(accepted, emitted, drafted)
+    return keep - 1 if accepted == drafted else keep  # the caches keep one accepted token too few
 
 
 WRONG_VARIANTS = {
     # the classic mistake: on rejection, resample from the target p instead of norm(max(0, p - q))
     "resample_from_p": ("residual", lambda p, q: p, ["joint", "every_token"]),
-    "bonus_from_the_last_draft_position": ("verify", _bonus_from_the_last_draft_position, ["bonus"]),
-    "caches_one_short_after_full_accept": ("verify", _caches_one_short_after_full_accept, ["after_accept"]),
+    "bonus_from_the_last_draft_position": ("correction", _bonus_from_the_last_draft_position, ["bonus"]),
+    "caches_one_short_after_full_accept": ("kept_tokens", _caches_one_short_after_full_accept, ["after_accept"]),
 }
 
 
@@ -385,3 +422,147 @@ def test_adaptive_gamma_arguments():
         speculative_generate(target, draft, [[1]], 4, gamma=2, adaptive_gamma=True, max_gamma=1)
     with pytest.raises(ValueError, match=r"max_gamma \(30\) exceeds"):
         speculative_generate(target, draft, [[1] * 100], 8, gamma=2, adaptive_gamma=True, max_gamma=30)
+
+
+# ------------------------------------------------------------------------------ batched step = row by row
+def test_sample_rows_draws_what_multinomial_draws_with_each_rows_generator():
+    """The batched exponential race draws, row by row, exactly torch.multinomial's token from the same generator
+    (so continuous batching's per-row draws and these agree), and leaves the generators of rows that need no
+    draw alone."""
+    from efftx.generation.sampling import draw
+
+    for vocab in (6, 256):
+        probs = torch.softmax(torch.randn(5, vocab, generator=torch.Generator().manual_seed(vocab)) * 3, -1)
+        probs[1, : vocab // 2] = 0  # zeros (top-k/top-p filtered tokens) are never drawn
+        probs = probs / probs.sum(-1, keepdim=True)
+        seeds = list(range(5))
+        mine = speculative.generators(seeds, 5, torch.device("cpu"))
+        theirs = speculative.generators(seeds, 5, torch.device("cpu"))
+        for _ in range(20):
+            assert torch.equal(speculative.sample_rows(probs, mine), draw(probs, theirs))
+        need = [True, False, True, False, True]
+        got = speculative.sample_rows(probs, mine, need)
+        ref = draw(probs, theirs)
+        assert [int(got[b]) for b in (0, 2, 4)] == [int(ref[b]) for b in (0, 2, 4)]
+        assert [int(got[b]) for b in (1, 3)] == [int(probs[b].argmax()) for b in (1, 3)]
+        # rows 1 and 3 drew nothing: their next draw is the one the reference (which drew) made before
+        nxt = speculative.sample_rows(probs, mine)
+        assert [int(nxt[b]) for b in (1, 3)] == [int(ref[b]) for b in (1, 3)]
+
+
+def test_verify_of_one_row_is_the_batched_step_of_that_row():
+    """``verify`` (what continuous batching calls per row) makes the same draws and decisions as the batched
+    step: every row of a sampled speculative batch is reproduced by verify on its own distributions."""
+    target, draft = noisy_pair("full", noise=0.5)
+    prompts = [[5, 6, 7], [9, 8, 7, 6, 5, 4, 3], [42], [1, 2]]
+    batch, stats = speculative_generate(target, draft, prompts, 20, gamma=3, temperature=1.0, seed=11)
+    for r, prompt in enumerate(prompts):  # one row by hand: draft with sampling.draw, then verify
+        from efftx.generation.decode import Rows, generators
+        from efftx.generation.sampling import draw, probabilities
+
+        gen = generators([11 + r], 1, torch.device("cpu"))
+        t, d = Rows(target, 1, 64), Rows(draft, 1, 64)
+        if len(prompt) > 1:
+            t.prefill([prompt[:-1]])
+            d.prefill([prompt[:-1]])
+        out, pending = [], prompt[-1]
+        while len(out) < 20:
+            tokens, q, tok = [], [], torch.tensor([pending])
+            for _ in range(3):
+                dist = probabilities(d.forward(tok[:, None])[:, -1], 1.0)
+                tok = draw(dist, gen)
+                tokens.append(int(tok))
+                q.append(dist[0])
+            p = probabilities(t.forward(torch.tensor([[pending] + tokens])), 1.0)[0]
+            q = torch.stack(q)
+            ratios = [float(p[i, x] / q[i, x].clamp_min(1e-30)) for i, x in enumerate(tokens)]
+            emitted, n = speculative.verify(p, q, tokens, ratios, gen[0])
+            emitted = emitted[: 20 - len(out)]
+            keep = min(n, len(emitted) - 1)
+            t.rewind([3 - keep])
+            held = 3
+            if keep == 3:
+                d.forward(torch.tensor([[tokens[-1]]]))
+                held = 4
+            d.rewind([held - 1 - keep])
+            out += emitted
+            pending = emitted[-1]
+        assert out == batch[r], r
+
+
+# ------------------------------------------------------------------------------ compiled speculative steps
+COMPILE_PROMPTS = [[10, 20, 30, 40, 50], [7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
+
+
+def static_eager(monkeypatch):
+    """The compiled path's fixed-capacity device caches, device lengths and padded verify, run without compiling."""
+    from efftx.generation import compiled
+
+    monkeypatch.setattr(compiled, "compiled_forward", lambda device_type: compiled.forward_step)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_static_caches_give_the_eager_tokens_and_acceptance(monkeypatch, adaptive):
+    """compile="on" with the step left uncompiled: the same tokens and the same acceptance, step for step, as the
+    eager path, greedy and seeded sampling, ragged prompts; with an adaptive gamma the verify pass is padded to
+    max_gamma + 1 tokens (one shape), which must not change anything either."""
+    static_eager(monkeypatch)
+    target, draft = noisy_pair("full")
+    extra = {"adaptive_gamma": True, "max_gamma": 5} if adaptive else {}
+    for sampling in ({"temperature": 0.0}, {"temperature": 1.0, "top_k": 40, "seed": 3}):
+        eager, e_stats = speculative_generate(target, draft, COMPILE_PROMPTS, 24, gamma=3, **extra, **sampling)
+        static, s_stats = speculative_generate(target, draft, COMPILE_PROMPTS, 24, gamma=3, compile="on", **extra,
+                                               **sampling)
+        assert static == eager
+        assert s_stats.accepted == e_stats.accepted and s_stats.drafted == e_stats.drafted
+        assert 0 < s_stats.acceptance_rate < 1  # both accepted and rejected drafts: every rewind path ran
+        if adaptive:
+            assert len(set(s_stats.drafted)) > 1
+    for prompt, row in zip(COMPILE_PROMPTS, speculative_generate(target, draft, COMPILE_PROMPTS, 24, gamma=3,
+                                                                  temperature=0, compile="on", **extra)[0]):
+        assert row == generate(target, [prompt], 24, temperature=0)[0].tolist()
+
+
+def test_compile_switch_falls_back_or_raises_naming_why(monkeypatch, caplog):
+    import logging
+
+    from efftx.generation import compiled
+
+    target, draft = lm(0, 2, "sinkhorn"), lm(1, 1, "sinkhorn")
+    with pytest.raises(compiled.CompileUnavailable, match="attention.kind='sinkhorn'"):
+        speculative_generate(target, draft, [[1, 2, 3]], 4, gamma=2, compile="on")
+    with caplog.at_level(logging.INFO, logger="efftx.generation.compiled"):
+        auto, _ = speculative_generate(target, draft, [[1, 2, 3]], 6, gamma=2, temperature=0, compile="auto")
+    assert any("sinkhorn" in r.getMessage() and "eagerly" in r.getMessage() for r in caplog.records)
+    assert auto == speculative_generate(target, draft, [[1, 2, 3]], 6, gamma=2, temperature=0)[0]
+    full_t, full_d = lm(0), lm(1, 1)
+    with pytest.raises(compiled.CompileUnavailable, match="batched=False"):
+        speculative_generate(full_t, full_d, [[1, 2, 3]], 4, gamma=2, compile="on", batched=False)
+    with pytest.raises(ConfigError, match="compile='yes'"):
+        speculative_generate(full_t, full_d, [[1, 2, 3]], 4, gamma=2, compile="yes")
+
+    def broken(device_type):
+        def step(*args):
+            raise RuntimeError("no C++ compiler")
+        return step
+
+    monkeypatch.setattr(compiled, "compiled_forward", broken)
+    monkeypatch.setattr(compiled, "_BROKEN", {})
+    with pytest.raises(compiled.CompileUnavailable, match="no C\\+\\+ compiler"):
+        speculative_generate(full_t, full_d, [[1, 2, 3]], 6, gamma=2, temperature=0, compile="on")
+    eager, _ = speculative_generate(full_t, full_d, [[1, 2, 3]], 6, gamma=2, temperature=0)
+    with caplog.at_level(logging.WARNING, logger="efftx.generation.compiled"):
+        assert speculative_generate(full_t, full_d, [[1, 2, 3]], 6, gamma=2, temperature=0, compile="auto")[0] == eager
+    assert any("no C++ compiler" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.slow
+def test_compiled_speculative_equals_eager():
+    """torch.compile of the draft step (one token) and the verify pass (gamma + 1 tokens): the eager tokens and
+    acceptance, greedy and seeded sampling (two graphs per model pair and batch size; tens of seconds of CPU)."""
+    target, draft = noisy_pair("full")
+    prompts = COMPILE_PROMPTS[:2]
+    for sampling in ({"temperature": 0.0}, {"temperature": 1.0, "top_k": 40, "seed": 5}):
+        eager, e_stats = speculative_generate(target, draft, prompts, 16, gamma=2, **sampling)
+        comp, c_stats = speculative_generate(target, draft, prompts, 16, gamma=2, compile="on", **sampling)
+        assert comp == eager and c_stats.accepted == e_stats.accepted

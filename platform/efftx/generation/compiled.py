@@ -19,6 +19,11 @@ Prefill stays eager (one pass, any prompt lengths: ragged prompts are supported)
 are copied into the fixed buffers. Sampling stays outside the compiled step, through the same functions as the
 eager path, so greedy and seeded-sampled tokens match it (exactly on CPU fp32 in the tests).
 
+Speculative decoding (:mod:`efftx.generation.speculative`) runs its draft's one-token steps and its target's
+(gamma + 1)-token verify passes through the same cache and machinery (:func:`forward_step`,
+:meth:`StaticDecoder.forward`, :meth:`StaticDecoder.rewind`: a rewind subtracts each row's count from the device
+lengths, one tensor op; the slots past a row's length are masked, then overwritten).
+
 ``compile``: ``"off"`` (the default of :func:`~efftx.generation.decode.generate`: today's eager path),
 ``"on"`` (compiled, or an error naming why it cannot be), ``"auto"`` (compiled where the model supports it and
 compilation works, else eager with the reason logged).
@@ -150,7 +155,19 @@ def decode_step(model, token: torch.Tensor, cache: DeviceCache) -> torch.Tensor:
     return logits
 
 
+def forward_step(model, tokens: torch.Tensor, cache: DeviceCache) -> torch.Tensor:
+    """(B, T) tokens per row (each row's at its own device position) -> (B, T, V) logits; the lengths advance by
+    T. Speculative decoding's draft step (T = 1) and verify pass (T = gamma + 1): compiled once per shape."""
+    logits = model.logits(tokens, cache)
+    cache.advance(tokens.shape[1])
+    return logits
+
+
+# dynamo keeps its graphs per code object, up to a limit (8 by default): speculative decoding uses one graph per
+# model, batch size and token count (draft and target, batches 1/4/8, ...), more than that in one process
+RECOMPILE_LIMIT = 64
 _COMPILED: dict[str, Callable] = {}  # device type -> compiled decode_step (dynamo caches graphs per shape)
+_COMPILED_FORWARD: dict[str, Callable] = {}  # device type -> compiled forward_step
 _BROKEN: dict[str, str] = {}  # device type -> why compiling failed there ("auto" does not retry)
 # model -> {(batch, capacity, dtype, device): [free DeviceCaches]}: CUDA graphs replay on the same buffers
 _POOLS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -161,6 +178,24 @@ def compiled_step(device_type: str) -> Callable:
         mode = "reduce-overhead" if device_type == "cuda" else None  # CUDA graphs on GPU
         _COMPILED[device_type] = torch.compile(decode_step, fullgraph=True, dynamic=False, mode=mode)
     return _COMPILED[device_type]
+
+
+def _raise_recompile_limit() -> None:
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):  # the name changed across torch versions
+        if hasattr(cfg, name) and getattr(cfg, name) < RECOMPILE_LIMIT:
+            setattr(cfg, name, RECOMPILE_LIMIT)
+    if getattr(cfg, "accumulated_recompile_limit", RECOMPILE_LIMIT) < 4 * RECOMPILE_LIMIT:
+        cfg.accumulated_recompile_limit = 4 * RECOMPILE_LIMIT
+
+
+def compiled_forward(device_type: str) -> Callable:
+    """The compiled :func:`forward_step` for ``device_type`` (as :func:`compiled_step` for decode_step)."""
+    if device_type not in _COMPILED_FORWARD:
+        _raise_recompile_limit()
+        mode = "reduce-overhead" if device_type == "cuda" else None
+        _COMPILED_FORWARD[device_type] = torch.compile(forward_step, fullgraph=True, dynamic=False, mode=mode)
+    return _COMPILED_FORWARD[device_type]
 
 
 class StaticDecoder:
@@ -182,10 +217,12 @@ class StaticDecoder:
                     torch._dynamo.mark_static_address(t, guard=False)
         self._pool = pool
         self.used = 0  # the longest row, counted on the host
+        self.row_lengths = [0] * batch
 
     def load(self, cache, lengths: list[int]) -> None:
         self.cache.load(cache, lengths)
         self.used = max(lengths)
+        self.row_lengths = list(lengths)  # host copy, kept by forward/rewind (speculative decoding)
 
     def release(self) -> None:
         """Give the buffers back for the next call (same model, batch and capacity)."""
@@ -193,11 +230,54 @@ class StaticDecoder:
             self._pool.append(self.cache)
             self._pool = None
 
+    @property
+    def lengths(self) -> list[int]:
+        """Each row's length as the host counts it (after :meth:`load`, :meth:`forward` and :meth:`rewind`)."""
+        return list(self.row_lengths)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, T) tokens -> (B, T, V) logits, every row at its own device position (:func:`forward_step`)."""
+        t = tokens.shape[1]
+        longest = max(self.row_lengths) + t
+        if longest > self.capacity:
+            raise ValueError(f"compiled decoding cache overflow: {longest} positions > capacity {self.capacity}")
+        self.row_lengths = [n + t for n in self.row_lengths]
+        self.used = max(self.used, longest)
+        if not self.compiled:
+            return forward_step(self.model, tokens, self.cache)
+        if self.device_type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()
+        try:
+            return compiled_forward(self.device_type)(self.model, tokens, self.cache)
+        except Exception as e:  # compilation fails before the graph runs: nothing was written yet
+            if self.mode != "auto":
+                raise CompileUnavailable(f"compile='on': torch.compile of the decode step failed: "
+                                         f"{type(e).__name__}: {e}") from e
+            _BROKEN[self.device_type] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            log.warning("compiled decoding unavailable, decoding eagerly: torch.compile failed (%s)",
+                        _BROKEN[self.device_type])
+            self.compiled = False
+            return forward_step(self.model, tokens, self.cache)
+
+    def rewind(self, counts) -> None:
+        """Forget the last ``counts[b]`` tokens of row b: one subtraction on the device lengths."""
+        counts = [int(c) for c in counts]
+        if len(counts) != len(self.row_lengths):
+            raise ValueError(f"rewind got {len(counts)} counts for {len(self.row_lengths)} rows")
+        for c, have in zip(counts, self.row_lengths):
+            if not 0 <= c <= have:
+                raise ValueError(f"cannot rewind {c} tokens from a cache holding {have}")
+        self.row_lengths = [n - c for n, c in zip(self.row_lengths, counts)]
+        if any(counts):
+            self.cache.lengths.sub_(torch.tensor(counts, dtype=torch.long).to(self.cache.lengths.device,
+                                                                              non_blocking=True))
+
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
         """(B,) tokens -> (B, V) next-token logits."""
         if self.used + 1 > self.capacity:
             raise ValueError(f"compiled decoding cache overflow: {self.used + 1} positions > capacity {self.capacity}")
         self.used += 1
+        self.row_lengths = [n + 1 for n in self.row_lengths]
         if not self.compiled:
             return decode_step(self.model, token, self.cache)
         if self.device_type == "cuda":

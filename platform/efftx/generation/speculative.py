@@ -19,6 +19,17 @@ acceptance: one more after a step that accepted all its drafts, one fewer after 
 ``max_gamma``. A batched step drafts as many tokens as its longest row needs; a row verifies only its own
 (the extra draft tokens are rewound). Which tokens are proposed never changes what is emitted (the
 acceptance rule is exact for any gamma), only how many target passes it takes.
+
+**The batched step** keeps the per-token work on the device: draft tokens are drawn on the device
+(:func:`sample_rows`; greedy decoding takes argmaxes and skips the distributions altogether), every row's
+acceptance comes from one comparison of its uniforms with its ratios p/q (:func:`accepted_counts`), its last
+token (residual or bonus, :func:`correction`) is drawn for all rows at once, and the host reads one small tensor
+per step (accepted counts, last tokens, drafts) to yield the tokens and size the per-row rewinds. Row r's
+randomness comes only from its own generator, in a fixed order per step: one draw per drafted token, ``gamma``
+acceptance uniforms at once, one draw for the last token; :func:`verify` makes the same draws for one row (what
+continuous batching calls), so either way a row gets the tokens it gets decoded alone. ``compile="on"`` runs the
+draft's one-token steps and the target's verify passes compiled over preallocated caches with device-side lengths
+(:mod:`efftx.generation.compiled`), with the eager path as the fallback.
 """
 
 from __future__ import annotations
@@ -28,8 +39,9 @@ from typing import Sequence
 
 import torch
 
+from efftx.generation import compiled
 from efftx.generation.decode import Rows, as_rows, generators
-from efftx.generation.sampling import draw, probabilities
+from efftx.generation.sampling import is_greedy, probabilities
 
 
 @dataclass
@@ -71,27 +83,84 @@ class SpecStats:
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """norm(max(0, p - q)); where p <= q everywhere (only possible when p == q), p itself."""
+    """norm(max(0, p - q)) over the last dimension; where p <= q everywhere (only possible when p == q), p itself."""
     r = (p - q).clamp_min(0)
     total = r.sum(-1, keepdim=True)
     return torch.where(total > 0, r / total.clamp_min(1e-30), p)
 
 
-def _one(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(torch.multinomial(probs[None], 1, generator=generator)[0, 0])
+def sample_rows(probs: torch.Tensor, generators: list[torch.Generator | None],
+                need: Sequence[bool] | None = None) -> torch.Tensor:
+    """(B, V) probabilities -> (B,) tokens, row b drawn with ``generators[b]``: exactly the token of
+    ``torch.multinomial(probs[b][None], 1, generator=generators[b])`` (:func:`~efftx.generation.sampling.draw`),
+    which draws one sample as the exponential race argmax(p / E), E ~ Exp(1) i.i.d. per token. Here each row fills
+    its own row of one noise tensor from its generator and a single batched divide and argmax picks every row's
+    token: no per-row validation passes and no value read back to the host (torch's multinomial checks its input
+    with two host reads per call). Rows with ``need[b]`` False draw nothing (their generator is left alone) and get
+    their argmax, a placeholder that is never verified."""
+    if all(g is None for g in generators):  # one global stream: one call for the batch
+        drawn = torch.multinomial(probs, 1).squeeze(-1)
+        if need is None or all(need):
+            return drawn
+        return torch.where(torch.tensor(list(need), device=probs.device), drawn, probs.argmax(-1))
+    noise = torch.ones_like(probs)
+    for b, g in enumerate(generators):
+        if need is None or need[b]:
+            noise[b].exponential_(generator=g)
+    return (probs / noise).argmax(-1)
+
+
+def row_uniforms(generators: list[torch.Generator | None], counts: Sequence[int], width: int,
+                 device: torch.device) -> torch.Tensor:
+    """(B, width) acceptance uniforms: row b's first ``counts[b]`` from its own generator in one draw (the same
+    values as ``counts[b]`` scalar draws), the rest 1 (never read: masked by the caller)."""
+    if all(g is None for g in generators):
+        return torch.rand(len(generators), width, device=device)
+    u = torch.ones(len(generators), width, device=device)
+    for b, (g, n) in enumerate(zip(generators, counts)):
+        if n:
+            u[b, :n].uniform_(generator=g)
+    return u
+
+
+def accepted_counts(accept: torch.Tensor) -> torch.Tensor:
+    """(B, G) per-draft acceptance -> (B,) accepted drafts: the leading run of True per row."""
+    return accept.long().cumprod(-1).sum(-1)
+
+
+def correction(p: torch.Tensor, q: torch.Tensor, n: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """The distribution of each row's last token of a step: p: (B, G + 1, V) target, q: (B, G, V) draft
+    distributions, n: (B,) accepted drafts, full: (B,) whether a row accepted all its drafts. A row that
+    accepted all draws its bonus token from p_{n+1}; one rejected at draft n+1 draws from norm(max(0, p - q))
+    there (:func:`residual`)."""
+    rows = torch.arange(p.shape[0], device=p.device)
+    p_n = p[rows, n]
+    q_n = q[rows, n.clamp_max(q.shape[1] - 1)]
+    return torch.where(full[:, None], p_n, residual(p_n, q_n))
+
+
+def kept_tokens(accepted: int, emitted: int, drafted: int) -> int:
+    """Tokens a row's caches keep after its pending token: the accepted drafts, fewer where its output was cut at
+    its limit (so a finished row's caches end where its output ends)."""
+    return min(accepted, emitted - 1)
 
 
 def verify(p: torch.Tensor, q: torch.Tensor, drafted: list[int], ratios: list[float],
            generator: torch.Generator | None) -> tuple[list[int], int]:
     """Accept/reject one row's drafted tokens. p: (gamma + 1, V) target distributions, q: (gamma, V)
-    draft distributions, ``ratios[i]`` = p_i(x_i) / q_i(x_i). Returns (emitted tokens, accepted count)."""
+    draft distributions, ``ratios[i]`` = p_i(x_i) / q_i(x_i). Returns (emitted tokens, accepted count).
+
+    The same draws, in the same order, as a row of :func:`iter_speculative_rows`'s batched step: ``gamma``
+    uniforms at once (x_i is accepted while u_i < ratio_i), then one exponential race (:func:`sample_rows`) for
+    the residual or bonus token."""
     gamma = len(drafted)
-    for i, x in enumerate(drafted):
-        u = float(torch.rand((), generator=generator, device=p.device))
-        if u < ratios[i]:  # accepted with probability min(1, p/q)
-            continue
-        return drafted[:i] + [_one(residual(p[i], q[i]), generator)], i
-    return drafted + [_one(p[gamma], generator)], gamma  # all accepted: a bonus token from the target
+    u = row_uniforms([generator], [gamma], gamma, p.device)
+    ratio = torch.tensor([ratios], dtype=u.dtype, device=p.device)
+    n = accepted_counts(u < ratio)
+    dist = correction(p[None], q[None], n, n == gamma)
+    token = int(sample_rows(dist, [generator])[0])
+    accepted = int(n[0])
+    return list(drafted[:accepted]) + [token], accepted
 
 
 def _check(target, draft, gamma: int, adaptive_gamma: bool = False, max_gamma: int | None = None) -> int:
@@ -108,18 +177,6 @@ def _check(target, draft, gamma: int, adaptive_gamma: bool = False, max_gamma: i
     return cap
 
 
-def _draw_some(probs: torch.Tensor, generators: list[torch.Generator | None], need: list[bool]) -> torch.Tensor:
-    """Like :func:`draw`, but only rows with ``need[b]`` draw (and use their generator); the others get their
-    argmax, a placeholder that is never verified, so a row's random stream is the one it would use alone."""
-    out = probs.argmax(-1)
-    if all(g is None for g in generators):
-        return torch.where(torch.tensor(need, device=probs.device), torch.multinomial(probs, 1).squeeze(-1), out)
-    for b, (p, g) in enumerate(zip(probs, generators)):
-        if need[b]:
-            out[b] = torch.multinomial(p[None], 1, generator=g)[0, 0]
-    return out
-
-
 def next_gamma(gamma: int, drafted: int, accepted: int, cap: int) -> int:
     """A row's next draft length from its last step: one more after it accepted every draft (up to ``cap``),
     one fewer after a rejection (down to 1)."""
@@ -132,7 +189,7 @@ def iter_speculative_rows(target, draft, prompts: Sequence[Sequence[int]] | torc
                           gamma: int = 5, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                           seed: int | Sequence[int | None] | None = None, stats: SpecStats | None = None,
                           row_stats: list[SpecStats] | None = None, batched: bool | None = None,
-                          adaptive_gamma: bool = False, max_gamma: int | None = None):
+                          adaptive_gamma: bool = False, max_gamma: int | None = None, compile: str = "off"):
     """Speculative decoding of a batch of prompts (any lengths). Yields, per step, one list per row of
     the tokens that row emitted (empty once a row has its ``max_new_tokens``, which may be given per row).
 
@@ -145,6 +202,11 @@ def iter_speculative_rows(target, draft, prompts: Sequence[Sequence[int]] | torc
     ``batched=False`` (or a backend without ragged caches) runs the rows one after another.
     ``adaptive_gamma``: each row's draft length follows its acceptance (:func:`next_gamma`), starting at
     ``gamma``, at most ``max_gamma`` (default ``gamma``); the stats' histograms then run to ``max_gamma``.
+    ``compile``: ``"off"`` (eager passes over the models' own caches), ``"on"`` / ``"auto"``: the draft's
+    one-token steps and the target's verify passes compiled over fixed-capacity caches with device-side lengths
+    (:mod:`efftx.generation.compiled`; "auto" decodes eagerly, logging why, where either model or the machine
+    cannot, "on" raises). The prompts are prefilled eagerly either way; the tokens are the same up to float
+    rounding (exactly, in the tests' CPU fp32 runs).
     """
     cap = _check(target, draft, gamma, adaptive_gamma, max_gamma)
     rows = as_rows(prompts)
@@ -163,16 +225,64 @@ def iter_speculative_rows(target, draft, prompts: Sequence[Sequence[int]] | torc
     device = next(target.parameters()).device
     gens = generators(seed, n_rows, device)
     sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    greedy = is_greedy(temperature)
     if batched is None:
         batched = target.supports_ragged and draft.supports_ragged
     total = longest + cap + 1
-    t_rows, d_rows = Rows(target, n_rows, total, batched), Rows(draft, n_rows, total, batched)
-    if max(len(r) for r in rows) > 1:  # caches hold every prompt token but the last: the first "pending"
-        t_rows.prefill([r[:-1] for r in rows])
-        d_rows.prefill([r[:-1] for r in rows])
-        for s in [stats, *row_stats]:
-            s.target_calls += 1
-            s.draft_calls += 1
+    static = _static_pair(target, draft, compile, n_rows, longest + cap, batched)
+    try:
+        t_rows, d_rows = Rows(target, n_rows, total, batched), Rows(draft, n_rows, total, batched)
+        if max(len(r) for r in rows) > 1:  # caches hold every prompt token but the last: the first "pending"
+            t_rows.prefill([r[:-1] for r in rows])
+            d_rows.prefill([r[:-1] for r in rows])
+            for s in [stats, *row_stats]:
+                s.target_calls += 1
+                s.draft_calls += 1
+        if static is not None:  # the prefilled caches move into the fixed-capacity device caches
+            for decoder, eager in zip(static, (t_rows, d_rows)):
+                decoder.load(eager.caches[0], eager.lengths)
+            t_rows, d_rows = static
+        yield from _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy, adaptive_gamma,
+                          stats, row_stats, device, pad_verify=static is not None)
+    finally:
+        for decoder in static or ():
+            decoder.release()
+
+
+def _static_pair(target, draft, compile: str, batch: int, needed: int, batched: bool):
+    """(target, draft) :class:`~efftx.generation.compiled.StaticDecoder`s for ``compile`` "on"/"auto", or None
+    (eager: ``compile="off"``, or "auto" where either model cannot; "on" raises then)."""
+    mode = compiled.CompileOptions(compile).compile
+    if mode == "off":
+        return None
+    if not batched:
+        if mode == "on":
+            raise compiled.CompileUnavailable("compile='on' decodes the rows batched: it does not go with "
+                                              "batched=False")
+        return None
+    pair = []
+    for model in (target, draft):
+        decoder, _ = compiled.plan(model, mode, batch, needed)
+        if decoder is None:  # "auto" and this model cannot (plan logged why): both decode eagerly
+            for other in pair:
+                other.release()
+            return None
+        pair.append(decoder)
+    return tuple(pair)
+
+
+def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy, adaptive_gamma, stats, row_stats,
+           device, pad_verify: bool):
+    """The decoding loop of :func:`iter_speculative_rows` over prefilled target/draft states (eager
+    :class:`~efftx.generation.decode.Rows` or compiled :class:`~efftx.generation.compiled.StaticDecoder`).
+
+    Per step: ``gamma`` batched draft passes (tokens drawn on the device), one batched target pass, then every
+    row's acceptance, its last token (residual or bonus) and its cache rewinds from tensors; the host reads one
+    (B, gamma + 2) tensor per step (accepted counts, last tokens, drafts) to yield the tokens and size the rewinds.
+    ``pad_verify``: the verify pass always feeds ``cap + 1`` tokens (one compiled shape under an adaptive gamma;
+    the padding sits after every row's real tokens, so causal attention keeps it out of their logits, and the
+    rewind drops it)."""
+    n_rows = len(rows)
     pending = torch.tensor([r[-1] for r in rows], device=device)
     produced = [0] * n_rows
     while True:
@@ -181,43 +291,66 @@ def iter_speculative_rows(target, draft, prompts: Sequence[Sequence[int]] | torc
             return
         # this step drafts as many tokens as its longest-drafting row; a row verifies only its own
         gamma_step = max(g for g, a in zip(row_gamma, active) if a)
+        own = [g if a else 0 for g, a in zip(row_gamma, active)]  # drafts each row verifies (0: finished)
         tokens, q = [], []
         token = pending
         for i in range(gamma_step):
-            dist = probabilities(d_rows.forward(token[:, None])[:, -1], **sampling)  # (B, V)
-            need = [i < g for g in row_gamma]
-            token = draw(dist, gens) if all(need) else _draw_some(dist, gens, need)
-            tokens.append(token)
-            q.append(dist)
-        drafted, q = torch.stack(tokens, 1), torch.stack(q, 1)  # (B, gamma_step), (B, gamma_step, V)
-        p = probabilities(t_rows.forward(torch.cat([pending[:, None], drafted], 1)), **sampling)  # (B, g+1, V)
-        picked = drafted[..., None]
-        ratios = (p[:, :gamma_step].gather(-1, picked) / q.gather(-1, picked).clamp_min(1e-30))[..., 0].tolist()
-        drafted_list = drafted.tolist()
-        emitted, accepted, keep = [], [], []
-        for r in range(n_rows):
-            if active[r]:
-                g = row_gamma[r]
-                out, n = verify(p[r, :g + 1], q[r, :g], drafted_list[r][:g], ratios[r][:g], gens[r])
+            logits = d_rows.forward(token[:, None])[:, -1]  # (B, V)
+            if greedy:
+                token = logits.argmax(-1)
             else:
-                out, n = [], -1  # finished: this step is undone below
-            out = out[: limits[r] - produced[r]]
+                dist = probabilities(logits, **sampling)
+                need = [i < g for g in row_gamma]
+                token = sample_rows(dist, gens, None if all(need) else need)
+                q.append(dist)
+            tokens.append(token)
+        drafted = torch.stack(tokens, 1)  # (B, gamma_step)
+        fed = [pending[:, None], drafted]
+        if pad_verify and gamma_step < cap:
+            fed.append(torch.zeros(n_rows, cap - gamma_step, dtype=drafted.dtype, device=device))
+        t_logits = t_rows.forward(torch.cat(fed, 1))[:, :gamma_step + 1]  # (B, gamma_step + 1, V)
+        n_fed = sum(t.shape[1] for t in fed)
+        if gamma_step == max(own) == min(own):
+            within = None  # every row verifies all the drafts
+        else:
+            within = torch.arange(gamma_step, device=device) < torch.tensor(own, device=device)[:, None]
+        if greedy:  # p and q are one-hot: x_i is accepted iff it is the target's argmax, which is also the last token
+            best = t_logits.argmax(-1)  # (B, gamma_step + 1)
+            accept = drafted == best[:, :gamma_step]
+            n = accepted_counts(accept if within is None else accept & within)
+            last = best.gather(1, n[:, None])[:, 0]
+        else:
+            p, q = probabilities(t_logits, **sampling), torch.stack(q, 1)  # (B, g + 1, V), (B, g, V)
+            picked = drafted[..., None]
+            ratio = (p[:, :gamma_step].gather(-1, picked) / q.gather(-1, picked).clamp_min(1e-30))[..., 0]
+            u = row_uniforms(gens, own, gamma_step, device)
+            accept = u < ratio  # accepted with probability min(1, p/q)
+            n = accepted_counts(accept if within is None else accept & within)
+            full = n == torch.tensor(row_gamma, device=device)
+            last = sample_rows(correction(p, q, n, full), gens, active)
+        # the one read back per step: accepted counts, last tokens and the drafts, (B, gamma_step + 2)
+        host = torch.cat([n[:, None], last[:, None], drafted], 1).tolist()
+        emitted, accepted, keep = [], [], []
+        for r, (n_r, last_r, *drafts) in enumerate(host):
+            if active[r]:
+                out = (drafts[:n_r] + [last_r])[: limits[r] - produced[r]]
+                # tokens the caches keep after pending; -1 below = undo the step (a finished row)
+                keep.append(kept_tokens(n_r, len(out), row_gamma[r]))
+            else:
+                out, n_r = [], -1
+                keep.append(-1)
             emitted.append(out)
-            accepted.append(n)
-            # tokens the caches keep after pending: the accepted ones, fewer where the output was cut at
-            # the row's limit (so a finished row's caches end where its output ends); -1 = undo the step
-            keep.append(min(n, len(out) - 1))
-        # The target cache got pending + gamma_step drafted tokens; a row keeps pending + its kept tokens.
-        t_rows.rewind([gamma_step - k for k in keep])
+            accepted.append(n_r)
+        # The target cache got pending + n_fed - 1 tokens; a row keeps pending + its kept tokens.
+        t_rows.rewind([n_fed - 1 - k for k in keep])
         # The draft saw pending + gamma_step - 1 drafted; a row that keeps all of them needs the last one too.
         held = gamma_step
         if gamma_step in keep:
             d_rows.forward(drafted[:, -1:])
             held = gamma_step + 1
         d_rows.rewind([held - 1 - k for k in keep])
-        draft_passes = held
         for s in [stats] + [row_stats[r] for r in range(n_rows) if active[r]]:
-            s.draft_calls += draft_passes
+            s.draft_calls += held
             s.target_calls += 1
         for r in range(n_rows):
             if active[r]:
@@ -228,8 +361,7 @@ def iter_speculative_rows(target, draft, prompts: Sequence[Sequence[int]] | torc
                 produced[r] += len(emitted[r])
                 if adaptive_gamma:
                     row_gamma[r] = next_gamma(row_gamma[r], row_gamma[r], accepted[r], cap)
-        last = [e[-1] if e else int(t) for e, t in zip(emitted, pending.tolist())]
-        pending = torch.tensor(last, device=device)
+        pending = last  # a row still decoding ended its step on its last token; a finished row's is never used
         yield emitted
 
 
@@ -245,19 +377,19 @@ def iter_speculative(target, draft, prompt: list[int], max_new_tokens: int, *, s
 def speculative_generate(target, draft, prompts: Sequence[Sequence[int]] | torch.Tensor,
                          max_new_tokens: int | Sequence[int], *,
                          gamma: int = 5, seed: int | None = None, batched: bool | None = None,
-                         adaptive_gamma: bool = False, max_gamma: int | None = None,
+                         adaptive_gamma: bool = False, max_gamma: int | None = None, compile: str = "off",
                          **sampling) -> tuple[list[list[int]], SpecStats]:
     """Generate ``max_new_tokens`` per prompt (prompts may differ in length). Returns tokens and stats.
 
     Row r uses seed ``seed + r``; see :func:`iter_speculative_rows` (``adaptive_gamma``: a draft length per row
-    from its acceptance, off by default: a fixed ``gamma``).
+    from its acceptance, off by default: a fixed ``gamma``; ``compile``: compiled draft and verify passes).
     """
     rows = as_rows(prompts)
     stats = SpecStats(gamma=max_gamma if adaptive_gamma and max_gamma is not None else gamma)
     outputs: list[list[int]] = [[] for _ in rows]
     for step in iter_speculative_rows(target, draft, rows, max_new_tokens, gamma=gamma, seed=seed, stats=stats,
                                       batched=batched, adaptive_gamma=adaptive_gamma, max_gamma=max_gamma,
-                                      **sampling):
+                                      compile=compile, **sampling):
         for out, toks in zip(outputs, step):
             out.extend(toks)
     return outputs, stats
