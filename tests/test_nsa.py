@@ -14,6 +14,7 @@ import torch
 from efftx import attention, recipes
 from efftx.attention import nsa_cpu
 from efftx.attention.base import AttentionSpec
+from efftx.attention.cache import RaggedCacheError
 from efftx.attention.nsa import (NativeSparseAttention, NSACache, NSAOptions, complete_blocks, eq9_to_selection,
                                  overlap_to_selection, sliding_window_attention)
 from efftx.config import Config
@@ -879,7 +880,7 @@ def test_cache_holds_compressed_blocks_and_the_partial_block_and_rewinds():
     out = backend(q[:, :13], k[:, :13], v[:, :13], cache=cache, x=x[:, :13])
     torch.testing.assert_close(out, full[:, :13], rtol=1e-5, atol=1e-6)
     assert cache.length == 13 and cache.blocks == 2  # [0, 8) and [4, 12)
-    torch.testing.assert_close(cache.ck[:, :2], backend.compress_k(k[:, :13]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(cache.ck[:, :, :2].transpose(1, 2), backend.compress_k(k[:, :13]), rtol=1e-5, atol=1e-6)
     pk, pv = cache.partial()
     assert torch.equal(pk, k[:, 8:13]) and torch.equal(pv, v[:, 8:13])  # from the next block's start on
     cache.rewind(2)  # 11 tokens: block [4, 12) loses a token
@@ -889,8 +890,10 @@ def test_cache_holds_compressed_blocks_and_the_partial_block_and_rewinds():
     assert cache.blocks == complete_blocks(22, 8, 4) == 4
     cache.rewind([3, 3])
     assert cache.length == 19
-    with pytest.raises(ValueError, match="equal length"):
-        cache.rewind([1, 2])
+    cache.rewind([1, 2])  # rows of different lengths (ragged): each row keeps its own
+    assert cache.lengths == [18, 17] and cache.row_pos.tolist() == [18, 17]
+    with pytest.raises(RaggedCacheError):
+        cache.blocks
     with pytest.raises(ValueError):
         cache.rewind(20)
 

@@ -67,14 +67,19 @@ reference, forward and gradients).
 Rotary positions are applied to q and k by the outer attention module, so the compressed branch
 compresses rotated keys and scores them with rotated queries. Attention dropout does not apply.
 
-Cached decoding (:class:`NSACache`): a :class:`KVCache` of every key/value, the compressed keys and
-values of every complete block (each block is compressed once, when its last token arrives) and, as the
-tail of the key cache, the tokens not yet compressed (with ``separate_kv`` also the compressed and window
-branches' own keys/values, whole, so that a rewind can cut them). Each call runs exactly the full forward's
-computation for the new queries, so decoding equals the full forward (up to rounding, which could only
-change a selection where two blocks' importances tie to within it). ``rewind(n)`` shortens the key
-cache and drops the compressed blocks that lose a token. Rows of one cache stay of equal length
-(``supports_ragged`` is False).
+Cached decoding (:class:`NSACache`, ragged: rows may hold different numbers of tokens, and every cache tensor is one
+entry per row, so rows can be split and joined for continuous batching): preallocated kv-head-major keys/values
+(a table of whole selection blocks), the compressed keys/values of every complete block (each block compressed
+once, when its last token arrives, row by row) after the memory slots, with ``separate_kv`` also the compressed and
+window branches' own keys/values, and the row positions on the device. A call writes its tokens at each row's
+position, compresses the blocks they complete, then :meth:`NativeSparseAttention.decode` attends in place: the
+compressed scores over the blocks each query sees (O(blocks)), the importances, ranking and forced blocks as the
+uncached forward defines them per query, the selected blocks gathered from the block table and the last
+``window`` keys (O(selected + window keys)), no copy of the cache. A cached call of rows of equal length with more
+than ``DECODE_QUERIES`` tokens (a prefill) runs the uncached forward's path over the cache's keys instead. Either way
+decoding equals the full forward (up to rounding, which could only change a selection where two blocks' importances
+tie to within it). ``rewind(n)`` (one count, or one per row) shortens rows; compressed blocks that lose a token are
+recompressed when they complete again. Cached calls are for inference (no diff_topk gradients).
 """
 
 from __future__ import annotations
@@ -88,8 +93,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from efftx.attention.base import AttentionBackend, AttentionSpec
-from efftx.attention.cache import KVCache
-from efftx.attention.nsa_cpu import logit_importance, nsa_attention
+from efftx.attention.cache import RowLengths
+from efftx.attention.nsa_cpu import _to_selection, logit_importance, nsa_attention
 from efftx.attention.registry import register
 from efftx.errors import ConfigError
 
@@ -98,6 +103,9 @@ from efftx.errors import ConfigError
 _SCORE_CHUNK_CPU = 1 << 23
 _SCORE_CHUNK_ACCELERATOR = 1 << 27
 _TIE_BREAK = 1e-12  # per block index, added in float64: exact importance ties go to the most recent block
+# Queries per chunk of the cached decoding path (NativeSparseAttention.decode); a cached call of rows of equal length
+# with more new tokens than this (a prefill) takes the uncached forward's path over the cache's keys instead.
+DECODE_QUERIES = 64
 
 
 @dataclass
@@ -369,73 +377,134 @@ class PoolCompressor(BlockCompressor):
 COMPRESSORS = {"mlp": BlockCompressor, "conv_linear": LinearCompressor, "attention_pool": PoolCompressor}
 
 
-class NSACache:
-    """Decoding state of one NSA layer (rows of equal length).
+class NSACache(RowLengths):
+    """Decoding state of one NSA layer; rows may hold different numbers of tokens (ragged, :class:`RowLengths`).
 
-    ``kv``: every key/value so far (:class:`KVCache`). ``ck``/``cv`` (B, max blocks, Hkv, D): the
-    compressed keys/values of the ``blocks`` complete blocks. The keys from ``blocks * stride`` on,
-    not yet in any compressed block, are the partial block (:meth:`partial`). With ``separate`` (``separate_kv``)
-    the compressed and window branches' own keys/values are kept too (``kv_cmp``, ``kv_win``; else both are ``kv``).
+    Every tensor is one entry per row along dim 0 (so rows can be split and joined,
+    :func:`efftx.generation.decode.splittable`), preallocated for ``max_len`` tokens:
+
+    * ``k``, ``v`` (B, Hkv, capacity, D): every key/value, kv-head-major, the capacity rounded up to whole
+      selection blocks, so that ``k.view(B * Hkv * blocks, l' * D)`` is a table of selection blocks (a selected
+      block is one row of it, gathered without copying the cache);
+    * with ``separate`` (``separate_kv``) also the compressed branch's ``k_cmp``, ``v_cmp`` and the window branch's
+      ``k_win``, ``v_win`` (else both branches read ``k``, ``v``);
+    * ``ck``, ``cv`` (B, Hkv, M + max blocks, D): the ``compress_mem_kv`` memory slots (written from the layer's
+      parameters at every call), then the compressed keys/values of the row's complete blocks: block ``j`` is
+      compressed once, when its last token arrives; a row's first ``complete_blocks(lengths[b])`` are valid, the
+      later ones are stale after a rewind and recompressed when their block completes again;
+    * ``row_pos`` (B,) long: ``lengths`` on the device (the next token's position per row).
     """
 
-    def __init__(self, batch_size: int, max_len: int, kv_heads: int, head_dim: int, block: int, stride: int, *,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, separate: bool = False):
-        self.kv = KVCache(batch_size, max_len, kv_heads, head_dim, device=device, dtype=dtype)
-        new = lambda: KVCache(batch_size, max_len, kv_heads, head_dim, device=device, dtype=dtype)  # noqa: E731
-        self.kv_cmp = new() if separate else self.kv
-        self.kv_win = new() if separate else self.kv
-        self.block, self.stride = block, stride
-        n = max(complete_blocks(max_len, block, stride), 0)
-        self.ck = torch.zeros(batch_size, n, kv_heads, head_dim, device=device, dtype=dtype)
+    def __init__(self, batch_size: int, max_len: int, kv_heads: int, head_dim: int, block: int, stride: int,
+                 sel_block: int = 0, mem: int = 0, *, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, separate: bool = False):
+        super().__init__(batch_size, device)
+        self.block, self.stride, self.sel_block = block, stride, sel_block or block
+        self.mem, self.separate, self.capacity = mem, separate, max_len
+        cap = -(-max(max_len, 1) // self.sel_block) * self.sel_block
+        new = lambda: torch.zeros(batch_size, kv_heads, cap, head_dim, device=device, dtype=dtype)  # noqa: E731
+        self.k, self.v = new(), new()
+        if separate:
+            self.k_cmp, self.v_cmp, self.k_win, self.v_win = new(), new(), new(), new()
+        n = mem + max(complete_blocks(max_len, block, stride), 0)
+        self.ck = torch.zeros(batch_size, kv_heads, n, head_dim, device=device, dtype=dtype)
         self.cv = torch.zeros_like(self.ck)
-        self.blocks = 0
-
-    @property
-    def length(self) -> int:
-        return self.kv.length
+        self.row_pos = torch.zeros(batch_size, dtype=torch.long, device=device)
 
     @property
     def max_len(self) -> int:
-        return self.kv.max_len
+        return self.capacity
+
+    @property
+    def blocks(self) -> int:
+        """Complete compressed blocks of the rows (equal rows only)."""
+        return complete_blocks(self.length, self.block, self.stride)
+
+    def cmp_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The compressed branch's keys/values (B, Hkv, capacity, D)."""
+        return (self.k_cmp, self.v_cmp) if self.separate else (self.k, self.v)
+
+    def win_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The window branch's keys/values (B, Hkv, capacity, D)."""
+        return (self.k_win, self.v_win) if self.separate else (self.k, self.v)
+
+    def offset(self) -> int | torch.Tensor:
+        """Position of each row's next token: an int for equal rows, else (B, 1) long on the device."""
+        return self.row_pos[:, None] if self.ragged else self.length
 
     def partial(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys/values (B, P, Hkv, D) from the start of the next block to compress to the end."""
-        start = self.blocks * self.stride
-        return self.kv_cmp.k[:, start:self.length], self.kv_cmp.v[:, start:self.length]
+        """Keys/values (B, P, Hkv, D) (equal rows) from the start of the next block to compress to the end."""
+        start, end = self.blocks * self.stride, self.length
+        kc, vc = self.cmp_kv()
+        return kc[:, :, start:end].transpose(1, 2), vc[:, :, start:end].transpose(1, 2)
 
-    def append(self, k: torch.Tensor, v: torch.Tensor, compress_k: BlockCompressor, compress_v: BlockCompressor,
-               cmp: tuple[torch.Tensor, torch.Tensor] | None = None,
-               win: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """Store new keys/values (and, with separate projections, the compressed branch's ``cmp`` and the window
-        branch's ``win``), compress the blocks they complete; return ((k, v), (window k, v), ck, cv) so far."""
-        if (cmp is not None) != (self.kv_cmp is not self.kv):
+    def keys(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
+        """Equal rows: ((k, v), (window k, v), ck, cv) so far as (B, T, Hkv, D) / (B, Nc, Hkv, D) (memory slots
+        left out), contiguous, the layout of the uncached forward."""
+        end = self.length
+        n = self.mem + complete_blocks(end, self.block, self.stride)
+        seq = lambda t: t[:, :, :end].transpose(1, 2).contiguous()  # noqa: E731
+        kv = (seq(self.k), seq(self.v))
+        win = (seq(self.k_win), seq(self.v_win)) if self.separate else kv
+        return kv, win, self.ck[:, :, self.mem:n].transpose(1, 2), self.cv[:, :, self.mem:n].transpose(1, 2)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, cmp: tuple[torch.Tensor, torch.Tensor] | None = None,
+              win: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[int]:
+        """Store (B, T, Hkv, D) new keys/values (and, with separate projections, the compressed branch's ``cmp``
+        and the window branch's ``win``) at each row's own position; return the row lengths before."""
+        if (cmp is not None) != self.separate:
             raise ValueError("this nsa cache was made for another attention.nsa.separate_kv: make it with the "
                              "layer's new_cache")
-        k, v = self.kv.append(k, v)  # (B, L, Hkv, D)
-        kc, vc = self.kv_cmp.append(*cmp) if self.kv_cmp is not self.kv else (k, v)
-        kw, vw = self.kv_win.append(*win) if self.kv_win is not self.kv else (k, v)
-        n = complete_blocks(self.length, self.block, self.stride)
-        if n > self.blocks:
-            self.ck[:, self.blocks:n] = compress_k(kc, self.blocks, n - self.blocks).to(self.ck.dtype)
-            self.cv[:, self.blocks:n] = compress_v(vc, self.blocks, n - self.blocks).to(self.cv.dtype)
-            self.blocks = n
-        return (k, v), (kw, vw), self.ck[:, :n], self.cv[:, :n]
+        if k.shape[0] != len(self.lengths):
+            raise ValueError(f"{k.shape[0]} rows of keys for an nsa cache of {len(self.lengths)} rows")
+        before, t = list(self.lengths), k.shape[1]
+        self._grow(t, self.capacity, "nsa cache")
+        pairs = [(self.k, k), (self.v, v)]
+        if self.separate:
+            pairs += [(self.k_cmp, cmp[0]), (self.v_cmp, cmp[1]), (self.k_win, win[0]), (self.v_win, win[1])]
+        if len(set(before)) == 1:
+            a = before[0]
+            for dst, src in pairs:
+                dst[:, :, a:a + t] = src.transpose(1, 2)
+        else:
+            slots = self.row_pos[:, None] + torch.arange(t, device=self.row_pos.device)  # (B, T)
+            rows = torch.arange(len(before), device=self.row_pos.device)[:, None]
+            for dst, src in pairs:
+                dst[rows, :, slots] = src.to(dst.dtype)  # indexed as (B, T, Hkv, D)
+        self.row_pos += t
+        return before
 
-    def rewind(self, n: int | Sequence[int]) -> None:
-        """Forget the last ``n`` tokens (one count, or one per row, all equal); compressed blocks that
-        lose a token are dropped (recompressed when they complete again)."""
-        if not isinstance(n, int):
-            counts = {int(c) for c in n}
-            if len(counts) != 1:
-                raise ValueError(f"the nsa cache keeps rows of equal length; got rewind counts {list(n)}")
-            n = counts.pop()
-        for kv in {id(c): c for c in (self.kv, self.kv_cmp, self.kv_win)}.values():
-            kv.rewind(n)
-        self.blocks = min(self.blocks, complete_blocks(self.length, self.block, self.stride))
+    def compress(self, before: Sequence[int], compress_k: BlockCompressor, compress_v: BlockCompressor) -> None:
+        """Compress the blocks that the tokens after ``before`` (row lengths) completed, row by row."""
+        ends = [complete_blocks(n, self.block, self.stride) for n in self.lengths]
+        starts = [complete_blocks(n, self.block, self.stride) for n in before]
+        if all(e <= s for s, e in zip(starts, ends)):
+            return
+        kc, vc = self.cmp_kv()
+        l, d, m = self.block, self.stride, self.mem
+        if len(set(starts)) == 1 and len(set(ends)) == 1:  # the same blocks in every row: slices
+            j0, j1 = starts[0], ends[0]
+            for net, src, dst in ((compress_k, kc, self.ck), (compress_v, vc, self.cv)):
+                seg = src[:, :, j0 * d:(j1 - 1) * d + l].unfold(2, l, d)  # (B, Hkv, N, D, l)
+                out = net._compress(seg.permute(0, 2, 1, 4, 3))  # (B, N, Hkv, D)
+                dst[:, :, m + j0:m + j1] = out.transpose(1, 2).to(dst.dtype)
+            return
+        pairs = [(b, j) for b, (s, e) in enumerate(zip(starts, ends)) for j in range(s, e)]
+        dev = self.row_pos.device
+        rows = torch.tensor([b for b, _ in pairs], device=dev)
+        cols = torch.tensor([j for _, j in pairs], device=dev)
+        tok = cols[:, None] * d + torch.arange(l, device=dev)  # (N, l)
+        for net, src, dst in ((compress_k, kc, self.ck), (compress_v, vc, self.cv)):
+            blocks = src[rows[:, None], :, tok].transpose(1, 2)  # (N, Hkv, l, D)
+            dst[rows, :, m + cols] = net._compress(blocks[None])[0].to(dst.dtype)  # (N, Hkv, D)
+
+    def _rewound(self, old: list[int]) -> None:
+        self.row_pos = torch.tensor(self.lengths, dtype=torch.long).to(self.row_pos.device, non_blocking=True)
 
 
 @register("nsa", options=NSAOptions)
 class NativeSparseAttention(AttentionBackend):
+    supports_ragged = True  # NSACache keeps per-row lengths; decode() works at each row's own positions
     # overlapping compressed blocks (stride 4 < block 8), 2 of up to 3 past selection blocks, a short window
     contract_options = {"compress_block_size": 8, "compress_stride": 4, "selection_block_size": 8,
                         "num_selected_blocks": 2, "sliding_window_size": 6, "compress_mlp_mult": 0.5}
@@ -506,8 +575,8 @@ class NativeSparseAttention(AttentionBackend):
 
     def new_cache(self, batch_size, max_len, device, dtype) -> NSACache:
         s = self.spec
-        return NSACache(batch_size, max_len, s.kv_heads, s.head_dim, self.block, self.stride, device=device,
-                        dtype=dtype, separate=self.separate)
+        return NSACache(batch_size, max_len, s.kv_heads, s.head_dim, self.block, self.stride, self.sel_block, self.mem,
+                        device=device, dtype=dtype, separate=self.separate)
 
     # ------------------------------------------------------------------------------------ branches
 
@@ -628,19 +697,38 @@ class NativeSparseAttention(AttentionBackend):
         if x is None:
             raise ValueError("the nsa backend gates its branches by the hidden state: call it with x=(B, T, dim)")
         b, tq, h, _ = q.shape
+        g = torch.sigmoid(self.gate(x)).view(b, tq, h, 3)
         cmp = win = None
         if self.separate:  # the compressed and window branches' own keys/values
-            offset = cache.length if cache is not None else 0
+            offset = cache.offset() if cache is not None else 0
             cmp, win = self.branch_kv(self.kv_cmp, x, offset), self.branch_kv(self.kv_win, x, offset)
-        if cache is not None:  # all tokens so far
-            (k, v), (kw, vw), ck, cv = cache.append(k, v, self.compress_k, self.compress_v, cmp, win)
-        else:
+        if cache is None:
             kc, vc = cmp if cmp is not None else (k, v)
             kw, vw = win if win is not None else (k, v)
             ck, cv = self.compress_k(kc), self.compress_v(vc)  # (B, Nc, Hkv, D)
+            return self.attend(q, k, v, kw, vw, ck, cv, g)
+        before = cache.write(k, v, cmp, win)
+        cache.compress(before, self.compress_k, self.compress_v)
+        if self.mem:
+            cache.ck[:, :, :self.mem] = self.mem_k.to(cache.ck.dtype)
+            cache.cv[:, :, :self.mem] = self.mem_v.to(cache.cv.dtype)
+        if len(set(before)) == 1 and tq > DECODE_QUERIES:  # a prefill of equal rows: the uncached forward's path
+            (k, v), (kw, vw), ck, cv = cache.keys()
+            return self.attend(q, k, v, kw, vw, ck, cv, g)
+        out = q.new_empty(q.shape)
+        start = cache.row_pos - tq  # (B,) each row's first new position
+        for a in range(0, tq, DECODE_QUERIES):
+            e = min(a + DECODE_QUERIES, tq)
+            pos = start[:, None] + torch.arange(a, e, device=q.device)  # (B, c)
+            out[:, a:e] = self.decode(q[:, a:e], g[:, a:e], pos, cache, max(before) + e)
+        return out
+
+    def attend(self, q, k, v, kw, vw, ck, cv, g) -> torch.Tensor:
+        """The three branches over all keys so far: q (B, Tq, H, D) the last Tq positions of k, v (B, Tk, Hkv, D),
+        window keys kw, vw, compressed ck, cv (B, Nc, Hkv, D) without the memory slots, gates g (B, Tq, H, 3)."""
+        b, tq, h, _ = q.shape
         ck, cv = self.with_memory(ck, cv)  # (B, M + Nc, Hkv, D)
         tk = k.shape[1]
-        g = torch.sigmoid(self.gate(x)).view(b, tq, h, 3)
         if not self.share and h != k.shape[2]:
             # per-head selection: every query head its own kv "group" (k, v, ck, cv repeated per query head), so
             # each path (chunked CPU, reference, Triton) ranks blocks by that head's scores alone
@@ -663,3 +751,98 @@ class NativeSparseAttention(AttentionBackend):
         out_win = sliding_window_attention(q, kw, vw, self.window, self.scale)
         g = g.unsqueeze(-1).to(q.dtype)
         return g[:, :, :, 0] * out_cmp + g[:, :, :, 1] * out_sel + g[:, :, :, 2] * out_win  # (B, T, H, D)
+
+    def decode(self, q: torch.Tensor, g: torch.Tensor, pos: torch.Tensor, cache: NSACache, hi: int) -> torch.Tensor:
+        """Cached decoding of queries q (B, c, H, D) at positions ``pos`` (B, c) (rows may differ), whose keys are
+        already in ``cache``; g (B, c, H, 3) the gates; ``hi`` (host) bounds the keys any of them reads. Reads the
+        cache in place: O(blocks) for the compressed scores and the importances, O(selected + window keys) for
+        the rest, no copy of the keys. Each query's result is the uncached forward's (same selection rules)."""
+        b, c, h, d = q.shape
+        hkv = cache.k.shape[1]
+        grp = h // hkv
+        hs, gs = (hkv, grp) if self.share or grp == 1 else (h, 1)  # selection groups, query heads per group
+        work = torch.promote_types(q.dtype, torch.float32)
+        l, mem, inf = self.sel_block, self.mem, float("inf")
+        qw = q.to(work) * self.scale
+        qr = qw.view(b, c, hkv, grp, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, grp * c, d)  # group heads as rows
+        unrows = lambda t: t.view(b, hkv, grp, c, d).permute(0, 3, 1, 2, 4).reshape(b, c, h, d)  # noqa: E731
+
+        # compressed branch: the memory slots and the complete blocks each query sees
+        ncol = mem + complete_blocks(hi, self.block, self.stride)
+        vis = mem + visible_blocks(pos, self.block, self.stride)  # (B, c) columns seen
+        scores = probs = None
+        if ncol:
+            hidden = torch.arange(ncol, device=q.device) >= vis[..., None]  # (B, c, ncol)
+            scores = torch.matmul(qr, cache.ck[:, :, :ncol].to(work).transpose(-1, -2))  # (B, Hkv, G * c, ncol)
+            scores = scores.view(b, hkv, grp, c, ncol).masked_fill(hidden[:, None, None], -inf)
+            probs = scores.softmax(-1).nan_to_num_(0.0)  # a query that sees nothing: zeros
+            out_cmp = unrows(torch.matmul(probs.view(b, hkv, grp * c, ncol), cache.cv[:, :, :ncol].to(work)))
+        else:
+            out_cmp = qw.new_zeros(b, c, h, d)
+
+        # selection: the own block, then the top past blocks by importance (forced ones first)
+        own = pos // l  # (B, c)
+        cand = (hi - 1) // l  # blocks before the last query's own block
+        k_top = min(self.n_sel, cand)
+        idx = own[:, None, :, None].expand(b, hs, c, 1)
+        if k_top:
+            blocks = torch.arange(cand, device=q.device)
+            nb = ncol - mem
+            mapping = self.opts.score_mapping
+            if self.opts.importance == "logits_softmax":
+                if nb:
+                    lg = scores.view(b, hs, gs, c, ncol)[..., mem:]
+                    mean = lg.masked_fill(hidden[:, None, None, :, mem:], 0.0).mean(2)  # (B, Hs, c, nb)
+                    z = _to_selection(mean, self.block, self.stride, l, cand, mapping)
+                else:
+                    z = qw.new_zeros(b, hs, c, cand)
+                past = (blocks < own[..., None])[:, None]  # (B, 1, c, cand)
+                z = z.masked_fill(~past, -inf).masked_fill(~past.any(-1, keepdim=True), 0.0)
+                imp = z.softmax(-1) * past
+                if not mem:  # a query that sees no compressed column ranks by zeros (as the chunked path)
+                    imp = imp * (vis > 0)[:, None, :, None]
+            elif nb:
+                p = probs.view(b, hs, gs, c, ncol)[..., mem:]
+                imp = _to_selection(p[:, :, 0] if gs == 1 else p.sum(2), self.block, self.stride, l, cand, mapping)
+            else:
+                imp = qw.new_zeros(b, hs, c, cand)
+            rank = imp.double() + blocks * _TIE_BREAK  # (B, Hs, c, cand)
+            if self.opts.min_importance > 0:
+                rank = rank.masked_fill(imp < self.opts.min_importance, -inf)
+            own4 = own[:, None, :, None]
+            if self.initial or self.local > 1:
+                rank = rank.masked_fill(forced_blocks(blocks, own4, self.initial, self.local), inf)
+            rank = rank.masked_fill(blocks >= own4, -inf)
+            top = rank.topk(k_top, dim=-1)
+            idx = torch.cat([idx, top.indices.masked_fill(top.values == -inf, -1)], -1)  # (B, Hs, c, S)
+
+        # selected branch: whole blocks gathered from the cache's block table
+        s = idx.shape[-1]
+        nblk = cache.k.shape[2] // l
+        heads = torch.arange(hs, device=q.device) // (1 if hs == hkv else grp)  # kv head of each group
+        base = (torch.arange(b, device=q.device)[:, None] * hkv + heads) * nblk  # (B, Hs)
+        flat = (base[:, :, None, None] + idx.clamp(min=0)).view(-1)
+        ks = cache.k.view(-1, l * d).index_select(0, flat).view(b, hs, c, s * l, d).to(work)
+        vs = cache.v.view(-1, l * d).index_select(0, flat).view(b, hs, c, s * l, d).to(work)
+        key = idx[..., None] * l + torch.arange(l, device=q.device)  # (B, Hs, c, S, l)
+        ok = (idx[..., None] >= 0) & (key <= pos[:, None, :, None, None])
+        qs = qw.view(b, c, hs, gs, d).transpose(1, 2)  # (B, Hs, c, Gs, D)
+        att = torch.matmul(qs, ks.transpose(-1, -2)).masked_fill(~ok.view(b, hs, c, 1, s * l), -inf)
+        out = torch.matmul(att.softmax(-1), vs).transpose(1, 2).reshape(b, c, h, d)  # the own key: never empty
+
+        # window branch: the last `window` keys of each query
+        kwin, vwin = cache.win_kv()
+        wk = self.window + c - 1
+        kpos = pos[:, :1] - self.window + 1 + torch.arange(wk, device=q.device)  # (B, W)
+        at = kpos.clamp(min=0)[:, None, :, None].expand(b, hkv, wk, d)
+        kw, vw = kwin.gather(2, at).to(work), vwin.gather(2, at).to(work)  # (B, Hkv, W, D)
+        p = pos[..., None]
+        seen = (kpos[:, None] >= 0) & (kpos[:, None] <= p) & (kpos[:, None] > p - self.window)  # (B, c, W)
+        sw = torch.matmul(qr, kw.transpose(-1, -2)).view(b, hkv, grp, c, wk).masked_fill(~seen[:, None, None], -inf)
+        out_win = unrows(torch.matmul(sw.softmax(-1).view(b, hkv, grp * c, wk), vw))
+
+        g = g.to(work)
+        out = out * g[..., 1:2]
+        out += out_win * g[..., 2:3]
+        out += out_cmp * g[..., 0:1]
+        return out.to(q.dtype)
