@@ -460,3 +460,30 @@ def test_a_stale_build_lock_is_removed_and_a_live_one_kept(monkeypatch, tmp_path
     os.utime(unbuilt / "lock", (now - ops.STALE_LOCK_UNBUILT_S - 5,) * 2)  # no build takes an hour
     assert ops.clear_stale_locks(tmp_path, log=lambda m: None) == [unbuilt / "lock"]
     assert (fresh / "lock").exists()
+
+
+def test_deepspeed_asks_py_cpuinfo_once_per_process(monkeypatch):
+    """DeepSpeed asks py-cpuinfo for the CPU (a child Python process per call, about a second) twice when it loads
+    CPU Adam's op (its compiler flags) and once per CPU Adam it builds (ZeRO-Offload):
+    efftx.train.ops.remember_cpu_info keeps the first answer for the process."""
+    import cpuinfo
+    from deepspeed.ops.op_builder.cpu import CPUAdamBuilder
+
+    from efftx.train import ops
+
+    calls = []
+    real = cpuinfo.get_cpu_info()
+
+    def counting():
+        calls.append(1)
+        return dict(real)
+
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", counting)
+    builder = CPUAdamBuilder()
+    flags = builder.cxx_args()  # DeepSpeed's own code: cpu_arch() and simd_width() each ask py-cpuinfo
+    assert len(calls) == 2
+    assert ops.remember_cpu_info() and ops.remember_cpu_info()  # idempotent: one memo
+    assert builder.cxx_args() == flags and builder.cxx_args() == flags  # the same compiler flags: no rebuild
+    assert len(calls) == 3  # one more call in all, then the kept answer
+    cpuinfo.get_cpu_info()["arch"] = "edited"  # a caller editing its copy changes nothing kept
+    assert cpuinfo.get_cpu_info()["arch"] == real["arch"]

@@ -41,10 +41,11 @@ def select_device(cfg) -> str:
 def set_accelerator_env(device: str) -> None:
     """DeepSpeed picks its accelerator from DS_ACCELERATOR at import: must run before importing it. Its compiled
     ops are cached with the venv (efftx.train.ops)."""
-    from efftx.train.ops import use_venv_cache
+    from efftx.train.ops import remember_cpu_info, use_venv_cache
 
     os.environ["DS_ACCELERATOR"] = "cuda" if device == "cuda" else "cpu"
     use_venv_cache()
+    remember_cpu_info()
 
 
 def deepspeed_config(cfg) -> dict:

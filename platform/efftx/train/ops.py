@@ -14,6 +14,7 @@ the CPU ops and says so when CUDA is present.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -52,6 +53,28 @@ def clear_stale_locks(cache: str | Path, log=print, now: float | None = None) ->
             log(f"removed {lock}: a build lock {age / 60:.0f} minutes old, left by a process stopped while building "
                 f"DeepSpeed's {lock.parent.name} op (every run would otherwise wait on it)")
     return removed
+
+
+def remember_cpu_info() -> bool:
+    """Keep py-cpuinfo's answer for this process. ``cpuinfo.get_cpu_info()`` starts a child Python process each call
+    (about a second on 2 cores), and DeepSpeed calls it twice per op it loads (its compiler flags: the shared-memory
+    op of every CPU run) and once per CPU Adam it builds, in every worker of every run. The CPU under a running
+    process does not change, so its first answer stands (callers get a copy). Returns whether the memo is in place
+    (False without py-cpuinfo)."""
+    try:
+        import cpuinfo
+    except ImportError:
+        return False
+    if getattr(cpuinfo.get_cpu_info, "efftx_memo", False):
+        return True
+    first = functools.cache(cpuinfo.get_cpu_info)
+
+    def get_cpu_info():
+        return dict(first())
+
+    get_cpu_info.efftx_memo = True
+    cpuinfo.get_cpu_info = get_cpu_info
+    return True
 
 
 def use_venv_cache() -> str:
