@@ -930,9 +930,10 @@ def test_tiny_nsa_blocks_sweep_completes(ray_cluster):
 
     from efftx.tuning import SPACES, sweep
 
-    summary = sweep("nsa_blocks", samples=2, max_concurrent=2, name="tiny-nsa-sweep",
+    # one point of the NSA space through the whole sweep path (tests/test_tune.py sweeps several points)
+    summary = sweep("nsa_blocks", samples=1, max_concurrent=1, name="tiny-nsa-sweep",
                     overrides=["train.steps=10", "train.eval_every=5", "train.checkpoint_every=10"])
-    assert summary["trials"] == 2 and summary["finished"] >= 1
+    assert summary["trials"] == 1 and summary["finished"] == 1
     assert set(summary["best"]) == set(SPACES["nsa_blocks"].grid)
     best = summary["best"]
     assert best["attention.nsa.selection_block_size"] % best["attention.nsa.compress_block_size"] == 0
