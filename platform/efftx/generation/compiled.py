@@ -243,21 +243,7 @@ class StaticDecoder:
             raise ValueError(f"compiled decoding cache overflow: {longest} positions > capacity {self.capacity}")
         self.row_lengths = [n + t for n in self.row_lengths]
         self.used = max(self.used, longest)
-        if not self.compiled:
-            return forward_step(self.model, tokens, self.cache)
-        if self.device_type == "cuda":
-            torch.compiler.cudagraph_mark_step_begin()
-        try:
-            return compiled_forward(self.device_type)(self.model, tokens, self.cache)
-        except Exception as e:  # compilation fails before the graph runs: nothing was written yet
-            if self.mode != "auto":
-                raise CompileUnavailable(f"compile='on': torch.compile of the decode step failed: "
-                                         f"{type(e).__name__}: {e}") from e
-            _BROKEN[self.device_type] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            log.warning("compiled decoding unavailable, decoding eagerly: torch.compile failed (%s)",
-                        _BROKEN[self.device_type])
-            self.compiled = False
-            return forward_step(self.model, tokens, self.cache)
+        return self._run(compiled_forward, forward_step, tokens)
 
     def rewind(self, counts) -> None:
         """Forget the last ``counts[b]`` tokens of row b: one subtraction on the device lengths."""
@@ -278,12 +264,17 @@ class StaticDecoder:
             raise ValueError(f"compiled decoding cache overflow: {self.used + 1} positions > capacity {self.capacity}")
         self.used += 1
         self.row_lengths = [n + 1 for n in self.row_lengths]
+        return self._run(compiled_step, decode_step, token)
+
+    def _run(self, compiled_fn, eager_fn, tokens: torch.Tensor) -> torch.Tensor:
+        """``compiled_fn(device_type)(model, tokens, cache)``, or ``eager_fn(model, tokens, cache)`` when not
+        compiled; a compile failure under ``auto`` switches this decoder to eager for good (and says why)."""
         if not self.compiled:
-            return decode_step(self.model, token, self.cache)
+            return eager_fn(self.model, tokens, self.cache)
         if self.device_type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs may be overwritten now
         try:
-            return compiled_step(self.device_type)(self.model, token, self.cache)
+            return compiled_fn(self.device_type)(self.model, tokens, self.cache)
         except Exception as e:  # compilation fails before the graph runs: nothing was written yet
             if self.mode != "auto":
                 raise CompileUnavailable(f"compile='on': torch.compile of the decode step failed: "
@@ -292,7 +283,7 @@ class StaticDecoder:
             log.warning("compiled decoding unavailable, decoding eagerly: torch.compile failed (%s)",
                         _BROKEN[self.device_type])
             self.compiled = False
-            return decode_step(self.model, token, self.cache)
+            return eager_fn(self.model, tokens, self.cache)
 
 
 def plan(model, compile: str, batch: int, needed: int) -> tuple[StaticDecoder | None, str]:
