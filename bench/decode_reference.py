@@ -2,6 +2,7 @@
 
     python bench/decode_reference.py --ref-path /tmp/refpkgs [--families nsa performer sinkhorn]
                                      [--prompt-len 64] [--new-tokens 128] [--rounds 2] [--device cpu]
+                                     [--breakdown]
 
 For each family the same architecture and size on both sides (efftx's recipe ``<family>_enwik8``, which mirrors
 the seed; the reference built as the seed script builds it, /work/shared/seeds/), random weights, batch 1, the same
@@ -11,7 +12,9 @@ generate/sample (native-sparse-attention-pytorch: ``Transformer.sample(..., use_
 decoding; performer-pytorch and sinkhorn-transformer: ``AutoregressiveWrapper.generate``, which has no cache and
 runs the whole sequence again per token). tokens/s = new tokens / wall seconds of the whole generation (prefill
 included), best of --rounds, both sides of a family measured alternately in this one process. Prints the ratio
-efftx / reference with issue 15's goal (at least 2x) marked per family.
+efftx / reference with issue 15's goal (at least 2x) marked per family. ``--breakdown`` times one more efftx
+generation with hooks on the attention backends and prints their share of it and the ratio's bound with the backends
+at no cost (what the rest of the model, shared with dense attention, allows).
 
 The reference packages are not efftx dependencies: install them into a scratch folder and pass it as --ref-path
 (put on sys.path), e.g. ``pip install --no-deps --target /tmp/refpkgs native-sparse-attention-pytorch
@@ -99,6 +102,29 @@ def reference_model(family: str, cfg, device: str):
     return generate, f"{type(net.net).__name__} AutoregressiveWrapper.generate (no cache)"
 
 
+def backend_share(model, run) -> tuple[float, float]:
+    """(wall seconds of ``run()``, seconds of it spent inside the model's attention backends, compression and
+    cache writes included), timed with forward hooks on every :class:`efftx.attention.base.AttentionBackend`."""
+    import torch
+
+    from efftx.attention.base import AttentionBackend
+
+    spent, start = [0.0], {}
+    pre = lambda m, *a: start.__setitem__(id(m), time.perf_counter())  # noqa: E731
+    post = lambda m, *a: spent.__setitem__(0, spent[0] + time.perf_counter() - start.pop(id(m)))  # noqa: E731
+    backends = [m for m in model.modules() if isinstance(m, AttentionBackend)]
+    hooks = [h for m in backends for h in (m.register_forward_pre_hook(pre, with_kwargs=True),
+                                           m.register_forward_hook(post, with_kwargs=True))]
+    try:
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            run()
+            return time.perf_counter() - t0, spent[0]
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def timed(fn) -> float:
     import torch
 
@@ -116,6 +142,9 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time one more efftx generation split into the attention backends' share and the rest's, "
+                        "and print the ratio the family could reach with its backend at no cost")
     args = p.parse_args()
     sys.path.insert(0, args.ref_path)
 
@@ -123,7 +152,7 @@ def main() -> int:
 
     from efftx.generation.decode import generate
 
-    rows, missing = [], []
+    rows, missing, shares = [], [], []
     for family in args.families:
         model, cfg = efftx_model(family, args.device)
         prompt = torch.randint(0, 256, (1, args.prompt_len), generator=torch.Generator().manual_seed(1))
@@ -141,6 +170,9 @@ def main() -> int:
             if ref is not None:
                 theirs.append(timed(lambda: ref(prompt, args.new_tokens)))
         rows.append((family, args.new_tokens / min(ours), args.new_tokens / min(theirs) if theirs else None, what))
+        if args.breakdown:
+            total, inside = backend_share(model, lambda: generate(model, prompt, args.new_tokens, temperature=0))
+            shares.append((family, total, inside, min(theirs) if theirs else None))
         del model
 
     print(f"cached decoding, batch 1, prompt {args.prompt_len} tokens, {args.new_tokens} new tokens (greedy), "
@@ -152,6 +184,15 @@ def main() -> int:
               f"{what or 'not measured'}")
     for family, error in missing:
         print(f"reference for {family} could not be imported or run (not measured): {error[:200]}")
+    for family, total, inside, ref_s in shares:
+        n = args.new_tokens
+        rest = total - inside
+        print(f"{family}: efftx {1000 * total / n:.2f} ms/token (prefill included), of it the attention backends "
+              f"{1000 * inside / n:.2f} ({inside / total:.0%}), the rest of the model (embedding, norms, q/k/v/o "
+              f"projections, rotary, feed-forward, head, sampling) {1000 * rest / n:.2f} ({rest / total:.0%})")
+        if ref_s:
+            print(f"  bound on the ratio with the attention backends at no cost: {ref_s / rest:.2f}x "
+                  f"(the rest of the model alone vs the reference's whole step; timed in a separate pass)")
     print("goals (issue 15):")
     for family, ours, theirs, _ in rows:
         name = f"{family} cached decoding at least {GOAL:.0f}x the reference's tokens/s"

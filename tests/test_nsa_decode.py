@@ -182,3 +182,30 @@ def test_rows_split_and_joined_decode_as_the_rows_alone(options):
     for r in range(4):
         row = torch.cat(got[r])
         torch.testing.assert_close(row, alone[r][:len(row)], rtol=1e-4, atol=1e-4, msg=lambda m: f"row {r}: {m}")
+
+
+@pytest.mark.parametrize("options", [{}, {"separate_kv": True, "share_selection": False},
+                                     {"importance": "logits_softmax", "min_importance": 1e-10, "compress_mem_kv": 1}],
+                         ids=["default", "separate_per_head", "seed"])
+def test_equal_rows_steps_with_one_backend_over_caches_of_other_sizes(options):
+    """Rows of equal length (the decoding path's window read as one slice of the cache) stepping 1-3 tokens from
+    positions before and after the window fills, one backend decoding into caches of other batch sizes and
+    capacities in turn (the index tensors it reuses across steps must follow the cache)."""
+    backend = make(block=8, stride=4, sel=8, n_sel=3, window=6, **options)
+    q, k, v, x = inputs(44, b=3)
+    with torch.no_grad():
+        for rows, cap, prompt, steps in [(3, 44, 2, [1, 3, 1, 2, 1, 1]), (3, 30, 9, [1, 1, 2, 3, 1]),
+                                         (2, 44, 5, [2, 1, 1, 1, 3, 1])]:
+            want = backend(q[:rows, :cap], k[:rows, :cap], v[:rows, :cap], x=x[:rows, :cap])
+            cache = backend.new_cache(rows, cap, torch.device("cpu"), torch.float32)
+            got = [backend(q[:rows, :prompt], k[:rows, :prompt], v[:rows, :prompt], cache=cache,
+                           x=x[:rows, :prompt])]
+            at = prompt
+            for n in steps * 4:
+                if at + n > cap:
+                    break
+                got.append(backend(q[:rows, at:at + n], k[:rows, at:at + n], v[:rows, at:at + n], cache=cache,
+                                   x=x[:rows, at:at + n]))
+                at += n
+            torch.testing.assert_close(torch.cat(got, 1), want[:, :at], rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"{rows} rows, capacity {cap}: {m}")

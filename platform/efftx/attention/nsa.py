@@ -715,12 +715,16 @@ class NativeSparseAttention(AttentionBackend):
         if len(set(before)) == 1 and tq > DECODE_QUERIES:  # a prefill of equal rows: the uncached forward's path
             (k, v), (kw, vw), ck, cv = cache.keys()
             return self.attend(q, k, v, kw, vw, ck, cv, g)
-        out = q.new_empty(q.shape)
         start = cache.row_pos - tq  # (B,) each row's first new position
+        equal = len(set(before)) == 1  # equal rows: decode() reads the window as a slice
+        if tq == 1:  # a decoding step: no output buffer, no position range
+            return self.decode(q, g, start[:, None], cache, max(before) + 1, before[0] if equal else None)
+        out = q.new_empty(q.shape)
         for a in range(0, tq, DECODE_QUERIES):
             e = min(a + DECODE_QUERIES, tq)
             pos = start[:, None] + torch.arange(a, e, device=q.device)  # (B, c)
-            out[:, a:e] = self.decode(q[:, a:e], g[:, a:e], pos, cache, max(before) + e)
+            first = before[0] + a if equal else None
+            out[:, a:e] = self.decode(q[:, a:e], g[:, a:e], pos, cache, max(before) + e, first)
         return out
 
     def attend(self, q, k, v, kw, vw, ck, cv, g) -> torch.Tensor:
@@ -752,97 +756,128 @@ class NativeSparseAttention(AttentionBackend):
         g = g.unsqueeze(-1).to(q.dtype)
         return g[:, :, :, 0] * out_cmp + g[:, :, :, 1] * out_sel + g[:, :, :, 2] * out_win  # (B, T, H, D)
 
-    def decode(self, q: torch.Tensor, g: torch.Tensor, pos: torch.Tensor, cache: NSACache, hi: int) -> torch.Tensor:
+    def _decode_consts(self, cache: NSACache, b: int, hs: int, grp: int, n: int, device: torch.device):
+        """Index tensors the cached decoding step reuses (made once per shape and device, not per step): a long
+        ``arange`` of at least ``n``, its tie-breaks ``arange * _TIE_BREAK`` and, for ``b`` rows of ``hs``
+        selection groups, each group's first row in the cache's block table ``k.view(B * Hkv * blocks, l' * D)``
+        (B, Hs, 1). Kept on the backend as plain attributes (no buffers): the cache holds only per-row tensors."""
+        memo = self.__dict__.setdefault("_decode_memo", {})
+        hkv, nblk = cache.k.shape[1], cache.k.shape[2] // self.sel_block
+        ar = memo.get(("arange", device))
+        if ar is None or ar.numel() < n:
+            ar = memo[("arange", device)] = torch.arange(max(n, 1024), device=device)
+            memo[("tie", device)] = ar * _TIE_BREAK  # as select()'s blocks * _TIE_BREAK (default float dtype)
+        key = ("base", device, b, hs, hkv, grp, nblk)
+        base = memo.get(key)
+        if base is None:
+            heads = torch.arange(hs, device=device) // (1 if hs == hkv else grp)  # kv head of each group
+            base = memo[key] = ((torch.arange(b, device=device)[:, None] * hkv + heads) * nblk)[..., None]
+        return ar, memo[("tie", device)], base
+
+    def decode(self, q: torch.Tensor, g: torch.Tensor, pos: torch.Tensor, cache: NSACache, hi: int,
+               first: int | None = None) -> torch.Tensor:
         """Cached decoding of queries q (B, c, H, D) at positions ``pos`` (B, c) (rows may differ), whose keys are
         already in ``cache``; g (B, c, H, 3) the gates; ``hi`` (host) bounds the keys any of them reads. Reads the
         cache in place: O(blocks) for the compressed scores and the importances, O(selected + window keys) for
-        the rest, no copy of the keys. Each query's result is the uncached forward's (same selection rules)."""
+        the rest, no copy of the keys. Each query's result is the uncached forward's (same selection rules).
+        ``first`` (host): the first query's position when every row's queries start there (equal rows), else None;
+        then the window branch reads its keys as one slice of the cache, not gathered per row. Few small tensor
+        operations per step (a decoding step is latency bound): index tensors are reused across steps
+        (:meth:`_decode_consts`), masks are built in the polarity they are used in, and casts that would not change
+        a dtype are skipped."""
         b, c, h, d = q.shape
         hkv = cache.k.shape[1]
         grp = h // hkv
         hs, gs = (hkv, grp) if self.share or grp == 1 else (h, 1)  # selection groups, query heads per group
         work = torch.promote_types(q.dtype, torch.float32)
+        cast = lambda t: t if t.dtype == work else t.to(work)  # noqa: E731
         l, mem, inf = self.sel_block, self.mem, float("inf")
-        qw = q.to(work) * self.scale
+        wk = self.window + c - 1
+        ncol = mem + complete_blocks(hi, self.block, self.stride)
+        cand = (hi - 1) // l  # blocks before the last query's own block
+        ar, tie, base = self._decode_consts(cache, b, hs, grp, max(ncol, cand, wk, l), q.device)
+        qw = cast(q) * self.scale
         qr = qw.view(b, c, hkv, grp, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, grp * c, d)  # group heads as rows
         unrows = lambda t: t.view(b, hkv, grp, c, d).permute(0, 3, 1, 2, 4).reshape(b, c, h, d)  # noqa: E731
 
         # compressed branch: the memory slots and the complete blocks each query sees
-        ncol = mem + complete_blocks(hi, self.block, self.stride)
         vis = mem + visible_blocks(pos, self.block, self.stride)  # (B, c) columns seen
-        scores = probs = None
+        raw = probs = hidden = None
         if ncol:
-            hidden = torch.arange(ncol, device=q.device) >= vis[..., None]  # (B, c, ncol)
-            scores = torch.matmul(qr, cache.ck[:, :, :ncol].to(work).transpose(-1, -2))  # (B, Hkv, G * c, ncol)
-            scores = scores.view(b, hkv, grp, c, ncol).masked_fill(hidden[:, None, None], -inf)
-            probs = scores.softmax(-1).nan_to_num_(0.0)  # a query that sees nothing: zeros
-            out_cmp = unrows(torch.matmul(probs.view(b, hkv, grp * c, ncol), cache.cv[:, :, :ncol].to(work)))
+            hidden = (ar[:ncol] >= vis[..., None])[:, None, None]  # (B, 1, 1, c, ncol)
+            raw = torch.matmul(qr, cast(cache.ck[:, :, :ncol]).transpose(-1, -2)).view(b, hkv, grp, c, ncol)
+            probs = raw.masked_fill(hidden, -inf).softmax(-1)  # (B, Hkv, G, c, ncol)
+            if not mem:  # a query that sees nothing: zeros (memory slots are seen by every query)
+                probs = probs.nan_to_num_(0.0)
+            out_cmp = unrows(torch.matmul(probs.view(b, hkv, grp * c, ncol), cast(cache.cv[:, :, :ncol])))
         else:
-            out_cmp = qw.new_zeros(b, c, h, d)
+            out_cmp = None
 
         # selection: the own block, then the top past blocks by importance (forced ones first)
         own = pos // l  # (B, c)
-        cand = (hi - 1) // l  # blocks before the last query's own block
         k_top = min(self.n_sel, cand)
         idx = own[:, None, :, None].expand(b, hs, c, 1)
         if k_top:
-            blocks = torch.arange(cand, device=q.device)
+            blocks = ar[:cand]
             nb = ncol - mem
             mapping = self.opts.score_mapping
+            future = blocks >= own[:, None, :, None]  # (B, 1, c, cand): the own block and later ones
             if self.opts.importance == "logits_softmax":
                 if nb:
-                    lg = scores.view(b, hs, gs, c, ncol)[..., mem:]
-                    mean = lg.masked_fill(hidden[:, None, None, :, mem:], 0.0).mean(2)  # (B, Hs, c, nb)
-                    z = _to_selection(mean, self.block, self.stride, l, cand, mapping)
+                    mean = raw.view(b, hs, gs, c, ncol)[..., mem:].mean(2).masked_fill(hidden[:, :, 0, :, mem:], 0.0)
+                    z = _to_selection(mean, self.block, self.stride, l, cand, mapping)  # (B, Hs, c, cand)
                 else:
                     z = qw.new_zeros(b, hs, c, cand)
-                past = (blocks < own[..., None])[:, None]  # (B, 1, c, cand)
-                z = z.masked_fill(~past, -inf).masked_fill(~past.any(-1, keepdim=True), 0.0)
-                imp = z.softmax(-1) * past
+                # a query with no past block softmaxes zeros (no NaN), then the mask zeroes them all
+                z = z.masked_fill(future, -inf).masked_fill(future.all(-1, keepdim=True), 0.0)
+                imp = z.softmax(-1).masked_fill_(future, 0.0)
                 if not mem:  # a query that sees no compressed column ranks by zeros (as the chunked path)
-                    imp = imp * (vis > 0)[:, None, :, None]
+                    imp = imp.masked_fill_((vis == 0)[:, None, :, None], 0.0)
             elif nb:
                 p = probs.view(b, hs, gs, c, ncol)[..., mem:]
                 imp = _to_selection(p[:, :, 0] if gs == 1 else p.sum(2), self.block, self.stride, l, cand, mapping)
             else:
                 imp = qw.new_zeros(b, hs, c, cand)
-            rank = imp.double() + blocks * _TIE_BREAK  # (B, Hs, c, cand)
+            rank = imp.double() + tie[:cand]  # (B, Hs, c, cand)
             if self.opts.min_importance > 0:
-                rank = rank.masked_fill(imp < self.opts.min_importance, -inf)
-            own4 = own[:, None, :, None]
+                rank = rank.masked_fill_(imp < self.opts.min_importance, -inf)
             if self.initial or self.local > 1:
-                rank = rank.masked_fill(forced_blocks(blocks, own4, self.initial, self.local), inf)
-            rank = rank.masked_fill(blocks >= own4, -inf)
-            top = rank.topk(k_top, dim=-1)
-            idx = torch.cat([idx, top.indices.masked_fill(top.values == -inf, -1)], -1)  # (B, Hs, c, S)
+                rank = rank.masked_fill_(forced_blocks(blocks, own[:, None, :, None], self.initial, self.local), inf)
+            top = rank.masked_fill_(future, -inf).topk(k_top, dim=-1)
+            idx = torch.cat([idx, top.indices.masked_fill_(top.values == -inf, -1)], -1)  # (B, Hs, c, S)
 
         # selected branch: whole blocks gathered from the cache's block table
         s = idx.shape[-1]
-        nblk = cache.k.shape[2] // l
-        heads = torch.arange(hs, device=q.device) // (1 if hs == hkv else grp)  # kv head of each group
-        base = (torch.arange(b, device=q.device)[:, None] * hkv + heads) * nblk  # (B, Hs)
-        flat = (base[:, :, None, None] + idx.clamp(min=0)).view(-1)
-        ks = cache.k.view(-1, l * d).index_select(0, flat).view(b, hs, c, s * l, d).to(work)
-        vs = cache.v.view(-1, l * d).index_select(0, flat).view(b, hs, c, s * l, d).to(work)
-        key = idx[..., None] * l + torch.arange(l, device=q.device)  # (B, Hs, c, S, l)
-        ok = (idx[..., None] >= 0) & (key <= pos[:, None, :, None, None])
+        flat = (base[..., None] + idx.clamp(min=0)).view(-1)
+        ks = cast(cache.k.view(-1, l * d).index_select(0, flat).view(b, hs, c, s * l, d))
+        vs = cast(cache.v.view(-1, l * d).index_select(0, flat).view(b, hs, c, s * l, d))
+        # masked: unused slots (-1) and the own block's keys after the query
+        off = (idx * l - pos[:, None, :, None]).unsqueeze(-1) + ar[:l]  # key position - query position
+        bad = (off > 0).logical_or_(idx.unsqueeze(-1) < 0).view(b, hs, c, 1, s * l)
         qs = qw.view(b, c, hs, gs, d).transpose(1, 2)  # (B, Hs, c, Gs, D)
-        att = torch.matmul(qs, ks.transpose(-1, -2)).masked_fill(~ok.view(b, hs, c, 1, s * l), -inf)
+        att = torch.matmul(qs, ks.transpose(-1, -2)).masked_fill_(bad, -inf)
         out = torch.matmul(att.softmax(-1), vs).transpose(1, 2).reshape(b, c, h, d)  # the own key: never empty
 
         # window branch: the last `window` keys of each query
         kwin, vwin = cache.win_kv()
-        wk = self.window + c - 1
-        kpos = pos[:, :1] - self.window + 1 + torch.arange(wk, device=q.device)  # (B, W)
-        at = kpos.clamp(min=0)[:, None, :, None].expand(b, hkv, wk, d)
-        kw, vw = kwin.gather(2, at).to(work), vwin.gather(2, at).to(work)  # (B, Hkv, W, D)
-        p = pos[..., None]
-        seen = (kpos[:, None] >= 0) & (kpos[:, None] <= p) & (kpos[:, None] > p - self.window)  # (B, c, W)
-        sw = torch.matmul(qr, kw.transpose(-1, -2)).view(b, hkv, grp, c, wk).masked_fill(~seen[:, None, None], -inf)
+        if first is not None:  # equal rows: keys [lo, first + c) of every row, a view of the cache
+            lo = max(0, first - self.window + 1)
+            wk = first + c - lo
+            kw, vw = cast(kwin[:, :, lo:first + c]), cast(vwin[:, :, lo:first + c])  # (B, Hkv, W, D)
+            rel = pos[..., None] - (ar[:wk] + lo)  # (B, c, W) query position - key position
+            unseen = (rel < 0).logical_or_(rel >= self.window)
+        else:
+            kpos = (pos[:, :1] - (self.window - 1)) + ar[:wk]  # (B, W)
+            at = kpos.clamp(min=0)[:, None, :, None].expand(b, hkv, wk, d)
+            kw, vw = cast(kwin.gather(2, at)), cast(vwin.gather(2, at))  # (B, Hkv, W, D)
+            rel = pos[..., None] - kpos[:, None]  # (B, c, W) query position - key position
+            unseen = (rel < 0).logical_or_(rel >= self.window).logical_or_(kpos[:, None] < 0)
+        sw = torch.matmul(qr, kw.transpose(-1, -2)).view(b, hkv, grp, c, wk).masked_fill_(unseen[:, None, None], -inf)
         out_win = unrows(torch.matmul(sw.softmax(-1).view(b, hkv, grp * c, wk), vw))
 
-        g = g.to(work)
+        g = cast(g)
         out = out * g[..., 1:2]
         out += out_win * g[..., 2:3]
-        out += out_cmp * g[..., 0:1]
+        if out_cmp is not None:
+            out += out_cmp * g[..., 0:1]
         return out.to(q.dtype)
