@@ -442,3 +442,25 @@ def test_chunked_function_saves_only_its_inputs_output_denominators_and_segment_
         [tuple(q.shape), tuple(k.shape), tuple(v.shape), tuple(backend.projection.shape), (segments, 2, 2, 64, 9),
          tuple(out.shape), (2, 2, 10, 8, 1)])
     assert any(z.data_ptr() == out.data_ptr() for z in saved)
+
+
+def test_key_feature_backward_drops_clamped_exponents_as_autograd_does():
+    """The chunked backward's key-feature gradient (from :func:`performer._features` with its clamp mask) equals
+    autograd's through :func:`feature_map` for keys with clamped exponents (1.1 x̂ = w_j: not the stationary point
+    of the exponent, so a gradient leaking through the clamp would show); the forward's ``mask=False`` skips the
+    mask and nothing else."""
+    g = torch.Generator().manual_seed(3)
+    w = performer.orthogonal_features(32, 256, g).double()
+    x = torch.randn(3, 5, 256, generator=g, dtype=torch.float64)
+    x[0, 1] = w[w.norm(dim=1).argmax()] * 1.1 * 256 ** 0.25
+    x[2, 4] = w[w.norm(dim=1).argmin()] * 1.3 * 256 ** 0.25
+    dphi = torch.randn(3, 5, 32, generator=g, dtype=torch.float64)
+    x.requires_grad_()
+    (performer.feature_map(x, w, is_query=False) * dphi).sum().backward()
+    with torch.no_grad():
+        phi, xh, clamped = performer._features(x.detach(), w, is_query=False)
+        assert clamped is not None and clamped.any()
+        phi2, _, none = performer._features(x.detach(), w, is_query=False, mask=False)
+        assert none is None and torch.equal(phi, phi2)
+        got = performer._features_backward(dphi.clone(), phi, xh, w, clamped) * 256 ** -0.25
+    torch.testing.assert_close(got, x.grad, rtol=1e-10, atol=1e-12)

@@ -169,9 +169,9 @@ def causal_linear_attention(qf: torch.Tensor, kf: torch.Tensor, v: torch.Tensor,
     return out, s_incl[:, -1], z_incl[:, -1]
 
 
-def _features(x: torch.Tensor, w: torch.Tensor, is_query: bool):
-    """:func:`feature_map` of (..., D) rows in few passes; returns (phi, x̂) and, for keys, the mask of
-    exponents clamped at ``KEY_EXP_MAX`` (for the backward).
+def _features(x: torch.Tensor, w: torch.Tensor, is_query: bool, mask: bool = True):
+    """:func:`feature_map` of (..., D) rows in few passes; returns (phi, x̂) and, for keys with ``mask``, the
+    mask of exponents clamped at ``KEY_EXP_MAX`` (for the backward; None without ``mask``: the forward skips it).
 
     Queries: the row maximum is subtracted, so the row constant -|x̂|²/2 cancels and is left out; keys: the
     1/sqrt(m) factor goes into the exponent (clamped at ``KEY_EXP_MAX`` - log sqrt(m), the same bound)."""
@@ -191,7 +191,7 @@ def _features(x: torch.Tensor, w: torch.Tensor, is_query: bool):
     shift = (xh * xh).sum(-1, keepdim=True) / 2 + log_norm
     logits = logits.sub_(shift) if inplace else logits - shift
     bound = KEY_EXP_MAX - log_norm
-    clamped = logits > bound
+    clamped = logits > bound if mask else None
     logits = logits.clamp_(max=bound) if inplace else logits.clamp(max=bound)
     return (logits.exp_() if inplace else logits.exp()), xh, clamped
 
@@ -279,10 +279,11 @@ class _CausalFavor(torch.autograd.Function):
         dst[:, a:e] = full.permute(0, 2, 4, 1, 3, 5).reshape(b, n * chunk, h, width)[:, :e - a]
 
     @staticmethod
-    def _segment(q, k, v, w, a, e, chunk):
+    def _segment(q, k, v, w, a, e, chunk, mask: bool = True):
         """Chunk-batched pieces of tokens [a, e), padded to whole chunks: query features qf and x̂
         (B, Hkv, n, R * c, m / D), key features kf and x̂ (B, Hkv, n, c, m / D), the keys' clamp mask,
-        v_aug (B, Hkv, n, c, D + 1) (padded tokens: zero features, zero values, zero ones column)."""
+        v_aug (B, Hkv, n, c, D + 1) (padded tokens: zero features, zero values, zero ones column). The clamp
+        mask (None without ``mask``) is only needed by the backward."""
         b, _, _, d = q.shape
         hkv = k.shape[2]
         length = e - a
@@ -290,7 +291,8 @@ class _CausalFavor(torch.autograd.Function):
         pad = n * chunk - length
         qf, qh, _ = _features(_CausalFavor._rows(q, a, e, chunk, hkv), w, is_query=True)
         ks = k[:, a:e] if not pad else F.pad(k[:, a:e], (0, 0, 0, 0, 0, pad))
-        kf, kh, clamped = _features(ks.view(b, n, chunk, hkv, d).permute(0, 3, 1, 2, 4), w, is_query=False)
+        kf, kh, clamped = _features(ks.view(b, n, chunk, hkv, d).permute(0, 3, 1, 2, 4), w, is_query=False,
+                                    mask=mask)
         v_aug = v.new_empty(b, hkv, n * chunk, d + 1)
         v_aug[:, :, :length, :d] = v[:, a:e].transpose(1, 2)
         v_aug[:, :, :length, d] = 1
@@ -333,7 +335,7 @@ class _CausalFavor(torch.autograd.Function):
         state = q.new_zeros(b, hkv, m, d + 1) if state0 is None else state0
         for i, (a, e) in enumerate(segments):
             entering[i] = state
-            qf, _, kf, _, _, v_aug = _CausalFavor._segment(q, k, v, w, a, e, chunk)
+            qf, _, kf, _, _, v_aug = _CausalFavor._segment(q, k, v, w, a, e, chunk, mask=False)
             n = qf.shape[2]
             kv = kf.transpose(-1, -2) @ v_aug  # (B, Hkv, n, m, D + 1)
             before = _CausalFavor._states_before(kv, state)
@@ -588,7 +590,7 @@ class PerformerAttention(AttentionBackend):
             state0 = cache.state.to(dtype) if cache.end else None
             out = chunked_causal_favor(q, k, v, self.projection, self.chunk_size, state0)
             with torch.autocast(q.device.type, enabled=False):
-                kf = _features(k.to(dtype), self.projection.to(dtype), is_query=False)[0]
+                kf = _features(k.to(dtype), self.projection.to(dtype), is_query=False, mask=False)[0]
             cache.append(kf, v.to(dtype))
             return out.to(q.dtype)
         with torch.autocast(q.device.type, enabled=False):
@@ -618,7 +620,7 @@ class PerformerAttention(AttentionBackend):
         with torch.autocast(q.device.type, enabled=False):
             w = self.projection.to(dtype)
             qf = _features(q.to(dtype).reshape(b, hkv, h // hkv, d), w, is_query=True)[0]  # (B, Hkv, R, m)
-            kf = _features(k.to(dtype).reshape(b, 1, hkv, d), w, is_query=False)[0]  # (B, 1, Hkv, m)
+            kf = _features(k.to(dtype).reshape(b, 1, hkv, d), w, is_query=False, mask=False)[0]  # (B, 1, Hkv, m)
             cache.append(kf, v.to(dtype))
             state = cache.state
             if torch.is_grad_enabled() and qf.requires_grad:  # the graph keeps this step's state
