@@ -10,7 +10,7 @@ import torch
 from efftx import recipes
 from efftx.attention import nsa
 from efftx.attention.nsa import NSACache
-from efftx.generation.decode import Rows, splittable
+from rows_check import check_split_and_join  # tests/rows_check.py
 from efftx.models import build as build_model
 from test_nsa import OPTION_CASES, inputs, make  # tests/test_nsa.py
 
@@ -128,60 +128,10 @@ def _lm(seed=0, **nsa_options):
                                           "importance": "logits_softmax", "min_importance": 1e-10}],
                          ids=["default", "separate_mem_per_head_logits"])
 def test_rows_split_and_joined_decode_as_the_rows_alone(options):
-    """splittable(nsa model) holds; rows taken out of a batched state (Rows.select) and joined with another batch
-    (Rows.concat) give, step by step, the logits each row gets decoding alone."""
-    model = _lm(**options)
-    assert model.supports_ragged and splittable(model)
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 11, 2, 8)]
-    feed = torch.randint(0, 256, (4, 12), generator=g)
-    cap = 40
-    alone = []
-    for r, p in enumerate(prompts):  # each row decoding alone (batch 1)
-        state = Rows(model, 1, cap, batched=True)
-        logits = [state.prefill([p])]
-        logits += [state.forward(feed[r:r + 1, i:i + 1])[:, -1] for i in range(12)]
-        alone.append(torch.cat(logits))
-    with torch.no_grad():
-        first = Rows(model, 2, cap)
-        assert first.batched
-        got = {0: [first.prefill(prompts[:2])], 1: []}
-        got[1] = [got[0][0][1:]]
-        got[0] = [got[0][0][:1]]
-        for i in range(3):  # rows 0, 1 together
-            out = first.forward(feed[:2, i:i + 1])[:, -1]
-            got[0].append(out[:1])
-            got[1].append(out[1:])
-        second = Rows(model, 2, cap)
-        start = second.prefill(prompts[2:])
-        got[2], got[3] = [start[:1]], [start[1:]]
-        for i in range(2):  # rows 2, 3 advance two tokens alone
-            out = second.forward(feed[2:, i:i + 1])[:, -1]
-            got[2].append(out[:1])
-            got[3].append(out[1:])
-        # row 1 leaves; rows 3, 0, 2 decode together, each at its own position
-        state = Rows.concat([second.select([1]), first.select([0]), second.select([0])])
-        order = [3, 0, 2]
-        done = {3: 2, 0: 3, 2: 2}
-        for _ in range(4):
-            tok = torch.stack([feed[r, done[r]] for r in order])[:, None]
-            out = state.forward(tok)[:, -1]
-            for j, r in enumerate(order):
-                got[r].append(out[j:j + 1])
-                done[r] += 1
-        state.rewind([1, 0, 2])  # per-row rewinds of the joined state, then the same tokens again
-        for r, n in zip(order, [1, 0, 2]):
-            del got[r][len(got[r]) - n:]
-            done[r] -= n
-        for _ in range(3):
-            tok = torch.stack([feed[r, done[r]] for r in order])[:, None]
-            out = state.forward(tok)[:, -1]
-            for j, r in enumerate(order):
-                got[r].append(out[j:j + 1])
-                done[r] += 1
-    for r in range(4):
-        row = torch.cat(got[r])
-        torch.testing.assert_close(row, alone[r][:len(row)], rtol=1e-4, atol=1e-4, msg=lambda m: f"row {r}: {m}")
+    """splittable(nsa model) holds; rows taken out of a batched state (Rows.select), joined with another batch
+    (Rows.concat) and rewound per row give, step by step, the logits each row gets decoding alone."""
+    check_split_and_join(_lm(**options), lengths=(5, 11, 2, 8), before=(3, 2), joined=7, rewind=(1, 0, 2),
+                         rewind_after=3, full=False)
 
 
 @pytest.mark.parametrize("options", [{}, {"separate_kv": True, "share_selection": False},

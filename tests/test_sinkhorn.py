@@ -651,49 +651,9 @@ def sinkhorn_lm(**options):
 @pytest.mark.parametrize("mode", MODES[:2], ids=MODE_IDS[:2])
 def test_lm_rows_batched_split_and_joined_decode_as_the_rows_alone(mode):
     """A Sinkhorn LM is splittable and decodes in one batched forward pass per step; rows prefilled together
-    (prompts of different lengths), taken out (Rows.select), joined with another batch (Rows.concat) and rewound
-    per row give the logits of each row decoding alone (batch 1) and of the full uncached forward."""
-    from efftx.generation.decode import Rows, splittable
+    (prompts of different lengths), taken out (Rows.select), joined with another batch (Rows.concat, bucket phases
+    2, 0, 1 after the join) and rewound per row give the logits of each row decoding alone (batch 1) and of the full
+    uncached forward."""
+    from rows_check import check_split_and_join  # tests/rows_check.py
 
-    model = sinkhorn_lm(**mode)
-    assert model.supports_ragged and splittable(model)
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 11, 2, 7)]
-    feed = torch.randint(0, 256, (4, 12), generator=g)
-    cap = 40
-    with torch.no_grad():
-        first, second = Rows(model, 2, cap), Rows(model, 2, cap)
-        assert first.batched
-        got = list(first.prefill(prompts[:2]).split(1)) + list(second.prefill(prompts[2:]).split(1))
-        got = [[x] for x in got]
-        done = [0] * 4
-        for i in range(3):  # rows 0, 1 together; rows 2, 3 together
-            for state, rows in ((first, [0, 1]), (second, [2, 3])):
-                out = state.forward(feed[rows, i:i + 1])[:, -1]
-                for j, r in enumerate(rows):
-                    got[r].append(out[j:j + 1])
-                    done[r] += 1
-        # row 1 leaves; rows 3, 0, 2 decode together, each at its own position (bucket phases 2, 0, 1)
-        state = Rows.concat([second.select([1]), first.select([0]), second.select([0])])
-        order = [3, 0, 2]
-        calls = state.forward_calls
-        for step in range(5):
-            out = state.forward(torch.stack([feed[r, done[r]] for r in order])[:, None])[:, -1]
-            for j, r in enumerate(order):
-                got[r].append(out[j:j + 1])
-                done[r] += 1
-            if step == 2:
-                counts = [1, 0, 3]
-                state.rewind(counts)
-                for r, n in zip(order, counts):
-                    del got[r][len(got[r]) - n:]
-                    done[r] -= n
-        assert state.forward_calls - calls == 5  # one batched pass per step
-        for r in range(4):
-            seq = torch.tensor([prompts[r] + feed[r, :done[r]].tolist()])
-            alone = Rows(model, 1, cap, batched=True)
-            want = [alone.prefill([prompts[r]])] + [alone.forward(feed[r:r + 1, i:i + 1])[:, -1]
-                                                    for i in range(done[r])]
-            torch.testing.assert_close(torch.cat(got[r]), torch.cat(want), rtol=1e-4, atol=1e-4)
-            full = model(seq)[0, len(prompts[r]) - 1:]  # the uncached forward
-            torch.testing.assert_close(torch.cat(got[r]), full, rtol=1e-4, atol=1e-4)
+    check_split_and_join(sinkhorn_lm(**mode), before=(3, 3))
