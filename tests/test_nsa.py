@@ -243,6 +243,32 @@ def test_sliding_window_matches_dense_band_mask(window, t_q):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("batch,length,kv_heads,block,stride,head_dim,hidden", [
+    (2, 37, 3, 4, 4, 5, 7),  # disjoint blocks, a partial block left over
+    (1, 40, 2, 8, 4, 6, 11),  # overlapping blocks (stride < block)
+    (3, 16, 1, 16, 16, 4, 3),  # one block, one head
+])
+def test_compression_mlp_function_equals_plain_autograd(batch, length, kv_heads, block, stride, head_dim, hidden):
+    """The MLP compressor's autograd.Function (lean backward: rebuilds the flattened blocks, masks by the saved
+    ReLU output) against the same MLP as plain autograd ops, float64: the output and the gradients of the keys
+    (through the unfolded, possibly overlapping blocks), the position embedding and all four weights."""
+    from efftx.attention.nsa import _GroupedMLP, grouped_mlp_reference
+
+    gen = torch.Generator().manual_seed(length)
+    new = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64, requires_grad=True)  # noqa: E731
+    k = new(batch, length, kv_heads, head_dim)
+    params = [new(kv_heads, block, head_dim), new(kv_heads, block * head_dim, hidden), new(kv_heads, hidden),
+              new(kv_heads, hidden, head_dim), new(kv_heads, head_dim)]
+    blocks = k.unfold(1, block, stride).transpose(-1, -2)  # (B, N, Hkv, block, D), a view of k
+    got, want = _GroupedMLP.apply(blocks, *params), grouped_mlp_reference(blocks, *params)
+    assert (want > 0).any() and (want < 0).any()
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    upstream = torch.randn(got.shape, generator=gen, dtype=torch.float64)
+    for g, r in zip(torch.autograd.grad(got, [k, *params], upstream), torch.autograd.grad(want, [k, *params], upstream)):
+        assert r.abs().sum() > 0
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)
+
+
 def test_compressor_maps_each_block_of_tokens_to_one_key():
     backend = make(block=8, stride=4)
     k = inputs(22)[1]

@@ -332,11 +332,59 @@ class BlockCompressor(nn.Module):
 
     def _compress(self, blocks: torch.Tensor) -> torch.Tensor:
         """(B, N, Hkv, block, D) blocks of tokens -> (B, N, Hkv, D) compressed keys (values)."""
-        b, count, hkv, _, d = blocks.shape
-        t = blocks
-        flat = (blocks + self.pos.to(t.dtype)).reshape(b, count, hkv, self.block * d)
-        hidden = F.relu(torch.einsum("bnhi,hio->bnho", flat, self.w1.to(t.dtype)) + self.b1.to(t.dtype))
-        return torch.einsum("bnho,hod->bnhd", hidden, self.w2.to(t.dtype)) + self.b2.to(t.dtype)
+        dt = blocks.dtype
+        return _GroupedMLP.apply(blocks, *(p.to(dt) for p in (self.pos, self.w1, self.b1, self.w2, self.b2)))
+
+
+def grouped_mlp_reference(blocks, pos, w1, b1, w2, b2) -> torch.Tensor:
+    """The compression MLP as plain autograd ops (what :class:`_GroupedMLP` computes; kept for tests): blocks
+    (B, N, Hkv, l, D) + pos (Hkv, l, D), flattened, through ``relu(x @ w1[h] + b1[h]) @ w2[h] + b2[h]``."""
+    b, n, hkv, l, d = blocks.shape
+    flat = (blocks + pos).reshape(b, n, hkv, l * d)
+    hidden = F.relu(torch.einsum("bnhi,hio->bnho", flat, w1) + b1)
+    return torch.einsum("bnho,hod->bnhd", hidden, w2) + b2
+
+
+class _GroupedMLP(torch.autograd.Function):
+    """The per-kv-head compression MLP with a lean backward: the forward keeps only the post-ReLU hidden layer
+    (Hkv, B * N, hidden) besides its inputs (the blocks are a view of the keys, saved anyway); the flattened
+    blocks + position embedding are rebuilt in the backward (one add) instead of being stored, and no
+    pre-activation copy is kept (the ReLU's mask is ``hidden > 0``). Every product is one batched matmul over
+    the kv heads in a head-major layout."""
+
+    @staticmethod
+    def _flat(blocks: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        b, n, hkv, l, d = blocks.shape
+        x = blocks.new_empty(hkv, b, n, l, d)
+        torch.add(blocks.permute(2, 0, 1, 3, 4), pos[:, None, None], out=x)
+        return x.view(hkv, b * n, l * d)
+
+    @staticmethod
+    def forward(ctx, blocks, pos, w1, b1, w2, b2):
+        b, n, hkv, _, d = blocks.shape
+        hidden = torch.baddbmm(b1[:, None], _GroupedMLP._flat(blocks, pos), w1).relu_()  # (Hkv, B * N, hidden)
+        out = torch.baddbmm(b2[:, None], hidden, w2)  # (Hkv, B * N, D)
+        ctx.save_for_backward(blocks, pos, w1, w2, hidden)
+        return out.view(hkv, b, n, d).permute(1, 2, 0, 3).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        blocks, pos, w1, w2, hidden = ctx.saved_tensors
+        b, n, hkv, l, d = blocks.shape
+        need = ctx.needs_input_grad
+        go = grad_out.permute(2, 0, 1, 3).reshape(hkv, b * n, d)
+        dw2 = torch.bmm(hidden.transpose(1, 2), go) if need[4] else None
+        db2 = go.sum(1) if need[5] else None
+        dh = torch.bmm(go, w2.transpose(1, 2)).masked_fill_(hidden <= 0, 0.0)  # through the ReLU
+        db1 = dh.sum(1) if need[3] else None
+        x = _GroupedMLP._flat(blocks, pos)
+        dw1 = torch.bmm(x.transpose(1, 2), dh) if need[2] else None
+        dblocks = dpos = None
+        if need[0] or need[1]:
+            dx = torch.bmm(dh, w1.transpose(1, 2), out=x).view(hkv, b, n, l, d)  # x is no longer needed
+            dpos = dx.sum((1, 2)) if need[1] else None
+            dblocks = dx.permute(1, 2, 0, 3, 4) if need[0] else None
+        return dblocks, dpos, dw1, db1, dw2, db2
 
 
 class LinearCompressor(BlockCompressor):
