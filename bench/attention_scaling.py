@@ -7,7 +7,9 @@ One attention layer with its projections (q, kv and output projections, rotary, 
 model runs), batch 1, 8 heads, head dim 64, causal, float32 on CPU / bfloat16 on CUDA; the gradient reaches
 the layer's input and weights. Each (backend, T) point runs in a fresh subprocess so peak memory is that
 point's alone: on CUDA the allocator's peak over the inputs, on CPU the process's peak RSS over its RSS just
-before the first pass (bench/measure.py). A point's time is the median of --repeats passes after one warm-up;
+before the first pass (bench/measure.py). Every pass starts with the gradients reset
+(``zero_grad(set_to_none=True)``, as a train step's optimizer does), so a layer's weight gradients count once,
+not with a second, accumulating copy. A point's time is the median of --repeats passes after one warm-up;
 with --rounds N every point is measured N times, the rounds interleaved (all backends at one T, then the
 next round), and the table keeps each point's smallest time and peak, which on a shared machine is the
 least disturbed. Ratios are against `full` measured in the same run. The goals of issue 17 are marked met
@@ -56,7 +58,13 @@ def layer_point(cfg, t: int, device: str, repeats: int, composed: bool = False) 
     if composed and hasattr(layer.inner, "chunked"):
         layer.inner.chunked = False
     x = torch.randn(1, t, spec.dim, device=device, dtype=dtype, requires_grad=True)
-    seconds, peak = timed_peak(lambda: layer(x).float().sum().backward(), device, repeats)
+
+    def step():  # a train step's pass: gradients reset as the optimizer's zero_grad does, not accumulated
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        layer(x).float().sum().backward()
+
+    seconds, peak = timed_peak(step, device, repeats)
     return {"seconds": seconds, "peak_mb": peak}
 
 

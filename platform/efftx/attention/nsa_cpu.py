@@ -228,7 +228,9 @@ class _Chunk:
 def _selected(lay: _Layout, ch: _Chunk, kt_blocks: torch.Tensor, vt_blocks: torch.Tensor, sel: torch.Tensor):
     """The selected branch of a chunk, by sub-chunks of ``lay.sub`` queries. Yields, per sub-chunk, its slice of
     the per-query layout, the flat block ids (into the (B * Hkv * nblk, l' * D) block tables), the gathered keys
-    and values (m, S * l', D) and the probabilities (m, G, S * l'); ``sel`` (c, B, Hkv, n_sel)."""
+    and values (m, S * l', D), the scaled scores (m, G, S * l') with the masked ones at the dtype's lowest finite
+    value (not -inf: their probability is exactly 0 either way, and ``dS * S`` stays 0 there rather than NaN) and
+    the probabilities (m, G, S * l'); ``sel`` (c, B, Hkv, n_sel)."""
     c, bh, n, l = ch.c, lay.bh, lay.slots, lay.sel_block
     own = (ch.pos // l).view(c, 1, 1, 1).expand(c, lay.b, lay.hkv, 1)
     idx = torch.cat([own, sel.long()], -1)  # (c, B, Hkv, S); slot 0 = the query's own block
@@ -238,6 +240,7 @@ def _selected(lay: _Layout, ch: _Chunk, kt_blocks: torch.Tensor, vt_blocks: torc
         idx = idx.clamp(min=0)
     flat = (idx + (torch.arange(bh, device=lay.device) * lay.nblk).view(1, lay.b, lay.hkv, 1)).view(c, -1)
     after = torch.arange(l, device=lay.device)[None, :] > (ch.pos % l)[:, None]  # (c, l'): own block, after p
+    lowest = torch.finfo(kt_blocks.dtype).min
     for a in range(0, c, lay.sub):
         e = min(a + lay.sub, c)
         f = flat[a:e].reshape(-1)
@@ -245,10 +248,10 @@ def _selected(lay: _Layout, ch: _Chunk, kt_blocks: torch.Tensor, vt_blocks: torc
         vs = vt_blocks.index_select(0, f).view(-1, n * l, lay.d)
         s = torch.bmm(ch.qs[a * bh:e * bh], ks.transpose(1, 2))  # (m, G, S * l')
         s5 = s.view(e - a, bh, lay.g, n, l)
-        s5[:, :, :, 0].masked_fill_(after[a:e, None, None], float("-inf"))
+        s5[:, :, :, 0].masked_fill_(after[a:e, None, None], lowest)
         if unused is not None:
-            s5.masked_fill_(unused[a:e], float("-inf"))
-        yield a * bh, e * bh, f, ks, vs, torch.softmax(s, -1)  # the query's own key is always readable
+            s5.masked_fill_(unused[a:e], lowest)
+        yield a * bh, e * bh, f, ks, vs, s, torch.softmax(s, -1)  # the query's own key is always readable
 
 
 def _window_probs(lay: _Layout, ch: _Chunk, kt, vt):
@@ -303,7 +306,7 @@ class _NSAFunction(torch.autograd.Function):
             sel_all[a:e] = sel
             o = out[:, a:e].view(lay.b, ch.c, lay.hkv, lay.g, lay.d)
             sub = lay.sub
-            for i, (r0, r1, _, _, vs, ps) in enumerate(_selected(lay, ch, kt_blocks, vt_blocks, sel)):
+            for i, (r0, r1, _, _, vs, _, ps) in enumerate(_selected(lay, ch, kt_blocks, vt_blocks, sel)):
                 a2 = i * sub
                 torch.mul(lay.unper_query(torch.bmm(ps, vs), (r1 - r0) // lay.bh), gc[:, a2:a2 + sub, ..., 1:2],
                           out=o[:, a2:a2 + sub])
@@ -344,14 +347,14 @@ class _NSAFunction(torch.autograd.Function):
             dq_s = torch.empty_like(ch.qs)
             delta_s = dq_s.new_empty(c * lay.bh, lay.g)
             d_slot = dq_s.new_zeros(c * lay.bh, lay.slots) if lay.diff_topk else None
-            for r0, r1, f, ks, vs, ps in _selected(lay, ch, kt_blocks, vt_blocks, sel_all[a:e]):
+            for r0, r1, f, ks, vs, s, ps in _selected(lay, ch, kt_blocks, vt_blocks, sel_all[a:e]):
                 do_r, g_r = dos[r0:r1], g_s[r0:r1]
                 dp = torch.bmm(do_r, vs.transpose(1, 2))  # (m, G, N)
                 delta_s[r0:r1] = torch.linalg.vecdot(ps, dp)  # = dO . O_sel: the gate's gradient
                 ds = torch._softmax_backward_data(dp, ps, -1, dtype)
-                if d_slot is not None and lay.gate_keys:  # keys x gate: dS . S over each slot's keys
-                    raw = torch.bmm(ch.qs[r0:r1], ks.transpose(1, 2))  # (m, G, N) the scores (finite: unmasked)
-                    d_slot[r0:r1] = ((ds * raw).view(r1 - r0, lay.g, lay.slots, -1).sum(-1) * g_r).sum(1)
+                if d_slot is not None and lay.gate_keys:  # keys x gate: dS . S over each slot's keys (dS is 0
+                    # where a key is masked, and S finite there)
+                    d_slot[r0:r1] = ((ds * s).view(r1 - r0, lay.g, lay.slots, -1).sum(-1) * g_r).sum(1)
                 elif d_slot is not None:  # dO . (gated output of each slot's block), summed over the group's heads
                     d_slot[r0:r1] = ((ps * dp).view(r1 - r0, lay.g, lay.slots, -1).sum(-1) * g_r).sum(1)
                 torch.bmm(ds, ks, out=dq_s[r0:r1]).mul_(g_r * lay.scale)
