@@ -384,9 +384,11 @@ class _NSAFunction(torch.autograd.Function):
                 del dp
                 if d_slot is not None:  # diff_topk: the selected blocks' importances are functions of pc
                     dimp = _importance_grad(lay, ch, d_slot, sel_all[a:e])  # (B, Hkv, c, nv)
-                    dimp = dimp[:, :, None].expand(-1, -1, lay.g, -1, -1).reshape(lay.b, lay.hkv, lay.g * c, nv)
-                    # of the probabilities (through their softmax), or (logits_softmax) of the scores themselves
-                    ds += dimp if lay.logits else torch._softmax_backward_data(dimp, pc, -1, dtype)
+                    if lay.logits:  # of the scores themselves: every head of the group gets it (broadcast, in place)
+                        ds.view(lay.b, lay.hkv, lay.g, c, nv).add_(dimp[:, :, None])
+                    else:  # of the probabilities, through their softmax
+                        dimp = dimp[:, :, None].expand(-1, -1, lay.g, -1, -1).reshape(lay.b, lay.hkv, lay.g * c, nv)
+                        ds += torch._softmax_backward_data(dimp, pc, -1, dtype)
                 dq_r += torch.matmul(ds, ck_t[:, :, :nv]).mul_(lay.scale)
                 dck_t[:, :, :nv] += torch.matmul(ds.transpose(-1, -2), ch.qr)
                 dcv_t[:, :, :nv] += torch.matmul(pc.transpose(-1, -2), dor * g_r)
