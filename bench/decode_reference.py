@@ -14,7 +14,14 @@ runs the whole sequence again per token). tokens/s = new tokens / wall seconds o
 included), best of --rounds, both sides of a family measured alternately in this one process. Prints the ratio
 efftx / reference with issue 15's goal (at least 2x) marked per family. ``--breakdown`` times one more efftx
 generation with hooks on the attention backends and prints their share of it and the ratio's bound with the backends
-at no cost (what the rest of the model, shared with dense attention, allows).
+at no cost (what the rest of the model, shared with dense attention, allows), and the floor no implementation of
+these weights in float32 gets under on this machine: one token's matrix-vector products with every ``nn.Linear``
+weight of the model alone (batch 1 streams each weight from memory once per token; NSA's compression network,
+run once per block, is not counted), with the ratio that floor would give; and one more generation with every
+attention backend replaced by the identity on q (no cache writes: the rest of the model's cost measured directly).
+Each generation's thread CPU time is taken too, and the ratios of the best CPU times are printed beside the wall-clock ones: on a
+machine shared with other processes they do not count the time this process waited for a core (the goal is judged
+on wall clock).
 
 The reference packages are not efftx dependencies: install them into a scratch folder and pass it as --ref-path
 (put on sys.path), e.g. ``pip install --no-deps --target /tmp/refpkgs native-sparse-attention-pytorch
@@ -125,13 +132,58 @@ def backend_share(model, run) -> tuple[float, float]:
             h.remove()
 
 
-def timed(fn) -> float:
+def backends_free(model, run) -> float:
+    """Wall seconds of ``run()`` with every attention backend of ``model`` replaced by the identity on q (no cache
+    writes, no block compression, positions not advancing): what the rest of the model costs, measured directly."""
+    import torch
+
+    from efftx.attention.base import AttentionBackend
+
+    backends = [m for m in model.modules() if isinstance(m, AttentionBackend)]
+    for m in backends:
+        m.forward = lambda q, k, v, cache=None, x=None: q  # an instance attribute: nn.Module calls it
+    try:
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            run()
+            return time.perf_counter() - t0
+    finally:
+        for m in backends:
+            del m.forward
+
+
+def weight_floor(model, repeats: int = 20) -> float:
+    """Seconds per token of only the matrix-vector products with every ``nn.Linear`` weight of ``model``, in module
+    order, at batch 1 (best of ``repeats``): the weight traffic of one decoding step, no other operation."""
+    import torch
+    import torch.nn.functional as F
+
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {m.in_features: torch.randn(1, m.in_features, device=m.weight.device, dtype=m.weight.dtype)
+              for m in linears}
+
+    def one_token():
+        for m in linears:
+            F.linear(inputs[m.in_features], m.weight, m.bias)
+
+    best = float("inf")
+    with torch.no_grad():
+        one_token()
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            one_token()
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def timed(fn) -> tuple[float, float]:
+    """(wall seconds, this thread's CPU seconds) of ``fn()`` under no_grad."""
     import torch
 
     with torch.no_grad():
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         fn()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.thread_time() - c0
 
 
 def main() -> int:
@@ -144,7 +196,8 @@ def main() -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--breakdown", action="store_true",
                    help="also time one more efftx generation split into the attention backends' share and the rest's, "
-                        "and print the ratio the family could reach with its backend at no cost")
+                        "and print the ratio the family could reach with its backend at no cost, and with every "
+                        "operation but the weights' matrix-vector products at no cost")
     args = p.parse_args()
     sys.path.insert(0, args.ref_path)
 
@@ -169,22 +222,31 @@ def main() -> int:
             ours.append(timed(lambda: generate(model, prompt, args.new_tokens, temperature=0)))
             if ref is not None:
                 theirs.append(timed(lambda: ref(prompt, args.new_tokens)))
-        rows.append((family, args.new_tokens / min(ours), args.new_tokens / min(theirs) if theirs else None, what))
+
+        def rate(runs, i):  # tokens/s of the best run by wall clock (i = 0) or by thread CPU time (i = 1)
+            return args.new_tokens / min(r[i] for r in runs) if runs else None
+
+        rows.append((family, rate(ours, 0), rate(theirs, 0), what, rate(ours, 1), rate(theirs, 1)))
         if args.breakdown:
             total, inside = backend_share(model, lambda: generate(model, prompt, args.new_tokens, temperature=0))
-            shares.append((family, total, inside, min(theirs) if theirs else None))
+            free = backends_free(model, lambda: generate(model, prompt, args.new_tokens, temperature=0))
+            ref_s = min(r[0] for r in theirs) if theirs else None
+            shares.append((family, total, inside, ref_s, weight_floor(model), free))
         del model
 
     print(f"cached decoding, batch 1, prompt {args.prompt_len} tokens, {args.new_tokens} new tokens (greedy), "
           f"{args.device}, {torch.get_num_threads()} threads; best of {args.rounds} rounds; tokens/s")
     print(f"{'family':10} {'efftx':>9} {'reference':>10} {'ratio':>7}  reference decoding")
-    for family, ours, theirs, what in rows:
+    for family, ours, theirs, what, _, _ in rows:
         ratio = f"{ours / theirs:.2f}x" if theirs else "-"
         print(f"{family:10} {ours:9.1f} {theirs if theirs is None else round(theirs, 1)!s:>10} {ratio:>7}  "
               f"{what or 'not measured'}")
     for family, error in missing:
         print(f"reference for {family} could not be imported or run (not measured): {error[:200]}")
-    for family, total, inside, ref_s in shares:
+    for family, _, _, _, ours_cpu, theirs_cpu in rows:
+        if theirs_cpu:
+            print(f"{family}: by thread CPU time efftx {ours_cpu / theirs_cpu:.2f}x the reference")
+    for family, total, inside, ref_s, floor, free in shares:
         n = args.new_tokens
         rest = total - inside
         print(f"{family}: efftx {1000 * total / n:.2f} ms/token (prefill included), of it the attention backends "
@@ -193,8 +255,13 @@ def main() -> int:
         if ref_s:
             print(f"  bound on the ratio with the attention backends at no cost: {ref_s / rest:.2f}x "
                   f"(the rest of the model alone vs the reference's whole step; timed in a separate pass)")
+        print(f"  measured with the attention backends replaced by the identity (no cache writes, no compression): "
+              f"{n / free:.1f} tokens/s" + (f", {ref_s / free:.2f}x the reference" if ref_s else ""))
+        print(f"  weight floor: one token's matrix-vector products with every Linear weight alone "
+              f"{1000 * floor:.2f} ms ({floor * n / total:.0%} of an efftx token)"
+              + (f"; the ratio with everything else at no cost: {ref_s / n / floor:.2f}x" if ref_s else ""))
     print("goals (issue 15):")
-    for family, ours, theirs, _ in rows:
+    for family, ours, theirs, *_ in rows:
         name = f"{family} cached decoding at least {GOAL:.0f}x the reference's tokens/s"
         if theirs is None:
             print(f"  [not measured] {name}")
