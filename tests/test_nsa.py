@@ -664,7 +664,9 @@ OPTION_CASES = [{"num_initial_blocks": 1, "num_local_blocks": 2}, {"score_mappin
                 # the seed library's choices together
                 {"diff_topk": True, "diff_topk_gate": "keys", "importance": "logits_softmax", "min_importance": 1e-10,
                  "compress_mem_kv": 1}]
-OPTION_GEOMETRIES = [(8, 4, 8, 4, 6), (16, 8, 8, 4, 12), (4, 4, 8, 4, 5)]  # block, stride, sel, n_sel, window
+# block, stride, sel, n_sel, window; the last: equal compressed and selection blocks (the seed's geometry: the
+# identity score mapping, where the chunked path's logits_softmax importance gradient is written by hand)
+OPTION_GEOMETRIES = [(8, 4, 8, 4, 6), (16, 8, 8, 4, 12), (4, 4, 8, 4, 5), (4, 4, 4, 4, 6)]
 
 
 @pytest.mark.parametrize("options", OPTION_CASES, ids=lambda o: "+".join(f"{k}={v}" for k, v in o.items()))

@@ -158,8 +158,13 @@ class _Layout:
         """A chunk's compressed scores (B, Hkv, G * c, nv) -> the blocks' logits averaged over the group's heads
         (B, Hkv, c, nv - mem), 0 for blocks not yet complete."""
         c, nv = pos.shape[0], logits.shape[-1]
-        lg = logits.view(self.b, self.hkv, self.g, c, nv)[..., self.mem:]
-        return lg.masked_fill(self.cmp_mask(pos, self.mem, nv), 0.0).mean(2)
+        mean = logits.view(self.b, self.hkv, self.g, c, nv)[..., self.mem:].mean(2)  # a new tensor
+        # the incomplete blocks' scores are -inf (for every head: the mask is per query), so is their mean; they lie
+        # in the columns from the first one the chunk's first query does not see
+        first = min(int(self.visible(int(pos[0]))), nv)
+        if first < nv:
+            mean[..., first - self.mem:].masked_fill_(self.cmp_mask(pos, first, nv), 0.0)
+        return mean
 
     def select(self, probs: torch.Tensor | None, pos: torch.Tensor, p1: int,
                logits: torch.Tensor | None = None) -> torch.Tensor:
@@ -271,6 +276,8 @@ def _importance_grad(lay: _Layout, ch: _Chunk, d_slot: torch.Tensor, sel: torch.
         return d_slot.new_zeros(lay.b, lay.hkv, c, ch.nv)
     dsel = d_slot.view(c, lay.b, lay.hkv, lay.slots)[..., 1:]  # the past slots (slot 0, the own block, has no factor)
     idx = sel.long()
+    if lay.logits and lay.block == lay.stride == lay.sel_block:  # the identity mapping: the softmax's adjoint by hand
+        return _logit_importance_grad(lay, ch, dsel, idx, cand, nb)
     dblk = dsel.new_zeros(c, lay.b, lay.hkv, max(cand, 1))
     dblk.scatter_add_(-1, idx.clamp(min=0), dsel * (idx >= 0))  # unused slots (-1) add 0
     dblk = dblk[..., :cand].permute(1, 2, 0, 3)  # (B, Hkv, c, cand)
@@ -287,6 +294,28 @@ def _importance_grad(lay: _Layout, ch: _Chunk, d_slot: torch.Tensor, sel: torch.
     if lay.logits:  # the mean over the group's heads, complete blocks only: each head's score gets grad / G
         grad = grad.masked_fill(lay.cmp_mask(ch.pos, lay.mem, ch.nv), 0.0) / lay.g
     return F.pad(grad, (lay.mem, 0))  # memory slots are no block: no importance
+
+
+def _logit_importance_grad(lay: _Layout, ch: _Chunk, dsel: torch.Tensor, idx: torch.Tensor, cand: int,
+                           nb: int) -> torch.Tensor:
+    """:func:`_importance_grad` for ``importance=logits_softmax`` with the identity score mapping (compressed and
+    selection blocks the same): ``y = softmax(z over the past blocks)``, so ``dz = y * (dy - <y, dy>)``, and ``dy``
+    is nonzero at the selected blocks only (``dsel`` (c, B, Hkv, n_sel) at ``idx``, -1 = unused): one dense pass
+    ``-y <y, dy>`` plus a scatter of ``y dy`` at the selected blocks, no dense ``dy`` and no autograd graph."""
+    c = ch.c
+    z = lay.mean_logits(ch.logits, ch.pos)  # (B, Hkv, c, nb)
+    y = logit_importance(z, ch.pos // lay.sel_block, lay.block, lay.stride, lay.sel_block, cand, lay.mapping)
+    at = idx.permute(1, 2, 0, 3)  # (B, Hkv, c, n_sel)
+    dy = dsel.permute(1, 2, 0, 3) * (at >= 0)  # unused slots (-1) contribute nothing
+    at = at.clamp(min=0)
+    ydy = y.gather(-1, at) * dy
+    dz = y * ydy.sum(-1, keepdim=True).neg_()
+    dz.scatter_add_(-1, at, ydy)  # (B, Hkv, c, cand)
+    grad = dz.new_zeros(lay.b, lay.hkv, c, ch.nv)  # memory slots first (no block: no importance)
+    n = min(cand, nb)
+    grad[..., lay.mem:lay.mem + n] = dz[..., :n]
+    # the mean over the group's heads, complete blocks only: each head's score gets grad / G
+    return grad.masked_fill_(F.pad(lay.cmp_mask(ch.pos, lay.mem, ch.nv), (lay.mem, 0)), 0.0).div_(lay.g)
 
 
 class _NSAFunction(torch.autograd.Function):
