@@ -71,6 +71,22 @@ def logit_importance(mean_logits: torch.Tensor, own: torch.Tensor, block: int, s
     return z.softmax(-1) * past
 
 
+def _logit_importance_of_chunk(mean_logits: torch.Tensor, own: torch.Tensor, block: int, stride: int, sel_block: int,
+                               n_blocks: int, mapping: str) -> torch.Tensor:
+    """:func:`logit_importance` without autograd for one chunk of consecutive queries, the same values: the masks
+    are written in place, and only from the first query's own block on (the blocks before it are past blocks of
+    every query of the chunk). ``mean_logits`` must be a tensor of the caller's own (its columns may be changed)."""
+    z = _to_selection(mean_logits, block, stride, sel_block, n_blocks, mapping)
+    first = min(int(own[0]), n_blocks)
+    past = torch.arange(first, n_blocks, device=z.device)[None, :] < own[:, None]  # (c, n_blocks - first)
+    z[..., first:].masked_fill_(~past, float("-inf"))
+    if first == 0:  # queries in the first block have no past block: zeros, not NaN
+        z.masked_fill_((own == 0)[:, None], 0.0)
+    y = z.softmax(-1)
+    y[..., first:].mul_(past)
+    return y
+
+
 class _Layout:
     """Shapes, options and the layouts shared by the forward and the backward of one call.
 
@@ -184,8 +200,8 @@ class _Layout:
                 rank.fill_(float("-inf"))
         else:
             if self.logits:
-                imp = logit_importance(self.mean_logits(logits, pos), pos // self.sel_block, self.block, self.stride,
-                                       self.sel_block, cand, self.mapping)
+                imp = _logit_importance_of_chunk(self.mean_logits(logits, pos), pos // self.sel_block, self.block,
+                                                 self.stride, self.sel_block, cand, self.mapping)
             else:
                 imp = probs.view(self.b, self.hkv, self.g, c, -1)[..., self.mem:]  # the blocks' columns
                 imp = imp[:, :, 0] if self.g == 1 else imp.sum(2)  # (B, Hkv, c, nv)
@@ -304,7 +320,7 @@ def _logit_importance_grad(lay: _Layout, ch: _Chunk, dsel: torch.Tensor, idx: to
     ``-y <y, dy>`` plus a scatter of ``y dy`` at the selected blocks, no dense ``dy`` and no autograd graph."""
     c = ch.c
     z = lay.mean_logits(ch.logits, ch.pos)  # (B, Hkv, c, nb)
-    y = logit_importance(z, ch.pos // lay.sel_block, lay.block, lay.stride, lay.sel_block, cand, lay.mapping)
+    y = _logit_importance_of_chunk(z, ch.pos // lay.sel_block, lay.block, lay.stride, lay.sel_block, cand, lay.mapping)
     at = idx.permute(1, 2, 0, 3)  # (B, Hkv, c, n_sel)
     dy = dsel.permute(1, 2, 0, 3) * (at >= 0)  # unused slots (-1) contribute nothing
     at = at.clamp(min=0)
