@@ -61,6 +61,13 @@ How it is computed (memory and speed):
   attention over a padded last bucket does). The past buckets are mixed straight from the (unpadded) keys.
 * Causal ``topk``: the picked buckets are a one-hot (weighted) mix of the past buckets plus the weighted null
   bucket, so no gathered copy of the keys is kept for backward.
+* Training without a cache (a call that wants a gradient; no attention dropout): every head runs in one
+  ``autograd.Function`` (``_BucketAttention``), chunk by chunk of buckets (1/8 of the sequence, at most 2048
+  tokens), with the CPU flash kernel's own forward and backward ops. It keeps for backward the queries, keys,
+  values, output, log-sum-exp and the selection weights only, never a block: backward builds each chunk's
+  local windows and own + selected blocks again, and takes the gradients of the selection (linear in the past
+  buckets and in its weights) by hand. The same attention as the paths below, keeping about the keys' worth
+  less (issue 17: fwd+bwd memory). Elsewhere (no gradient, a cache, dropout) the paths below run.
 * With attention dropout in training, SDPA takes its math path (probabilities materialised).
 * A call whose new queries all sit in one bucket (a decode step) reads its keys as plain views of the cache,
   unpadded, and with at most 16 query rows uses two small products instead of SDPA, whose flash kernel
@@ -417,24 +424,36 @@ class SinkhornAttention(AttentionBackend):
         (B, nr, K, Hs, D) with K = bucket_size (blend) or topk * bucket_size (topk)."""
         n = self.bucket_size
         j = nb - 1  # complete buckets: every past bucket of the rows computed here
-        sums = self._sums(k, j, cache)
+        w, w_null = self._selection_weights(k, r0, nb, cache)
         past_k, past_v = (t[:, :j * n].unflatten(1, (j, n)) for t in (k, v))  # (B, J, n, Hkv, D), views
+        if w_null is None:
+            return self._combine(w, None, past_k, None), self._combine(w, None, past_v, None)
+        return self._combine(w, w_null, past_k, self.null_key), self._combine(w, w_null, past_v, self.null_value)
+
+    def _selection_weights(self, k, r0: int, nb: int, cache: "_RowState | None"):
+        """Causal: what the selection of query buckets r0 .. nb - 1 mixes: weights (B, Hs, nr, m, J) of the
+        J = nb - 1 complete buckets (blend: m = 1, the sort rows; topk: m = topk, each pick's weight on its
+        bucket) and, topk only, the weights (B, nr, topk, 1, Hs, 1) of the null bucket (else None)."""
+        sums = self._sums(k, nb - 1, cache)
         if not self.topk_mode:
-            p = self._blend_rows(sums, r0, nb)[:, :, :, None]  # (B, Hs, nr, 1, J)
-            return self._mix(p, past_k).squeeze(2), self._mix(p, past_v).squeeze(2)
-        top = self.topk
+            return self._blend_rows(sums, r0, nb)[:, :, :, None], None  # (B, Hs, nr, 1, J)
+        top, j = self.topk, nb - 1
         picks, weights = self._pick_rows(k, sums, r0, nb)  # (B, Hs, nr, top)
         null = picks < top
         real = weights.masked_fill(null, 0.0)
         onehot = torch.zeros(*picks.shape, j + 1, device=k.device, dtype=weights.dtype)
         onehot = onehot.scatter(-1, (picks - top).clamp(min=0)[..., None], real[..., None])[..., :j]
-        out = []
-        for t, learned in ((past_k, self.null_key), (past_v, self.null_value)):
-            chosen = self._mix(onehot, t)  # (B, nr, top, n, Hs, D)
-            w_null = weights.masked_fill(~null, 0.0).permute(0, 2, 3, 1)[:, :, :, None, :, None]
-            chosen = chosen + w_null.to(t.dtype) * learned.to(t.dtype)  # (B, nr, top, 1, Hs, D)
-            out.append(chosen.flatten(2, 3))
-        return out[0], out[1]
+        w_null = weights.masked_fill(~null, 0.0).permute(0, 2, 3, 1)[:, :, :, None, :, None]
+        return onehot, w_null
+
+    def _combine(self, w, w_null, past: torch.Tensor, learned) -> torch.Tensor:
+        """The selection from :meth:`_selection_weights`' weights over past buckets (B, J, n, Hkv, D) (J may
+        stop at the last bucket any of the rows reads) and the null bucket ``learned`` (Hs, D) (topk):
+        (B, nr, m * n, Hs, D)."""
+        chosen = self._mix(w, past)  # (B, nr, m, n, Hs, D)
+        if w_null is not None:
+            chosen = chosen + w_null.to(past.dtype) * learned.to(past.dtype)
+        return chosen.flatten(2, 3)
 
     def _selected_noncausal(self, k, v, b0: int, nb: int):
         """Non-causal: the sorted buckets of query buckets b0.. (B, nq, n, Hs, D) and the (B, nq, Hs, n)
@@ -443,16 +462,32 @@ class SinkhornAttention(AttentionBackend):
         p = self._sinkhorn(k, nb)[:, :, b0:]  # (B, Hs, nq, nb)
         pad = nb * n - length
         kb, vb = (F.pad(t, (0, 0, 0, 0, 0, pad)).unflatten(1, (nb, n)) for t in (k, v))
+        return self._sorted_noncausal(p, kb, vb, length)
+
+    def _sorted_noncausal(self, p, kb, vb, length: int):
+        """Non-causal: the sorted buckets for sort rows p (B, Hs, nr, nb) over the zero-padded buckets
+        kb, vb (B, nb, n, Hkv, D) of ``length`` keys, and the mask of their slots (see above)."""
+        nb, n = kb.shape[1], self.bucket_size
         sel_k, sel_v = self._mix(p[:, :, :, None], kb).squeeze(2), self._mix(p[:, :, :, None], vb).squeeze(2)
-        if not pad:
+        if nb * n == length:
             return sel_k, sel_v, None  # whole buckets: rows of p sum to 1 in every slot
         # Slot s of the sorted bucket averages slot s of the buckets; renormalise by the weight on buckets
         # that are real at slot s (only the last bucket is partly padding).
-        valid = (torch.arange(nb * n, device=k.device) < length).view(nb, n)
+        valid = (torch.arange(nb * n, device=kb.device) < length).view(nb, n)
         mass = torch.einsum("bhij,js->bihs", p, valid.float())  # (B, nq, Hs, n)
         slot_ok = mass > 1e-6
         scale = (1.0 / mass.clamp(min=1e-6)).masked_fill(~slot_ok, 0.0).transpose(2, 3)[..., None]
         return sel_k * scale.to(sel_k.dtype), sel_v * scale.to(sel_v.dtype), slot_ok
+
+    @staticmethod
+    def _noncausal_mask(own: torch.Tensor, slot_ok: "torch.Tensor | None", b: int, hs: int) -> torch.Tensor:
+        """Mask of non-causal sorting heads from the own-bucket masks (nq, r, n) and the sorted slots that hold
+        a key (B, nq, Hs, n), or None if all do: (nq, r, 2n), or (B * nq, Hs, r, 2n) per head."""
+        nq, r, n = own.shape
+        if slot_ok is None:
+            return F.pad(own, (0, n), value=True)
+        return torch.cat([own[None, :, None].expand(b, nq, hs, r, n),
+                          slot_ok[:, :, :, None, :].expand(b, nq, hs, r, n)], -1).flatten(0, 1)
 
     # ------------------------------------------------------------------------------------ attention
 
@@ -492,7 +527,7 @@ class SinkhornAttention(AttentionBackend):
     def forward(self, q, k, v, *, cache: KVCache | None = None, x=None):
         # q: (B, T, H, D); k, v: (B, T, Hkv, D)
         if cache is None:
-            return self._forward(q, k, v, None)
+            return self._forward(q, k, v, None, lean=self._lean(q, k, v))
         if not isinstance(cache, SinkhornCache):  # a plain key/value cache: rows of equal length
             k, v = cache.append(k, v)
             return self._forward(q, k, v, None)
@@ -547,9 +582,18 @@ class SinkhornAttention(AttentionBackend):
         out = torch.cat(outs, 3) if len(outs) > 1 else outs[0]  # (B, 1, 1, H, D)
         return out.flatten(1, 2).to(q.dtype)
 
-    def _forward(self, q, k, v, state: "_RowState | None"):
+    def _lean(self, q, k, v) -> bool:
+        """Whether a call without a cache takes :class:`_BucketAttention`: when a gradient is wanted and
+        attention dropout is off (dropout runs SDPA's own path)."""
+        if not torch.is_grad_enabled() or (self.training and self.spec.dropout > 0):
+            return False
+        return any(t.requires_grad for t in (q, k, v)) or any(p.requires_grad for p in self.parameters())
+
+    def _forward(self, q, k, v, state: "_RowState | None", lean: bool = False):
         """Rows of equal length: the new queries q (B, T, H, D) against every key so far k, v (B, L, Hkv, D)
-        (with a cache, views of it), the queries sitting at the last T positions."""
+        (with a cache, views of it), the queries sitting at the last T positions. ``lean``: a call without a
+        cache that wants a gradient: with several buckets it takes :class:`_BucketAttention` (the same
+        attention, computed as :meth:`_local_heads` and :meth:`_sorting_heads` do, with less memory kept)."""
         t = q.shape[1]
         length = k.shape[1]
         start = length - t  # absolute position of the first new query
@@ -564,16 +608,68 @@ class SinkhornAttention(AttentionBackend):
             qb = F.pad(q, (0, 0, 0, 0, off, nb * n - length)).unflatten(1, (nq, n))
             qpos = torch.arange(n, device=q.device)
         geo = _Geometry(n, length, b0, nb, qpos, self.spec.causal)
-        outs = []
-        if nl:
-            outs.append(self._local_heads(qb[..., :nl, :], k, v, geo))
-        if nl < h:
-            outs.append(self._sorting_heads(qb[..., nl:, :], k, v, geo, state))
-        out = torch.cat(outs, 3) if len(outs) > 1 else outs[0]  # (B, nq, r, H, D)
+        if lean and nq > 1:  # several whole buckets, no cache, a gradient wanted
+            out = self._lean_heads(qb, k, v, geo)
+        else:
+            outs = []
+            if nl:
+                outs.append(self._local_heads(qb[..., :nl, :], k, v, geo))
+            if nl < h:
+                outs.append(self._sorting_heads(qb[..., nl:, :], k, v, geo, state))
+            out = torch.cat(outs, 3) if len(outs) > 1 else outs[0]  # (B, nq, r, H, D)
         out = out.flatten(1, 2)
         if nq > 1:
             out = out[:, off:off + t]
         return out.to(q.dtype)  # (B, T, H, D)
+
+    def _lean_heads(self, q, k, v, geo: "_Geometry"):
+        """Every head of a call without a cache by :class:`_BucketAttention`: the same blocks, masks and
+        selections as :meth:`_local_heads` and :meth:`_sorting_heads`, bucket 0 included (its missing previous
+        bucket and, causal ``blend``, its empty selection masked). q (B, nq, r, H, D) of several buckets."""
+        n, b0, nb, causal = geo.n, geo.b0, geo.nb, geo.causal
+        b, nq, r, h = q.shape[:4]
+        nl = self.n_local
+        whole = k.shape[2] == h  # one kv head per query head: the groups' kv heads are slices
+
+        def mask_of(parts):  # per query bucket, the (r, width) masks of a block's parts: (nq, r, K)
+            return torch.stack([torch.cat(parts(i), -1) for i in range(b0, nb)])
+
+        groups = []
+        w = w_null = scale = None
+        if nl:
+            ones = torch.ones(r, n, dtype=torch.bool, device=q.device)
+            if causal:  # previous bucket (none for bucket 0), own bucket up to the query
+                local = mask_of(lambda i: [ones & (i > 0), geo.own_mask(i)])
+            else:  # previous, own and next bucket, their real keys
+                local = mask_of(lambda i: [ones & (i > 0), geo.own_mask(i), geo.valid_keys(i + 1)])
+            groups.append(_Group(0, nl, slice(0, nl) if whole else self.kv_of_head[:nl], b0, 1, 0 if causal else 1,
+                                 0, None, lambda a, e: local[a:e]))
+        if nl < h:
+            kv = slice(nl, h) if whole else self.kv_of_head[nl:]
+            if causal:
+                w, w_null = self._selection_weights(k, b0, nb, None)
+                m = w.shape[3]
+                if w_null is not None:
+                    w_null = w_null[:, :, :, 0, :, 0]  # (B, nq, m, Hs)
+                ones = torch.ones(r, m * n, dtype=torch.bool, device=q.device)
+                # own bucket up to the query; the selection (blend bucket 0 has none)
+                sort = mask_of(lambda i: [geo.own_mask(i), ones & (i > 0 or self.topk_mode)])
+                groups.append(_Group(nl, h, kv, b0, 0, 0, m, lambda a: min(nb - 1, b0 + a), lambda a, e: sort[a:e]))
+            else:
+                p = self._sinkhorn(k, nb)[:, :, b0:]  # (B, Hs, nq, nb)
+                w, slot_ok = p[:, :, :, None], None
+                if nb * n > geo.length:  # the slots of the padded last bucket: renormalised (_sorted_noncausal)
+                    valid = (torch.arange(nb * n, device=k.device) < geo.length).view(nb, n)
+                    mass = torch.einsum("bhij,js->bihs", p, valid.float())  # (B, nq, Hs, n)
+                    slot_ok = mass > 1e-6
+                    scale = (1.0 / mass.clamp(min=1e-6)).masked_fill(~slot_ok, 0.0).transpose(2, 3)  # (B, nq, n, Hs)
+                own = torch.stack([geo.own_mask(i) for i in range(b0, nb)])  # (nq, r, n)
+                groups.append(_Group(nl, h, kv, b0, 0, 0, 1, lambda a: nb, lambda a, e: self._noncausal_mask(
+                    own[a:e], None if slot_ok is None else slot_ok[:, a:e], b, h - nl)))
+        null_k, null_v = (self.null_key, self.null_value) if w_null is not None else (None, None)
+        flash = _CPU_FLASH and q.device.type == "cpu"
+        chunk = max(1, min(_CHUNK_TOKENS, geo.length // _CHUNKS) // n)  # buckets per chunk
+        return _BucketAttention.apply(groups, n, chunk, flash, q, k, v, w, w_null, null_k, null_v, scale)
 
     def _local_heads(self, q, k, v, geo: "_Geometry"):
         """Local heads: one softmax over the previous, own (and, non-causal, next) bucket. The windows are
@@ -627,13 +723,8 @@ class SinkhornAttention(AttentionBackend):
             own_k, own_v = self._head_kv(own_k, nl, self.spec.heads), self._head_kv(own_v, nl, self.spec.heads)
         if not causal:
             sel_k, sel_v, slot_ok = self._selected_noncausal(k, v, b0, nb)
-            m = sel_k.shape[2]
             own = torch.stack([geo.own_mask(i) for i in range(b0, nb)])  # (nq, r, n)
-            if slot_ok is None:
-                mask = F.pad(own, (0, m), value=True)
-            else:  # (B * nq, Hs, r, n + n): per head
-                mask = torch.cat([own[None, :, None].expand(b, nq, hs, r, n),
-                                  slot_ok[:, :, :, None, :].expand(b, nq, hs, r, m)], -1).flatten(0, 1)
+            mask = self._noncausal_mask(own, slot_ok, b, hs)
             return self._attend(q, torch.cat([own_k, sel_k.to(own_k.dtype)], 2),
                                 torch.cat([own_v, sel_v.to(own_v.dtype)], 2), mask)
         outs = []
@@ -663,6 +754,211 @@ class SinkhornAttention(AttentionBackend):
         if state is not None and r0 < nb:  # a new selection: keep the last bucket's
             state.keep(nb - 1, sel_k[:, -1], sel_v[:, -1])
         return sel_k, sel_v
+
+
+# Training without a cache: every head's blocks (local windows, own bucket + selection) are built chunk by chunk
+# and not kept for backward (see _BucketAttention). A chunk is 1 / _CHUNKS of the sequence, at most _CHUNK_TOKENS
+# query tokens (at least one bucket): what one chunk holds while it runs (its blocks, their gradients, masks) is
+# several times its share of the queries, so a chunk of the whole sequence would cost more than it saves.
+# _CPU_FLASH: on CPU, call the flash kernel's forward and backward ops directly (what SDPA runs there), so backward
+# recomputes no attention; False (and off CPU): SDPA, and backward recomputes each chunk's attention. Module
+# switches, so that tests reach every path.
+_CHUNKS = 8
+_CHUNK_TOKENS = 2048
+_CPU_FLASH = True
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool attention mask (True = may attend) as the additive float mask SDPA turns it into."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
+@dataclass
+class _Group:
+    """Query heads h0 .. h1 - 1 of a :class:`_BucketAttention` call. Query bucket a (absolute bucket i0 + a)
+    attends to a window of whole buckets of keys, ``before`` buckets before its own and ``after`` after it
+    (zero beyond the keys), followed, for sorting heads, by its selection: ``m`` mixes, slot by slot, of the
+    past buckets 0 .. reach(a) - 1 with the call's weights ``w``, plus the null bucket (weights ``w_null``),
+    times ``scale`` per slot. ``kv``: the kv heads of these query heads (a slice, or a long tensor with one per
+    query head). ``mask(a, e)``: bool, True = may attend, of query buckets a .. e - 1: (e - a, r, K) or
+    (B * (e - a), h1 - h0, r, K)."""
+
+    h0: int
+    h1: int
+    kv: "slice | torch.Tensor"
+    i0: int
+    before: int
+    after: int
+    m: int
+    reach: object
+    mask: object
+
+
+class _BucketAttention(torch.autograd.Function):
+    """Training without a cache: every head's attention, query bucket by query bucket, over its block of keys
+    (see :class:`_Group`: the local heads' window, the sorting heads' own bucket and selection), computed chunk
+    by chunk of ``chunk`` buckets with the CPU flash kernel's own forward and backward ops (``flash``; what SDPA
+    runs on CPU) or SDPA (backward then recomputes each chunk's attention). Kept for backward: the inputs
+    (queries, keys, values, selection weights, null bucket, slot scales), the output and the log-sum-exp;
+    never a block or a window: backward builds each chunk's blocks again and takes the gradients of the
+    selection by hand (it is linear in the past buckets and in its weights), reading the past buckets in place
+    one head at a time. While it runs it holds one chunk's blocks; every gradient is added up in place into
+    those of q, k, v.
+
+    q (B, nq, r, H, D); k, v (B, L, Hkv, D); w (B, Hs, nq, m, J) float32 or None; w_null (B, nq, m, Hs) or None;
+    null_k, null_v (Hs, D) or None; scale (B, nq, n, Hs) or None (m = 1). Returns (B, nq, r, H, D)."""
+
+    @staticmethod
+    def _span(grp, n, a, e):
+        """The key positions lo .. hi - 1 of the windows of query buckets a .. e - 1 (may reach beyond the keys)."""
+        return (grp.i0 + a - grp.before) * n, (grp.i0 + e + grp.after) * n
+
+    @staticmethod
+    def _past(grp, n, z, hh, j):
+        """The past buckets 0 .. j - 1 of the kv head of the group's head hh, slot-major: (B, n, j, D), a view
+        (a copy, zero-padded, where they reach beyond the keys: non-causal, a partial last bucket)."""
+        part = z[:, :j * n, _BucketAttention._kv(grp, hh)]
+        if part.shape[1] < j * n:
+            part = F.pad(part, (0, 0, 0, j * n - part.shape[1]))
+        return part.unflatten(1, (j, n)).transpose(1, 2)
+
+    @staticmethod
+    def _kv(grp, hh) -> int:
+        return grp.kv.start + hh if isinstance(grp.kv, slice) else int(grp.kv[hh])
+
+    @staticmethod
+    def _weights(grp, w, hh, a, e, j, dtype):
+        """The selection weights of head hh and query buckets a .. e - 1 over j past buckets: (B, 1, c * m, j)."""
+        return w[:, hh, a:e, :, :j].flatten(1, 2)[:, None].to(dtype)
+
+    @staticmethod
+    def _block(grp, n, z, a, e, w, w_null, learned, scale):
+        """Keys or values z (B, L, Hkv, D) of query buckets a .. e - 1: the block (B, c, h, K, D) and, for
+        sorting heads, the mix of the past buckets (B, h, c, m, n, D). The past buckets are read in place, one
+        head at a time (slot-major views: no copy of the keys)."""
+        b, length, _, d = z.shape
+        c, width = e - a, (grp.before + 1 + grp.after) * n
+        lo, hi = _BucketAttention._span(grp, n, a, e)
+        part = z[:, max(lo, 0):min(hi, length), grp.kv]  # (B, span, h, D), zero-padded beyond the keys
+        if part.shape[1] < hi - lo:
+            part = F.pad(part, (0, 0, 0, 0, max(-lo, 0), hi - max(lo, 0) - part.shape[1]))
+        own = part.transpose(1, 2).unfold(2, width, n).movedim(-1, 3)  # (B, h, c, W, D)
+        if not grp.m:
+            return own.transpose(1, 2), None
+        hg, j = grp.h1 - grp.h0, grp.reach(e - 1)
+        mix = torch.stack([torch.matmul(_BucketAttention._weights(grp, w, hh, a, e, j, z.dtype),
+                                        _BucketAttention._past(grp, n, z, hh, j))  # (B, n, c * m, D)
+                           for hh in range(hg)], 1).unflatten(3, (c, grp.m)).permute(0, 1, 3, 4, 2, 5)
+        sel = mix  # (B, h, c, m, n, D)
+        if w_null is not None:  # (B, c, m, Hs) -> (B, Hs, c, m, 1, 1)
+            nw = w_null[:, a:e].permute(0, 3, 1, 2)[..., None, None].to(z.dtype)
+            sel = sel + nw * learned[None, :, None, None, None].to(z.dtype)
+        if scale is not None:  # (B, c, n, Hs) -> (B, Hs, c, 1, n, 1)
+            sel = sel * scale[:, a:e].permute(0, 3, 1, 2)[:, :, :, None, :, None].to(z.dtype)
+        return torch.cat([own, sel.flatten(3, 4)], 3).transpose(1, 2), mix
+
+    @staticmethod
+    def _add(gz, kv, lo, val):
+        """gz[:, lo + s, kv] += val[:, s] (val (B, S, h, D)) for the positions s that hold a key."""
+        s0, s1 = max(lo, 0), min(lo + val.shape[1], gz.shape[1])
+        if s1 <= s0:
+            return
+        val = val[:, s0 - lo:s1 - lo]
+        if isinstance(kv, slice):
+            gz[:, s0:s1, kv] += val
+        else:
+            gz[:, s0:s1].index_add_(2, kv, val)
+
+    @staticmethod
+    def _mask(grp, a, e, b, dtype, flash):
+        mask = grp.mask(a, e)
+        if mask.dim() == 3:
+            mask = mask[None].expand(b, *mask.shape).flatten(0, 1)[:, None]
+        return _additive(mask, dtype) if flash else mask
+
+    @staticmethod
+    def forward(ctx, groups, n, chunk, flash, q, k, v, w, w_null, null_k, null_v, scale):
+        b, nq, r, h, d = q.shape
+        out = q.new_empty(b, nq, r, h, d)
+        lse = q.new_empty(b, nq, h, r, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32) \
+            if flash else None
+        for grp in groups:
+            for a in range(0, nq, chunk):
+                e = min(a + chunk, nq)
+                kb = _BucketAttention._block(grp, n, k, a, e, w, w_null, null_k, scale)[0].flatten(0, 1)
+                vb = _BucketAttention._block(grp, n, v, a, e, w, w_null, null_v, scale)[0].flatten(0, 1)
+                q4 = q[:, a:e, :, grp.h0:grp.h1].flatten(0, 1).transpose(1, 2)  # (B * c, h, r, D)
+                mask = _BucketAttention._mask(grp, a, e, b, q.dtype, flash)
+                if flash:
+                    o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q4, kb, vb, 0.0, False,
+                                                                                   attn_mask=mask)
+                    lse[:, a:e, grp.h0:grp.h1] = l.unflatten(0, (b, e - a))
+                else:
+                    o = F.scaled_dot_product_attention(q4, kb, vb, attn_mask=mask)
+                out[:, a:e, :, grp.h0:grp.h1] = o.transpose(1, 2).unflatten(0, (b, e - a))
+        ctx.groups, ctx.n, ctx.chunk, ctx.flash = groups, n, chunk, flash
+        ctx.save_for_backward(q, k, v, w, w_null, null_k, null_v, scale, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, w, w_null, null_k, null_v, scale, out, lse = ctx.saved_tensors
+        n, chunk, flash = ctx.n, ctx.chunk, ctx.flash
+        b, nq, r, h, d = q.shape
+        gq, gk, gv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        gw = torch.zeros_like(w) if w is not None else None
+        gw_null = torch.zeros_like(w_null) if w_null is not None else None
+        g_null = [torch.zeros_like(null_k), torch.zeros_like(null_v)] if null_k is not None else [None, None]
+        g_scale = torch.zeros_like(scale) if scale is not None else None
+        for grp in ctx.groups:
+            m, width, hg = grp.m, (grp.before + 1 + grp.after) * n, grp.h1 - grp.h0
+            for a in range(0, nq, chunk):
+                e = min(a + chunk, nq)
+                c = e - a
+                kb, mix_k = _BucketAttention._block(grp, n, k, a, e, w, w_null, null_k, scale)
+                vb, mix_v = _BucketAttention._block(grp, n, v, a, e, w, w_null, null_v, scale)
+                kb, vb = kb.flatten(0, 1), vb.flatten(0, 1)
+                q4 = q[:, a:e, :, grp.h0:grp.h1].flatten(0, 1).transpose(1, 2)
+                g4 = grad[:, a:e, :, grp.h0:grp.h1].flatten(0, 1).transpose(1, 2)
+                mask = _BucketAttention._mask(grp, a, e, b, q.dtype, flash)
+                if flash:
+                    o4 = out[:, a:e, :, grp.h0:grp.h1].flatten(0, 1).transpose(1, 2)
+                    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                        g4, q4, kb, vb, o4, lse[:, a:e, grp.h0:grp.h1].flatten(0, 1), 0.0, False, attn_mask=mask)
+                else:  # the chunk's attention again, under autograd
+                    leaves = [t.detach().requires_grad_() for t in (q4, kb, vb)]
+                    with torch.enable_grad():
+                        o = F.scaled_dot_product_attention(*leaves, attn_mask=mask)
+                    dq, dk, dv = torch.autograd.grad(o, leaves, g4)
+                gq[:, a:e, :, grp.h0:grp.h1] = dq.transpose(1, 2).unflatten(0, (b, c))
+                lo = _BucketAttention._span(grp, n, a, e)[0]
+                for z, dz, gz, mix, i in ((k, dk, gk, mix_k, 0), (v, dv, gv, mix_v, 1)):
+                    dz = dz.unflatten(0, (b, c)).transpose(1, 2)  # (B, h, c, K, D)
+                    for p in range(0, width, n):  # the window, bucket by bucket
+                        _BucketAttention._add(gz, grp.kv, lo + p, dz[:, :, :, p:p + n].flatten(2, 3).transpose(1, 2))
+                    if not m:
+                        continue
+                    gsel = dz[:, :, :, width:].unflatten(3, (m, n))  # (B, h, c, m, n, D)
+                    if scale is not None:  # non-causal: no null bucket, sel = mix * scale
+                        g_scale[:, a:e] += (gsel * mix).sum((3, 5)).permute(0, 2, 3, 1).to(g_scale.dtype)
+                        gsel = gsel * scale[:, a:e].permute(0, 3, 1, 2)[:, :, :, None, :, None].to(gsel.dtype)
+                    if w_null is not None:
+                        per_pick = gsel.sum(4)  # (B, h, c, m, D)
+                        learned = (null_k, null_v)[i][None, :, None, None].to(per_pick.dtype)
+                        gw_null[:, a:e] += (per_pick * learned).sum(-1).permute(0, 2, 3, 1).to(gw_null.dtype)
+                        nw = w_null[:, a:e].permute(0, 3, 1, 2)[..., None].to(per_pick.dtype)
+                        g_null[i] += (per_pick * nw).sum((0, 2, 3)).to(g_null[i].dtype)
+                    j = grp.reach(e - 1)
+                    for hh in range(hg if j else 0):  # the selection is linear in the past and in its weights
+                        past = _BucketAttention._past(grp, n, z, hh, j)  # (B, n, j, D)
+                        gmix = gsel[:, hh].flatten(1, 2).transpose(1, 2)  # (B, n, c * m, D)
+                        gw[:, hh, a:e, :, :j] += torch.matmul(gmix, past.transpose(2, 3)).sum(1) \
+                            .unflatten(1, (c, m)).to(gw.dtype)
+                        g_past = torch.matmul(_BucketAttention._weights(grp, w, hh, a, e, j, z.dtype).transpose(2, 3),
+                                              gmix)  # (B, n, j, D)
+                        top = min(j * n, gz.shape[1])
+                        gz[:, :top, _BucketAttention._kv(grp, hh)] += g_past.transpose(1, 2).flatten(1, 2)[:, :top]
+        return None, None, None, None, gq, gk, gv, gw, gw_null, g_null[0], g_null[1], g_scale
 
 
 def _runs(lengths: list[int]) -> list[tuple[int, int]]:
