@@ -70,14 +70,8 @@ def test_compile_on_for_an_unsupported_model_raises_naming_why():
         generate(training, prompts(1), 3, compile="on")
 
 
-def test_a_failing_compile_falls_back_under_auto_and_raises_under_on(lm, monkeypatch, caplog):
-    def broken(device_type):
-        def step(*args):
-            raise RuntimeError("no C++ compiler")
-        return step
-
-    monkeypatch.setattr(compiled, "compiled_step", broken)
-    monkeypatch.setattr(compiled, "_BROKEN", {})
+def test_a_failing_compile_falls_back_under_auto_and_raises_under_on(lm, caplog, break_compile):
+    break_compile("compiled_step")
     with pytest.raises(compiled.CompileUnavailable, match="torch.compile of the decode step failed.*no C\\+\\+"):
         generate(lm, prompts(2), 4, temperature=0.0, compile="on")
     eager = generate(lm, prompts(2), 4, temperature=0.0)

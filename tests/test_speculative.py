@@ -523,7 +523,7 @@ def test_static_caches_give_the_eager_tokens_and_acceptance(monkeypatch, adaptiv
         assert row == generate(target, [prompt], 24, temperature=0)[0].tolist()
 
 
-def test_compile_switch_falls_back_or_raises_naming_why(monkeypatch, caplog):
+def test_compile_switch_falls_back_or_raises_naming_why(caplog, break_compile):
     import logging
 
     from efftx.generation import compiled
@@ -541,13 +541,7 @@ def test_compile_switch_falls_back_or_raises_naming_why(monkeypatch, caplog):
     with pytest.raises(ConfigError, match="compile='yes'"):
         speculative_generate(full_t, full_d, [[1, 2, 3]], 4, gamma=2, compile="yes")
 
-    def broken(device_type):
-        def step(*args):
-            raise RuntimeError("no C++ compiler")
-        return step
-
-    monkeypatch.setattr(compiled, "compiled_forward", broken)
-    monkeypatch.setattr(compiled, "_BROKEN", {})
+    break_compile("compiled_forward")
     with pytest.raises(compiled.CompileUnavailable, match="no C\\+\\+ compiler"):
         speculative_generate(full_t, full_d, [[1, 2, 3]], 6, gamma=2, temperature=0, compile="on")
     eager, _ = speculative_generate(full_t, full_d, [[1, 2, 3]], 6, gamma=2, temperature=0)

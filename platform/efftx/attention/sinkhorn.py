@@ -471,13 +471,19 @@ class SinkhornAttention(AttentionBackend):
         sel_k, sel_v = self._mix(p[:, :, :, None], kb).squeeze(2), self._mix(p[:, :, :, None], vb).squeeze(2)
         if nb * n == length:
             return sel_k, sel_v, None  # whole buckets: rows of p sum to 1 in every slot
-        # Slot s of the sorted bucket averages slot s of the buckets; renormalise by the weight on buckets
-        # that are real at slot s (only the last bucket is partly padding).
-        valid = (torch.arange(nb * n, device=kb.device) < length).view(nb, n)
+        scale, slot_ok = self._slot_scale(p, length)
+        scale = scale[..., None]
+        return sel_k * scale.to(sel_k.dtype), sel_v * scale.to(sel_v.dtype), slot_ok
+
+    def _slot_scale(self, p, length: int):
+        """Non-causal, a padded last bucket: slot s of the sorted bucket averages slot s of the buckets, so it is
+        renormalised by the weight the sort rows p (B, Hs, nq, nb) put on buckets real at slot s. Returns the
+        scale (B, nq, n, Hs), 0 where no real key is at the slot, and the slots that hold one (B, nq, Hs, n)."""
+        nb, n = p.shape[-1], self.bucket_size
+        valid = (torch.arange(nb * n, device=p.device) < length).view(nb, n)
         mass = torch.einsum("bhij,js->bihs", p, valid.float())  # (B, nq, Hs, n)
         slot_ok = mass > 1e-6
-        scale = (1.0 / mass.clamp(min=1e-6)).masked_fill(~slot_ok, 0.0).transpose(2, 3)[..., None]
-        return sel_k * scale.to(sel_k.dtype), sel_v * scale.to(sel_v.dtype), slot_ok
+        return (1.0 / mass.clamp(min=1e-6)).masked_fill(~slot_ok, 0.0).transpose(2, 3), slot_ok
 
     @staticmethod
     def _noncausal_mask(own: torch.Tensor, slot_ok: "torch.Tensor | None", b: int, hs: int) -> torch.Tensor:
@@ -658,11 +664,8 @@ class SinkhornAttention(AttentionBackend):
             else:
                 p = self._sinkhorn(k, nb)[:, :, b0:]  # (B, Hs, nq, nb)
                 w, slot_ok = p[:, :, :, None], None
-                if nb * n > geo.length:  # the slots of the padded last bucket: renormalised (_sorted_noncausal)
-                    valid = (torch.arange(nb * n, device=k.device) < geo.length).view(nb, n)
-                    mass = torch.einsum("bhij,js->bihs", p, valid.float())  # (B, nq, Hs, n)
-                    slot_ok = mass > 1e-6
-                    scale = (1.0 / mass.clamp(min=1e-6)).masked_fill(~slot_ok, 0.0).transpose(2, 3)  # (B, nq, n, Hs)
+                if nb * n > geo.length:  # the slots of the padded last bucket: renormalised
+                    scale, slot_ok = self._slot_scale(p, geo.length)  # (B, nq, n, Hs), (B, nq, Hs, n)
                 own = torch.stack([geo.own_mask(i) for i in range(b0, nb)])  # (nq, r, n)
                 groups.append(_Group(nl, h, kv, b0, 0, 0, 1, lambda a: nb, lambda a, e: self._noncausal_mask(
                     own[a:e], None if slot_ok is None else slot_ok[:, a:e], b, h - nl)))
