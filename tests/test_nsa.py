@@ -627,6 +627,7 @@ def test_diff_topk_gate_keys_hand_worked(chunked_path):
     ({"min_importance": -0.1}, r"attention.nsa.min_importance must be a number in \[0, 1\)"),
     ({"min_importance": 1.0}, r"attention.nsa.min_importance must be a number in \[0, 1\)"),
     ({"diff_topk_gate": "values"}, "attention.nsa.diff_topk_gate must be one of output, keys"),
+    ({"cpu_kernel": "yes"}, "attention.nsa.cpu_kernel must be one of auto, on, off; got 'yes'"),
 ])
 def test_invalid_option_is_a_config_error_naming_the_key(bad, message):
     cfg = recipes.get("nsa_debug").override({"name": "x", **{f"attention.nsa.{k}": v for k, v in bad.items()}})
@@ -681,8 +682,9 @@ def test_options_both_paths_equal_float64_reference_forward_selection_and_gradie
     with torch.no_grad():
         assert as_sets(selections(backend, q, k, t, x)) == chosen
     _, want_grads = grads(backend, q, k, v, x, lambda bk, *a: naive_nsa(bk, *a[:3], a[3])[0])
-    for chunked_path in (True, False):
-        backend.chunked = chunked_path
+    # the chunked path with its selected branch as the C++ kernel and as torch ops, and the branch composition
+    for chunked_path, kernel in ((True, "on"), (True, "off"), (False, "off")):
+        backend.chunked, backend.cpu_kernel = chunked_path, kernel
         got, got_grads = grads(backend, q, k, v, x, lambda bk, q, k, v, x: bk(q, k, v, x=x))
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-11)
         for name, g in want_grads.items():
@@ -712,11 +714,11 @@ CHUNKED_CASES = [(16, 16, 16, 4, 64, 4, 2, 16), (16, 16, 16, 4, 64, 4, 4, 8), (8
                  (16, 8, 8, 3, 12, 6, 2, 8)]
 
 
-def chunked(case, chunk=None, dtype=torch.float32):
+def chunked(case, chunk=None, dtype=torch.float32, kernel="on"):
     block, stride, sel, n_sel, window, heads, kv_heads, head_dim = case
     backend = make(heads=heads, kv_heads=kv_heads, head_dim=head_dim, block=block, stride=stride, sel=sel,
                    n_sel=n_sel, window=window).to(dtype)
-    backend.chunk_size = chunk
+    backend.chunk_size, backend.cpu_kernel = chunk, kernel
     assert backend.uses_chunked_path(torch.zeros(1))
     return backend
 
@@ -730,8 +732,9 @@ def small_subchunks(monkeypatch):
 # T = 150: the default chunk (64) leaves a partial last chunk; 150 is no multiple of any block size
 @pytest.mark.parametrize("case", CHUNKED_CASES)
 @pytest.mark.parametrize("chunk", [None, 1, 5, 16])
-def test_chunked_path_equals_naive_reference_forward_and_selection(case, chunk, small_subchunks):
-    backend = chunked(case, chunk)
+@pytest.mark.parametrize("kernel", ["on", "off"])
+def test_chunked_path_equals_naive_reference_forward_and_selection(case, chunk, kernel, small_subchunks):
+    backend = chunked(case, chunk, kernel=kernel)
     t = 150 if chunk in (None, 16) else 45
     q, k, v, x = inputs(t, heads=case[5], kv_heads=case[6], head_dim=case[7])
     want, chosen = naive_nsa(backend, q, k, v, x)
@@ -740,7 +743,7 @@ def test_chunked_path_equals_naive_reference_forward_and_selection(case, chunk, 
         idx = selections(backend, q, k, t, x)
     assert as_sets(idx) == chosen
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
-    backend64 = chunked(case, chunk, torch.float64)  # float64 throughout: equal to rounding
+    backend64 = chunked(case, chunk, torch.float64, kernel)  # float64 throughout: equal to rounding
     q, k, v, x = (z.double() for z in (q, k, v, x))
     with torch.no_grad():
         want, chosen = naive_nsa(backend64, q, k, v, x)
@@ -763,10 +766,11 @@ def grads(backend, q, k, v, x, fn):
 
 @pytest.mark.parametrize("case", CHUNKED_CASES)
 @pytest.mark.parametrize("chunk", [None, 7])
-def test_chunked_path_gradients_equal_float64_reference(case, chunk, small_subchunks):
+@pytest.mark.parametrize("kernel", ["on", "off"])
+def test_chunked_path_gradients_equal_float64_reference(case, chunk, kernel, small_subchunks):
     t = 150 if chunk is None else 45
     q, k, v, x = (z.double() for z in inputs(t, heads=case[5], kv_heads=case[6], head_dim=case[7]))
-    backend = chunked(case, chunk, torch.float64).train()
+    backend = chunked(case, chunk, torch.float64, kernel).train()
     want, want_grads = grads(backend, q, k, v, x, lambda bk, *a: naive_nsa(bk, *a[:3], a[3])[0])
     got, got_grads = grads(backend, q, k, v, x, lambda bk, q, k, v, x: bk(q, k, v, x=x))
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-11)
@@ -777,13 +781,67 @@ def test_chunked_path_gradients_equal_float64_reference(case, chunk, small_subch
         assert name == "compress_k.b2" or g.abs().sum() > 0, name
         torch.testing.assert_close(got_grads[name], g, rtol=1e-9, atol=1e-10, msg=name)
     # float32, as trained: the same gradients to float32 rounding
-    backend32 = chunked(case, chunk).train()
+    backend32 = chunked(case, chunk, kernel=kernel).train()
     backend32.load_state_dict(backend.state_dict())
     got32, got32_grads = grads(backend32, *(z.float() for z in (q, k, v, x)),
                                lambda bk, q, k, v, x: bk(q, k, v, x=x))
     torch.testing.assert_close(got32.double(), want, rtol=1e-4, atol=1e-5)
     for name, g in want_grads.items():
         torch.testing.assert_close(got32_grads[name].double(), g, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def _nsa_call(t, heads, kv_heads, block, stride, sel, kernel, batch=1, seed=3):
+    """Output and gradients (q, k, v, ck, cv, gates) of nsa_cpu.nsa_attention in float64 on random inputs."""
+    g = torch.Generator().manual_seed(seed)
+    d, nc = 8, t // stride + 2
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    leaves = [rnd(batch, t, heads, d), rnd(batch, t, kv_heads, d), rnd(batch, t, kv_heads, d), rnd(batch, nc, kv_heads, d),
+              rnd(batch, nc, kv_heads, d), torch.rand(batch, t, heads, 3, generator=g, dtype=torch.float64)]
+    leaves = [z.requires_grad_() for z in leaves]
+    out = nsa_cpu.nsa_attention(*leaves, block=block, stride=stride, sel_block=sel, n_sel=3, window=9, scale=0.3,
+                                mem=1, diff_topk=True, importance="logits_softmax", diff_topk_gate="keys",
+                                cpu_kernel=kernel)
+    weight = rnd(*out.shape)
+    return [out, *torch.autograd.grad((out * weight).sum(), leaves)]
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("geometry", [(16, 16, 16), (8, 8, 24)], ids=["blocks16", "blocks24"])
+def test_selected_kernel_query_ranges_and_padded_blocks_equal_torch_ops(threads, geometry):
+    """One (batch, kv head) on 3 threads: the kernel splits the queries into ranges with key/value gradient tables
+    of their own, summed at the end; selection blocks of 24 keys are padded to 32 in its transposed tables."""
+    block, stride, sel = geometry
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = _nsa_call(131, 2, 1, block, stride, sel, "on")
+    finally:
+        torch.set_num_threads(before)
+    want = _nsa_call(131, 2, 1, block, stride, sel, "off")
+    for name, a, b in zip(("out", "q", "k", "v", "ck", "cv", "gates"), got, want):
+        assert b.abs().sum() > 0, name
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_selected_kernel_unavailable_auto_uses_torch_ops_and_says_why_on_raises(monkeypatch, caplog):
+    from efftx.kernels import nsa_selected_cpu as kernels
+
+    monkeypatch.setattr(kernels, "_load", lambda: (None, "RuntimeError: no C++ compiler"))
+    kernels._warn_once.cache_clear()
+    with caplog.at_level("WARNING", logger=kernels.__name__):
+        got = _nsa_call(40, 4, 2, 8, 8, 8, "auto", batch=2)
+    assert "NSA's C++ CPU kernel is unavailable (RuntimeError: no C++ compiler)" in caplog.text
+    for a, b in zip(got, _nsa_call(40, 4, 2, 8, 8, 8, "off", batch=2)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(kernels.KernelUnavailable, match="cpu_kernel=on, but the C..? kernel could not be built: "
+                                                        "RuntimeError: no C"):
+        _nsa_call(40, 4, 2, 8, 8, 8, "on", batch=2)
+    with pytest.raises(ValueError, match="cpu_kernel must be one of auto, on, off, got 'maybe'"):
+        _nsa_call(40, 4, 2, 8, 8, 8, "maybe", batch=2)
+    kernels._warn_once.cache_clear()
 
 
 def test_chunked_path_equals_the_branch_composition_forward_and_backward():

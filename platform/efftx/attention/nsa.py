@@ -56,9 +56,10 @@ the normed hidden state ``x`` (a ``Linear(dim, 3 * heads)``; the backend must be
 
 Where it runs: on CPU tensors (``impl`` auto or reference) all three branches, the selection and the gating
 run in one chunked ``torch.autograd.Function``, :func:`efftx.attention.nsa_cpu.nsa_attention`: queries in
-chunks, the compressed scores computed once for both the compressed output and the selection, each
-chunk's selected blocks gathered once per GQA group, nothing of size (T, selected keys, D) kept, the
-backward recomputing scores from the inputs and the saved block indices. Elsewhere (CUDA, or
+chunks, the compressed scores computed once for both the compressed output and the selection, the selected
+branch a compiled C++ kernel reading each query's blocks in place (``cpu_kernel``: auto | on | off; off, or
+where it cannot be built: torch ops gathering each chunk's blocks once per GQA group), nothing of size
+(T, selected keys, D) kept, the backward recomputing scores from the inputs and the saved block indices. Elsewhere (CUDA, or
 ``impl=triton``) the branches are composed one by one as described above (SDPA, the selection in
 :meth:`NativeSparseAttention.select`, :func:`efftx.kernels.selected_attention`), and so on CPU with
 ``backend.chunked = False``. Both compute the same function (tests/test_nsa.py holds both to a float64
@@ -94,7 +95,7 @@ from torch import nn
 
 from efftx.attention.base import AttentionBackend, AttentionSpec
 from efftx.attention.cache import RowLengths
-from efftx.attention.nsa_cpu import _to_selection, logit_importance, nsa_attention
+from efftx.attention.nsa_cpu import CPU_KERNEL_MODES, _to_selection, logit_importance, nsa_attention
 from efftx.attention.registry import register
 from efftx.errors import ConfigError
 
@@ -140,6 +141,9 @@ class NSAOptions:
     # diff_topk's straight-through factor 1 + s - s.detach() scales: output (each selected past block's part of the
     # selected output) | keys (the block's keys, as the seed library's use_diff_topk): other gradients, same forward
     diff_topk_gate: str = "output"
+    # the chunked CPU path's selected branch: auto (the compiled C++ kernel, efftx/kernels/nsa_selected_cpu.cpp,
+    # where it builds; else torch ops, saying why once) | on (the kernel, an error where it cannot be built) | off
+    cpu_kernel: str = "auto"
 
     @property
     def stride(self) -> int:
@@ -194,6 +198,8 @@ class NSAOptions:
                 or self.compress_mem_kv < 0:
             raise ConfigError(f"{k}compress_mem_kv must be an integer >= 0 (memory slots), "
                               f"got {self.compress_mem_kv!r}")
+        if self.cpu_kernel not in CPU_KERNEL_MODES:
+            raise ConfigError(f"{k}cpu_kernel must be one of {', '.join(CPU_KERNEL_MODES)}; got {self.cpu_kernel!r}")
         impls = ("auto", "triton", "reference")
         if self.impl not in impls:
             raise ConfigError(f"{k}impl must be one of {', '.join(impls)}; got {self.impl!r}")
@@ -595,6 +601,7 @@ class NativeSparseAttention(AttentionBackend):
         # composition below (SDPA + selected_attention reference), which CUDA always uses.
         self.chunked = True
         self.chunk_size: int | None = None  # queries per chunk of the chunked path (None: its default)
+        self.cpu_kernel = opts.cpu_kernel  # its selected branch: the C++ kernel (auto | on) or torch ops (off)
 
     def use_rotary(self, rotary: nn.Module | None) -> None:
         """The layer's rotary positions (called by :class:`efftx.models.layers.Attention`): with ``separate_kv``
@@ -793,7 +800,8 @@ class NativeSparseAttention(AttentionBackend):
                                  chunk=self.chunk_size, initial=self.initial, local=self.local,
                                  mapping=self.opts.score_mapping, diff_topk=self.diff_topk, mem=self.mem,
                                  window_kv=(kw, vw) if self.separate else None, importance=self.opts.importance,
-                                 min_importance=self.opts.min_importance, diff_topk_gate=self.opts.diff_topk_gate)
+                                 min_importance=self.opts.min_importance, diff_topk_gate=self.opts.diff_topk_gate,
+                                 cpu_kernel=self.cpu_kernel)
         pos = torch.arange(tk - tq, tk, device=q.device)  # absolute positions of the queries
         out_cmp = self.compressed(q, ck, cv, tk - tq)
         idx = self.select(q, ck, pos, tk)

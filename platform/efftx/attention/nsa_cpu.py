@@ -10,10 +10,15 @@ defines (block selection included), but computed chunk by chunk inside one ``tor
   mask. The chunk's softmax probabilities are also the block importances: summed over the group's heads and
   mapped onto selection blocks they give each query's top ``n_sel`` past blocks right there, so the
   compressed scores are computed once, not again for the selection.
-* The **selected** branch gathers each query's selected key/value blocks once per GQA group
-  (``index_select`` of whole blocks from a kv-head-major copy of the keys, in sub-chunks of
-  ``SELECTED_ROWS`` (query, kv head) pairs so the gathered blocks stay in cache) and attends with batched
-  (heads of the group x selected keys) products. Keys after the query (in its own block) are masked.
+* The **selected** branch runs, by default, as a compiled C++ kernel (:mod:`efftx.kernels.nsa_selected_cpu`,
+  ``cpu_kernel``) over every query once the chunk loop has chosen every selection: each query's own and
+  selected blocks are read in place from kv-head-major key/value tables (the keys also transposed by block, so
+  a query's scores against a block are register-tiled vector products), one GQA group's heads at a time, and
+  its backward adds the key/value gradients straight into their tables. With torch ops instead (``off``, or
+  where the kernel cannot be built), each query's blocks are gathered once per GQA group (``index_select`` of
+  whole blocks, in sub-chunks of ``SELECTED_ROWS`` (query, kv head) pairs so the gathered blocks stay in
+  cache) and attended with batched (heads of the group x selected keys) products. Either way keys after the
+  query (in its own block) are masked.
 * The **window** branch is a dense block of the chunk's queries against the ``chunk + window - 1`` keys
   they can reach, band-masked.
 
@@ -37,6 +42,7 @@ import torch.nn.functional as F
 TIE_BREAK = 1e-12  # per block index, added in float64: exact importance ties go to the most recent block
 DEFAULT_CHUNK = 64  # queries per chunk (compressed and window branches)
 SCORE_BUDGET = 1 << 21  # elements of one chunk's (B, H, chunk, compressed blocks) score matrix, at most
+CPU_KERNEL_MODES = ("auto", "on", "off")  # the selected branch: the C++ kernel where it builds | the kernel | torch ops
 SELECTED_ROWS = 64  # (query, kv head) pairs per sub-chunk of the selected branch: its gathered keys stay in cache
 
 
@@ -100,8 +106,9 @@ class _Layout:
 
     def __init__(self, q, k, ck, block, stride, sel_block, n_sel, window, scale, start, chunk, initial=0, local=1,
                  mapping="overlap", diff_topk=False, mem=0, separate=False, importance="probs_sum",
-                 min_importance=0.0, gate="output"):
+                 min_importance=0.0, gate="output", kernel=None):
         self.b, self.tq, self.h, self.d = q.shape
+        self.kernel = kernel  # the compiled selected branch (efftx.kernels.nsa_selected_cpu), None: torch ops
         self.initial, self.local, self.mapping, self.diff_topk = initial, local, mapping, diff_topk
         self.mem = mem  # learned memory slots leading the compressed keys/values, visible to every query
         self.separate = separate  # the window branch has keys/values of its own (kw, vw)
@@ -134,6 +141,12 @@ class _Layout:
         out[:, :, :self.tk] = t.transpose(1, 2)
         out[:, :, self.tk:] = 0
         return out
+
+    def blocks_transposed(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, Hkv, nblk * l', D) -> (B, Hkv, nblk, D, l' rounded up to 16, zero-padded): the kernel's layout."""
+        l = self.sel_block
+        blocks = t.view(self.b, self.hkv, self.nblk, l, self.d).transpose(-1, -2)
+        return F.pad(blocks, (0, -l % 16)).contiguous()
 
     def rows(self, t: torch.Tensor) -> torch.Tensor:
         """(B, c, H, X) -> (B, Hkv, G * c, X)."""
@@ -284,6 +297,32 @@ def _outer(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a.transpose(1, 2), b)
 
 
+def _selected_backward(lay: _Layout, ch: _Chunk, kt_blocks, vt_blocks, dkt_blocks, dvt_blocks, sel, dos, gc, dg):
+    """The selected branch's backward for one chunk with torch ops: adds dk, dv into the block tables, writes the
+    gate's gradient into ``dg[..., 1]``; -> dq (per-query layout) and ``d_slot`` (c * B * Hkv, slots) for
+    diff_topk (None without it)."""
+    c, blk = ch.c, lay.sel_block * lay.d
+    g_s = lay.per_query(gc[..., 1:2])  # (c * B * Hkv, G, 1)
+    dq_s = torch.empty_like(ch.qs)
+    delta_s = dq_s.new_empty(c * lay.bh, lay.g)
+    d_slot = dq_s.new_zeros(c * lay.bh, lay.slots) if lay.diff_topk else None
+    for r0, r1, f, ks, vs, s, ps in _selected(lay, ch, kt_blocks, vt_blocks, sel):
+        do_r, g_r = dos[r0:r1], g_s[r0:r1]
+        dp = torch.bmm(do_r, vs.transpose(1, 2))  # (m, G, N)
+        delta_s[r0:r1] = torch.linalg.vecdot(ps, dp)  # = dO . O_sel: the gate's gradient
+        ds = torch._softmax_backward_data(dp, ps, -1, dp.dtype)
+        if d_slot is not None and lay.gate_keys:  # keys x gate: dS . S over each slot's keys (dS is 0 where a key
+            # is masked, and S finite there)
+            d_slot[r0:r1] = ((ds * s).view(r1 - r0, lay.g, lay.slots, -1).sum(-1) * g_r).sum(1)
+        elif d_slot is not None:  # dO . (gated output of each slot's block), summed over the group's heads
+            d_slot[r0:r1] = ((ps * dp).view(r1 - r0, lay.g, lay.slots, -1).sum(-1) * g_r).sum(1)
+        torch.bmm(ds, ks, out=dq_s[r0:r1]).mul_(g_r * lay.scale)
+        dkt_blocks.index_add_(0, f, _outer(ds, ch.qs[r0:r1] * g_r).view(-1, blk))
+        dvt_blocks.index_add_(0, f, _outer(ps, do_r * g_r).view(-1, blk))
+    dg[..., 1] = lay.unper_query(delta_s, c)[..., 0]
+    return dq_s, d_slot
+
+
 def _window_probs(lay: _Layout, ch: _Chunk, kt, vt):
     lo, hi = max(0, ch.p0 - lay.window + 1), ch.p1
     kw, vw = kt[:, :, lo:hi], vt[:, :, lo:hi]
@@ -359,15 +398,21 @@ class _NSAFunction(torch.autograd.Function):
             sel = lay.select(ch.probs, ch.pos, ch.p1, ch.logits)
             sel_all[a:e] = sel
             o = out[:, a:e].view(lay.b, ch.c, lay.hkv, lay.g, lay.d)
-            sub = lay.sub
-            for i, (r0, r1, _, _, vs, _, ps) in enumerate(_selected(lay, ch, kt_blocks, vt_blocks, sel)):
-                a2 = i * sub
-                torch.mul(lay.unper_query(torch.bmm(ps, vs), (r1 - r0) // lay.bh), gc[:, a2:a2 + sub, ..., 1:2],
-                          out=o[:, a2:a2 + sub])
             _, _, _, vwin, pw = _window_probs(lay, ch, kwt, vwt)
-            o.addcmul_(lay.unrows(torch.matmul(pw, vwin), ch.c), gc[..., 2:3])
+            if lay.kernel is None:
+                sub = lay.sub
+                for i, (r0, r1, _, _, vs, _, ps) in enumerate(_selected(lay, ch, kt_blocks, vt_blocks, sel)):
+                    a2 = i * sub
+                    torch.mul(lay.unper_query(torch.bmm(ps, vs), (r1 - r0) // lay.bh),
+                              gc[:, a2:a2 + sub, ..., 1:2], out=o[:, a2:a2 + sub])
+                o.addcmul_(lay.unrows(torch.matmul(pw, vwin), ch.c), gc[..., 2:3])
+            else:  # the kernel adds the selected branch after the loop
+                torch.mul(lay.unrows(torch.matmul(pw, vwin), ch.c), gc[..., 2:3], out=o)
             if ch.probs is not None:
                 o.addcmul_(lay.unrows(torch.matmul(ch.probs, cv_t[:, :, :ch.nv]), ch.c), gc[..., 0:1])
+        if lay.kernel is not None:  # out += g_sel * selected, every query's blocks read in place from kt, vt
+            lay.kernel.forward(q, lay.blocks_transposed(kt), vt, sel_all, gates[..., 1].contiguous(), out,
+                               lay.sel_block, lay.start, lay.scale, torch.get_num_threads())
         ctx.save_for_backward(q, k, v, ck, cv, gates, sel_all, *((kw, vw) if lay.separate else ()))
         ctx.lay = lay
         return out
@@ -387,7 +432,14 @@ class _NSAFunction(torch.autograd.Function):
         dkwt, dvwt = (torch.zeros_like(kwt), torch.zeros_like(vwt)) if lay.separate else (dkt, dvt)
         dck_t, dcv_t = torch.zeros_like(ck_t), torch.zeros_like(cv_t)
         dgates = torch.empty_like(gates)  # (B, T, H, 3)
-        blk = lay.sel_block * lay.d
+        d_slots = None
+        if lay.kernel is not None:  # the selected branch for every query first: dq, dgates[..., 1], dk, dv
+            d_slots = q.new_empty(lay.tq, lay.b, lay.hkv, lay.slots) if lay.diff_topk else None
+            dg_sel = q.new_empty(lay.b, lay.tq, lay.h)
+            lay.kernel.backward(q, kt, lay.blocks_transposed(kt), lay.blocks_transposed(vt), sel_all,
+                                gates[..., 1].contiguous(), grad_out.contiguous(), dq, dkt, dvt, dg_sel, d_slots,
+                                lay.gate_keys, lay.sel_block, lay.start, lay.scale, torch.get_num_threads())
+            dgates[..., 1] = dg_sel
         for a, e in lay.chunks():
             ch = _Chunk(lay, q, a, e, ck_t)
             c = ch.c
@@ -396,25 +448,12 @@ class _NSAFunction(torch.autograd.Function):
             dor, dos = lay.rows(go), lay.per_query(go)  # dO in both layouts
             dg = dgates[:, a:e].view(lay.b, c, lay.hkv, lay.g, 3)
 
-            # selected branch: dq in the per-query layout, dk/dv added block by block
-            g_s = lay.per_query(gc[..., 1:2])  # (c * B * Hkv, G, 1)
-            dq_s = torch.empty_like(ch.qs)
-            delta_s = dq_s.new_empty(c * lay.bh, lay.g)
-            d_slot = dq_s.new_zeros(c * lay.bh, lay.slots) if lay.diff_topk else None
-            for r0, r1, f, ks, vs, s, ps in _selected(lay, ch, kt_blocks, vt_blocks, sel_all[a:e]):
-                do_r, g_r = dos[r0:r1], g_s[r0:r1]
-                dp = torch.bmm(do_r, vs.transpose(1, 2))  # (m, G, N)
-                delta_s[r0:r1] = torch.linalg.vecdot(ps, dp)  # = dO . O_sel: the gate's gradient
-                ds = torch._softmax_backward_data(dp, ps, -1, dtype)
-                if d_slot is not None and lay.gate_keys:  # keys x gate: dS . S over each slot's keys (dS is 0
-                    # where a key is masked, and S finite there)
-                    d_slot[r0:r1] = ((ds * s).view(r1 - r0, lay.g, lay.slots, -1).sum(-1) * g_r).sum(1)
-                elif d_slot is not None:  # dO . (gated output of each slot's block), summed over the group's heads
-                    d_slot[r0:r1] = ((ps * dp).view(r1 - r0, lay.g, lay.slots, -1).sum(-1) * g_r).sum(1)
-                torch.bmm(ds, ks, out=dq_s[r0:r1]).mul_(g_r * lay.scale)
-                dkt_blocks.index_add_(0, f, _outer(ds, ch.qs[r0:r1] * g_r).view(-1, blk))
-                dvt_blocks.index_add_(0, f, _outer(ps, do_r * g_r).view(-1, blk))
-            dg[..., 1] = lay.unper_query(delta_s, c)[..., 0]
+            # selected branch (torch ops): dq in the per-query layout, dk/dv added block by block
+            if lay.kernel is None:
+                dq_s, d_slot = _selected_backward(lay, ch, kt_blocks, vt_blocks, dkt_blocks, dvt_blocks, sel_all[a:e],
+                                                  dos, gc, dg)
+            else:  # done above, for every query
+                dq_s, d_slot = None, d_slots[a:e].view(c * lay.bh, lay.slots) if d_slots is not None else None
 
             # window branch
             g_r = lay.rows(gc[..., 2:3])
@@ -451,7 +490,10 @@ class _NSAFunction(torch.autograd.Function):
                 dg[..., 0] = 0
             ch.probs = None
             dq_c = dq[:, a:e].view(lay.b, c, lay.hkv, lay.g, lay.d)
-            torch.add(lay.unrows(dq_r, c), lay.unper_query(dq_s, c), out=dq_c)
+            if dq_s is None:  # the kernel's selected dq is there already
+                dq_c.add_(lay.unrows(dq_r, c))
+            else:
+                torch.add(lay.unrows(dq_r, c), lay.unper_query(dq_s, c), out=dq_c)
         dk = dkt[:, :, :lay.tk].transpose(1, 2)
         dv = dvt[:, :, :lay.tk].transpose(1, 2)
         dkw = dkwt[:, :, :lay.tk].transpose(1, 2) if lay.separate else None
@@ -465,7 +507,7 @@ def nsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ck: torch.T
                   mapping: str = "overlap", diff_topk: bool = False, mem: int = 0,
                   window_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                   importance: str = "probs_sum", min_importance: float = 0.0,
-                  diff_topk_gate: str = "output") -> torch.Tensor:
+                  diff_topk_gate: str = "output", cpu_kernel: str = "auto") -> torch.Tensor:
     """NSA attention of q (B, Tq, H, D) over k, v (B, Tk, Hkv, D) and compressed ck, cv (B, Nc, Hkv, D).
 
     Query ``i`` sits at position ``Tk - Tq + i``. ``gates`` (B, Tq, H, 3): the compressed, selected and window
@@ -480,14 +522,24 @@ def nsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ck: torch.T
     probs_sum | logits_softmax (:func:`logit_importance`); past blocks whose importance is below ``min_importance``
     are not selected (forced ones excepted), their slots left unused. ``diff_topk_gate``: what the straight-through
     factor of ``diff_topk`` scales, each selected past block's part of the output or (``keys``) its keys.
+    ``cpu_kernel``: auto | on | off, whether the selected branch runs as the compiled C++ kernel
+    (:mod:`efftx.kernels.nsa_selected_cpu`; auto: where it builds) or with torch ops.
     """
     dtype = q.dtype
     work = torch.promote_types(dtype, torch.float32)
     q, k, v, ck, cv, gates = (t.to(work) for t in (q, k, v, ck, cv, gates))
+    q = q.contiguous()  # the kernel reads (B, T, H, D) rows; so does the backward's dq
     kw, vw = (t.to(work) for t in window_kv) if window_kv is not None else (None, None)
+    if cpu_kernel not in CPU_KERNEL_MODES:
+        raise ValueError(f"cpu_kernel must be one of {', '.join(CPU_KERNEL_MODES)}, got {cpu_kernel!r}")
+    kernel = None
+    if q.device.type == "cpu" and cpu_kernel != "off":
+        from efftx.kernels.nsa_selected_cpu import kernel as compiled  # (importing efftx.kernels imports Triton)
+
+        kernel = compiled(required=cpu_kernel == "on")
     lay = _Layout(q, k, ck, block, stride, sel_block, n_sel, window, scale, k.shape[1] - q.shape[1], chunk,
                   initial, local, mapping, diff_topk, mem, window_kv is not None, importance, min_importance,
-                  diff_topk_gate)
+                  diff_topk_gate, kernel)
     with torch.autocast(q.device.type, enabled=False):
         out = _NSAFunction.apply(q, k, v, ck, cv, gates, kw, vw, lay)
     return out.to(dtype)

@@ -1,0 +1,112 @@
+"""NSA's selected branch on a CPU as a compiled C++ kernel (``nsa_selected_cpu.cpp``), built on first use.
+
+The chunked CPU function (:func:`efftx.attention.nsa_cpu.nsa_attention`) computes the selected branch one of two
+ways: with torch ops (each query's blocks gathered with ``index_select`` into a copy, batched products, the key
+and value gradients added back with ``index_add_``), or with this kernel, which reads every query's own and
+selected blocks in place from the kv-head-major key/value tables, keeps one query's scores at a time and adds its
+key/value gradients straight into the gradient tables. The torch path stays as its reference (the tests hold the
+two to each other and to the float64 naive reference, forward and every gradient).
+
+``attention.nsa.cpu_kernel``: ``auto`` (default) uses the kernel when it builds and falls back to the torch path,
+saying why once, when it does not (no C++ compiler, no ninja); ``on`` raises instead; ``off`` never builds it.
+
+The build uses ``torch.utils.cpp_extension`` (a C++ compiler and ninja; both come with ``make setup``'s
+environment, which also builds the kernel ahead) into ``$TORCH_EXTENSIONS_DIR``, which efftx points at the venv
+(:func:`efftx.train.ops.use_venv_cache`). It compiles for the machine's own CPU (``-march=native``), so the
+build's name carries a digest of the source, the flags and the CPU's feature flags: a cache shared by machines
+with other CPUs never loads a binary built for another one.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import sys
+import sysconfig
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("nsa_selected_cpu.cpp")
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd")
+
+log = logging.getLogger(__name__)
+
+
+class KernelUnavailable(RuntimeError):
+    """``cpu_kernel=on`` and the kernel could not be built or loaded."""
+
+
+def cpu_tag() -> str:
+    """The machine's architecture and CPU feature flags, hashed (what ``-march=native`` compiles for)."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
+
+
+def build_name() -> str:
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode())
+    return f"efftx_nsa_selected_{digest.hexdigest()[:10]}_{cpu_tag()}"
+
+
+@functools.cache
+def _load():
+    """(module, None) or (None, why it is unavailable); built or loaded once per process."""
+    try:
+        from torch.utils.cpp_extension import load
+
+        from efftx.train.ops import use_venv_cache
+
+        use_venv_cache()
+        path = os.environ.get("PATH", "")
+        scripts = sysconfig.get_path("scripts") or str(Path(sys.executable).parent)
+        if shutil.which("ninja") is None and Path(scripts, "ninja").exists():  # the venv's ninja, off PATH
+            os.environ["PATH"] = scripts + os.pathsep + path
+        try:
+            module = load(name=build_name(), sources=[str(SOURCE)], extra_cflags=list(FLAGS), verbose=False)
+        finally:
+            os.environ["PATH"] = path
+        return module, None
+    except Exception as exc:  # noqa: BLE001 - any build or load failure means: use the torch path
+        return None, f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+
+
+def kernel(required: bool = False):
+    """The compiled kernel module; where it cannot be built: None (said once in the log), or, if ``required``,
+    :class:`KernelUnavailable` naming why."""
+    module, why = _load()
+    if module is None:
+        if required:
+            raise KernelUnavailable(f"attention.nsa.cpu_kernel=on, but the C++ kernel could not be built: {why}")
+        _warn_once(why)
+    return module
+
+
+@functools.cache
+def _warn_once(why: str) -> None:
+    log.warning("NSA's C++ CPU kernel is unavailable (%s): the selected branch runs on torch ops", why)
+
+
+def build(log_line=print) -> float:
+    """Build (or load from the cache) the kernel ahead of the first run; -> seconds. Raises if it cannot."""
+    import time
+
+    start = time.perf_counter()
+    kernel(required=True)
+    seconds = time.perf_counter() - start
+    log_line(f"NSA CPU kernel {build_name()}: ready in {seconds:.1f} s")
+    return seconds
+
+
+if __name__ == "__main__":  # make setup: build it ahead, so no run or test pays for the compile
+    build()
