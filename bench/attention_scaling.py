@@ -58,6 +58,11 @@ def layer_point(cfg, t: int, device: str, repeats: int, composed: bool = False) 
     layer = Attention(spec, Rotary(spec.head_dim, t)).to(device=device, dtype=dtype).train()
     if composed and hasattr(layer.inner, "chunked"):
         layer.inner.chunked = False
+    if getattr(layer.inner, "cpu_kernel", "off") != "off" and device == "cpu":
+        # NSA's C++ kernel is loaded once per process (as the modules are): not inside the measured peak
+        from efftx.kernels.nsa_selected_cpu import kernel
+
+        kernel(required=layer.inner.cpu_kernel == "on")
     x = torch.randn(1, t, spec.dim, device=device, dtype=dtype, requires_grad=True)
 
     def step():  # a train step's pass: gradients reset as the optimizer's zero_grad does, not accumulated
