@@ -826,6 +826,27 @@ def test_selected_kernel_query_ranges_and_padded_blocks_equal_torch_ops(threads,
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
 
 
+@pytest.mark.parametrize("importance", ["probs_sum", "logits_softmax"])
+@pytest.mark.parametrize("kernel", ["on", "off"])
+def test_chunked_selection_ties_go_to_the_most_recent_blocks(importance, kernel):
+    """Compressed keys all zero: every past block is equally important, so each query takes its n_sel most recent
+    past blocks (the tie-break both the kernel's fused selection and torch ops apply)."""
+    t, l, n_sel = 100, 8, 3
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, t, 4, 8, generator=g)
+    k, v = torch.randn(1, t, 2, 8, generator=g), torch.randn(1, t, 2, 8, generator=g)
+    ck = torch.zeros(1, t // l, 2, 8)
+    gates = torch.rand(1, t, 4, 3, generator=g)
+    out = nsa_cpu.nsa_attention(q.requires_grad_(), k, v, ck, ck.clone(), gates, block=l, stride=l, sel_block=l,
+                                n_sel=n_sel, window=4, scale=0.3, importance=importance, cpu_kernel=kernel)
+    (sel,) = [z for z in out.grad_fn.saved_tensors if z.dtype == torch.int32]  # (T, B, Hkv, n_sel)
+    for pos in range(t):
+        own = pos // l
+        want = set(range(max(0, own - n_sel), own))
+        for h in range(2):
+            assert {int(b) for b in sel[pos, 0, h] if b >= 0} == want, (pos, h)
+
+
 def test_selected_kernel_unavailable_auto_uses_torch_ops_and_says_why_on_raises(monkeypatch, caplog):
     from efftx.kernels import nsa_selected_cpu as kernels
 

@@ -19,6 +19,9 @@ defines (block selection included), but computed chunk by chunk inside one ``tor
   whole blocks, in sub-chunks of ``SELECTED_ROWS`` (query, kv head) pairs so the gathered blocks stay in
   cache) and attended with batched (heads of the group x selected keys) products. Either way keys after the
   query (in its own block) are masked.
+* With the kernel and the identity score mapping, the compressed branch's softmax and the selection are one
+  kernel pass over each chunk's scores (and, in the backward, the softmax's gradient and the importance
+  gradient another); the products stay torch matmuls.
 * The **window** branch is a dense block of the chunk's queries against the ``chunk + window - 1`` keys
   they can reach, band-masked.
 
@@ -238,7 +241,7 @@ class _Layout:
 class _Chunk:
     """Recomputed pieces of one query chunk: positions, scaled queries in both layouts, compressed probabilities."""
 
-    def __init__(self, lay: _Layout, q: torch.Tensor, a: int, e: int, ck_t: torch.Tensor):
+    def __init__(self, lay: _Layout, q: torch.Tensor, a: int, e: int, ck_t: torch.Tensor, raw: bool = False):
         self.a, self.e, self.c = a, e, e - a
         self.p0, self.p1 = lay.start + a, lay.start + e
         self.pos = torch.arange(self.p0, self.p1, device=lay.device)
@@ -246,10 +249,13 @@ class _Chunk:
         self.qr = lay.rows(qc)  # (B, Hkv, G * c, D)
         self.qs = lay.per_query(qc)  # (c * B * Hkv, G, D)
         self.nv = min(lay.visible(self.p1 - 1), lay.nc)  # memory slots included
-        self.probs = self.logits = None
+        self.probs = self.logits = self.raw = None
         if self.nv:
             first = min(lay.visible(self.p0), self.nv)  # columns every query of the chunk sees
             s = torch.matmul(self.qr, ck_t[:, :, :self.nv].transpose(-1, -2))  # (B, Hkv, G * c, nv)
+            if raw:  # the scores as they are: the kernel's fused softmax (and selection) take them from here
+                self.raw = s
+                return
             if first < self.nv:
                 tail = s.view(lay.b, lay.hkv, lay.g, self.c, self.nv)[..., first:]
                 tail.masked_fill_(lay.cmp_mask(self.pos, first, self.nv), float("-inf"))
@@ -392,10 +398,18 @@ class _NSAFunction(torch.autograd.Function):
         ck_t, cv_t = ck.transpose(1, 2).contiguous(), cv.transpose(1, 2).contiguous()  # (B, Hkv, Nc, D)
         out = q.new_empty(q.shape)
         sel_all = torch.empty(lay.tq, lay.b, lay.hkv, lay.n_sel, dtype=torch.int32, device=lay.device)
+        fused = lay.kernel is not None and lay.block == lay.stride == lay.sel_block  # the identity score mapping
         for a, e in lay.chunks():
-            ch = _Chunk(lay, q, a, e, ck_t)
+            ch = _Chunk(lay, q, a, e, ck_t, raw=fused)
             gc = gates[:, a:e].view(lay.b, ch.c, lay.hkv, lay.g, 3)
-            sel = lay.select(ch.probs, ch.pos, ch.p1, ch.logits)
+            if ch.raw is not None:  # the softmax (in place) and the selection in one pass over the scores
+                sel = torch.empty(ch.c, lay.b, lay.hkv, lay.n_sel, dtype=torch.int64, device=lay.device)
+                lay.kernel.compressed_select(ch.raw, sel, lay.g, ch.p0, lay.block, lay.stride, lay.mem,
+                                             lay.sel_block, lay.n_sel, (ch.p1 - 1) // lay.sel_block, lay.initial,
+                                             lay.local, lay.min_importance, lay.logits)
+                ch.probs = ch.raw
+            else:
+                sel = lay.select(ch.probs, ch.pos, ch.p1, ch.logits)
             sel_all[a:e] = sel
             o = out[:, a:e].view(lay.b, ch.c, lay.hkv, lay.g, lay.d)
             _, _, _, vwin, pw = _window_probs(lay, ch, kwt, vwt)
@@ -412,7 +426,7 @@ class _NSAFunction(torch.autograd.Function):
                 o.addcmul_(lay.unrows(torch.matmul(ch.probs, cv_t[:, :, :ch.nv]), ch.c), gc[..., 0:1])
         if lay.kernel is not None:  # out += g_sel * selected, every query's blocks read in place from kt, vt
             lay.kernel.forward(q, lay.blocks_transposed(kt), vt, sel_all, gates[..., 1].contiguous(), out,
-                               lay.sel_block, lay.start, lay.scale, torch.get_num_threads())
+                               lay.sel_block, lay.start, lay.scale)
         ctx.save_for_backward(q, k, v, ck, cv, gates, sel_all, *((kw, vw) if lay.separate else ()))
         ctx.lay = lay
         return out
@@ -438,10 +452,12 @@ class _NSAFunction(torch.autograd.Function):
             dg_sel = q.new_empty(lay.b, lay.tq, lay.h)
             lay.kernel.backward(q, kt, lay.blocks_transposed(kt), lay.blocks_transposed(vt), sel_all,
                                 gates[..., 1].contiguous(), grad_out.contiguous(), dq, dkt, dvt, dg_sel, d_slots,
-                                lay.gate_keys, lay.sel_block, lay.start, lay.scale, torch.get_num_threads())
+                                lay.gate_keys, lay.sel_block, lay.start, lay.scale)
             dgates[..., 1] = dg_sel
+        # the compressed softmax's backward (and the importance gradient of logits_softmax) fused in the kernel
+        fused = lay.kernel is not None and lay.block == lay.stride == lay.sel_block and (lay.logits or not lay.diff_topk)
         for a, e in lay.chunks():
-            ch = _Chunk(lay, q, a, e, ck_t)
+            ch = _Chunk(lay, q, a, e, ck_t, raw=fused)
             c = ch.c
             gc = gates[:, a:e]
             go = grad_out[:, a:e].contiguous()  # (a sum's gradient arrives expanded, with zero strides)
@@ -468,7 +484,23 @@ class _NSAFunction(torch.autograd.Function):
             del pw, ds
 
             # compressed branch
-            if ch.probs is not None:
+            if ch.raw is not None:
+                g_r = lay.rows(gc[..., 0:1])
+                nv, pc = ch.nv, ch.raw  # (the kernel turns the scores into probabilities in place)
+                ds = torch.matmul(dor, cv_t[:, :, :nv].transpose(-1, -2))  # dP in, dS out (in place)
+                dg0 = ds.new_empty(lay.b, lay.hkv, lay.g * c, 1)
+                cand = (ch.p1 - 1) // lay.sel_block
+                imp = d_slot is not None and cand > 0 and nv > lay.mem  # diff_topk: the importance gradient too
+                lay.kernel.compressed_backward(pc, ds, g_r.contiguous(), dg0,
+                                               d_slots[a:e] if imp else None, sel_all[a:e] if imp else None,
+                                               lay.g, ch.p0, lay.block, lay.stride, lay.mem, lay.sel_block, lay.n_sel,
+                                               cand)
+                dg[..., 0] = lay.unrows(dg0, c)[..., 0]
+                dq_r += torch.matmul(ds, ck_t[:, :, :nv]).mul_(lay.scale)
+                dck_t[:, :, :nv] += torch.matmul(ds.transpose(-1, -2), ch.qr)
+                dcv_t[:, :, :nv] += torch.matmul(pc.transpose(-1, -2), dor * g_r)
+                del ds
+            elif ch.probs is not None:
                 g_r = lay.rows(gc[..., 0:1])
                 nv, pc = ch.nv, ch.probs
                 dp = torch.matmul(dor, cv_t[:, :, :nv].transpose(-1, -2))  # (B, Hkv, G * c, nv)
@@ -488,7 +520,7 @@ class _NSAFunction(torch.autograd.Function):
                 del ds
             else:
                 dg[..., 0] = 0
-            ch.probs = None
+            ch.probs = ch.raw = None
             dq_c = dq[:, a:e].view(lay.b, c, lay.hkv, lay.g, lay.d)
             if dq_s is None:  # the kernel's selected dq is there already
                 dq_c.add_(lay.unrows(dq_r, c))

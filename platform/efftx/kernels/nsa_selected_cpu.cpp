@@ -11,16 +11,16 @@
 //   gate, dgate:          (B, Tq, H), the selected branch's gate
 //   d_slot:               (Tq, B, Hkv, NS + 1), slot 0 = the own block: dL/d(straight-through factor) of each slot
 //
-// Work is split over std::threads (torch's intra-op thread count): by (batch, kv head) when there are enough,
+// Work is split over torch's intra-op threads (at::parallel_for): by (batch, kv head) when there are enough,
 // otherwise also by query ranges, each with private key/value gradient tables summed at the end. Arithmetic in
 // the input type; the softmax over the selected keys only.
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <thread>
 #include <vector>
 
 namespace {
@@ -50,12 +50,14 @@ inline void slots_of(const Shape& s, const int32_t* sel, int64_t pos, int64_t* f
   }
 }
 
-// exp of the softmax (arguments <= 0: scores minus their maximum). float: exp(x) = 2^t exp(r), t = round(x / ln 2),
-// r = x - t ln 2 (ln 2 in two parts) in [-ln2/2, ln2/2], exp(r) by its Taylor polynomial of degree 7 (error below
-// 1e-8 relative), 2^t from its exponent bits: branch-free, so the loops over a slot's keys vectorize. double: std::exp.
+// exp of the softmax (arguments <= 0: scores minus their maximum). float: exp(x) = 2^t exp(r), t = round(x / ln 2)
+// (rounded by adding 1.5 * 2^23, which leaves t in the low mantissa bits), r = x - t ln 2 (ln 2 in two parts) in
+// [-ln2/2, ln2/2], exp(r) by its Taylor polynomial of degree 7, 2^t from its exponent bits: branch-free, so the
+// loops vectorize; within 1e-7 relative of exp over [-87, 0] (measured). double: std::exp.
 inline float softmax_exp(float x) {
   x = std::max(x, -87.0f);
-  const float t = std::floor(x * 1.4426950408889634f + 0.5f);
+  const float shifted = x * 1.4426950408889634f + 12582912.0f;
+  const float t = shifted - 12582912.0f;
   const float r = (x - t * 0.693145751953125f) - t * 1.428606765330187e-06f;
   float e = 1.0f / 5040;
   e = e * r + 1.0f / 720;
@@ -65,7 +67,9 @@ inline float softmax_exp(float x) {
   e = e * r + 0.5f;
   e = e * r + 1.0f;
   e = e * r + 1.0f;
-  const int32_t bits = (int32_t(t) + 127) << 23;
+  int32_t bits;
+  std::memcpy(&bits, &shifted, sizeof bits);
+  bits = (bits - 0x4B400000 + 127) << 23;  // t + 127 into the exponent field
   float two;
   std::memcpy(&two, &bits, sizeof two);
   return e * two;
@@ -126,33 +130,26 @@ inline void probs_of(const Shape& s, const T* q0, const T* KT, const int64_t* fi
   }
 }
 
-// Runs fn(task) for task in [0, n) on up to `threads` std::threads.
+// Runs fn(task) for task in [0, n) on torch's intra-op threads (its OpenMP pool: no second pool competing with it).
 template <typename F>
-void run_tasks(int64_t n, int64_t threads, F fn) {
-  threads = std::max<int64_t>(1, std::min(threads, n));
-  if (threads == 1) {
-    for (int64_t t = 0; t < n; ++t) fn(t);
-    return;
-  }
-  std::vector<std::thread> pool;
-  for (int64_t w = 0; w < threads; ++w)
-    pool.emplace_back([&, w] {
-      for (int64_t t = w; t < n; t += threads) fn(t);
-    });
-  for (auto& th : pool) th.join();
+void run_tasks(int64_t n, F fn) {
+  at::parallel_for(0, n, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) fn(t);
+  });
 }
 
 // Query ranges per (batch, kv head) so that there are about as many tasks as threads.
-inline int64_t splits_for(const Shape& s, int64_t threads) {
+inline int64_t splits_for(const Shape& s) {
+  const int64_t threads = at::get_num_threads();
   const int64_t units = s.B * s.Hkv;
   return std::max<int64_t>(1, std::min<int64_t>(s.Tq, (threads + units - 1) / units));
 }
 
 template <typename T>
 void forward_impl(const Shape& s, const T* q, const T* kT, const T* vt, const int32_t* sel, const T* gate, T* out,
-                  T scale, int64_t threads) {
-  const int64_t split = splits_for(s, threads), per = (s.Tq + split - 1) / split;
-  run_tasks(s.B * s.Hkv * split, threads, [&](int64_t task) {
+                  T scale) {
+  const int64_t split = splits_for(s), per = (s.Tq + split - 1) / split;
+  run_tasks(s.B * s.Hkv * split, [&](int64_t task) {
     const int64_t bh = task / split, sp = task % split, b = bh / s.Hkv, kvh = bh % s.Hkv;
     const T* KT = kT + bh * s.Nk / s.L * s.D * s.Lp;
     const T* V = vt + bh * s.Nk * s.D;
@@ -175,13 +172,12 @@ void forward_impl(const Shape& s, const T* q, const T* kT, const T* vt, const in
 
 template <typename T>
 void backward_impl(const Shape& s, const T* q, const T* kt, const T* kT, const T* vT, const int32_t* sel, const T* gate,
-                   const T* go, T* dq, T* dkt, T* dvt, T* dgate, T* d_slot, bool gate_keys, T scale,
-                   int64_t threads) {
-  const int64_t split = splits_for(s, threads), per = (s.Tq + split - 1) / split;
+                   const T* go, T* dq, T* dkt, T* dvt, T* dgate, T* d_slot, bool gate_keys, T scale) {
+  const int64_t split = splits_for(s), per = (s.Tq + split - 1) / split;
   const int64_t table = s.Nk * s.D;
   // with several query ranges per (batch, kv head), each range adds into tables of its own
   std::vector<T> priv(split > 1 ? s.B * s.Hkv * split * 2 * table : 0, T(0));
-  run_tasks(s.B * s.Hkv * split, threads, [&](int64_t task) {
+  run_tasks(s.B * s.Hkv * split, [&](int64_t task) {
     const int64_t bh = task / split, sp = task % split, b = bh / s.Hkv, kvh = bh % s.Hkv;
     const T* K = kt + bh * table;
     const T* KT = kT + bh * s.Nk / s.L * s.D * s.Lp;
@@ -239,7 +235,7 @@ void backward_impl(const Shape& s, const T* q, const T* kt, const T* kT, const T
     }
   });
   if (split > 1) {  // sum the private tables: one (batch, kv head) per task
-    run_tasks(s.B * s.Hkv, threads, [&](int64_t bh) {
+    run_tasks(s.B * s.Hkv, [&](int64_t bh) {
       for (int64_t sp = 0; sp < split; ++sp) {
         const T* src = priv.data() + (bh * split + sp) * 2 * table;
         axpy(T(1), src, dkt + bh * table, table);
@@ -267,12 +263,225 @@ void check_contiguous(std::initializer_list<const torch::Tensor*> ts) {
   for (auto* t : ts) TORCH_CHECK(t->is_contiguous() && t->device().is_cpu(), "nsa_selected: contiguous CPU tensors expected");
 }
 
+
+// The compressed branch's softmax and the block selection of one query chunk, fused, for the identity score mapping
+// (compressed blocks = selection blocks). s (B, Hkv, G, c, nv): the raw scaled scores of the chunk's queries
+// against the memory slots and compressed blocks; replaced by their softmax probabilities (columns a query does
+// not see yet: 0; a query that sees none: all 0). sel (c, B, Hkv, n_sel): each query's top past blocks (-1 =
+// unused), ranked as efftx.attention.nsa_cpu._Layout.select ranks them: importances in double plus j * 1e-12
+// (ties go to the most recent block), below min_importance dropped, forced blocks first, own and later blocks never.
+struct SelectArgs {
+  int64_t B, Hkv, G, c, nv, pos0, block, stride, mem, l, n_sel, cand, initial, local;
+  double min_importance;
+  bool logits;  // importance = logits_softmax (else probs_sum)
+  int64_t visible(int64_t pos) const {  // memory slots + compressed blocks complete at pos
+    const int64_t blocks = pos < block - 1 ? 0 : (pos - block + 1) / stride + 1;
+    return std::min(nv, mem + blocks);
+  }
+};
+
+template <typename T>
+void select_impl(const SelectArgs& a, T* s, int64_t* sel) {
+  const int64_t rows = a.B * a.Hkv * a.c;
+  run_tasks(rows, [&](int64_t task) {
+    const int64_t bh = task / a.c, i = task % a.c, b = bh / a.Hkv, kvh = bh % a.Hkv;
+    const int64_t pos = a.pos0 + i, vis = a.visible(pos), own = pos / a.l;
+    T* row0 = s + (bh * a.G * a.c + i) * a.nv;  // head g's row: row0 + g * c * nv
+    const int64_t gstride = a.c * a.nv;
+    std::vector<T> imp(std::max<int64_t>(a.cand, 1), T(0));
+    // the candidate blocks' columns: summed over the group's heads (before the softmax: the group-mean logits of
+    // the complete blocks; after it: the summed probabilities)
+    const int64_t ncols = std::max<int64_t>(0, std::min(a.cand, vis - a.mem));
+    auto group_sum = [&] {
+      T* z = imp.data();
+      for (int64_t g = 0; g < a.G; ++g) {
+        const T* col = row0 + g * gstride + a.mem;
+#pragma omp simd
+        for (int64_t j = 0; j < ncols; ++j) z[j] += col[j];
+      }
+    };
+    if (a.logits) {
+      group_sum();
+      const T n = T(a.G);
+#pragma omp simd
+      for (int64_t j = 0; j < ncols; ++j) imp[j] /= n;  // (a mean: a sum, then a division, as torch's)
+    }
+    for (int64_t g = 0; g < a.G; ++g) {  // softmax over the visible columns, in place
+      T* r = row0 + g * gstride;
+      if (vis == 0) {
+        std::fill(r, r + a.nv, T(0));
+        continue;
+      }
+      T mx = -std::numeric_limits<T>::infinity();
+#pragma omp simd reduction(max : mx)
+      for (int64_t j = 0; j < vis; ++j) mx = std::max(mx, r[j]);
+      T sum = 0;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < vis; ++j) {
+        r[j] = softmax_exp(r[j] - mx);
+        sum += r[j];
+      }
+      const T inv = T(1) / sum;
+#pragma omp simd
+      for (int64_t j = 0; j < vis; ++j) r[j] *= inv;
+      std::fill(r + vis, r + a.nv, T(0));
+    }
+    int64_t* out = sel + ((i * a.B + b) * a.Hkv + kvh) * a.n_sel;
+    std::fill(out, out + a.n_sel, int64_t(-1));
+    const int64_t k_top = std::min(a.n_sel, a.cand);
+    if (k_top == 0) return;
+    const int64_t past = std::min(own, a.cand);
+    if (a.logits) {  // softmax over the past blocks (a query without one: all 0)
+      if (past > 0) {
+        T* z = imp.data();
+        T mx = -std::numeric_limits<T>::infinity();
+#pragma omp simd reduction(max : mx)
+        for (int64_t j = 0; j < past; ++j) mx = std::max(mx, z[j]);
+        T sum = 0;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < past; ++j) {
+          z[j] = softmax_exp(z[j] - mx);
+          sum += z[j];
+        }
+#pragma omp simd
+        for (int64_t j = 0; j < past; ++j) z[j] /= sum;
+      }
+      std::fill(imp.begin() + past, imp.end(), T(0));
+    } else {  // the probabilities summed over the group's heads
+      group_sum();
+    }
+    const double inf = std::numeric_limits<double>::infinity();
+    std::vector<double> rank(std::max<int64_t>(past, 1));
+    double* rk = rank.data();
+    const T* z = imp.data();
+    const T floor = T(a.min_importance);  // compared in the scores' type, as torch compares a tensor with a scalar
+    const bool drop = a.min_importance > 0, forced = a.initial || a.local > 1;
+#pragma omp simd
+    for (int64_t j = 0; j < past; ++j) {  // own and later blocks: never (not ranked)
+      double r = double(z[j]) + double(j) * 1e-12;
+      r = drop && z[j] < floor ? -inf : r;
+      rk[j] = forced && (j < a.initial || j > own - a.local) ? inf : r;
+    }
+    std::vector<double> best(k_top, -inf);
+    std::vector<int64_t> at(k_top, -1);
+    for (int64_t j = 0; j < past; ++j) {  // the k_top largest (-inf: never)
+      const double r = rk[j];
+      if (!(r > best[k_top - 1])) continue;
+      int64_t k = k_top - 1;
+      while (k > 0 && r > best[k - 1]) {
+        best[k] = best[k - 1];
+        at[k] = at[k - 1];
+        --k;
+      }
+      best[k] = r;
+      at[k] = j;
+    }
+    std::copy(at.begin(), at.end(), out);
+  });
+}
+
+// The backward of one chunk's compressed softmax, fused (identity score mapping). s (B, Hkv, G, c, nv): the raw
+// scaled scores in, their probabilities out (in place, as compressed_select). dp (B, Hkv, G, c, nv): dO . cv in,
+// the scores' gradient out: p * (dp - <p, dp>) * gate (gate (B, Hkv, G, c), the compressed branch's), and, given
+// d_slot (c, B, Hkv, NS + 1) and sel (c, B, Hkv, NS) int32 (diff_topk with logits_softmax importances), plus the
+// gradient through the selected blocks' importances: y = softmax over the past blocks of the group-mean logits,
+// dz = y * (dy - <y, dy>) with dy the selected slots' d_slot, dz / G added to every head's column. dgate (B, Hkv,
+// G, c): <p, dp>, the compressed gate's gradient.
+template <typename T>
+void compressed_backward_impl(const SelectArgs& a, T* s, T* dp, const T* gate, T* dgate, const T* d_slot,
+                              const int32_t* sel) {
+  const int64_t rows = a.B * a.Hkv * a.c, gstride = a.c * a.nv;
+  run_tasks(rows, [&](int64_t task) {
+    const int64_t bh = task / a.c, i = task % a.c, b = bh / a.Hkv, kvh = bh % a.Hkv;
+    const int64_t pos = a.pos0 + i, vis = a.visible(pos), own = pos / a.l;
+    const int64_t past = std::min(own, a.cand), ncols = std::max<int64_t>(0, std::min(a.cand, vis - a.mem));
+    T* row0 = s + (bh * a.G * a.c + i) * a.nv;
+    T* drow0 = dp + (bh * a.G * a.c + i) * a.nv;
+    std::vector<T> y;
+    if (d_slot && past > 0) {  // the importances, from the logits (before the softmax below)
+      y.assign(past, T(0));
+      T* z = y.data();
+      const int64_t n = std::min(past, ncols);
+      for (int64_t g = 0; g < a.G; ++g) {
+        const T* col = row0 + g * gstride + a.mem;
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) z[j] += col[j];
+      }
+      const T G = T(a.G);
+      T mx = -std::numeric_limits<T>::infinity();
+      for (int64_t j = 0; j < past; ++j) {
+        z[j] /= G;
+        mx = std::max(mx, z[j]);
+      }
+      T sum = 0;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < past; ++j) {
+        z[j] = softmax_exp(z[j] - mx);
+        sum += z[j];
+      }
+#pragma omp simd
+      for (int64_t j = 0; j < past; ++j) z[j] /= sum;
+    }
+    for (int64_t g = 0; g < a.G; ++g) {
+      T* r = row0 + g * gstride;
+      T* d = drow0 + g * gstride;
+      const int64_t hrow = bh * a.G * a.c + g * a.c + i;  // (b, kvh, g, i)
+      if (vis == 0) {
+        std::fill(r, r + a.nv, T(0));
+        std::fill(d, d + a.nv, T(0));
+        dgate[hrow] = 0;
+        continue;
+      }
+      T mx = -std::numeric_limits<T>::infinity();
+#pragma omp simd reduction(max : mx)
+      for (int64_t j = 0; j < vis; ++j) mx = std::max(mx, r[j]);
+      T sum = 0;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < vis; ++j) {
+        r[j] = softmax_exp(r[j] - mx);
+        sum += r[j];
+      }
+      const T inv = T(1) / sum;
+      T delta = 0;
+#pragma omp simd reduction(+ : delta)
+      for (int64_t j = 0; j < vis; ++j) {
+        r[j] *= inv;
+        delta += r[j] * d[j];
+      }
+      dgate[hrow] = delta;
+      const T gt = gate[hrow];
+#pragma omp simd
+      for (int64_t j = 0; j < vis; ++j) d[j] = r[j] * (d[j] - delta) * gt;
+      std::fill(r + vis, r + a.nv, T(0));
+      std::fill(d + vis, d + a.nv, T(0));
+    }
+    if (!y.empty()) {  // the importance gradient, at the past blocks' columns of every head
+      const T* dy = d_slot + ((i * a.B + b) * a.Hkv + kvh) * (a.n_sel + 1) + 1;
+      const int32_t* idx = sel + ((i * a.B + b) * a.Hkv + kvh) * a.n_sel;
+      T ydy = 0;
+      for (int64_t k = 0; k < a.n_sel; ++k)
+        if (idx[k] >= 0) ydy += y[idx[k]] * dy[k];
+      std::vector<T> dz(past);
+      for (int64_t j = 0; j < past; ++j) dz[j] = -(y[j] * ydy);
+      for (int64_t k = 0; k < a.n_sel; ++k)
+        if (idx[k] >= 0) dz[idx[k]] += y[idx[k]] * dy[k];
+      const T G = T(a.G);
+      const int64_t n = std::min(past, a.nv - a.mem);
+      for (int64_t j = 0; j < n; ++j) dz[j] /= G;
+      for (int64_t g = 0; g < a.G; ++g) {
+        T* d = drow0 + g * gstride + a.mem;
+        for (int64_t j = 0; j < n; ++j) d[j] += dz[j];
+      }
+    }
+  });
+}
+
 }  // namespace
 
 // out += gate * selected(q); returns nothing (out is written in place).
 // kT: the key table transposed by blocks (see the top); vt: the value table.
 void forward(torch::Tensor q, torch::Tensor kT, torch::Tensor vt, torch::Tensor sel, torch::Tensor gate,
-             torch::Tensor out, int64_t block, int64_t start, double scale, int64_t threads) {
+             torch::Tensor out, int64_t block, int64_t start, double scale) {
   check_contiguous({&q, &kT, &vt, &sel, &gate, &out});
   const Shape s = shape_of(q, kT, sel, block, start);
   TORCH_CHECK(vt.numel() == s.B * s.Hkv * s.Nk * s.D, "nsa_selected: bad value table shape");
@@ -280,7 +489,7 @@ void forward(torch::Tensor q, torch::Tensor kT, torch::Tensor vt, torch::Tensor 
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "nsa_selected_forward", [&] {
     forward_impl<scalar_t>(s, q.data_ptr<scalar_t>(), kT.data_ptr<scalar_t>(), vt.data_ptr<scalar_t>(),
                            sel.data_ptr<int32_t>(), gate.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
-                           scalar_t(scale), threads);
+                           scalar_t(scale));
   });
 }
 
@@ -290,7 +499,7 @@ void forward(torch::Tensor q, torch::Tensor kT, torch::Tensor vt, torch::Tensor 
 void backward(torch::Tensor q, torch::Tensor kt, torch::Tensor kT, torch::Tensor vT, torch::Tensor sel,
               torch::Tensor gate, torch::Tensor grad_out, torch::Tensor dq, torch::Tensor dkt, torch::Tensor dvt,
               torch::Tensor dgate, c10::optional<torch::Tensor> d_slot, bool gate_keys, int64_t block, int64_t start,
-              double scale, int64_t threads) {
+              double scale) {
   check_contiguous({&q, &kt, &kT, &vT, &sel, &gate, &grad_out, &dq, &dkt, &dvt, &dgate});
   if (d_slot) check_contiguous({&*d_slot});
   const Shape s = shape_of(q, kT, sel, block, start);
@@ -303,11 +512,58 @@ void backward(torch::Tensor q, torch::Tensor kt, torch::Tensor kT, torch::Tensor
                             sel.data_ptr<int32_t>(), gate.data_ptr<scalar_t>(), grad_out.data_ptr<scalar_t>(),
                             dq.data_ptr<scalar_t>(), dkt.data_ptr<scalar_t>(), dvt.data_ptr<scalar_t>(),
                             dgate.data_ptr<scalar_t>(), d_slot ? d_slot->data_ptr<scalar_t>() : nullptr, gate_keys,
-                            scalar_t(scale), threads);
+                            scalar_t(scale));
+  });
+}
+
+
+// Fused compressed softmax (in place) and block selection of one chunk; see select_impl.
+void compressed_select(torch::Tensor s, torch::Tensor sel, int64_t G, int64_t pos0, int64_t block, int64_t stride, int64_t mem,
+            int64_t sel_block, int64_t n_sel, int64_t cand, int64_t initial, int64_t local, double min_importance,
+            bool logits) {
+  check_contiguous({&s, &sel});
+  TORCH_CHECK(s.dim() == 4 && s.size(2) % G == 0, "nsa_select: scores (B, Hkv, G * c, nv) expected");
+  TORCH_CHECK(sel.scalar_type() == torch::kInt64 && sel.dim() == 4 && sel.size(3) == n_sel,
+              "nsa_select: selections (c, B, Hkv, n_sel) int64 expected");
+  SelectArgs a{s.size(0), s.size(1), G, s.size(2) / G, s.size(3), pos0, block, stride, mem, sel_block, n_sel, cand,
+               initial, local, min_importance, logits};
+  TORCH_CHECK(sel.size(0) == a.c && sel.size(1) == a.B && sel.size(2) == a.Hkv, "nsa_select: bad selection shape");
+  pybind11::gil_scoped_release no_gil;
+  AT_DISPATCH_FLOATING_TYPES(s.scalar_type(), "nsa_select", [&] {
+    select_impl<scalar_t>(a, s.data_ptr<scalar_t>(), sel.data_ptr<int64_t>());
+  });
+}
+
+
+// Fused backward of one chunk's compressed softmax (and importance gradient); see compressed_backward_impl.
+void compressed_backward(torch::Tensor s, torch::Tensor dp, torch::Tensor gate, torch::Tensor dgate,
+                         c10::optional<torch::Tensor> d_slot, c10::optional<torch::Tensor> sel, int64_t G,
+                         int64_t pos0, int64_t block, int64_t stride, int64_t mem, int64_t sel_block, int64_t n_sel,
+                         int64_t cand) {
+  check_contiguous({&s, &dp, &gate, &dgate});
+  TORCH_CHECK(s.dim() == 4 && s.size(2) % G == 0 && dp.sizes() == s.sizes(),
+              "nsa_compressed_backward: scores and their gradient (B, Hkv, G * c, nv) expected");
+  SelectArgs a{s.size(0), s.size(1), G, s.size(2) / G, s.size(3), pos0, block, stride, mem, sel_block, n_sel, cand,
+               0, 1, 0.0, true};
+  TORCH_CHECK(gate.numel() == a.B * a.Hkv * a.G * a.c && dgate.numel() == gate.numel(),
+              "nsa_compressed_backward: gates (B, Hkv, G * c) expected");
+  TORCH_CHECK(d_slot.has_value() == sel.has_value(), "nsa_compressed_backward: d_slot and sel go together");
+  if (d_slot) {
+    check_contiguous({&*d_slot, &*sel});
+    TORCH_CHECK(sel->scalar_type() == torch::kInt32 && sel->numel() == a.c * a.B * a.Hkv * n_sel &&
+                d_slot->numel() == a.c * a.B * a.Hkv * (n_sel + 1), "nsa_compressed_backward: bad d_slot / sel");
+  }
+  pybind11::gil_scoped_release no_gil;
+  AT_DISPATCH_FLOATING_TYPES(s.scalar_type(), "nsa_compressed_backward", [&] {
+    compressed_backward_impl<scalar_t>(a, s.data_ptr<scalar_t>(), dp.data_ptr<scalar_t>(), gate.data_ptr<scalar_t>(),
+                                       dgate.data_ptr<scalar_t>(), d_slot ? d_slot->data_ptr<scalar_t>() : nullptr,
+                                       sel ? sel->data_ptr<int32_t>() : nullptr);
   });
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "NSA selected branch, forward (adds into out)");
   m.def("backward", &backward, "NSA selected branch, backward");
+  m.def("compressed_backward", &compressed_backward, "NSA compressed softmax backward of one chunk");
+  m.def("compressed_select", &compressed_select, "NSA compressed softmax (in place) and block selection of one chunk");
 }

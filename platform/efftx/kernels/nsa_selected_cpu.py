@@ -10,6 +10,15 @@ two to each other and to the float64 naive reference, forward and every gradient
 ``attention.nsa.cpu_kernel``: ``auto`` (default) uses the kernel when it builds and falls back to the torch path,
 saying why once, when it does not (no C++ compiler, no ninja); ``on`` raises instead; ``off`` never builds it.
 
+The module also holds two per-chunk kernels of the compressed branch (identity score mapping, compressed blocks =
+selection blocks, the seed's geometry): ``compressed_select`` turns a chunk's raw compressed scores into their
+softmax in place and picks every query's blocks in the same pass (group-mean logits or summed probabilities,
+their ranking with the most recent block winning ties, ``min_importance``, forced blocks, top-k), and
+``compressed_backward`` recomputes that softmax, forms the scores' gradient and, for ``diff_topk`` with
+``logits_softmax`` importances, adds the importance gradient of the selected blocks, all in one pass per row.
+Work runs on torch's own intra-op threads (``at::parallel_for``; the build links OpenMP, which resolves to the
+``libgomp`` torch already loaded: one thread pool, not two competing for the cores).
+
 The build uses ``torch.utils.cpp_extension`` (a C++ compiler and ninja; both come with ``make setup``'s
 environment, which also builds the kernel ahead) into ``$TORCH_EXTENSIONS_DIR``, which efftx points at the venv
 (:func:`efftx.train.ops.use_venv_cache`). It compiles for the machine's own CPU (``-march=native``), so the
@@ -32,7 +41,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("nsa_selected_cpu.cpp")
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd")
+FLAGS = ("-O3", "-march=native", "-fopenmp")
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +87,9 @@ def _load():
             os.environ["PATH"] = path
         return module, None
     except Exception as exc:  # noqa: BLE001 - any build or load failure means: use the torch path
-        return None, f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+        lines = str(exc).strip().splitlines() or [""]
+        errors = [line.strip() for line in lines if "error" in line.lower()]  # the compiler's first error, if any
+        return None, f"{type(exc).__name__}: {(errors or lines)[0] if errors else lines[-1]}"
 
 
 def kernel(required: bool = False):
