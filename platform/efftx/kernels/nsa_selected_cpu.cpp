@@ -280,6 +280,39 @@ struct SelectArgs {
   }
 };
 
+// Softmax of x[0, n) in place (n > 0).
+template <typename T>
+inline void softmax_inplace(T* x, int64_t n) {
+  T mx = -std::numeric_limits<T>::infinity();
+#pragma omp simd reduction(max : mx)
+  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, x[j]);
+  T sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    x[j] = softmax_exp(x[j] - mx);
+    sum += x[j];
+  }
+  const T inv = T(1) / sum;
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) x[j] *= inv;
+}
+
+// z[0, n) += the G head rows' columns [off, off + n) (row g at row0 + g * gstride), then / G if mean (a sum, then a
+// division, as torch's mean).
+template <typename T>
+inline void group_columns(const T* row0, int64_t G, int64_t gstride, int64_t off, int64_t n, T* z, bool mean) {
+  for (int64_t g = 0; g < G; ++g) {
+    const T* col = row0 + g * gstride + off;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) z[j] += col[j];
+  }
+  if (mean) {
+    const T count = T(G);
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) z[j] /= count;
+  }
+}
+
 template <typename T>
 void select_impl(const SelectArgs& a, T* s, int64_t* sel) {
   const int64_t rows = a.B * a.Hkv * a.c;
@@ -292,38 +325,14 @@ void select_impl(const SelectArgs& a, T* s, int64_t* sel) {
     // the candidate blocks' columns: summed over the group's heads (before the softmax: the group-mean logits of
     // the complete blocks; after it: the summed probabilities)
     const int64_t ncols = std::max<int64_t>(0, std::min(a.cand, vis - a.mem));
-    auto group_sum = [&] {
-      T* z = imp.data();
-      for (int64_t g = 0; g < a.G; ++g) {
-        const T* col = row0 + g * gstride + a.mem;
-#pragma omp simd
-        for (int64_t j = 0; j < ncols; ++j) z[j] += col[j];
-      }
-    };
-    if (a.logits) {
-      group_sum();
-      const T n = T(a.G);
-#pragma omp simd
-      for (int64_t j = 0; j < ncols; ++j) imp[j] /= n;  // (a mean: a sum, then a division, as torch's)
-    }
+    if (a.logits) group_columns(row0, a.G, gstride, a.mem, ncols, imp.data(), true);
     for (int64_t g = 0; g < a.G; ++g) {  // softmax over the visible columns, in place
       T* r = row0 + g * gstride;
       if (vis == 0) {
         std::fill(r, r + a.nv, T(0));
         continue;
       }
-      T mx = -std::numeric_limits<T>::infinity();
-#pragma omp simd reduction(max : mx)
-      for (int64_t j = 0; j < vis; ++j) mx = std::max(mx, r[j]);
-      T sum = 0;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < vis; ++j) {
-        r[j] = softmax_exp(r[j] - mx);
-        sum += r[j];
-      }
-      const T inv = T(1) / sum;
-#pragma omp simd
-      for (int64_t j = 0; j < vis; ++j) r[j] *= inv;
+      softmax_inplace(r, vis);
       std::fill(r + vis, r + a.nv, T(0));
     }
     int64_t* out = sel + ((i * a.B + b) * a.Hkv + kvh) * a.n_sel;
@@ -332,23 +341,10 @@ void select_impl(const SelectArgs& a, T* s, int64_t* sel) {
     if (k_top == 0) return;
     const int64_t past = std::min(own, a.cand);
     if (a.logits) {  // softmax over the past blocks (a query without one: all 0)
-      if (past > 0) {
-        T* z = imp.data();
-        T mx = -std::numeric_limits<T>::infinity();
-#pragma omp simd reduction(max : mx)
-        for (int64_t j = 0; j < past; ++j) mx = std::max(mx, z[j]);
-        T sum = 0;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < past; ++j) {
-          z[j] = softmax_exp(z[j] - mx);
-          sum += z[j];
-        }
-#pragma omp simd
-        for (int64_t j = 0; j < past; ++j) z[j] /= sum;
-      }
+      if (past > 0) softmax_inplace(imp.data(), past);
       std::fill(imp.begin() + past, imp.end(), T(0));
     } else {  // the probabilities summed over the group's heads
-      group_sum();
+      group_columns(row0, a.G, gstride, a.mem, ncols, imp.data(), false);
     }
     const double inf = std::numeric_limits<double>::infinity();
     std::vector<double> rank(std::max<int64_t>(past, 1));
@@ -400,27 +396,8 @@ void compressed_backward_impl(const SelectArgs& a, T* s, T* dp, const T* gate, T
     std::vector<T> y;
     if (d_slot && past > 0) {  // the importances, from the logits (before the softmax below)
       y.assign(past, T(0));
-      T* z = y.data();
-      const int64_t n = std::min(past, ncols);
-      for (int64_t g = 0; g < a.G; ++g) {
-        const T* col = row0 + g * gstride + a.mem;
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) z[j] += col[j];
-      }
-      const T G = T(a.G);
-      T mx = -std::numeric_limits<T>::infinity();
-      for (int64_t j = 0; j < past; ++j) {
-        z[j] /= G;
-        mx = std::max(mx, z[j]);
-      }
-      T sum = 0;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < past; ++j) {
-        z[j] = softmax_exp(z[j] - mx);
-        sum += z[j];
-      }
-#pragma omp simd
-      for (int64_t j = 0; j < past; ++j) z[j] /= sum;
+      group_columns(row0, a.G, gstride, a.mem, std::min(past, ncols), y.data(), true);
+      softmax_inplace(y.data(), past);
     }
     for (int64_t g = 0; g < a.G; ++g) {
       T* r = row0 + g * gstride;
@@ -432,22 +409,10 @@ void compressed_backward_impl(const SelectArgs& a, T* s, T* dp, const T* gate, T
         dgate[hrow] = 0;
         continue;
       }
-      T mx = -std::numeric_limits<T>::infinity();
-#pragma omp simd reduction(max : mx)
-      for (int64_t j = 0; j < vis; ++j) mx = std::max(mx, r[j]);
-      T sum = 0;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < vis; ++j) {
-        r[j] = softmax_exp(r[j] - mx);
-        sum += r[j];
-      }
-      const T inv = T(1) / sum;
+      softmax_inplace(r, vis);
       T delta = 0;
 #pragma omp simd reduction(+ : delta)
-      for (int64_t j = 0; j < vis; ++j) {
-        r[j] *= inv;
-        delta += r[j] * d[j];
-      }
+      for (int64_t j = 0; j < vis; ++j) delta += r[j] * d[j];
       dgate[hrow] = delta;
       const T gt = gate[hrow];
 #pragma omp simd
