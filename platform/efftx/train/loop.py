@@ -114,7 +114,14 @@ def _seed_step(cfg: Config, rank: int, step: int, micro: int) -> None:
 
 def _inject_failure(cfg: Config, step: int, rank: int, world: int, resumed: bool) -> None:
     t = cfg.train
-    if t.fail_at_step != step or resumed or rank != world - 1:
+    if t.fail_at_step != step or resumed:
+        return
+    # Every rank reaches this step first: rank 0 has logged the step before to MLflow (synchronously) by then, so
+    # the failure never races that write (without the barrier the last rank could fail while rank 0 was still
+    # writing, and the step's first loss could be lost: seen once in CI).
+    if world > 1 and dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    if rank != world - 1:
         return
     # No waiting for Ray Train to commit the last checkpoint: it learns of reports by polling, so a worker
     # that dies right after a save may take that report with it, and the restart must (and does) still
