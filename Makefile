@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
 	@# DeepSpeed's CPU ops (shared-memory collective, CPU Adam for ZeRO-Offload), compiled once into the venv
 	$(BIN)/python -m efftx.train.ops
-	@# NSA's C++ CPU kernel of the selected branch (efftx/kernels/nsa_selected_cpu.cpp), compiled once for this CPU
+	@# NSA's C++ CPU kernels (efftx/kernels/nsa_selected_cpu.cpp), compiled once for this CPU
 	$(BIN)/python -m efftx.kernels.nsa_selected_cpu
 	touch $(STAMP)
 

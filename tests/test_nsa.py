@@ -798,8 +798,9 @@ def _nsa_call(t, heads, kv_heads, block, stride, sel, kernel, batch=1, seed=3):
     def rnd(*shape):
         return torch.randn(*shape, generator=g, dtype=torch.float64)
 
-    leaves = [rnd(batch, t, heads, d), rnd(batch, t, kv_heads, d), rnd(batch, t, kv_heads, d), rnd(batch, nc, kv_heads, d),
-              rnd(batch, nc, kv_heads, d), torch.rand(batch, t, heads, 3, generator=g, dtype=torch.float64)]
+    leaves = [rnd(batch, t, heads, d), rnd(batch, t, kv_heads, d), rnd(batch, t, kv_heads, d),
+              rnd(batch, nc, kv_heads, d), rnd(batch, nc, kv_heads, d),
+              torch.rand(batch, t, heads, 3, generator=g, dtype=torch.float64)]
     leaves = [z.requires_grad_() for z in leaves]
     out = nsa_cpu.nsa_attention(*leaves, block=block, stride=stride, sel_block=sel, n_sel=3, window=9, scale=0.3,
                                 mem=1, diff_topk=True, importance="logits_softmax", diff_topk_gate="keys",

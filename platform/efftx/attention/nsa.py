@@ -57,9 +57,11 @@ the normed hidden state ``x`` (a ``Linear(dim, 3 * heads)``; the backend must be
 Where it runs: on CPU tensors (``impl`` auto or reference) all three branches, the selection and the gating
 run in one chunked ``torch.autograd.Function``, :func:`efftx.attention.nsa_cpu.nsa_attention`: queries in
 chunks, the compressed scores computed once for both the compressed output and the selection, the selected
-branch a compiled C++ kernel reading each query's blocks in place (``cpu_kernel``: auto | on | off; off, or
-where it cannot be built: torch ops gathering each chunk's blocks once per GQA group), nothing of size
-(T, selected keys, D) kept, the backward recomputing scores from the inputs and the saved block indices. Elsewhere (CUDA, or
+branch (and, for equal compressed and selection blocks, the compressed softmax fused with the selection) in
+compiled C++ kernels reading each query's blocks in place (``cpu_kernel``: auto | on | off; off, or where they
+cannot be built: torch ops gathering each chunk's blocks once per GQA group), nothing of size
+(T, selected keys, D) kept, the backward recomputing scores from the inputs and the saved block indices.
+Elsewhere (CUDA, or
 ``impl=triton``) the branches are composed one by one as described above (SDPA, the selection in
 :meth:`NativeSparseAttention.select`, :func:`efftx.kernels.selected_attention`), and so on CPU with
 ``backend.chunked = False``. Both compute the same function (tests/test_nsa.py holds both to a float64
@@ -141,8 +143,9 @@ class NSAOptions:
     # diff_topk's straight-through factor 1 + s - s.detach() scales: output (each selected past block's part of the
     # selected output) | keys (the block's keys, as the seed library's use_diff_topk): other gradients, same forward
     diff_topk_gate: str = "output"
-    # the chunked CPU path's selected branch: auto (the compiled C++ kernel, efftx/kernels/nsa_selected_cpu.cpp,
-    # where it builds; else torch ops, saying why once) | on (the kernel, an error where it cannot be built) | off
+    # the chunked CPU path's C++ kernels (efftx/kernels/nsa_selected_cpu.cpp: the selected branch, the compressed
+    # softmax fused with the selection): auto (where they build; else torch ops, saying why once) | on (an error
+    # where they cannot be built) | off
     cpu_kernel: str = "auto"
 
     @property
@@ -601,7 +604,7 @@ class NativeSparseAttention(AttentionBackend):
         # composition below (SDPA + selected_attention reference), which CUDA always uses.
         self.chunked = True
         self.chunk_size: int | None = None  # queries per chunk of the chunked path (None: its default)
-        self.cpu_kernel = opts.cpu_kernel  # its selected branch: the C++ kernel (auto | on) or torch ops (off)
+        self.cpu_kernel = opts.cpu_kernel  # its C++ kernels (auto | on) or torch ops only (off)
 
     def use_rotary(self, rotary: nn.Module | None) -> None:
         """The layer's rotary positions (called by :class:`efftx.models.layers.Attention`): with ``separate_kv``

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 TIE_BREAK = 1e-12  # per block index, added in float64: exact importance ties go to the most recent block
 DEFAULT_CHUNK = 64  # queries per chunk (compressed and window branches)
 SCORE_BUDGET = 1 << 21  # elements of one chunk's (B, H, chunk, compressed blocks) score matrix, at most
-CPU_KERNEL_MODES = ("auto", "on", "off")  # the selected branch: the C++ kernel where it builds | the kernel | torch ops
+CPU_KERNEL_MODES = ("auto", "on", "off")  # the C++ kernels where they build | the kernels | torch ops only
 SELECTED_ROWS = 64  # (query, kv head) pairs per sub-chunk of the selected branch: its gathered keys stay in cache
 
 
@@ -111,7 +111,7 @@ class _Layout:
                  mapping="overlap", diff_topk=False, mem=0, separate=False, importance="probs_sum",
                  min_importance=0.0, gate="output", kernel=None):
         self.b, self.tq, self.h, self.d = q.shape
-        self.kernel = kernel  # the compiled selected branch (efftx.kernels.nsa_selected_cpu), None: torch ops
+        self.kernel = kernel  # the compiled kernels (efftx.kernels.nsa_selected_cpu), None: torch ops
         self.initial, self.local, self.mapping, self.diff_topk = initial, local, mapping, diff_topk
         self.mem = mem  # learned memory slots leading the compressed keys/values, visible to every query
         self.separate = separate  # the window branch has keys/values of its own (kw, vw)
@@ -133,6 +133,10 @@ class _Layout:
         self.sub = max(1, SELECTED_ROWS // self.bh)
         self.nblk = -(-self.tk // sel_block)
         self.device = q.device
+        # the kernel's fused compressed softmax + selection (forward) and its gradient + the importance gradient
+        # (backward): the identity score mapping only; the backward's importance gradient for logits_softmax only
+        self.fused_forward = kernel is not None and block == stride == sel_block
+        self.fused_backward = self.fused_forward and (self.logits or not diff_topk)
 
     def chunks(self):
         for a in range(0, self.tq, self.chunk):
@@ -247,7 +251,7 @@ class _Chunk:
         self.pos = torch.arange(self.p0, self.p1, device=lay.device)
         qc = q[:, a:e] * lay.scale
         self.qr = lay.rows(qc)  # (B, Hkv, G * c, D)
-        self.qs = lay.per_query(qc)  # (c * B * Hkv, G, D)
+        self.qs = lay.per_query(qc) if lay.kernel is None else None  # (c * B * Hkv, G, D): torch ops' layout
         self.nv = min(lay.visible(self.p1 - 1), lay.nc)  # memory slots included
         self.probs = self.logits = self.raw = None
         if self.nv:
@@ -398,9 +402,8 @@ class _NSAFunction(torch.autograd.Function):
         ck_t, cv_t = ck.transpose(1, 2).contiguous(), cv.transpose(1, 2).contiguous()  # (B, Hkv, Nc, D)
         out = q.new_empty(q.shape)
         sel_all = torch.empty(lay.tq, lay.b, lay.hkv, lay.n_sel, dtype=torch.int32, device=lay.device)
-        fused = lay.kernel is not None and lay.block == lay.stride == lay.sel_block  # the identity score mapping
         for a, e in lay.chunks():
-            ch = _Chunk(lay, q, a, e, ck_t, raw=fused)
+            ch = _Chunk(lay, q, a, e, ck_t, raw=lay.fused_forward)
             gc = gates[:, a:e].view(lay.b, ch.c, lay.hkv, lay.g, 3)
             if ch.raw is not None:  # the softmax (in place) and the selection in one pass over the scores
                 sel = torch.empty(ch.c, lay.b, lay.hkv, lay.n_sel, dtype=torch.int64, device=lay.device)
@@ -454,20 +457,18 @@ class _NSAFunction(torch.autograd.Function):
                                 gates[..., 1].contiguous(), grad_out.contiguous(), dq, dkt, dvt, dg_sel, d_slots,
                                 lay.gate_keys, lay.sel_block, lay.start, lay.scale)
             dgates[..., 1] = dg_sel
-        # the compressed softmax's backward (and the importance gradient of logits_softmax) fused in the kernel
-        fused = lay.kernel is not None and lay.block == lay.stride == lay.sel_block and (lay.logits or not lay.diff_topk)
         for a, e in lay.chunks():
-            ch = _Chunk(lay, q, a, e, ck_t, raw=fused)
+            ch = _Chunk(lay, q, a, e, ck_t, raw=lay.fused_backward)
             c = ch.c
             gc = gates[:, a:e]
             go = grad_out[:, a:e].contiguous()  # (a sum's gradient arrives expanded, with zero strides)
-            dor, dos = lay.rows(go), lay.per_query(go)  # dO in both layouts
+            dor = lay.rows(go)  # dO as rows (and per query, for torch ops' selected branch)
             dg = dgates[:, a:e].view(lay.b, c, lay.hkv, lay.g, 3)
 
             # selected branch (torch ops): dq in the per-query layout, dk/dv added block by block
             if lay.kernel is None:
                 dq_s, d_slot = _selected_backward(lay, ch, kt_blocks, vt_blocks, dkt_blocks, dvt_blocks, sel_all[a:e],
-                                                  dos, gc, dg)
+                                                  lay.per_query(go), gc, dg)
             else:  # done above, for every query
                 dq_s, d_slot = None, d_slots[a:e].view(c * lay.bh, lay.slots) if d_slots is not None else None
 

@@ -260,7 +260,8 @@ Shape shape_of(const torch::Tensor& q, const torch::Tensor& kT, const torch::Ten
 }
 
 void check_contiguous(std::initializer_list<const torch::Tensor*> ts) {
-  for (auto* t : ts) TORCH_CHECK(t->is_contiguous() && t->device().is_cpu(), "nsa_selected: contiguous CPU tensors expected");
+  for (auto* t : ts)
+    TORCH_CHECK(t->is_contiguous() && t->device().is_cpu(), "nsa_selected: contiguous CPU tensors expected");
 }
 
 
@@ -483,9 +484,9 @@ void backward(torch::Tensor q, torch::Tensor kt, torch::Tensor kT, torch::Tensor
 
 
 // Fused compressed softmax (in place) and block selection of one chunk; see select_impl.
-void compressed_select(torch::Tensor s, torch::Tensor sel, int64_t G, int64_t pos0, int64_t block, int64_t stride, int64_t mem,
-            int64_t sel_block, int64_t n_sel, int64_t cand, int64_t initial, int64_t local, double min_importance,
-            bool logits) {
+void compressed_select(torch::Tensor s, torch::Tensor sel, int64_t G, int64_t pos0, int64_t block, int64_t stride,
+                       int64_t mem, int64_t sel_block, int64_t n_sel, int64_t cand, int64_t initial, int64_t local,
+                       double min_importance, bool logits) {
   check_contiguous({&s, &sel});
   TORCH_CHECK(s.dim() == 4 && s.size(2) % G == 0, "nsa_select: scores (B, Hkv, G * c, nv) expected");
   TORCH_CHECK(sel.scalar_type() == torch::kInt64 && sel.dim() == 4 && sel.size(3) == n_sel,
