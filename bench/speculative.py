@@ -9,7 +9,9 @@ Train a pair first (python jobs/train_speculative.py --size small), and a distil
 (python jobs/train_speculative.py --size small --distill --target <the target's export>); any export folders
 work too (``--untrained``: the spec_target_small / spec_draft_small architectures with seeded random weights, for
 the step costs and overheads only: such a pair's acceptance means nothing). Prompts are windows of the bundled
-corpus; sampling at --temperature (0 = greedy) with top-k 32, fixed seeds. Rows: each draft (plain, distilled)
+corpus; every timed row decodes the same ``--timed-prompts`` prompts (8) in batches of its size (8 decodings at
+batch 1, 2 at batch 4, ...), so a ratio does not hang on one prompt's acceptance; sampling at --temperature (0 =
+greedy) with top-k 32, fixed seeds (group i seeds i). Rows: each draft (plain, distilled)
 with a fixed gamma and with an adaptive gamma per row (starting at gamma, at most --max-gamma), eagerly and/or
 compiled (``--compile``: the draft's one-token steps and the target's verify passes through
 efftx.generation.compiled; base decoding gets a compiled row too). Columns: tokens/s, the ratio to base cached
@@ -20,7 +22,8 @@ batches 4 and 8: 1.5x), met or not. Every decoding runs once untimed first (comp
 base decoding, token for token.
 
 ``--overhead``: per speculative row, the time per step outside the models' forward passes (the step time minus
-the sum of its draft and target passes, from one more instrumented run): sampling, acceptance, rewinds, Python.
+the sum of its draft and target passes, from one more instrumented run): sampling, acceptance, rewinds, Python
+(compiled rows draw their tokens and decide acceptance inside the compiled passes: their gap is the rest).
 ``--costs``: per batch size, the eager and compiled cost (fastest of 15 calls) of one target pass of 1 token (a base step), of
 gamma + 1 tokens (a verify pass) and of one draft step, and the speedup they allow at a given acceptance:
 (1 + accepted) * base step / (gamma * draft step + verify pass). All figures come from this one run.
@@ -40,7 +43,7 @@ from efftx.export import load_export, resolve_export
 from efftx.generation.compiled import StaticDecoder, capacity_for
 from efftx.generation.decode import Rows, generate
 from efftx.generation.sampling import sample
-from efftx.generation.speculative import speculative_generate
+from efftx.generation.speculative import SpecStats, speculative_generate
 from efftx.paths import default_data_dir
 
 GOALS = {1: 2.5}  # issue 15: batch 1 at least 2.5x base tokens/s; other batch sizes at least 1.5x
@@ -87,22 +90,35 @@ class PassTimer:
         self._saved = []
 
     def __enter__(self):
-        for cls in (Rows, StaticDecoder):
-            original = cls.forward
+        for cls, name in ((Rows, "forward"), (StaticDecoder, "forward"), (StaticDecoder, "run")):
+            original = getattr(cls, name)
 
-            def timed(obj, tokens, original=original):
+            def timed(obj, *args, original=original, **kwargs):
                 t0 = time.perf_counter()
-                out = original(obj, tokens)
+                out = original(obj, *args, **kwargs)
                 self.seconds += time.perf_counter() - t0
                 return out
 
-            self._saved.append((cls, original))
-            cls.forward = timed
+            self._saved.append((cls, name, original))
+            setattr(cls, name, timed)
         return self
 
     def __exit__(self, *exc):
-        for cls, original in self._saved:
-            cls.forward = original
+        for cls, name, original in self._saved:
+            setattr(cls, name, original)
+
+
+def merged(results):
+    """One (outputs, SpecStats) of several speculative_generate calls: outputs concatenated, statistics summed."""
+    outputs, stats = [], SpecStats(gamma=max(st.gamma for _, st in results))
+    for out, st in results:
+        outputs += out
+        stats.steps += st.steps
+        stats.accepted += st.accepted
+        stats.drafted += st.drafted
+        stats.draft_calls += st.draft_calls
+        stats.target_calls += st.target_calls
+    return outputs, stats
 
 
 def min_ms(fn, repeats: int = 15) -> float:
@@ -160,6 +176,8 @@ def main() -> None:
     p.add_argument("--no-adaptive", action="store_true", help="leave out the adaptive gamma rows")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--timed-prompts", type=int, default=8,
+                   help="prompts each timed row decodes, in batches of its batch size (the same prompts at every size)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--threads", type=int, default=1)
@@ -175,15 +193,18 @@ def main() -> None:
             raise SystemExit(f"--compile takes off, on or off,on, not {m!r}")
     target, drafts = load_models(args)
     batches = [int(b) for b in args.batches.split(",")]
+    if args.timed_prompts < max(batches):
+        raise SystemExit(f"--timed-prompts ({args.timed_prompts}) must be at least the largest batch ({max(batches)})")
     data = ByteData(prepare("bundled", default_data_dir(), args.prompt_len))
-    prompts = data.val_windows(max(batches), args.prompt_len)[:, :args.prompt_len]
+    prompts = data.val_windows(args.timed_prompts, args.prompt_len)[:, :args.prompt_len]
     n, gamma, sampling = args.new_tokens, args.gamma, {"temperature": args.temperature, "top_k": 32}
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
 
     print(f"target {sum(x.numel() for x in target.parameters()):,} params, drafts "
           + ", ".join(f"{k} {sum(x.numel() for x in d.parameters()):,}" for k, d in drafts.items())
           + f"; {n} new tokens after {args.prompt_len}; temperature {args.temperature}, top-k 32; "
-          f"{args.threads} thread(s); median of {args.repeats}, timed round robin; load average {load:.1f}")
+          f"{args.threads} thread(s); each timed row decodes the same {args.timed_prompts} prompts in batches of its "
+          f"size; median of {args.repeats}, timed round robin; load average {load:.1f}")
     # Exactness and acceptance over many prompts (no timing, so the machine's load does not matter): greedy
     # speculative output is the target's own, token for token; accepted drafts per step and per drafted token.
     many = data.val_windows(args.acceptance_prompts, args.prompt_len)[:, :args.prompt_len]
@@ -221,23 +242,25 @@ def main() -> None:
     more = [int(g) for g in args.more_gammas.split(",") if g.strip()]
     adaptives = (False,) if args.no_adaptive else (False, True)
     for batch in batches:
-        x = prompts[:batch]
+        groups = [prompts[i:i + batch] for i in range(0, args.timed_prompts - args.timed_prompts % batch, batch)]
         runs = {}
         for mode in modes:
             suffix = ", compiled" if mode == "on" else ""
-            runs["base, KV cache" + suffix] = ((lambda mode=mode: generate(target, x, n, seed=0, compile=mode,
-                                                                            **sampling)), None)
+            runs["base, KV cache" + suffix] = ((lambda mode=mode: [
+                generate(target, x, n, seed=i, compile=mode, **sampling) for i, x in enumerate(groups)]), None)
         if batch == 1:
-            runs["base, recompute window"] = (lambda: recompute_window(target, x, n, args.temperature, 0), None)
+            runs["base, recompute window"] = (lambda: [recompute_window(target, x, n, args.temperature, i)
+                                                       for i, x in enumerate(groups)], None)
         for mode in modes:
             configs = [(name, draft, False, g) for name, draft in drafts.items() for g in more if g != gamma]
             configs += [(name, draft, adaptive, gamma) for name, draft in drafts.items() for adaptive in adaptives]
             for name, draft, adaptive, g in configs:
                 label = (f"speculative, {name}" + (", adaptive" if adaptive else "")
                          + (", compiled" if mode == "on" else "") + (f" ({g})" if g != gamma else ""))
-                runs[label] = ((lambda draft=draft, adaptive=adaptive, g=g, mode=mode: speculative_generate(
-                    target, draft, x, n, gamma=g, seed=0, adaptive_gamma=adaptive, compile=mode,
-                    max_gamma=args.max_gamma if adaptive else None, **sampling)), (adaptive, g))
+                runs[label] = ((lambda draft=draft, adaptive=adaptive, g=g, mode=mode: merged([speculative_generate(
+                    target, draft, x, n, gamma=g, seed=i, adaptive_gamma=adaptive, compile=mode,
+                    max_gamma=args.max_gamma if adaptive else None, **sampling) for i, x in enumerate(groups)])),
+                    (adaptive, g))
         for fn, _ in runs.values():  # untimed: compilation, first-touch allocations
             fn()
         # round robin: every repeat times each decoding once, so a change in the machine's load hits all alike
@@ -255,7 +278,7 @@ def main() -> None:
             ratio = base_s / secs if base_s else float("nan")
             vs_comp = f"{comp_s / secs:>8.2f}x" if comp_s else f"{'-':>9}"
             if spec is None:
-                print(f"{label:<44}{batch:>6}{'-':>7}{batch * n / secs:>10,.0f}{ratio:>8.2f}x{vs_comp}"
+                print(f"{label:<44}{batch:>6}{'-':>7}{len(groups) * batch * n / secs:>10,.0f}{ratio:>8.2f}x{vs_comp}"
                       f"{'-':>10}{'-':>10}{'-':>7}")
                 continue
             adaptive, g = spec
@@ -269,7 +292,7 @@ def main() -> None:
                     total = time.perf_counter() - t0
                 steps = max(st.target_calls, 1)
                 gap = f"   {(total - timer.seconds) / steps * 1e3:6.2f} ({100 * (total - timer.seconds) / total:3.0f}%)"
-            print(f"{label:<44}{batch:>6}{shown:>7}{batch * n / secs:>10,.0f}{ratio:>8.2f}x{vs_comp}"
+            print(f"{label:<44}{batch:>6}{shown:>7}{len(groups) * batch * n / secs:>10,.0f}{ratio:>8.2f}x{vs_comp}"
                   f"{stats.mean_accepted:>10.2f}{stats.acceptance_rate:>10.2f}{goal(batch):>6.1f}x  "
                   f"{'MET' if ratio >= goal(batch) else 'not met'}{gap}")
             if g == gamma and ratio > best.get(batch, (0.0, ""))[0]:  # the goals are at --gamma

@@ -82,18 +82,17 @@ def debug_exports(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture
 def break_compile(monkeypatch):
-    """``break_compile(name)``: efftx.generation.compiled's factory ``name`` (``compiled_step`` or
-    ``compiled_forward``) then builds steps that fail as a missing C++ compiler makes torch.compile fail, and
-    no earlier failure is remembered."""
+    """``break_compile()``: efftx.generation.compiled's factory (``compiled_function``) then builds steps that fail
+    as a missing C++ compiler makes torch.compile fail, and no earlier failure is remembered."""
     from efftx.generation import compiled
 
-    def factory(device_type):
+    def factory(fn, device_type):
         def step(*args):
             raise RuntimeError("no C++ compiler")
         return step
 
-    def apply(name: str) -> None:
-        monkeypatch.setattr(compiled, name, factory)
+    def apply() -> None:
+        monkeypatch.setattr(compiled, "compiled_function", factory)
         monkeypatch.setattr(compiled, "_BROKEN", {})
 
     return apply

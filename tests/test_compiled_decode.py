@@ -71,7 +71,7 @@ def test_compile_on_for_an_unsupported_model_raises_naming_why():
 
 
 def test_a_failing_compile_falls_back_under_auto_and_raises_under_on(lm, caplog, break_compile):
-    break_compile("compiled_step")
+    break_compile()
     with pytest.raises(compiled.CompileUnavailable, match="torch.compile of the decode step failed.*no C\\+\\+"):
         generate(lm, prompts(2), 4, temperature=0.0, compile="on")
     eager = generate(lm, prompts(2), 4, temperature=0.0)
@@ -87,7 +87,7 @@ def test_a_failing_compile_falls_back_under_auto_and_raises_under_on(lm, caplog,
 # ------------------------------------------------------------------------------------------ the device cache
 def test_device_cache_steps_match_eager_without_compiling(lm, monkeypatch):
     """The static-shape step (whole-capacity attention, device lengths) run eagerly: same tokens, ragged too."""
-    monkeypatch.setattr(compiled, "compiled_step", lambda device_type: compiled.decode_step)
+    monkeypatch.setattr(compiled, "compiled_function", lambda fn, device_type: fn)
     for rows in (prompts(1), prompts(3), RAGGED):
         eager = generate(lm, rows, 10, temperature=0.0)
         assert eager.unique().numel() > 3  # tokens that depend on the context
@@ -97,7 +97,7 @@ def test_device_cache_steps_match_eager_without_compiling(lm, monkeypatch):
 
 
 def test_device_lengths_advance_on_the_device_and_buffers_are_reused(lm, monkeypatch):
-    monkeypatch.setattr(compiled, "compiled_step", lambda device_type: compiled.decode_step)
+    monkeypatch.setattr(compiled, "compiled_function", lambda fn, device_type: fn)
     first = iter_generate(lm, RAGGED, 5, temperature=0.0, compile="on")
     next(first)  # prefilled, nothing fed yet
     for _ in range(4):
@@ -119,7 +119,7 @@ def test_multi_token_passes_and_per_row_rewinds_match_eager_rows(lm, monkeypatch
     ragged cache's logits, pass after pass; a pass past the capacity and a bad rewind are clear errors."""
     from efftx.generation.decode import Rows
 
-    monkeypatch.setattr(compiled, "compiled_forward", lambda device_type: compiled.forward_step)
+    monkeypatch.setattr(compiled, "compiled_function", lambda fn, device_type: fn)
     eager = Rows(lm, 3, 64)
     eager.prefill(RAGGED)
     static = compiled.StaticDecoder(lm, 3, 64, True, "on")

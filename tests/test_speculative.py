@@ -498,7 +498,7 @@ def static_eager(monkeypatch):
     """The compiled path's fixed-capacity device caches, device lengths and padded verify, run without compiling."""
     from efftx.generation import compiled
 
-    monkeypatch.setattr(compiled, "compiled_forward", lambda device_type: compiled.forward_step)
+    monkeypatch.setattr(compiled, "compiled_function", lambda fn, device_type: fn)
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
@@ -523,6 +523,39 @@ def test_static_caches_give_the_eager_tokens_and_acceptance(monkeypatch, adaptiv
         assert row == generate(target, [prompt], 24, temperature=0)[0].tolist()
 
 
+def test_compiled_steps_run_as_fused_graphs_with_standard_strides(monkeypatch):
+    """What compile="on" hands to torch.compile: with a fixed gamma one graph drafts all gamma tokens (the draws
+    inside it), one verifies and decides acceptance, and the one-token draft step runs only to catch the draft up
+    after a fully accepted step; an adaptive gamma drafts token by token. Every tensor argument has row-major
+    strides (graphs are kept per stride: a column slice passed as is would compile again, and the decoder's later,
+    guard-light calls would refuse it)."""
+    from efftx.generation import compiled
+
+    calls = []
+
+    def record(fn, device_type):
+        def run(model, *args):
+            for a in args:
+                if isinstance(a, torch.Tensor):
+                    assert a.stride() == torch.empty(a.shape).stride(), (fn.__name__, a.shape, a.stride())
+            calls.append(fn.__name__)
+            return fn(model, *args)
+        return run
+
+    monkeypatch.setattr(compiled, "compiled_function", record)
+    target, draft = noisy_pair("full")
+    for sampling in ({"temperature": 0.0}, {"temperature": 1.0, "top_k": 40, "seed": 3}):
+        calls.clear()
+        _, stats = speculative_generate(target, draft, COMPILE_PROMPTS[:1], 24, gamma=3, compile="on", **sampling)
+        full = stats.histogram[-1]
+        assert calls.count("draft_steps") == calls.count("verify_step") == stats.steps
+        assert calls.count("draft_step") == full > 0
+        calls.clear()
+        speculative_generate(target, draft, COMPILE_PROMPTS, 24, gamma=3, compile="on", adaptive_gamma=True,
+                             max_gamma=5, **sampling)
+        assert "draft_steps" not in calls and calls.count("draft_step") > calls.count("verify_step") > 0
+
+
 def test_compile_switch_falls_back_or_raises_naming_why(caplog, break_compile):
     import logging
 
@@ -541,7 +574,7 @@ def test_compile_switch_falls_back_or_raises_naming_why(caplog, break_compile):
     with pytest.raises(ConfigError, match="compile='yes'"):
         speculative_generate(full_t, full_d, [[1, 2, 3]], 4, gamma=2, compile="yes")
 
-    break_compile("compiled_forward")
+    break_compile()
     with pytest.raises(compiled.CompileUnavailable, match="no C\\+\\+ compiler"):
         speculative_generate(full_t, full_d, [[1, 2, 3]], 6, gamma=2, temperature=0, compile="on")
     eager, _ = speculative_generate(full_t, full_d, [[1, 2, 3]], 6, gamma=2, temperature=0)

@@ -27,9 +27,12 @@ token (residual or bonus, :func:`correction`) is drawn for all rows at once, and
 per step (accepted counts, last tokens, drafts) to yield the tokens and size the per-row rewinds. Row r's
 randomness comes only from its own generator, in a fixed order per step: one draw per drafted token, ``gamma``
 acceptance uniforms at once, one draw for the last token; :func:`verify` makes the same draws for one row (what
-continuous batching calls), so either way a row gets the tokens it gets decoded alone. ``compile="on"`` runs the
-draft's one-token steps and the target's verify passes compiled over preallocated caches with device-side lengths
-(:mod:`efftx.generation.compiled`), with the eager path as the fallback.
+continuous batching calls), so either way a row gets the tokens it gets decoded alone. Since no draw depends on
+the passes, a step draws all of them first (:func:`race_noise`, :func:`row_uniforms`), and the passes take them as
+tensors. ``compile="on"`` runs the draft steps with their draws (with a fixed gamma all of a step's drafts in one
+graph, :func:`draft_steps`) and the target's verify pass with the acceptance (:func:`verify_step`) compiled over
+preallocated caches with device-side lengths (:mod:`efftx.generation.compiled`), with the eager path as the
+fallback.
 """
 
 from __future__ import annotations
@@ -89,6 +92,24 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, r / total.clamp_min(1e-30), p)
 
 
+def race_noise(generators: list[torch.Generator | None], width: int, need: Sequence[bool] | None = None,
+               device: torch.device | str | None = None) -> torch.Tensor:
+    """(B, width) Exp(1) noise for one draw per row (:func:`sample_rows`): row b filled by one
+    ``exponential_`` call with ``generators[b]`` (None = the global RNG), the draw ``torch.multinomial`` makes
+    with that generator; rows with ``need[b]`` False hold 1 and leave their generator alone. Drawing does not
+    depend on the distribution, so a step draws its noise before the passes that use it."""
+    noise = torch.ones(len(generators), width, device=device)
+    for b, g in enumerate(generators):
+        if need is None or need[b]:
+            noise[b].exponential_(generator=g)
+    return noise
+
+
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """(B, V) probabilities, (B, V) :func:`race_noise` -> (B,) tokens: the exponential race argmax(p / E)."""
+    return (probs / noise).argmax(-1)
+
+
 def sample_rows(probs: torch.Tensor, generators: list[torch.Generator | None],
                 need: Sequence[bool] | None = None) -> torch.Tensor:
     """(B, V) probabilities -> (B,) tokens, row b drawn with ``generators[b]``: exactly the token of
@@ -98,16 +119,7 @@ def sample_rows(probs: torch.Tensor, generators: list[torch.Generator | None],
     token: no per-row validation passes and no value read back to the host (torch's multinomial checks its input
     with two host reads per call). Rows with ``need[b]`` False draw nothing (their generator is left alone) and get
     their argmax, a placeholder that is never verified."""
-    if all(g is None for g in generators):  # one global stream: one call for the batch
-        drawn = torch.multinomial(probs, 1).squeeze(-1)
-        if need is None or all(need):
-            return drawn
-        return torch.where(torch.tensor(list(need), device=probs.device), drawn, probs.argmax(-1))
-    noise = torch.ones_like(probs)
-    for b, g in enumerate(generators):
-        if need is None or need[b]:
-            noise[b].exponential_(generator=g)
-    return (probs / noise).argmax(-1)
+    return race(probs, race_noise(generators, probs.shape[-1], need, probs.device))
 
 
 def row_uniforms(generators: list[torch.Generator | None], counts: Sequence[int], width: int,
@@ -137,6 +149,66 @@ def correction(p: torch.Tensor, q: torch.Tensor, n: torch.Tensor, full: torch.Te
     p_n = p[rows, n]
     q_n = q[rows, n.clamp_max(q.shape[1] - 1)]
     return torch.where(full[:, None], p_n, residual(p_n, q_n))
+
+
+def draft_pick(logits: torch.Tensor, noise: torch.Tensor | None, temperature: float, top_k: int,
+               top_p: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A draft step's (B, V) logits -> (tokens (B,), distributions q (B, V)): drawn with the step's
+    :func:`race_noise`, or greedy (``noise`` None: the argmax, no distribution)."""
+    if noise is None:
+        return logits.argmax(-1), None
+    q = probabilities(logits, temperature, top_k, top_p)
+    return race(q, noise), q
+
+
+def accept(t_logits: torch.Tensor, drafted: torch.Tensor, q: torch.Tensor | None, u: torch.Tensor | None,
+           noise: torch.Tensor | None, own: torch.Tensor, temperature: float, top_k: int,
+           top_p: float) -> torch.Tensor:
+    """Every row's acceptance of a step, on the device: (B, G + 1, V) target logits of [pending, drafts],
+    (B, G) drafts, (B, G, V) their distributions q, (B, G) uniforms, (B, V) noise of the last token, (B,) the
+    drafts each row verifies (its own gamma; 0 for a finished row; the drafts past it are padding or another
+    row's) -> (B, G + 2): accepted count, last token (residual or bonus), the drafts. Greedy: q, u, noise None
+    (p and q are one-hot: x_i is accepted iff it is the target's argmax, which is also the last token)."""
+    g = drafted.shape[1]
+    within = torch.arange(g, device=drafted.device) < own[:, None]
+    if q is None:
+        best = t_logits.argmax(-1)  # (B, G + 1)
+        n = accepted_counts((drafted == best[:, :g]) & within)
+        last = best.gather(1, n[:, None])[:, 0]
+    else:
+        p = probabilities(t_logits, temperature, top_k, top_p)
+        picked = drafted[..., None]
+        ratio = (p[:, :g].gather(-1, picked) / q.gather(-1, picked).clamp_min(1e-30))[..., 0]
+        n = accepted_counts((u < ratio) & within)  # x_i accepted with probability min(1, p/q)
+        last = race(correction(p, q, n, n == own), noise)
+    return torch.cat([n[:, None], last[:, None], drafted], 1)
+
+
+def draft_step(model, tokens: torch.Tensor, cache, noise: torch.Tensor | None, temperature: float, top_k: int,
+               top_p: float):
+    """One draft token per row over a compiled decoder's cache (what gets compiled): :func:`draft_pick` of the
+    draft's next-token logits."""
+    return draft_pick(compiled.forward_step(model, tokens, cache)[:, -1], noise, temperature, top_k, top_p)
+
+
+def draft_steps(model, tokens: torch.Tensor, cache, noises: torch.Tensor | None, count: int, temperature: float,
+                top_k: int, top_p: float):
+    """``count`` draft tokens per row in one compiled graph (a fixed gamma): (B, 1) pending tokens, (count, B, V)
+    noise (None: greedy) -> (drafts (B, count), their distributions (B, count, V) or None): :func:`draft_step`
+    ``count`` times, each feeding the token it drew; one call instead of ``count`` saves their per-call costs."""
+    drafted, dists = [], []
+    for i in range(count):
+        token, q = draft_step(model, tokens, cache, None if noises is None else noises[i], temperature, top_k, top_p)
+        drafted.append(token)
+        dists.append(q)
+        tokens = token[:, None]
+    return torch.stack(drafted, 1), None if noises is None else torch.stack(dists, 1)
+
+
+def verify_step(model, tokens: torch.Tensor, cache, drafted: torch.Tensor, q, u, noise, own: torch.Tensor,
+                temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The target's verify pass over [pending, drafts] and :func:`accept`, in one compiled graph."""
+    return accept(compiled.forward_step(model, tokens, cache), drafted, q, u, noise, own, temperature, top_k, top_p)
 
 
 def kept_tokens(accepted: int, emitted: int, drafted: int) -> int:
@@ -285,6 +357,16 @@ def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy,
     n_rows = len(rows)
     pending = torch.tensor([r[-1] for r in rows], device=device)
     produced = [0] * n_rows
+    static = pad_verify
+    vocab = t_rows.model.vocab_size
+    knobs = (sampling["temperature"], sampling["top_k"], sampling["top_p"])
+
+    def draft_once(token, noise):
+        """(B,) tokens in, the draft's next (B,) tokens and (B, V) distributions (None when greedy) out."""
+        if static:
+            return d_rows.run(draft_step, token[:, None], noise, *knobs)
+        return draft_pick(d_rows.forward(token[:, None])[:, -1], noise, *knobs)
+
     while True:
         active = [n < m for n, m in zip(produced, limits)]
         if not any(active):
@@ -292,44 +374,40 @@ def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy,
         # this step drafts as many tokens as its longest-drafting row; a row verifies only its own
         gamma_step = max(g for g, a in zip(row_gamma, active) if a)
         own = [g if a else 0 for g, a in zip(row_gamma, active)]  # drafts each row verifies (0: finished)
-        tokens, q = [], []
-        token = pending
-        for i in range(gamma_step):
-            logits = d_rows.forward(token[:, None])[:, -1]  # (B, V)
-            if greedy:
-                token = logits.argmax(-1)
-            else:
-                dist = probabilities(logits, **sampling)
-                need = [i < g for g in row_gamma]
-                token = sample_rows(dist, gens, None if all(need) else need)
+        # every random number of the step, drawn first in each row's fixed order (the values do not depend on
+        # the passes): one race per drafted token, the acceptance uniforms of its own drafts, the last token's race
+        width = cap if static else gamma_step  # compiled: one verify shape for every gamma_step
+        noises, u, last_noise = [None] * gamma_step, None, None
+        if not greedy:
+            noises = [race_noise(gens, vocab, [i < g for g in row_gamma], device) for i in range(gamma_step)]
+            u = row_uniforms(gens, own, width, device)
+            last_noise = race_noise(gens, vocab, active, device)
+        if static and not adaptive_gamma:  # every step drafts gamma tokens: all of them in one graph
+            drafted, q = d_rows.run(draft_steps, pending[:, None], None if greedy else torch.stack(noises),
+                                    gamma_step, *knobs, positions=gamma_step)
+        else:
+            tokens, q = [], []
+            token = pending
+            for i in range(gamma_step):
+                token, dist = draft_once(token, noises[i])
+                tokens.append(token)
                 q.append(dist)
-            tokens.append(token)
-        drafted = torch.stack(tokens, 1)  # (B, gamma_step)
-        fed = [pending[:, None], drafted]
-        if pad_verify and gamma_step < cap:
-            fed.append(torch.zeros(n_rows, cap - gamma_step, dtype=drafted.dtype, device=device))
-        t_logits = t_rows.forward(torch.cat(fed, 1))[:, :gamma_step + 1]  # (B, gamma_step + 1, V)
-        n_fed = sum(t.shape[1] for t in fed)
-        if gamma_step == max(own) == min(own):
-            within = None  # every row verifies all the drafts
+            drafted = torch.stack(tokens, 1)  # (B, gamma_step)
+            q = None if greedy else torch.stack(q, 1)  # (B, gamma_step, V)
+        own_t = torch.tensor(own, device=device)
+        if width > gamma_step:  # padding after every row's real drafts: causal attention keeps it out of their
+            pad = width - gamma_step  # logits, `own` out of their acceptance, and the rewind drops it
+            drafted = torch.cat([drafted, drafted.new_zeros(n_rows, pad)], 1)
+            if not greedy:
+                q = torch.cat([q, q.new_ones(n_rows, pad, vocab)], 1)
+        fed = torch.cat([pending[:, None], drafted], 1)
+        n_fed = fed.shape[1]
+        if static:
+            packed = t_rows.run(verify_step, fed, drafted, q, u, last_noise, own_t, *knobs)
         else:
-            within = torch.arange(gamma_step, device=device) < torch.tensor(own, device=device)[:, None]
-        if greedy:  # p and q are one-hot: x_i is accepted iff it is the target's argmax, which is also the last token
-            best = t_logits.argmax(-1)  # (B, gamma_step + 1)
-            accept = drafted == best[:, :gamma_step]
-            n = accepted_counts(accept if within is None else accept & within)
-            last = best.gather(1, n[:, None])[:, 0]
-        else:
-            p, q = probabilities(t_logits, **sampling), torch.stack(q, 1)  # (B, g + 1, V), (B, g, V)
-            picked = drafted[..., None]
-            ratio = (p[:, :gamma_step].gather(-1, picked) / q.gather(-1, picked).clamp_min(1e-30))[..., 0]
-            u = row_uniforms(gens, own, gamma_step, device)
-            accept = u < ratio  # accepted with probability min(1, p/q)
-            n = accepted_counts(accept if within is None else accept & within)
-            full = n == torch.tensor(row_gamma, device=device)
-            last = sample_rows(correction(p, q, n, full), gens, active)
-        # the one read back per step: accepted counts, last tokens and the drafts, (B, gamma_step + 2)
-        host = torch.cat([n[:, None], last[:, None], drafted], 1).tolist()
+            packed = accept(t_rows.forward(fed), drafted, q, u, last_noise, own_t, *knobs)
+        # the one read back per step: accepted counts, last tokens and the drafts, (B, width + 2)
+        host = packed.tolist()
         emitted, accepted, keep = [], [], []
         for r, (n_r, last_r, *drafts) in enumerate(host):
             if active[r]:
@@ -345,8 +423,8 @@ def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy,
         t_rows.rewind([n_fed - 1 - k for k in keep])
         # The draft saw pending + gamma_step - 1 drafted; a row that keeps all of them needs the last one too.
         held = gamma_step
-        if gamma_step in keep:
-            d_rows.forward(drafted[:, -1:])
+        if gamma_step in keep:  # (no random draw: its token is not used)
+            draft_once(drafted[:, gamma_step - 1], None if greedy else torch.ones(n_rows, vocab, device=device))
             held = gamma_step + 1
         d_rows.rewind([held - 1 - k for k in keep])
         for s in [stats] + [row_stats[r] for r in range(n_rows) if active[r]]:
@@ -361,7 +439,7 @@ def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy,
                 produced[r] += len(emitted[r])
                 if adaptive_gamma:
                     row_gamma[r] = next_gamma(row_gamma[r], row_gamma[r], accepted[r], cap)
-        pending = last  # a row still decoding ended its step on its last token; a finished row's is never used
+        pending = packed[:, 1]  # a row still decoding ended its step on its last token; a finished row's is unused
         yield emitted
 
 
