@@ -113,21 +113,20 @@ def test_device_lengths_advance_on_the_device_and_buffers_are_reused(lm, monkeyp
     assert compiled._POOLS[lm][key] == [cache]
 
 
-def test_multi_token_passes_and_per_row_rewinds_match_eager_rows(lm, monkeypatch):
-    """StaticDecoder.forward (T tokens per row, each row at its own device position) and rewind (a count per row,
-    one subtraction on the device lengths), speculative decoding's verify pass and rejection, give the eager
-    ragged cache's logits, pass after pass; a pass past the capacity and a bad rewind are clear errors."""
+def passes_match_eager(lm, passes, transposed: bool = False):
+    """Run (token count, per-row rewind) passes through a StaticDecoder and the eager ragged cache side by side:
+    the same logits and lengths after each. ``transposed``: tokens given as a transposed (column-major) view."""
     from efftx.generation.decode import Rows
 
-    monkeypatch.setattr(compiled, "compiled_function", lambda fn, device_type: fn)
     eager = Rows(lm, 3, 64)
     eager.prefill(RAGGED)
     static = compiled.StaticDecoder(lm, 3, 64, True, "on")
     try:
         static.load(eager.caches[0], eager.lengths)
         g = torch.Generator().manual_seed(0)
-        for t, counts in ((4, [3, 0, 4]), (1, [1, 1, 0]), (6, [2, 5, 6]), (3, [0, 0, 0])):
-            tokens = torch.randint(0, 256, (3, t), generator=g)
+        for t, counts in passes:
+            tokens = torch.randint(0, 256, (t, 3), generator=g).T if transposed else \
+                torch.randint(0, 256, (3, t), generator=g)
             torch.testing.assert_close(static.forward(tokens), eager.forward(tokens))
             static.rewind(counts)
             eager.rewind(counts)
@@ -138,6 +137,14 @@ def test_multi_token_passes_and_per_row_rewinds_match_eager_rows(lm, monkeypatch
             static.forward(torch.zeros(3, 64, dtype=torch.long))
     finally:
         static.release()
+
+
+def test_multi_token_passes_and_per_row_rewinds_match_eager_rows(lm, monkeypatch):
+    """StaticDecoder.forward (T tokens per row, each row at its own device position) and rewind (a count per row,
+    one subtraction on the device lengths), speculative decoding's verify pass and rejection, give the eager
+    ragged cache's logits, pass after pass; a pass past the capacity and a bad rewind are clear errors."""
+    monkeypatch.setattr(compiled, "compiled_function", lambda fn, device_type: fn)
+    passes_match_eager(lm, ((4, [3, 0, 4]), (1, [1, 1, 0]), (6, [2, 5, 6]), (3, [0, 0, 0])))
 
 
 # ------------------------------------------------------------------------------------------ compiled (slow)
@@ -174,6 +181,19 @@ def test_compiled_ragged_prompts_equal_eager_without_recompiling(lm, compiled_co
                        generate(lm, prompts(3, 20), 30, temperature=0.0))
     assert compiled_counts["stats"]["unique_graphs"] == graphs
     assert graphs == 2  # one per batch size, no graph break (fullgraph=True would raise anyway)
+
+
+@pytest.mark.slow
+def test_compiled_passes_of_new_shapes_and_strides_after_guard_light_calls(lm):
+    """After its first guarded call of a shape a decoder skips most of dynamo's guards; a pass of another token count
+    still compiles its own graph (and runs it correctly) rather than reusing or refusing one, and tokens given as
+    a transposed view run as a row-major copy through the same graphs: two graphs for the two counts."""
+    from torch._dynamo.utils import counters
+
+    before = counters["stats"]["unique_graphs"]
+    passes_match_eager(lm, ((4, [4, 4, 4]), (4, [3, 0, 4]), (1, [0, 1, 0]), (4, [2, 1, 1]), (1, [1, 0, 0])))
+    passes_match_eager(lm, ((4, [4, 4, 4]), (1, [0, 1, 0])), transposed=True)
+    assert counters["stats"]["unique_graphs"] - before == 2
 
 
 def test_generate_cli_takes_compile_and_names_why_it_cannot(monkeypatch, capsys):

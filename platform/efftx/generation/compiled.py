@@ -197,6 +197,13 @@ def compile_settings(device_type: str) -> dict:
     return {}
 
 
+def _signature(fn: Callable, tokens: torch.Tensor, args: tuple) -> tuple:
+    """What selects a compiled graph of ``fn`` besides the model and cache: every argument's shape, dtype and device
+    (tensors, with row-major strides) or value (anything else)."""
+    return (fn,) + tuple((a.shape, a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a)
+                         for a in (tokens, *args))
+
+
 def _default_stance() -> bool:
     """Whether torch.compile runs in its default stance (a caller may have set another, e.g. "force_eager")."""
     stance = getattr(torch._dynamo.eval_frame, "_stance", None)
@@ -245,7 +252,7 @@ class StaticDecoder:
                 for t in self.cache.tensors():
                     torch._dynamo.mark_static_address(t, guard=False)
         self._pool = pool
-        self._guarded: set[Callable] = set()  # functions this decoder has run once with every guard checked
+        self._guarded: set[tuple] = set()  # calls (:func:`_signature`) this decoder has run with every guard checked
         self.used = 0  # the longest row, counted on the host
         self.row_lengths = [0] * batch
 
@@ -286,7 +293,7 @@ class StaticDecoder:
             raise ValueError(f"compiled decoding cache overflow: {longest} positions > capacity {self.capacity}")
         self.row_lengths = [n + t for n in self.row_lengths]
         self.used = max(self.used, longest)
-        out = self._run(fn, _standard(tokens), *(_standard(a) for a in args))
+        out = self._run(fn, tokens, *args)
         if self.compiled and self.device_type == "cuda":  # a CUDA graph's next replay overwrites its outputs
             out = tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone()
         return out
@@ -317,19 +324,25 @@ class StaticDecoder:
         a compile failure under ``auto`` switches this decoder to eager for good (and says why)."""
         if not self.compiled:
             return fn(self.model, tokens, self.cache, *args)
+        tokens, args = _standard(tokens), tuple(_standard(a) for a in args)
         if self.device_type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs may be overwritten now
         try:
             step = compiled_function(fn, self.device_type)
-            if fn in self._guarded and _default_stance():
-                # this decoder ran ``fn`` once with every guard checked: the same model, cache and arguments
-                # (shapes, dtypes, constants) come back at every call, so only the guards telling dynamo's cached
-                # graphs apart are run (the full check costs ~85 us a call on CPU, measured: a sixth of a speculative
-                # step of the small pair)
-                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                    return step(self.model, tokens, self.cache, *args)
+            key = _signature(fn, tokens, args)
+            if key in self._guarded and _default_stance():
+                # this decoder ran ``fn`` on arguments of these shapes, dtypes and values once with every guard
+                # checked, over the same model and cache: only the guards telling dynamo's cached graphs apart are
+                # run (the full check costs ~85 us a call on CPU, measured: a sixth of a speculative step of the
+                # small pair). Should dynamo still want to compile, it refuses before running anything: retry guarded.
+                try:
+                    with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                        return step(self.model, tokens, self.cache, *args)
+                except RuntimeError as e:
+                    if "skip_guard_eval_unsafe" not in str(e):
+                        raise
             out = step(self.model, tokens, self.cache, *args)
-            self._guarded.add(fn)
+            self._guarded.add(key)
             return out
         except Exception as e:  # compilation fails before the graph runs: nothing was written yet
             if self.mode != "auto":
