@@ -151,3 +151,24 @@ def test_registry_rejects_unknown_backend():
 
     with pytest.raises(ConfigError, match="not a registered backend; choose from .*full"):
         attention.get("flashy")
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
+@pytest.mark.parametrize("t", [1, 2, 6, 16])
+def test_few_query_attention_equals_sdpa_with_ragged_masks(heads, kv_heads, t):
+    """The decoding path of full attention over a ragged cache (two matmuls around a masked softmax, query heads
+    of a kv head stacked) against SDPA with the same (B, 1, T, L) mask, float64: MHA, GQA and MQA, one to sixteen
+    queries per row, rows of different lengths (each query sees its own key and those before it)."""
+    import torch.nn.functional as F
+
+    from efftx.attention.full import few_query_attention
+
+    g = torch.Generator().manual_seed(t * 10 + heads + kv_heads)
+    b, length, d = 3, 40, 8
+    q = torch.randn(b, heads, t, d, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(b, kv_heads, length, d, generator=g, dtype=torch.float64) for _ in range(2))
+    ends = torch.tensor([length - 3, length - 17, length])  # each row's length after its t new tokens
+    slots = ends[:, None] - t + torch.arange(t)  # (B, T) the new tokens' positions
+    mask = (torch.arange(length)[None, None, :] <= slots[:, :, None])[:, None]  # (B, 1, T, L)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=heads != kv_heads)
+    torch.testing.assert_close(few_query_attention(q, k, v, mask), want, rtol=1e-12, atol=1e-12)
