@@ -525,21 +525,22 @@ def test_static_caches_give_the_eager_tokens_and_acceptance(monkeypatch, adaptiv
 
 def test_compiled_steps_run_as_fused_graphs_with_standard_strides(monkeypatch):
     """What compile="on" hands to torch.compile: with a fixed gamma one graph drafts all gamma tokens (the draws
-    inside it), one verifies and decides acceptance, and the one-token draft step runs only to catch the draft up
-    after a fully accepted step; an adaptive gamma drafts token by token. Every tensor argument has row-major
-    strides (graphs are kept per stride: a column slice passed as is would compile again, and the decoder's later,
+    inside it), one verifies and decides acceptance, and no other pass runs: after a step in which a row accepted
+    every draft, the next step's first draft pass feeds two tokens per row (that row's last draft, never fed, and
+    its new pending token); an adaptive gamma drafts token by token. Every tensor argument has row-major strides
+    (graphs are kept per stride: a column slice passed as is would compile again, and the decoder's later,
     guard-light calls would refuse it)."""
     from efftx.generation import compiled
 
     calls = []
 
     def record(fn, device_type):
-        def run(model, *args):
-            for a in args:
+        def run(model, tokens, *args):
+            for a in (tokens, *args):
                 if isinstance(a, torch.Tensor):
                     assert a.stride() == torch.empty(a.shape).stride(), (fn.__name__, a.shape, a.stride())
-            calls.append(fn.__name__)
-            return fn(model, *args)
+            calls.append((fn.__name__, tokens.shape[1]))
+            return fn(model, tokens, *args)
         return run
 
     monkeypatch.setattr(compiled, "compiled_function", record)
@@ -547,13 +548,17 @@ def test_compiled_steps_run_as_fused_graphs_with_standard_strides(monkeypatch):
     for sampling in ({"temperature": 0.0}, {"temperature": 1.0, "top_k": 40, "seed": 3}):
         calls.clear()
         _, stats = speculative_generate(target, draft, COMPILE_PROMPTS[:1], 24, gamma=3, compile="on", **sampling)
-        full = stats.histogram[-1]
-        assert calls.count("draft_steps") == calls.count("verify_step") == stats.steps
-        assert calls.count("draft_step") == full > 0
+        names = [name for name, _ in calls]
+        assert names == ["draft_steps", "verify_step"] * stats.steps
+        caught_up = [width == 2 for name, width in calls if name == "draft_steps"]
+        full = [n == 3 for n in stats.accepted]
+        assert caught_up == [False] + full[:-1] and any(full)
         calls.clear()
         speculative_generate(target, draft, COMPILE_PROMPTS, 24, gamma=3, compile="on", adaptive_gamma=True,
                              max_gamma=5, **sampling)
-        assert "draft_steps" not in calls and calls.count("draft_step") > calls.count("verify_step") > 0
+        names = [name for name, _ in calls]
+        assert "draft_steps" not in names and names.count("draft_step") > names.count("verify_step") > 0
+        assert ("draft_step", 2) in calls
 
 
 def test_compile_switch_falls_back_or_raises_naming_why(caplog, break_compile):

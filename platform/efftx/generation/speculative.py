@@ -361,11 +361,16 @@ def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy,
     vocab = t_rows.model.vocab_size
     knobs = (sampling["temperature"], sampling["top_k"], sampling["top_p"])
 
-    def draft_once(token, noise):
-        """(B,) tokens in, the draft's next (B,) tokens and (B, V) distributions (None when greedy) out."""
+    def draft_once(tokens, noise):
+        """(B, T) tokens in, the draft's next (B,) tokens and (B, V) distributions (None when greedy) out."""
         if static:
-            return d_rows.run(draft_step, token[:, None], noise, *knobs)
-        return draft_pick(d_rows.forward(token[:, None])[:, -1], noise, *knobs)
+            return d_rows.run(draft_step, tokens, noise, *knobs)
+        return draft_pick(d_rows.forward(tokens)[:, -1], noise, *knobs)
+
+    # The draft's first pass of a step feeds [prev, pending] after a step in which some row accepted every draft:
+    # that row's last draft was drawn but never fed, and every other row, rewound one token further, feeds its
+    # token before pending again (one batched shape; this replaces a separate draft pass for the missing token).
+    catch_up, prev = False, None
 
     while True:
         active = [n < m for n, m in zip(produced, limits)]
@@ -382,15 +387,17 @@ def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy,
             noises = [race_noise(gens, vocab, [i < g for g in row_gamma], device) for i in range(gamma_step)]
             u = row_uniforms(gens, own, width, device)
             last_noise = race_noise(gens, vocab, active, device)
+        first = torch.stack([prev, pending], 1) if catch_up else pending[:, None]
         if static and not adaptive_gamma:  # every step drafts gamma tokens: all of them in one graph
-            drafted, q = d_rows.run(draft_steps, pending[:, None], None if greedy else torch.stack(noises),
-                                    gamma_step, *knobs, positions=gamma_step)
+            drafted, q = d_rows.run(draft_steps, first, None if greedy else torch.stack(noises),
+                                    gamma_step, *knobs, positions=gamma_step + catch_up)
         else:
             tokens, q = [], []
-            token = pending
+            token = first
             for i in range(gamma_step):
-                token, dist = draft_once(token, noises[i])
-                tokens.append(token)
+                drawn, dist = draft_once(token, noises[i])
+                token = drawn[:, None]
+                tokens.append(drawn)
                 q.append(dist)
             drafted = torch.stack(tokens, 1)  # (B, gamma_step)
             q = None if greedy else torch.stack(q, 1)  # (B, gamma_step, V)
@@ -421,14 +428,15 @@ def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy,
             accepted.append(n_r)
         # The target cache got pending + n_fed - 1 tokens; a row keeps pending + its kept tokens.
         t_rows.rewind([n_fed - 1 - k for k in keep])
-        # The draft saw pending + gamma_step - 1 drafted; a row that keeps all of them needs the last one too.
-        held = gamma_step
-        if gamma_step in keep:  # (no random draw: its token is not used)
-            draft_once(drafted[:, gamma_step - 1], None if greedy else torch.ones(n_rows, vocab, device=device))
-            held = gamma_step + 1
-        d_rows.rewind([held - 1 - k for k in keep])
+        # The draft saw [prev,] pending and gamma_step - 1 drafts; a row keeps [prev,] pending and its kept drafts,
+        # all but the last of them when the next step catches up (a row that keeps every draft lacks the last one).
+        catch_up = gamma_step in keep
+        d_rows.rewind([gamma_step - 1 - k + catch_up for k in keep])
+        if catch_up:  # each row's token before its next pending: [pending, drafts][kept drafts]
+            at = torch.tensor([max(k, 0) for k in keep], device=device)
+            prev = torch.cat([pending[:, None], drafted], 1).gather(1, at[:, None])[:, 0]
         for s in [stats] + [row_stats[r] for r in range(n_rows) if active[r]]:
-            s.draft_calls += held
+            s.draft_calls += gamma_step
             s.target_calls += 1
         for r in range(n_rows):
             if active[r]:

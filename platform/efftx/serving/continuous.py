@@ -499,7 +499,9 @@ class SpeculativeEngine(_Engine):
             st.steps += 1
             st.accepted.append(n)
             st.target_calls += 1
-            st.draft_calls += self.gamma + (1 if k == self.gamma else 0)  # as it would alone
+            # as it would alone: gamma draft passes a step (alone, a row that kept every draft feeds the last one
+            # with its next step's first pass; here rows join and leave between steps, so it gets a pass of its own)
+            st.draft_calls += self.gamma
             finished.append(job._push(out, n, batch))
         state.last = torch.tensor([e[-1] if e else int(t) for e, t in zip(emitted, state.last.tolist())],
                                   device=state.last.device)
