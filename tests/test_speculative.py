@@ -123,6 +123,21 @@ def test_greedy_speculative_with_context_dependent_tokens_equals_base(kind, monk
             assert stats.histogram[0] > 0 and stats.histogram[-1] > 0  # steps rejecting at once, accepting all
 
 
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_rows_without_new_tokens_beside_rows_accepting_every_draft(monkeypatch, mode):
+    """A row asking for no tokens (a one-token prompt: its draft cache holds nothing) beside rows whose every step
+    accepts all drafts (the draft is the target), so every step after the first catches the draft up with two
+    tokens: the finished row's cache must never be rewound past what it was fed; the others get base's tokens."""
+    if mode == "on":
+        static_eager(monkeypatch)
+    target = noisy_pair("full")[0]
+    prompts = [[5], [1, 2, 3], [9, 8]]
+    out, stats = speculative_generate(target, target, prompts, [0, 20, 7], gamma=3, temperature=0, compile=mode)
+    assert out[0] == [] and stats.histogram[:-1] == [0, 0, 0]
+    for prompt, row, n in zip(prompts[1:], out[1:], (20, 7)):
+        assert row == generate(target, [prompt], n, temperature=0)[0].tolist()
+
+
 def test_identical_draft_accepts_everything():
     target = lm(0)
     out, stats = speculative_generate(target, target, [[1, 2, 3]], 24, gamma=4, temperature=0.8, top_k=20, seed=3)

@@ -193,9 +193,10 @@ def draft_step(model, tokens: torch.Tensor, cache, noise: torch.Tensor | None, t
 
 def draft_steps(model, tokens: torch.Tensor, cache, noises: torch.Tensor | None, count: int, temperature: float,
                 top_k: int, top_p: float):
-    """``count`` draft tokens per row in one compiled graph (a fixed gamma): (B, 1) pending tokens, (count, B, V)
-    noise (None: greedy) -> (drafts (B, count), their distributions (B, count, V) or None): :func:`draft_step`
-    ``count`` times, each feeding the token it drew; one call instead of ``count`` saves their per-call costs."""
+    """``count`` draft tokens per row in one compiled graph (a fixed gamma): (B, 1) pending tokens (or (B, 2):
+    the token before pending, not fed yet, and pending), (count, B, V) noise (None: greedy) -> (drafts (B, count),
+    their distributions (B, count, V) or None): :func:`draft_step` ``count`` times, each feeding the token it
+    drew; one call instead of ``count`` saves their per-call costs."""
     drafted, dists = [], []
     for i in range(count):
         token, q = draft_step(model, tokens, cache, None if noises is None else noises[i], temperature, top_k, top_p)
@@ -429,9 +430,11 @@ def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy,
         # The target cache got pending + n_fed - 1 tokens; a row keeps pending + its kept tokens.
         t_rows.rewind([n_fed - 1 - k for k in keep])
         # The draft saw [prev,] pending and gamma_step - 1 drafts; a row keeps [prev,] pending and its kept drafts,
-        # all but the last of them when the next step catches up (a row that keeps every draft lacks the last one).
+        # all but the last of them when the next step catches up (a row that keeps every draft lacks the last one);
+        # a finished row drops all it was fed (its cache may hold nothing else: a one-token prompt, no new tokens).
+        fed_draft = gamma_step + catch_up
         catch_up = gamma_step in keep
-        d_rows.rewind([gamma_step - 1 - k + catch_up for k in keep])
+        d_rows.rewind([fed_draft if k < 0 else gamma_step - 1 - k + catch_up for k in keep])
         if catch_up:  # each row's token before its next pending: [pending, drafts][kept drafts]
             at = torch.tensor([max(k, 0) for k in keep], device=device)
             prev = torch.cat([pending[:, None], drafted], 1).gather(1, at[:, None])[:, 0]
