@@ -14,9 +14,9 @@ builds position tensors on the host and attends over a key range whose size grow
 * it is compiled with ``torch.compile(fullgraph=True, dynamic=False)`` (a graph break is an error, not a silent
   slowdown): on CUDA with ``mode="reduce-overhead"`` (CUDA graphs; the buffers are marked static addresses and
   kept per model, batch and capacity so one graph serves every call), on CPU with inductor's C++ wrapper
-  (:func:`compile_settings`); a decoder checks every guard on its first call of a function only, then runs just
-  the guards that tell dynamo's cached graphs apart (its model, cache and argument shapes do not change; tensor
-  arguments are given row-major strides so that one graph serves every call).
+  (:func:`compile_settings`); a decoder checks every guard on its first call of a function with arguments of
+  given shapes and values only, then runs just the guards that tell dynamo's cached graphs apart (its model and
+  cache do not change; tensor arguments are given row-major strides so that one graph serves every call).
 
 Prefill stays eager (one pass, any prompt lengths: ragged prompts are supported), then its keys and values
 are copied into the fixed buffers. Sampling stays outside the compiled step, through the same functions as the
