@@ -113,7 +113,7 @@ def test_device_lengths_advance_on_the_device_and_buffers_are_reused(lm, monkeyp
     assert compiled._POOLS[lm][key] == [cache]
 
 
-def passes_match_eager(lm, passes, transposed: bool = False):
+def assert_passes_match_eager(lm, passes, transposed: bool = False):
     """Run (token count, per-row rewind) passes through a StaticDecoder and the eager ragged cache side by side:
     the same logits and lengths after each. ``transposed``: tokens given as a transposed (column-major) view."""
     from efftx.generation.decode import Rows
@@ -144,7 +144,7 @@ def test_multi_token_passes_and_per_row_rewinds_match_eager_rows(lm, monkeypatch
     one subtraction on the device lengths), speculative decoding's verify pass and rejection, give the eager
     ragged cache's logits, pass after pass; a pass past the capacity and a bad rewind are clear errors."""
     monkeypatch.setattr(compiled, "compiled_function", lambda fn, device_type: fn)
-    passes_match_eager(lm, ((4, [3, 0, 4]), (1, [1, 1, 0]), (6, [2, 5, 6]), (3, [0, 0, 0])))
+    assert_passes_match_eager(lm, ((4, [3, 0, 4]), (1, [1, 1, 0]), (6, [2, 5, 6]), (3, [0, 0, 0])))
 
 
 # ------------------------------------------------------------------------------------------ compiled (slow)
@@ -191,8 +191,8 @@ def test_compiled_passes_of_new_shapes_and_strides_after_guard_light_calls(lm):
     from torch._dynamo.utils import counters
 
     before = counters["stats"]["unique_graphs"]
-    passes_match_eager(lm, ((4, [4, 4, 4]), (4, [3, 0, 4]), (1, [0, 1, 0]), (4, [2, 1, 1]), (1, [1, 0, 0])))
-    passes_match_eager(lm, ((4, [4, 4, 4]), (1, [0, 1, 0])), transposed=True)
+    assert_passes_match_eager(lm, ((4, [4, 4, 4]), (4, [3, 0, 4]), (1, [0, 1, 0]), (4, [2, 1, 1]), (1, [1, 0, 0])))
+    assert_passes_match_eager(lm, ((4, [4, 4, 4]), (1, [0, 1, 0])), transposed=True)
     assert counters["stats"]["unique_graphs"] - before == 2
 
 

@@ -274,13 +274,7 @@ class StaticDecoder:
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """(B, T) tokens -> (B, T, V) logits, every row at its own device position (:func:`forward_step`)."""
-        t = tokens.shape[1]
-        longest = max(self.row_lengths) + t
-        if longest > self.capacity:
-            raise ValueError(f"compiled decoding cache overflow: {longest} positions > capacity {self.capacity}")
-        self.row_lengths = [n + t for n in self.row_lengths]
-        self.used = max(self.used, longest)
-        return self._run(forward_step, tokens)
+        return self.run(forward_step, tokens)
 
     def run(self, fn: Callable, tokens: torch.Tensor, *args, positions: int | None = None):
         """``fn(model, tokens, cache, *args)`` over this decoder's cache, compiled as :meth:`forward` is: ``fn``

@@ -316,7 +316,7 @@ def iter_speculative_rows(target, draft, prompts: Sequence[Sequence[int]] | torc
                 decoder.load(eager.caches[0], eager.lengths)
             t_rows, d_rows = static
         yield from _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy, adaptive_gamma,
-                          stats, row_stats, device, pad_verify=static is not None)
+                          stats, row_stats, device, static=static is not None)
     finally:
         for decoder in static or ():
             decoder.release()
@@ -345,20 +345,19 @@ def _static_pair(target, draft, compile: str, batch: int, needed: int, batched: 
 
 
 def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy, adaptive_gamma, stats, row_stats,
-           device, pad_verify: bool):
+           device, static: bool):
     """The decoding loop of :func:`iter_speculative_rows` over prefilled target/draft states (eager
     :class:`~efftx.generation.decode.Rows` or compiled :class:`~efftx.generation.compiled.StaticDecoder`).
 
     Per step: ``gamma`` batched draft passes (tokens drawn on the device), one batched target pass, then every
     row's acceptance, its last token (residual or bonus) and its cache rewinds from tensors; the host reads one
     (B, gamma + 2) tensor per step (accepted counts, last tokens, drafts) to yield the tokens and size the rewinds.
-    ``pad_verify``: the verify pass always feeds ``cap + 1`` tokens (one compiled shape under an adaptive gamma;
-    the padding sits after every row's real tokens, so causal attention keeps it out of their logits, and the
-    rewind drops it)."""
+    ``static`` (compiled decoders): the verify pass always feeds ``cap + 1`` tokens (one compiled shape under an
+    adaptive gamma; the padding sits after every row's real tokens, so causal attention keeps it out of their
+    logits, and the rewind drops it)."""
     n_rows = len(rows)
     pending = torch.tensor([r[-1] for r in rows], device=device)
     produced = [0] * n_rows
-    static = pad_verify
     vocab = t_rows.model.vocab_size
     knobs = (sampling["temperature"], sampling["top_k"], sampling["top_p"])
 
