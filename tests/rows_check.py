@@ -52,3 +52,67 @@ def check_split_and_join(model, lengths=(5, 11, 2, 7), cap: int = 40, before=(3,
                 seq = torch.tensor([prompts[r] + feed[r, :done[r]].tolist()])
                 torch.testing.assert_close(torch.cat(got[r]), model(seq)[0, len(prompts[r]) - 1:], rtol=tol, atol=tol,
                                            msg=lambda m: f"row {r} against the uncached forward: {m}")
+
+
+def check_slots(model, cap: int = 40, batched: bool = True, tol: float = 1e-4) -> None:
+    """Rows prefilled in two batches join :class:`~efftx.generation.decode.Slots` (two slots to begin with, so they
+    grow twice), then, as continuous batching does: ranges of the slots step as one batched pass each (a middle
+    range, all rows), rows change places (``swap``), a row leaves (the last row ``copy``-ed onto its slot, then
+    ``truncate``), a range is rewound per row, a new row joins, and all rows step again. Every row's logits, step by
+    step, must be those it gets decoding alone (batch 1) with the same tokens and rewinds."""
+    from efftx.generation.decode import Slots
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 11, 2, 7, 3, 4)]
+    history: list[list] = [[] for _ in prompts]  # per row: ("feed", token, logits) / ("rewind", n)
+    with torch.no_grad():
+        slots = Slots(model, cap, rows=2, batched=batched)
+        where: list[int] = []  # slot -> row
+
+        def join(rows: list[int]) -> None:
+            state = Rows(model, len(rows), cap, batched)
+            state.prefill([prompts[r] for r in rows])
+            for i, r in enumerate(rows):
+                slots.put(state, i, len(where))
+                where.append(r)
+
+        def step(a: int, b: int) -> None:
+            tokens = torch.randint(0, 256, (b - a, 1), generator=g)
+            calls = (view := slots.rows(a, b)).forward_calls
+            out = view.forward(tokens)[:, -1]
+            assert view.forward_calls - calls == 1  # one pass for the range
+            for i in range(b - a):
+                history[where[a + i]].append(("feed", int(tokens[i, 0]), out[i:i + 1]))
+
+        join([0, 1])
+        join([2, 3, 4])
+        assert len(slots) == 5 and (not batched or slots.slots == 8)
+        step(1, 4)
+        step(0, 5)
+        slots.swap(0, 3)
+        where[0], where[3] = where[3], where[0]
+        step(0, 2)
+        slots.copy(4, 1)  # the row in slot 1 leaves: the last row takes its slot
+        where[1] = where.pop()
+        slots.truncate(4)
+        counts = [1, 2, 0]
+        slots.rows(0, 3).rewind(counts)
+        for i, n in enumerate(counts):
+            if n:
+                history[where[i]].append(("rewind", n))
+        join([5])
+        for _ in range(3):
+            step(0, len(slots))
+        for r, prompt in enumerate(prompts):
+            alone = Rows(model, 1, cap, batched=True)
+            alone.prefill([prompt])
+            got, want = [], []
+            for event in history[r]:
+                if event[0] == "rewind":
+                    alone.rewind([event[1]])
+                    continue
+                got.append(event[2])
+                want.append(alone.forward(torch.tensor([[event[1]]]))[:, -1])
+            assert got, f"row {r} never stepped"
+            torch.testing.assert_close(torch.cat(got), torch.cat(want), rtol=tol, atol=tol,
+                                       msg=lambda m: f"row {r} against the row alone: {m}")

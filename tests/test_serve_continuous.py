@@ -198,6 +198,16 @@ def test_rows_taken_apart_and_joined_decode_as_before():
             torch.testing.assert_close(row, alone, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind,batched", [("full", True), ("full", False), ("performer", True), ("sinkhorn", True),
+                                          ("nsa", True)])
+def test_rows_in_slots_step_as_ranges_and_decode_as_alone(kind, batched):
+    """Slots (continuous batching's cache: ranges stepped in place, rows joining, swapping places and leaving by
+    single-row copies) keep each row's own history, for every backend (and row by row)."""
+    from rows_check import check_slots  # tests/rows_check.py
+
+    check_slots(lm(0, 2, kind), batched=batched)
+
+
 # ---------------------------------------------------------------------------------------------- containment
 def test_a_failing_row_fails_alone_and_the_others_keep_their_tokens(monkeypatch):
     """Three culprits share the running batches with valid rows: a seed the generator refuses (422, at its
@@ -208,11 +218,14 @@ def test_a_failing_row_fails_alone_and_the_others_keep_their_tokens(monkeypatch)
     target, draft = lm(0), lm(1, 1)
     culprits: dict[str, Job] = {}
 
+    stepping: list[Job] = []
+
     def hook(kind, jobs):
+        stepping[:] = jobs
         if any(j.tag[0] == "hook" for j in jobs):
             raise RuntimeError("injected fault")
 
-    real_draw, real_verify = continuous.draw, continuous.verify
+    real_draw, real_correction = continuous.draw, continuous.correction
 
     def faulty_draw(probs, gens):
         late = culprits.get("draw")
@@ -220,14 +233,14 @@ def test_a_failing_row_fails_alone_and_the_others_keep_their_tokens(monkeypatch)
             raise RuntimeError("late fault in base decoding")
         return real_draw(probs, gens)
 
-    def faulty_verify(p, q, drafted, ratios, generator):
+    def faulty_correction(p, q, n, full):  # after both models' passes, before the tokens are read
         late = culprits.get("verify")
-        if late is not None and generator is late.generator and late.steps == 2:
+        if late is not None and late in stepping and late.steps == 2:
             raise RuntimeError("late fault in speculative decoding")
-        return real_verify(p, q, drafted, ratios, generator)
+        return real_correction(p, q, n, full)
 
     monkeypatch.setattr(continuous, "draw", faulty_draw)
-    monkeypatch.setattr(continuous, "verify", faulty_verify)
+    monkeypatch.setattr(continuous, "correction", faulty_correction)
     scheduler = Scheduler(target, draft, hook=hook)
     valid = [p for p in MIXED if p[0] <= 5]
     bad = [(1, [4, 4], 9, HOT, 2**64, None, "seed"), (2, [4, 5], 9, HOT, 1, 3, "hook"),
@@ -247,7 +260,7 @@ def test_a_failing_row_fails_alone_and_the_others_keep_their_tokens(monkeypatch)
     assert by_name["draw"].failure.status == 500 and by_name["draw"].steps == 3
     assert by_name["verify"].failure.status == 500 and by_name["verify"].steps == 2
     monkeypatch.setattr(continuous, "draw", real_draw)
-    monkeypatch.setattr(continuous, "verify", real_verify)
+    monkeypatch.setattr(continuous, "correction", real_correction)
     assert_alone(target, draft, [j for j in jobs if len(j.tag) != 1])
 
 

@@ -193,6 +193,174 @@ class Rows:
         return logits[torch.arange(len(rows), device=device), last]
 
 
+def _tensor_names(layer) -> list[str]:
+    return [name for name, value in vars(layer).items() if isinstance(value, torch.Tensor)]
+
+
+class Slots:
+    """A running batch's rows in preallocated slots of one model's cache, for continuous batching.
+
+    Rows live in slots ``0 .. len - 1``. :meth:`rows` gives a contiguous range of them as a :class:`Rows` whose
+    caches are views of the slots (a forward pass over a range writes the slots in place: no copy of the batch);
+    rows join with :meth:`put` (one row's cache copied into a slot) and leave or change places with :meth:`copy`
+    (one row copied onto another): no step copies every row's cache, as :meth:`Rows.select` / ``concat`` do. The
+    slots grow (doubling) when more rows join than they hold. Models whose caches cannot be split
+    (:func:`splittable`) keep one batch-1 cache per row instead, and a range runs its rows one after another.
+    """
+
+    def __init__(self, model, capacity: int, rows: int = 4, batched: bool | None = None):
+        self.model, self.capacity = model, int(capacity)
+        self.batched = splittable(model) if batched is None else bool(batched)
+        self.n = 0
+        if self.batched:
+            self._cache = model.new_cache(max(int(rows), 1), self.capacity)
+            self._names = [_tensor_names(layer) for layer in self._cache.layers]
+        else:
+            self._caches: list = []
+
+    def __len__(self) -> int:
+        return self.n
+
+    @property
+    def slots(self) -> int:
+        return len(self._cache.layers[0].lengths) if self.batched else len(self._caches)
+
+    def _reserve(self, rows: int) -> None:
+        if not self.batched or rows <= self.slots:
+            return
+        old, n = self._cache, self.n
+        self._cache = self.model.new_cache(max(rows, 2 * self.slots), self.capacity)
+        for mine, theirs, names in zip(self._cache.layers, old.layers, self._names):
+            for name in names:
+                getattr(mine, name)[:n].copy_(getattr(theirs, name)[:n])
+            mine.lengths[:n] = theirs.lengths[:n]
+
+    def _extend(self, slot: int) -> None:
+        """Check ``slot`` (a row, or one past the last: then add it)."""
+        if not 0 <= slot <= self.n:
+            raise IndexError(f"slot {slot} of {self.n} rows")
+        if slot == self.n:
+            self._reserve(self.n + 1)
+            self.n += 1
+            if not self.batched:
+                self._caches.append(None)
+
+    def rows(self, start: int, stop: int) -> Rows:
+        """Rows ``start .. stop - 1`` as a :class:`Rows` over the slots themselves."""
+        if not 0 <= start <= stop <= self.n:
+            raise IndexError(f"rows {start}..{stop} of {self.n}")
+        if not self.batched:
+            return Rows._of(self.model, False, self._caches[start:stop])
+        return _SlotRows(self, start, stop)
+
+    def put(self, source: Rows, index: int, slot: int) -> None:
+        """Copy row ``index`` of ``source`` (prefilled apart, same model and capacity) into ``slot`` (at most one past
+        the last row: the slots grow by one)."""
+        if source.batched != self.batched:
+            raise ValueError("a row-by-row state cannot join batched slots (or the other way round)")
+        self._extend(slot)
+        if not self.batched:
+            self._caches[slot] = source.caches[index]
+            return
+        for mine, theirs, names in zip(self._cache.layers, source.caches[0].layers, self._names):
+            for name in names:
+                getattr(mine, name)[slot].copy_(getattr(theirs, name)[index])
+            mine.lengths[slot] = theirs.lengths[index]
+
+    def copy(self, source: int, slot: int) -> None:
+        """Row ``source``'s cache onto ``slot`` (a row, overwritten, or one past the last: the slots grow by one)."""
+        if not 0 <= source < self.n:
+            raise IndexError(f"row {source} of {self.n}")
+        if source == slot:
+            return
+        self._extend(slot)
+        if not self.batched:
+            self._caches[slot] = self._caches[source]
+            return
+        for layer, names in zip(self._cache.layers, self._names):
+            for name in names:
+                t = getattr(layer, name)
+                t[slot].copy_(t[source])
+            layer.lengths[slot] = layer.lengths[source]
+
+    def swap(self, a: int, b: int) -> None:
+        if a == b:
+            return
+        if not self.batched:
+            self._caches[a], self._caches[b] = self._caches[b], self._caches[a]
+            return
+        for layer, names in zip(self._cache.layers, self._names):
+            for name in names:
+                t = getattr(layer, name)
+                held = t[a].clone()
+                t[a].copy_(t[b])
+                t[b].copy_(held)
+            layer.lengths[a], layer.lengths[b] = layer.lengths[b], layer.lengths[a]
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` rows (the others' slots become free)."""
+        if not 0 <= n <= self.n:
+            raise IndexError(f"cannot keep {n} of {self.n} rows")
+        self.n = n
+        if not self.batched:
+            del self._caches[n:]
+
+
+class _SlotRows(Rows):
+    """A range of :class:`Slots` as :class:`Rows`: its layer caches hold views of the slots' tensors and a copy of
+    their row lengths; after every call the lengths, and any tensor a cache replaced instead of writing in place,
+    go back to the slots."""
+
+    def __init__(self, slots: Slots, start: int, stop: int):
+        layers, self._made = [], []
+        for layer, names in zip(slots._cache.layers, slots._names):
+            view = copy.copy(layer)
+            made = {name: getattr(layer, name)[start:stop] for name in names}
+            for name, value in made.items():
+                setattr(view, name, value)
+            view.lengths = layer.lengths[start:stop]
+            layers.append(view)
+            self._made.append(made)
+        self.model, self.batched, self.caches, self.forward_calls = slots.model, True, [ModelCache(layers)], 0
+        self._parents, self._start, self._stop = slots._cache.layers, start, stop
+
+    def _sync(self) -> None:
+        for parent, view, made in zip(self._parents, self.caches[0].layers, self._made):
+            parent.lengths[self._start:self._stop] = view.lengths
+            for name, mine in made.items():
+                now = getattr(view, name)
+                if now is not mine:  # the cache replaced it (e.g. a rebuilt index): write it into the slots
+                    mine.copy_(now)
+                    setattr(view, name, mine)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        try:
+            return super().forward(tokens)
+        finally:
+            self._sync()
+
+    def rewind(self, counts: Sequence[int]) -> None:
+        try:
+            super().rewind(counts)
+        finally:
+            self._sync()
+
+    def restore(self, snapshot: list[list]) -> None:
+        try:
+            super().restore(snapshot)
+        finally:
+            self._sync()
+
+    def prefill(self, rows: list[list[int]]) -> torch.Tensor:
+        try:
+            return super().prefill(rows)
+        finally:
+            self._sync()
+
+    def select(self, index: Sequence[int]) -> Rows:
+        raise TypeError("take rows of Slots with Slots.rows, not select")
+
+
 def generators(seed: int | Sequence[int | None] | None, n: int, device: torch.device) -> list[torch.Generator | None]:
     """Row r draws from its own generator, seeded ``seed + r`` (or ``seed[r]`` when a seed is given per
     row; None = the global RNG): a row's tokens do not depend on what else is in the batch."""

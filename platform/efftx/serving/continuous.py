@@ -22,24 +22,26 @@ loop) that repeats rounds: admit the requests that may start, then run one decod
   step costs several times a 1-row step, while up to a few rows cost about one), so a short request stepped with
   every running row would take several times its unloaded latency. Requests declare ``max_new_tokens``: those
   asking for at most ``short_tokens`` are *short*. Each batch keeps its rows in two lanes, stepped as separate
-  passes, each holding its rows' caches. The **fast lane** (``fast_rows`` rows in all) steps every round: short
-  rows, and long ones in the room left. The **slow lane** holds the other long rows: it steps every round while
-  no short row runs, and otherwise once every ``long_every`` rounds, when long arrivals that found no fast row
+  passes. The **fast lane** (``fast_rows`` rows in all) steps every round: short rows, and long ones in the room
+  left. The **slow lane** holds the other long rows: it steps every round while no short row runs, and otherwise
+  once every ``long_every`` rounds (with the fast lane, in one pass), when long arrivals that found no fast row
   are also prefilled; so a short request's rounds are mostly one small step, and a long request is at most about
   ``long_every`` times slower while short ones run (it cannot starve). A short arrival takes a free fast row, or
-  the one of the fast long row with the most tokens left (that row moves to the slow lane: its cache rows are
-  copied, its tokens unchanged), or else waits in the queue, fewest tokens first. A queued request that waited
-  ``max_wait_rounds`` rounds goes ahead of every other. ``short_tokens=0`` turns priority off: both lanes step
-  every round and the queue is served in arrival order. A row's tokens (and acceptance) do not depend on when or
-  in which lane it is stepped: priority changes a request's latency, never its output.
+  the one of the fast long row with the most tokens left (that row moves to the slow lane: its cache rows swap
+  places with another row's, its tokens unchanged), or else waits in the queue, fewest tokens first. A queued
+  request that waited ``max_wait_rounds`` rounds goes ahead of every other. ``short_tokens=0`` turns priority
+  off: both lanes step every round and the queue is served in arrival order. A row's tokens (and acceptance) do
+  not depend on when or in which lane it is stepped: priority changes a request's latency, never its output.
 * **Streams** are rows like any other: their ``on_step`` callback receives each step's tokens as they are
   produced.
-* **Caches.** Backends with ragged, splittable caches (full attention, Performer:
-  :func:`~efftx.generation.decode.splittable`) run each step as one batched forward pass; their rows are taken
-  apart and joined with :meth:`~efftx.generation.decode.Rows.select` / ``concat``. Backends whose caches are
-  not ragged (Sinkhorn, NSA) fall back to **row by row**: each row keeps its own batch-1 cache and a step runs
-  the rows one after another; rows still join and leave at every step, so a short request is not held up by a
-  long one, but there is no batched pass.
+* **Caches.** A running batch keeps its rows in preallocated slots of each model's cache
+  (:class:`~efftx.generation.decode.Slots`), the fast lane's rows first: a step runs a lane, or all rows when both
+  lanes step in the same round, as one batched forward pass over a range of the slots, written in place; a row
+  joins by one copy of its prefilled cache rows into a slot, and a leaving row's slot is filled by the last row of
+  its lane (and the fast lane's last slot by the last slow row): a few rows' copies, never the whole batch's caches.
+  Every backend's cache is ragged and splittable (:func:`~efftx.generation.decode.splittable`); a model whose cache
+  is not falls back to **row by row**: each row keeps its own batch-1 cache and a step runs the rows one after
+  another; rows still join and leave at every step, so a short request is not held up by a long one.
 * **Containment.** If a batched step (or a prefill) raises, the caches are rewound to where they were and every
   generator restored, then the step is run for each row alone: only the row at fault fails (a
   :class:`~efftx.serving.isolation.RowFailure`: 422 for a ``ValueError``, else 500), the others go on with
@@ -58,9 +60,10 @@ from typing import Any
 
 import torch
 
-from efftx.generation.decode import Rows, splittable
+from efftx.generation.decode import Rows, Slots, splittable
 from efftx.generation.sampling import draw, is_greedy, probabilities
-from efftx.generation.speculative import SpecStats, verify
+from efftx.generation.speculative import (SpecStats, accepted_counts, correction, race, race_noise,
+                                          row_uniforms)
 from efftx.serving.isolation import RowFailure, row_failure
 
 logger = logging.getLogger("ray.serve")
@@ -215,25 +218,12 @@ def _set_gen_states(jobs: Sequence[Job], states: list) -> None:
 
 
 class _State:
-    """The rows of a running batch: per model a :class:`Rows`, each row's last token (base: the token to feed
-    next; speculative: the pending token) and its job."""
+    """Rows being prefilled or stepped: per model a :class:`Rows` (a range of the engine's :class:`Slots`, or rows
+    prefilled apart), each row's last token (base: the token to feed next; speculative: the pending token) and its
+    job; ``start``: the slot of its first row (None: not in the slots yet)."""
 
-    def __init__(self, rows: list[Rows], last: torch.Tensor, jobs: list[Job]):
-        self.rows, self.last, self.jobs = rows, last, jobs
-
-    def select(self, index: list[int]) -> "_State":
-        if index == list(range(len(self.jobs))):
-            return self
-        rows = torch.tensor(index, dtype=torch.long, device=self.last.device)
-        return _State([r.select(index) for r in self.rows], self.last.index_select(0, rows),
-                      [self.jobs[i] for i in index])
-
-    @staticmethod
-    def concat(states: list["_State"]) -> "_State":
-        if len(states) == 1:
-            return states[0]
-        return _State([Rows.concat([s.rows[m] for s in states]) for m in range(len(states[0].rows))],
-                      torch.cat([s.last for s in states]), [j for s in states for j in s.jobs])
+    def __init__(self, rows: list[Rows], last: torch.Tensor, jobs: list[Job], start: int | None = None):
+        self.rows, self.last, self.jobs, self.start = rows, last, jobs, start
 
     def snapshot(self) -> list:
         return [r.snapshot() for r in self.rows]
@@ -245,53 +235,117 @@ class _State:
 
 # ---------------------------------------------------------------------------------------------- engines
 class _Engine:
-    """One running batch, in two lanes stepped as separate passes: ``fast`` (stepped every round: the short requests
-    and, in the room left, long ones) and ``slow`` (long requests the scheduler steps less often while short ones
-    run); each lane holds its rows' caches. Subclasses define
-    ``prefill(jobs) -> (state, result)``, ``compute(state) -> result`` (the step's forward passes, cache rewinds and
-    draws: all that can fail) and ``commit(state, result, batch)`` (host bookkeeping: tokens to the jobs; returns
-    which rows finished)."""
+    """One running batch: its rows in :class:`~efftx.generation.decode.Slots` (one per model), in two lanes: slots
+    ``0 .. fast - 1`` the ``fast`` lane (stepped every round: the short requests and, in the room left, long ones),
+    the rest the ``slow`` lane (long requests the scheduler steps less often while short ones run). A step runs one
+    lane, or ``all`` rows, as one batched pass over a range of the slots (no cache is copied); a row joins by a
+    copy of its prefilled cache into a slot, and leaves by the last row of its lane (and, for the fast lane, the
+    last slow row) moving into its slot: a few rows' copies, never the whole batch. Subclasses define ``models``,
+    ``prefill(jobs) -> (state, result)``, ``compute(state) -> result`` (the step's forward passes, cache rewinds
+    and draws: all that can fail) and ``commit(state, result, batch)`` (host bookkeeping: tokens to the jobs)."""
 
     kind = "?"
     LANES = ("fast", "slow")
 
-    def __init__(self, hook: Callable[[str, list[Job]], None] | None):
+    def __init__(self, hook: Callable[[str, list[Job]], None] | None, models: list, batched: bool):
         self.hook = hook
-        self.lanes: dict[str, _State | None] = {"fast": None, "slow": None}
+        self.batched = batched
+        self.slots = [Slots(m, m.max_seq_len, batched=batched) for m in models]
+        self.device = _device(models[0])
+        self.order: list[Job] = []  # the job of each slot
+        self.last: list[int] = []  # each slot's last token
+        self.fast = 0  # slots 0 .. fast - 1: the fast lane; the rest: the slow lane
 
     def __len__(self) -> int:
-        return sum(len(s.jobs) for s in self.lanes.values() if s is not None)
+        return len(self.order)
+
+    def _bounds(self, lane: str) -> tuple[int, int]:
+        if lane == "fast":
+            return 0, self.fast
+        if lane == "slow":
+            return self.fast, len(self.order)
+        if lane == "all":
+            return 0, len(self.order)
+        raise ValueError(f"no lane {lane!r}")
 
     def rows(self, lane: str) -> int:
-        state = self.lanes[lane]
-        return 0 if state is None else len(state.jobs)
+        a, b = self._bounds(lane)
+        return b - a
 
     def jobs(self, lane: str | None = None) -> list[Job]:
-        lanes = self.LANES if lane is None else (lane,)
-        return [j for name in lanes if self.lanes[name] is not None for j in self.lanes[name].jobs]
+        a, b = self._bounds(lane or "all")
+        return self.order[a:b]
 
     def _hook(self, jobs: list[Job]) -> None:
         if self.hook is not None:
             self.hook(self.kind, jobs)
 
-    def _merge(self, parts: list[tuple[_State, Any]], batch: int, lane: str) -> None:
-        kept = [] if self.lanes[lane] is None else [self.lanes[lane]]
-        for state, result in parts:
-            finished = self.commit(state, result, batch)
-            keep = [i for i, f in enumerate(finished) if not f]
-            if keep:
-                kept.append(state.select(keep))
-        self.lanes[lane] = _State.concat(kept) if kept else None
+    def _view(self, a: int, b: int) -> _State:
+        return _State([s.rows(a, b) for s in self.slots], torch.tensor(self.last[a:b], device=self.device),
+                      self.order[a:b], a)
 
+    # -- slot surgery (every model's slots, the jobs and last tokens alike)
+    def _copy(self, source: int, slot: int) -> None:
+        if source == slot:
+            return
+        for s in self.slots:
+            s.copy(source, slot)
+        if slot == len(self.order):
+            self.order.append(self.order[source])
+            self.last.append(self.last[source])
+        else:
+            self.order[slot], self.last[slot] = self.order[source], self.last[source]
+
+    def _swap(self, a: int, b: int) -> None:
+        for s in self.slots:
+            s.swap(a, b)
+        self.order[a], self.order[b] = self.order[b], self.order[a]
+        self.last[a], self.last[b] = self.last[b], self.last[a]
+
+    def _insert(self, state: _State, lane: str) -> None:
+        """The rows of a prefilled ``state`` whose jobs are not done join ``lane``."""
+        lasts = state.last.tolist()
+        for i, job in enumerate(state.jobs):
+            if job.done:
+                continue
+            n = len(self.order)
+            slot = n
+            if lane == "fast":
+                self._copy(self.fast, n)  # the first slow row (if any) moves to a new last slot
+                slot = self.fast
+                self.fast += 1
+            for s, rows in zip(self.slots, state.rows):
+                s.put(rows, i, slot)
+            if slot == len(self.order):
+                self.order.append(job)
+                self.last.append(lasts[i])
+            else:
+                self.order[slot], self.last[slot] = job, lasts[i]
+
+    def _leave(self) -> None:
+        """Rows whose jobs are done leave (the highest slot first, so that only kept rows fill the holes)."""
+        for i in reversed([i for i, job in enumerate(self.order) if job.done]):
+            last = len(self.order) - 1
+            if i < self.fast:
+                self._copy(self.fast - 1, i)
+                self._copy(last, self.fast - 1)
+                self.fast -= 1
+            else:
+                self._copy(last, i)
+            del self.order[last], self.last[last]
+            for s in self.slots:
+                s.truncate(last)
+
+    # -- what the scheduler calls
     def move(self, job: Job, lane: str) -> None:
-        """Move ``job``'s row to ``lane`` (its cache rows copied; its tokens are unchanged)."""
-        source = "slow" if lane == "fast" else "fast"
-        state = self.lanes[source]
-        i = state.jobs.index(job)
-        rest = [k for k in range(len(state.jobs)) if k != i]
-        row = state.select([i])
-        self.lanes[source] = state.select(rest) if rest else None
-        self.lanes[lane] = row if self.lanes[lane] is None else _State.concat([self.lanes[lane], row])
+        """Move ``job``'s row to ``lane`` (its cache rows swapped with a row at the lanes' border; tokens unchanged)."""
+        i = self.order.index(job)
+        if lane == "slow" and i < self.fast:
+            self._swap(i, self.fast - 1)
+            self.fast -= 1
+        elif lane == "fast" and i >= self.fast:
+            self._swap(i, self.fast)
+            self.fast += 1
 
     def admit(self, jobs: list[Job], lane: str = "fast") -> None:
         """Prefill ``jobs`` and add them to a lane (a failing prefill is retried job by job)."""
@@ -300,27 +354,25 @@ class _Engine:
             parts = [self.prefill(jobs)]
         except Exception as exc:  # noqa: BLE001 - contained below
             parts = self._alone(jobs, exc)
-        self._merge(parts, batch, lane)
+        for state, result in parts:
+            self.commit(state, result, batch)
+            self._insert(state, lane)
 
     def drop_cancelled(self) -> None:
         """Cancelled rows leave (whichever lane they are in)."""
-        for lane, state in self.lanes.items():
-            if state is None:
-                continue
-            cancelled = [i for i, j in enumerate(state.jobs) if j.cancelled]
-            if cancelled:
-                for i in cancelled:
-                    state.jobs[i]._finish()
-                keep = [i for i, j in enumerate(state.jobs) if not j.cancelled]
-                self.lanes[lane] = state.select(keep) if keep else None
+        for job in self.order:
+            if job.cancelled:
+                job._finish()
+        self._leave()
 
     def step(self, lane: str = "fast") -> None:
-        """One decoding step of every row of ``lane``; finished rows leave."""
+        """One decoding step of every row of ``lane`` (``fast``, ``slow`` or ``all``) in one batched pass; finished
+        rows leave."""
         self.drop_cancelled()
-        state = self.lanes[lane]
-        if state is None:
+        a, b = self._bounds(lane)
+        if a == b:
             return
-        batch = len(state.jobs)
+        state = self._view(a, b)
         snapshot, gens = state.snapshot(), _gen_states(state.jobs)
         try:
             parts = [(state, self.compute(state))]
@@ -328,8 +380,10 @@ class _Engine:
             state.restore(snapshot)
             _set_gen_states(state.jobs, gens)
             parts = self._alone(state.jobs, exc, state)
-        self.lanes[lane] = None
-        self._merge(parts, batch, lane)
+        for part, result in parts:
+            self.commit(part, result, b - a)
+            self.last[part.start:part.start + len(part.jobs)] = part.last.tolist()
+        self._leave()
 
     def _alone(self, jobs: list[Job], exc: Exception, state: _State | None = None) -> list[tuple[_State, Any]]:
         """A batched prefill (``state`` None) or step raised: run it for each row alone; a row that fails alone
@@ -346,7 +400,7 @@ class _Engine:
                 if state is None:
                     parts.append(self.prefill([job]))
                 else:
-                    sub = state.select([i])
+                    sub = self._view(state.start + i, state.start + i + 1)
                     parts.append((sub, self.compute(sub)))
             except Exception as own:  # noqa: BLE001 - this row's own failure
                 job._fail(own, what)
@@ -355,7 +409,9 @@ class _Engine:
     def fail_all(self, exc: BaseException) -> None:
         for job in self.jobs():
             job._fail(exc, f"{self.kind} decoding")
-        self.lanes = {"fast": None, "slow": None}
+        self.order, self.last, self.fast = [], [], 0
+        for s in self.slots:
+            s.truncate(0)
 
     # subclasses
     def prefill(self, jobs: list[Job]) -> tuple[_State, Any]:
@@ -378,9 +434,8 @@ class BaseEngine(_Engine):
     kind = "base"
 
     def __init__(self, model, hook=None):
-        super().__init__(hook)
+        super().__init__(hook, [model], splittable(model))
         self.model = model
-        self.batched = splittable(model)
 
     def _capacity(self, job: Job) -> int:
         return self.model.max_seq_len if self.batched else len(job.prompt) + job.max_new
@@ -421,11 +476,10 @@ class SpeculativeEngine(_Engine):
     kind = "speculative"
 
     def __init__(self, target, draft, gamma: int, hook=None):
-        super().__init__(hook)
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
+        super().__init__(hook, [target, draft], splittable(target) and splittable(draft))
         self.target, self.draft, self.gamma = target, draft, gamma
-        self.batched = splittable(target) and splittable(draft)
 
     def prefill(self, jobs):
         self._hook(jobs)
@@ -457,26 +511,33 @@ class SpeculativeEngine(_Engine):
         t_rows, d_rows = state.rows
         gamma, jobs = self.gamma, state.jobs
         samplings, gens = [j.sampling for j in jobs], [j.generator for j in jobs]
-        pending = state.last
+        pending, device, vocab = state.last, state.last.device, self.target.vocab_size
+        # every random number of the step first, each row's in the order it draws them alone
+        # (speculative.iter_speculative_rows): one race per drafted token, the acceptance uniforms, the last race
+        noises = [race_noise(gens, vocab, device=device) for _ in range(gamma)]
+        u = row_uniforms(gens, [gamma] * len(jobs), gamma, device)
+        last_noise = race_noise(gens, vocab, device=device)
         tokens, q = [], []
         token = pending
-        for _ in range(gamma):
+        for i in range(gamma):
             dist = row_probabilities(d_rows.forward(token[:, None])[:, -1], samplings)  # (B, V)
-            token = draw(dist, gens)
+            token = race(dist, noises[i])
             tokens.append(token)
             q.append(dist)
         drafted, q = torch.stack(tokens, 1), torch.stack(q, 1)  # (B, gamma), (B, gamma, V)
         p = row_probabilities(t_rows.forward(torch.cat([pending[:, None], drafted], 1)), samplings)
+        # every row's acceptance at once: x_i accepted while u_i < p_i(x_i) / q_i(x_i), then its last token
+        # (residual or bonus) by its race; the host reads one (B, gamma + 2) tensor
         picked = drafted[..., None]
-        ratios = (p[:, :gamma].gather(-1, picked) / q.gather(-1, picked).clamp_min(1e-30))[..., 0].tolist()
-        drafted_list = drafted.tolist()
+        ratio = (p[:, :gamma].gather(-1, picked) / q.gather(-1, picked).clamp_min(1e-30))[..., 0]
+        n = accepted_counts(u < ratio)
+        last = race(correction(p, q, n, n == gamma), last_noise)
         emitted, accepted, keep = [], [], []
-        for r, job in enumerate(jobs):
-            out, n = verify(p[r], q[r], drafted_list[r], ratios[r], gens[r])
-            out = out[: job.max_new - len(job.out)]
+        for job, (n_r, last_r, *drafts) in zip(jobs, torch.cat([n[:, None], last[:, None], drafted], 1).tolist()):
+            out = (drafts[:n_r] + [last_r])[: job.max_new - len(job.out)]
             emitted.append(out)
-            accepted.append(n)
-            keep.append(min(n, len(out) - 1))  # tokens the caches keep after pending (fewer when cut)
+            accepted.append(n_r)
+            keep.append(min(n_r, len(out) - 1))  # tokens the caches keep after pending (fewer when cut)
         t_rows.rewind([gamma - k for k in keep])  # the target saw pending + gamma drafted tokens
         held = gamma  # the draft saw pending + gamma - 1 drafted; a row that keeps all needs the last one too
         if gamma in keep:
@@ -682,9 +743,10 @@ class Scheduler:
                 if jobs:
                     self._guarded(engine, engine.admit, jobs, lane, jobs=jobs)
         engines = [e for e in self._engines() if len(e)]
-        # the slow lanes step when due, or when no short row runs after all (e.g. the short arrivals failed)
+        # the slow lanes step when due, or when no short row runs after all (e.g. the short arrivals failed): then
+        # with the fast lane, in one pass of all the rows
         if long_due or not any(self.short(j) for e in engines for j in e.jobs()):
-            lanes = ("fast", "slow")
+            lanes = ("all",)
             self._long_round = self.rounds
         else:
             lanes = ("fast",)
