@@ -58,8 +58,9 @@ def check_slots(model, cap: int = 40, batched: bool = True, tol: float = 1e-4) -
     """Rows prefilled in two batches join :class:`~efftx.generation.decode.Slots` (two slots to begin with, so they
     grow twice), then, as continuous batching does: ranges of the slots step as one batched pass each (a middle
     range, all rows), rows change places (``swap``), a row leaves (the last row ``copy``-ed onto its slot, then
-    ``truncate``), a range is rewound per row, a new row joins, and all rows step again. Every row's logits, step by
-    step, must be those it gets decoding alone (batch 1) with the same tokens and rewinds."""
+    ``truncate``), a range is rewound per row, the slots shrink once rows left, a new row joins, and all rows step
+    again. Every row's logits, step by step, must be those it gets decoding alone (batch 1) with the same tokens and
+    rewinds."""
     from efftx.generation.decode import Slots
 
     g = torch.Generator().manual_seed(5)
@@ -100,6 +101,16 @@ def check_slots(model, cap: int = 40, batched: bool = True, tol: float = 1e-4) -
         for i, n in enumerate(counts):
             if n:
                 history[where[i]].append(("rewind", n))
+        if batched:  # 4 rows of 8 slots: nothing to give back; of 2 rows, half the slots go
+            slots.shrink()
+            assert slots.slots == 8
+            step(0, 4)
+            slots.copy(3, 0)  # two more rows leave: the one in slot 0 (the last row takes it), then the last
+            where[0] = where.pop()
+            where.pop()
+            slots.truncate(2)
+            slots.shrink()
+            assert slots.slots == 4 and len(slots) == 2
         join([5])
         for _ in range(3):
             step(0, len(slots))

@@ -208,6 +208,21 @@ def test_rows_in_slots_step_as_ranges_and_decode_as_alone(kind, batched):
     check_slots(lm(0, 2, kind), batched=batched)
 
 
+def test_the_slots_grow_for_a_burst_and_give_memory_back_when_it_is_gone():
+    target, draft = lm(0), lm(1, 1)
+    scheduler = Scheduler(target, draft, max_rows=16, short_tokens=0)
+    plan = [(0, [i + 1, 7], 3 + i, HOT, 40 + i, None) for i in range(12)]
+    jobs = [scheduler.submit(Job(p[1], p[2], p[3], p[4], p[5], tag=p)) for p in plan]
+    slots = scheduler.base.slots[0]
+    least = slots.slots
+    with torch.no_grad():
+        scheduler.run_once()
+        assert len(slots) == 12 and slots.slots >= 12
+        scheduler.drain()
+    assert len(slots) == 0 and slots.slots == least
+    assert_alone(target, draft, jobs)
+
+
 # ---------------------------------------------------------------------------------------------- containment
 def test_a_failing_row_fails_alone_and_the_others_keep_their_tokens(monkeypatch):
     """Three culprits share the running batches with valid rows: a seed the generator refuses (422, at its

@@ -204,7 +204,7 @@ class Slots:
     caches are views of the slots (a forward pass over a range writes the slots in place: no copy of the batch);
     rows join with :meth:`put` (one row's cache copied into a slot) and leave or change places with :meth:`copy`
     (one row copied onto another): no step copies every row's cache, as :meth:`Rows.select` / ``concat`` do. The
-    slots grow (doubling) when more rows join than they hold. Models whose caches cannot be split
+    slots grow (doubling) when more rows join than they hold, and :meth:`shrink` gives memory back. Models whose caches cannot be split
     (:func:`splittable`) keep one batch-1 cache per row instead, and a range runs its rows one after another.
     """
 
@@ -213,7 +213,8 @@ class Slots:
         self.batched = splittable(model) if batched is None else bool(batched)
         self.n = 0
         if self.batched:
-            self._cache = model.new_cache(max(int(rows), 1), self.capacity)
+            self._least = max(int(rows), 1)
+            self._cache = model.new_cache(self._least, self.capacity)
             self._names = [_tensor_names(layer) for layer in self._cache.layers]
         else:
             self._caches: list = []
@@ -226,10 +227,18 @@ class Slots:
         return len(self._cache.layers[0].lengths) if self.batched else len(self._caches)
 
     def _reserve(self, rows: int) -> None:
-        if not self.batched or rows <= self.slots:
-            return
+        if self.batched and rows > self.slots:
+            self._reallocate(max(rows, 2 * self.slots))
+
+    def shrink(self) -> None:
+        """Give back memory after rows left: when at most a quarter of the slots hold rows, keep twice the rows
+        (at least the first allocation's slots)."""
+        if self.batched and self.slots > self._least and 4 * self.n <= self.slots:
+            self._reallocate(max(self._least, 2 * self.n))
+
+    def _reallocate(self, slots: int) -> None:
         old, n = self._cache, self.n
-        self._cache = self.model.new_cache(max(rows, 2 * self.slots), self.capacity)
+        self._cache = self.model.new_cache(slots, self.capacity)
         for mine, theirs, names in zip(self._cache.layers, old.layers, self._names):
             for name in names:
                 getattr(mine, name)[:n].copy_(getattr(theirs, name)[:n])

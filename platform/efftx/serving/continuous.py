@@ -335,6 +335,8 @@ class _Engine:
             del self.order[last], self.last[last]
             for s in self.slots:
                 s.truncate(last)
+        for s in self.slots:
+            s.shrink()  # after a burst: the slots a quarter full or less give memory back
 
     # -- what the scheduler calls
     def move(self, job: Job, lane: str) -> None:
