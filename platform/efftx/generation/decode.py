@@ -204,8 +204,9 @@ class Slots:
     caches are views of the slots (a forward pass over a range writes the slots in place: no copy of the batch);
     rows join with :meth:`put` (one row's cache copied into a slot) and leave or change places with :meth:`copy`
     (one row copied onto another): no step copies every row's cache, as :meth:`Rows.select` / ``concat`` do. The
-    slots grow (doubling) when more rows join than they hold, and :meth:`shrink` gives memory back. Models whose caches cannot be split
-    (:func:`splittable`) keep one batch-1 cache per row instead, and a range runs its rows one after another.
+    slots grow (doubling) when more rows join than they hold, and :meth:`shrink` gives memory back. Models whose
+    caches cannot be split (:func:`splittable`) keep one batch-1 cache per row instead, and a range runs its rows
+    one after another.
     """
 
     def __init__(self, model, capacity: int, rows: int = 4, batched: bool | None = None):
