@@ -53,6 +53,7 @@ def pair(pairs, kind: str):
 
 
 GREEDY, HOT, NUCLEUS = Sampling(0.0), Sampling(1.0, 20, 1.0), Sampling(0.8, 0, 0.9)
+SHARPEN = 5  # weights scaled up: the tiny models' predictions then depend on their context (see its test)
 
 # (arrival round, prompt, max_new_tokens, sampling, seed, gamma or None for base decoding)
 MIXED = [
@@ -116,6 +117,34 @@ def test_requests_joining_at_different_steps_get_their_solo_output(pairs, kind):
     # rows really shared steps: more than one row in a running batch, and fewer steps than rows decoded alone
     assert max(j.batch_size for j in jobs if j.gamma is None) >= 3
     assert max(j.batch_size for j in jobs if j.gamma == 3) >= 2
+
+
+def test_a_draft_equal_to_the_target_keeps_every_draft_and_feeds_the_last_in_the_next_first_pass():
+    """With the target's own weights as the draft every draft is accepted, so after every step each row lacks its
+    last draft in the draft's cache: the next step's first draft pass feeds it (one pass, no extra one), and the
+    rows still get exactly their solo tokens and acceptance. A wrong draft context would show as rejections."""
+    target, draft = lm(0), lm(0)
+    with torch.no_grad():  # sharper weights: each token's distribution depends on its context, so a wrong context
+        for model in (target, draft):  # in the draft's cache changes its drafts and their acceptance
+            for param in model.parameters():
+                param.mul_(SHARPEN)
+    spec_steps, draft_calls = [0], [0]
+    real_forward = draft.forward
+
+    def counted(*args, **kwargs):
+        draft_calls[0] += 1
+        return real_forward(*args, **kwargs)
+
+    draft.forward = counted
+    scheduler = Scheduler(target, draft, short_tokens=0,
+                          observe=lambda kind, rows: spec_steps.__setitem__(0, spec_steps[0] + (kind != "base")))
+    plan = [(0, [5, 6, 7], 17, GREEDY, 1, 3), (0, [9, 9], 23, HOT, 2, 3), (0, [1, 2, 3, 4], 11, NUCLEUS, 3, 3)]
+    jobs = run_rounds(scheduler, plan)
+    assert draft_calls[0] == 1 + 3 * spec_steps[0]  # the batched prefill, then gamma passes a step
+    draft.forward = real_forward
+    assert_alone(target, draft, jobs)
+    for job in jobs:
+        assert all(n == 3 for n in job.stats.accepted[:-1]), job.stats.accepted
 
 
 def test_rows_leave_at_once_and_stream_their_tokens():
