@@ -38,7 +38,11 @@ CONTRACT = {  # small blocks / buckets, so that the short sequences cross severa
 def lm(seed: int, depth: int = 2, kind: str = "full") -> LM:
     cfg = recipes.get("lm_debug").override({"model.depth": depth, "attention.kind": kind, **CONTRACT.get(kind, {})})
     torch.manual_seed(seed)
-    return build_model(cfg).eval()
+    model = build_model(cfg).eval()
+    with torch.no_grad():  # sharper weights: each token's distribution depends on its context, so a row decoded
+        for param in model.parameters():  # over a wrong cache (another row's, a stale one) gets other tokens
+            param.mul_(SHARPEN)
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -123,11 +127,7 @@ def test_a_draft_equal_to_the_target_keeps_every_draft_and_feeds_the_last_in_the
     """With the target's own weights as the draft every draft is accepted, so after every step each row lacks its
     last draft in the draft's cache: the next step's first draft pass feeds it (one pass, no extra one), and the
     rows still get exactly their solo tokens and acceptance. A wrong draft context would show as rejections."""
-    target, draft = lm(0), lm(0)
-    with torch.no_grad():  # sharper weights: each token's distribution depends on its context, so a wrong context
-        for model in (target, draft):  # in the draft's cache changes its drafts and their acceptance
-            for param in model.parameters():
-                param.mul_(SHARPEN)
+    target, draft = lm(0), lm(0)  # sharpened (lm): a wrong context in the draft's cache changes its drafts
     spec_steps, draft_calls = [0], [0]
     real_forward = draft.forward
 
@@ -224,7 +224,7 @@ def test_rows_taken_apart_and_joined_decode_as_before():
         logits = joined.forward(torch.tensor([[4], [10]]))[:, -1]
         for row, prompt in zip(logits, ([1, 2, 3, 4], [5, 6, 7, 8, 9, 10])):
             alone = model(torch.tensor([prompt]))[0, -1]
-            torch.testing.assert_close(row, alone, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(row, alone, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kind,batched", [("full", True), ("full", False), ("performer", True), ("sinkhorn", True),
