@@ -1,6 +1,6 @@
 """Load on the text app over loopback: continuous batching vs static batching vs unbatched serving.
 
-    python bench/serve_load.py [--clients 16] [--requests 64] [--modes base,speculative]
+    python bench/serve_load.py [--clients 16] [--requests 64] [--modes base,speculative] [--rounds 1]
                                [--target PATH --draft PATH | --size small|debug] [--quick]
 
 Starts a local Ray cluster and Serve on 127.0.0.1 and deploys the text app several ways, one after another, in
@@ -25,7 +25,10 @@ requests/s, p50/p99 latency, p50/p99 latency of the short requests (8..16 new to
 latency over the unloaded latency at its own length (interpolated between the 8- and 16-token medians; p50/p99),
 time to first token (streams, p50/p99), errors, and the load average. Then the goals, each met or not:
 continuous batching serves >= 3x the requests/s of unbatched serving (base and speculative), the short requests'
-p99 latency ratio under load is <= 2x, and no request fails.
+p99 latency ratio under load is <= 2x, and no request fails. ``--rounds N`` measures every configuration N times,
+alternated (round 1: unbatched, ..., continuous; round 2: the same again), prints a row per round and takes each
+goal's median over the rounds (the throughput ratio paired within a round): one run's ratio moves by about 15%
+on this machine.
 """
 
 from __future__ import annotations
@@ -272,10 +275,15 @@ def main() -> None:
     p.add_argument("--unloaded", type=int, default=7, help="short requests sent alone, per configuration and mode")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--quick", action="store_true", help="8 clients, 24 requests, up to 48 new tokens")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure every configuration this many times, the configurations alternated round after round "
+                        "(the goals take the median of the rounds' paired ratios; runs on one machine vary by 15%%)")
     p.add_argument("--json", default=None, help="also write the figures here")
     p.add_argument("--inprocess", action="store_true", help="only the load on the scheduler itself, timed on the "
                                                               "decoding thread's CPU clock (no HTTP, no Ray)")
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.quick:
         args.clients, args.requests, args.max_new, args.unloaded = 8, 24, 48, 3
     modes = [m for m in args.modes.split(",") if m]
@@ -308,23 +316,25 @@ def main() -> None:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     url = f"http://127.0.0.1:{port}"
     limits = Limits(max_new_tokens=256, max_prompt_bytes=512)
-    results: dict[tuple[str, str], dict] = {}
+    runs: dict[tuple[str, str], list[dict]] = {}  # per configuration and mode, one result per round
     try:
-        for name, cfg in configs:
-            serve.run(build(TextAppArgs(**paths, name="load", limits=limits, **cfg)),
-                      name="load", route_prefix="/")
-            for mode in modes:
-                one(url, body_for(0, 16, mode), False, args.timeout)  # warm-up
-                one(url, body_for(1, 16, mode), True, args.timeout)
-                alone = unloaded_short(url, mode, args.unloaded, args.timeout)  # per length: 8, 16
-                r = load(url, mode, args.clients, args.requests, lengths, args.timeout)
-                r["unloaded"] = alone
-                r["unloaded_short"] = max(alone.values())
-                ratios = short_ratios(r.pop("short_list"), alone)
-                r["short_ratio_p50"], r["short_ratio_p99"] = pct(ratios, 0.5) / 1e3, pct(ratios, 0.99) / 1e3
-                results[(name, mode)] = r
-                print(f"  {name:<12} {mode:<12} {r['rps']:6.2f} req/s, errors {r['errors']}", flush=True)
-            serve.delete("load")
+        for rnd in range(args.rounds):
+            for name, cfg in configs:
+                serve.run(build(TextAppArgs(**paths, name="load", limits=limits, **cfg)),
+                          name="load", route_prefix="/")
+                for mode in modes:
+                    one(url, body_for(0, 16, mode), False, args.timeout)  # warm-up
+                    one(url, body_for(1, 16, mode), True, args.timeout)
+                    alone = unloaded_short(url, mode, args.unloaded, args.timeout)  # per length: 8, 16
+                    r = load(url, mode, args.clients, args.requests, lengths, args.timeout)
+                    r["unloaded"] = alone
+                    r["unloaded_short"] = max(alone.values())
+                    ratios = short_ratios(r.pop("short_list"), alone)
+                    r["short_ratio_p50"], r["short_ratio_p99"] = pct(ratios, 0.5) / 1e3, pct(ratios, 0.99) / 1e3
+                    runs.setdefault((name, mode), []).append(r)
+                    print(f"  round {rnd + 1}: {name:<12} {mode:<12} {r['rps']:6.2f} req/s, errors {r['errors']}",
+                          flush=True)
+                serve.delete("load")
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -333,16 +343,20 @@ def main() -> None:
     print(f"{args.clients} clients, {args.requests} requests per row, {args.min_new}..{args.max_new} new tokens "
           f"(mean {statistics.mean(lengths):.0f}; {sum(n <= SHORT for n in lengths)} short <= {SHORT}), every 4th a "
           f"stream; torch {torch.__version__}, {'CUDA' if torch.cuda.is_available() else 'CPU'}")
-    head = (f"{'':<13}{'mode':<12}{'ok':>4}{'err':>5}{'req/s':>8}{'vs unb.':>8}{'tok/s':>8}{'p50 ms':>8}{'p99 ms':>8}"
+    w = 13 if args.rounds == 1 else 18  # the row labels: configuration (and round)
+    head = (f"{'':<{w}}{'mode':<12}{'ok':>4}{'err':>5}{'req/s':>8}{'vs unb.':>8}{'tok/s':>8}{'p50 ms':>8}{'p99 ms':>8}"
             f"{'short p50':>10}{'short p99':>10}{'unl. 8/16':>11}{'x p50':>7}{'x p99':>7}{'ttft p50':>9}{'ttft p99':>9}")
     print(head)
-    for (name, mode), r in results.items():
-        ref = results.get(("unbatched", mode))
-        ratio = r["rps"] / ref["rps"] if ref and ref["rps"] else float("nan")
-        unl = "/".join(f"{v:.0f}" for _, v in sorted(r["unloaded"].items()))
-        print(f"{name:<13}{mode:<12}{r['ok']:>4}{r['errors']:>5}{r['rps']:>8.2f}{ratio:>7.2f}x{r['tokens_s']:>8.0f}"
-              f"{r['p50']:>8.0f}{r['p99']:>8.0f}{r['short_p50']:>10.0f}{r['short_p99']:>10.0f}{unl:>11}"
-              f"{r['short_ratio_p50']:>6.2f}x{r['short_ratio_p99']:>6.2f}x{r['ttft_p50']:>9.0f}{r['ttft_p99']:>9.0f}")
+    for rnd in range(args.rounds):
+        for (name, mode), rs in runs.items():
+            r, ref = rs[rnd], runs.get(("unbatched", mode), [None] * args.rounds)[rnd]
+            ratio = r["rps"] / ref["rps"] if ref and ref["rps"] else float("nan")
+            unl = "/".join(f"{v:.0f}" for _, v in sorted(r["unloaded"].items()))
+            label = name if args.rounds == 1 else f"{name} ({rnd + 1})"
+            print(f"{label:<{w}}{mode:<12}{r['ok']:>4}{r['errors']:>5}{r['rps']:>8.2f}{ratio:>7.2f}x"
+                  f"{r['tokens_s']:>8.0f}{r['p50']:>8.0f}{r['p99']:>8.0f}{r['short_p50']:>10.0f}"
+                  f"{r['short_p99']:>10.0f}{unl:>11}{r['short_ratio_p50']:>6.2f}x{r['short_ratio_p99']:>6.2f}x"
+                  f"{r['ttft_p50']:>9.0f}{r['ttft_p99']:>9.0f}")
     print("(x p50 / x p99: a short request's latency under load over the unloaded latency at its own length, "
           "interpolated between the 8- and 16-token medians; fifo: continuous batching without priority, "
           "short_tokens=0)")
@@ -351,28 +365,43 @@ def main() -> None:
         print(f"in-process decoding step, {mode}, best of 3: " + ", ".join(
             f"{n} rows {ms:.1f} ms ({ms / costs[1]:.2f}x)" for n, ms in sorted(costs.items())))
     print(f"load average: {load_before} before, {' '.join(f'{x:.1f}' for x in os.getloadavg())} after")
-    print("\ngoals (continuous batching):")
+    print("\ngoals (continuous batching" + (f"; the median over {args.rounds} rounds, each round's configurations "
+                                          "measured one after another, the rounds listed" if args.rounds > 1 else "")
+          + "):")
+
+    def rounds_of(values: list[float], fmt: str) -> str:
+        return "" if len(values) == 1 else " [" + ", ".join(format(v, fmt) for v in values) + "]"
+
     for mode in modes:
-        c, u, f = (results.get((n, mode)) for n in ("continuous", "unbatched", "fifo"))
+        c, u, f = (runs.get((n, mode)) for n in ("continuous", "unbatched", "fifo"))
         if c and u:
-            ratio = c["rps"] / u["rps"] if u["rps"] else float("nan")
-            print(f"  [{'met' if ratio >= 3 else 'NOT met'}] {mode}: requests/s >= 3x unbatched: {ratio:.2f}x "
-                  f"({c['rps']:.2f} vs {u['rps']:.2f})" + (f"; without priority (fifo): {f['rps'] / u['rps']:.2f}x"
-                                                          if f else ""))
+            paired = [a["rps"] / b["rps"] if b["rps"] else float("nan") for a, b in zip(c, u)]
+            ratio = statistics.median(paired)
+            fifo = statistics.median(a["rps"] / b["rps"] for a, b in zip(f, u)) if f else None
+            print(f"  [{'met' if ratio >= 3 else 'NOT met'}] {mode}: requests/s >= 3x unbatched: {ratio:.2f}x"
+                  f"{rounds_of(paired, '.2f')} ({statistics.median(a['rps'] for a in c):.2f} vs "
+                  f"{statistics.median(b['rps'] for b in u):.2f})"
+                  + (f"; without priority (fifo): {fifo:.2f}x" if fifo is not None else ""))
         if c:
-            lat = c["short_ratio_p99"]
+            lats = [a["short_ratio_p99"] for a in c]
+            lat = statistics.median(lats)
             costs = floors[mode]
+            errors = sum(a["errors"] for a in c)
             print(f"  [{'met' if lat <= 2 else 'NOT met'}] {mode}: short requests' p99 under load <= 2x unloaded (at "
-                  f"their own lengths): {lat:.2f}x (p99 {c['short_p99']:.0f} ms; unloaded 8/16 tokens "
-                  + "/".join(f"{v:.0f}" for _, v in sorted(c["unloaded"].items())) + " ms)"
-                  + (f"; without priority (fifo): {f['short_ratio_p99']:.2f}x" if f else "")
+                  f"their own lengths): {lat:.2f}x{rounds_of(lats, '.2f')} (unloaded 8/16 tokens "
+                  + "/".join(f"{v:.0f}" for _, v in sorted(c[0]["unloaded"].items())) + " ms)"
+                  + (f"; without priority (fifo): {statistics.median(a['short_ratio_p99'] for a in f):.2f}x"
+                     if f else "")
                   + f"; a step of {args.clients} rows costs {costs[args.clients] / costs[1]:.1f}x one of 1 row")
-            print(f"  [{'met' if c['errors'] == 0 else 'NOT met'}] {mode}: no errors: {c['errors']}")
-            print(f"  [info] {mode}: time to first token p50 {c['ttft_p50']:.0f} ms, p99 {c['ttft_p99']:.0f} ms "
-                  f"(unbatched: p50 {u['ttft_p50']:.0f} ms, p99 {u['ttft_p99']:.0f} ms)" if u else "")
+            print(f"  [{'met' if errors == 0 else 'NOT met'}] {mode}: no errors: {errors}")
+            if u:
+                print(f"  [info] {mode}: time to first token p50 {statistics.median(a['ttft_p50'] for a in c):.0f} ms, "
+                      f"p99 {statistics.median(a['ttft_p99'] for a in c):.0f} ms (unbatched: p50 "
+                      f"{statistics.median(b['ttft_p50'] for b in u):.0f} ms, p99 "
+                      f"{statistics.median(b['ttft_p99'] for b in u):.0f} ms)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({f"{n}/{m}": r for (n, m), r in results.items()}, f, indent=2)
+            json.dump({f"{n}/{m}": rs for (n, m), rs in runs.items()}, f, indent=2)
 
 
 if __name__ == "__main__":
