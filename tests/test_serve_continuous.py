@@ -269,7 +269,7 @@ def test_a_failing_row_fails_alone_and_the_others_keep_their_tokens(monkeypatch)
         if any(j.tag[0] == "hook" for j in jobs):
             raise RuntimeError("injected fault")
 
-    real_draw, real_correction = continuous.draw, continuous.correction
+    real_draw, real_accept = continuous.draw, continuous.accept_sampled
 
     def faulty_draw(probs, gens):
         late = culprits.get("draw")
@@ -277,14 +277,14 @@ def test_a_failing_row_fails_alone_and_the_others_keep_their_tokens(monkeypatch)
             raise RuntimeError("late fault in base decoding")
         return real_draw(probs, gens)
 
-    def faulty_correction(p, q, n, full):  # after both models' passes, before the tokens are read
+    def faulty_accept(p, q, drafted, u, noise, own):  # after both models' passes, before the tokens are read
         late = culprits.get("verify")
         if late is not None and late in stepping and late.steps == 2:
             raise RuntimeError("late fault in speculative decoding")
-        return real_correction(p, q, n, full)
+        return real_accept(p, q, drafted, u, noise, own)
 
     monkeypatch.setattr(continuous, "draw", faulty_draw)
-    monkeypatch.setattr(continuous, "correction", faulty_correction)
+    monkeypatch.setattr(continuous, "accept_sampled", faulty_accept)
     scheduler = Scheduler(target, draft, hook=hook)
     valid = [p for p in MIXED if p[0] <= 5]
     bad = [(1, [4, 4], 9, HOT, 2**64, None, "seed"), (2, [4, 5], 9, HOT, 1, 3, "hook"),
@@ -304,7 +304,7 @@ def test_a_failing_row_fails_alone_and_the_others_keep_their_tokens(monkeypatch)
     assert by_name["draw"].failure.status == 500 and by_name["draw"].steps == 3
     assert by_name["verify"].failure.status == 500 and by_name["verify"].steps == 2
     monkeypatch.setattr(continuous, "draw", real_draw)
-    monkeypatch.setattr(continuous, "correction", real_correction)
+    monkeypatch.setattr(continuous, "accept_sampled", real_accept)
     assert_alone(target, draft, [j for j in jobs if len(j.tag) != 1])
 
 

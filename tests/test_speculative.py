@@ -465,13 +465,14 @@ def test_sample_rows_draws_what_multinomial_draws_with_each_rows_generator():
         assert [int(nxt[b]) for b in (1, 3)] == [int(ref[b]) for b in (1, 3)]
 
 
-def test_verify_of_one_row_is_the_batched_step_of_that_row():
-    """``verify`` (what continuous batching calls per row) makes the same draws and decisions as the batched
-    step: every row of a sampled speculative batch is reproduced by verify on its own distributions."""
+def test_one_row_decoded_by_hand_is_the_batched_step_of_that_row():
+    """One row on its own (drafts drawn with ``sampling.draw``, then its acceptance draws and
+    :func:`accept_sampled`, as continuous batching does for rows that join and leave) makes the same draws and
+    decisions as the batched step: every row of a sampled speculative batch is reproduced that way."""
     target, draft = noisy_pair("full", noise=0.5)
     prompts = [[5, 6, 7], [9, 8, 7, 6, 5, 4, 3], [42], [1, 2]]
     batch, stats = speculative_generate(target, draft, prompts, 20, gamma=3, temperature=1.0, seed=11)
-    for r, prompt in enumerate(prompts):  # one row by hand: draft with sampling.draw, then verify
+    for r, prompt in enumerate(prompts):  # one row by hand: draft with sampling.draw, then accept
         from efftx.generation.decode import Rows, generators
         from efftx.generation.sampling import draw, probabilities
 
@@ -488,11 +489,12 @@ def test_verify_of_one_row_is_the_batched_step_of_that_row():
                 tok = draw(dist, gen)
                 tokens.append(int(tok))
                 q.append(dist[0])
-            p = probabilities(t.forward(torch.tensor([[pending] + tokens])), 1.0)[0]
-            q = torch.stack(q)
-            ratios = [float(p[i, x] / q[i, x].clamp_min(1e-30)) for i, x in enumerate(tokens)]
-            emitted, n = speculative.verify(p, q, tokens, ratios, gen[0])
-            emitted = emitted[: 20 - len(out)]
+            p = probabilities(t.forward(torch.tensor([[pending] + tokens])), 1.0)
+            u = speculative.row_uniforms(gen, [3], 3, p.device)  # then the row's acceptance draws, as it alone
+            noise = speculative.race_noise(gen, p.shape[-1])
+            n, last, *_ = speculative.accept_sampled(p, torch.stack(q)[None], torch.tensor([tokens]), u, noise,
+                                                     torch.tensor([3]))[0].tolist()
+            emitted = (tokens[:n] + [last])[: 20 - len(out)]
             keep = min(n, len(emitted) - 1)
             t.rewind([3 - keep])
             held = 3

@@ -21,18 +21,17 @@ acceptance: one more after a step that accepted all its drafts, one fewer after 
 acceptance rule is exact for any gamma), only how many target passes it takes.
 
 **The batched step** keeps the per-token work on the device: draft tokens are drawn on the device
-(:func:`sample_rows`; greedy decoding takes argmaxes and skips the distributions altogether), every row's
-acceptance comes from one comparison of its uniforms with its ratios p/q (:func:`accepted_counts`), its last
-token (residual or bonus, :func:`correction`) is drawn for all rows at once, and the host reads one small tensor
-per step (accepted counts, last tokens, drafts) to yield the tokens and size the per-row rewinds. Row r's
-randomness comes only from its own generator, in a fixed order per step: one draw per drafted token, ``gamma``
-acceptance uniforms at once, one draw for the last token; :func:`verify` makes the same draws for one row (what
-continuous batching calls), so either way a row gets the tokens it gets decoded alone. Since no draw depends on
-the passes, a step draws all of them first (:func:`race_noise`, :func:`row_uniforms`), and the passes take them as
-tensors. ``compile="on"`` runs the draft steps with their draws (with a fixed gamma all of a step's drafts in one
-graph, :func:`draft_steps`) and the target's verify pass with the acceptance (:func:`verify_step`) compiled over
-preallocated caches with device-side lengths (:mod:`efftx.generation.compiled`), with the eager path as the
-fallback.
+(:func:`sample_rows`; greedy decoding takes argmaxes and skips the distributions altogether), every row's acceptance
+comes from one comparison of its uniforms with its ratios p/q (:func:`accepted_counts`), its last token (residual or
+bonus, :func:`correction`) is drawn for all rows at once, and the host reads one small tensor per step (accepted
+counts, last tokens, drafts) to yield the tokens and size the per-row rewinds. Row r's randomness comes only from
+its own generator, in a fixed order per step: one draw per drafted token, ``gamma`` acceptance uniforms at once, one
+draw for the last token (continuous batching makes the same draws per row, with :func:`accept_sampled`), so a row
+gets the tokens it gets decoded alone, whatever its batch. Since no draw depends on the passes, a step draws all of
+them first (:func:`race_noise`, :func:`row_uniforms`), and the passes take them as tensors. ``compile="on"`` runs
+the draft steps with their draws (with a fixed gamma all of a step's drafts in one graph, :func:`draft_steps`) and
+the target's verify pass with the acceptance (:func:`verify_step`) compiled over preallocated caches with
+device-side lengths (:mod:`efftx.generation.compiled`), with the eager path as the fallback.
 """
 
 from __future__ import annotations
@@ -169,18 +168,27 @@ def accept(t_logits: torch.Tensor, drafted: torch.Tensor, q: torch.Tensor | None
     drafts each row verifies (its own gamma; 0 for a finished row; the drafts past it are padding or another
     row's) -> (B, G + 2): accepted count, last token (residual or bonus), the drafts. Greedy: q, u, noise None
     (p and q are one-hot: x_i is accepted iff it is the target's argmax, which is also the last token)."""
-    g = drafted.shape[1]
-    within = torch.arange(g, device=drafted.device) < own[:, None]
     if q is None:
+        g = drafted.shape[1]
+        within = torch.arange(g, device=drafted.device) < own[:, None]
         best = t_logits.argmax(-1)  # (B, G + 1)
         n = accepted_counts((drafted == best[:, :g]) & within)
         last = best.gather(1, n[:, None])[:, 0]
-    else:
-        p = probabilities(t_logits, temperature, top_k, top_p)
-        picked = drafted[..., None]
-        ratio = (p[:, :g].gather(-1, picked) / q.gather(-1, picked).clamp_min(1e-30))[..., 0]
-        n = accepted_counts((u < ratio) & within)  # x_i accepted with probability min(1, p/q)
-        last = race(correction(p, q, n, n == own), noise)
+        return torch.cat([n[:, None], last[:, None], drafted], 1)
+    return accept_sampled(probabilities(t_logits, temperature, top_k, top_p), q, drafted, u, noise, own)
+
+
+def accept_sampled(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, u: torch.Tensor, noise: torch.Tensor,
+                   own: torch.Tensor) -> torch.Tensor:
+    """:func:`accept` from the target's distributions p (B, G + 1, V) (continuous batching computes them per row's
+    sampling settings): x_i accepted while u_i < p_i(x_i) / q_i(x_i), then the last token by its race from
+    :func:`correction` -> (B, G + 2): accepted count, last token, the drafts."""
+    g = drafted.shape[1]
+    within = torch.arange(g, device=drafted.device) < own[:, None]
+    picked = drafted[..., None]
+    ratio = (p[:, :g].gather(-1, picked) / q.gather(-1, picked).clamp_min(1e-30))[..., 0]
+    n = accepted_counts((u < ratio) & within)  # x_i accepted with probability min(1, p/q)
+    last = race(correction(p, q, n, n == own), noise)
     return torch.cat([n[:, None], last[:, None], drafted], 1)
 
 
@@ -216,24 +224,6 @@ def kept_tokens(accepted: int, emitted: int, drafted: int) -> int:
     """Tokens a row's caches keep after its pending token: the accepted drafts, fewer where its output was cut at
     its limit (so a finished row's caches end where its output ends)."""
     return min(accepted, emitted - 1)
-
-
-def verify(p: torch.Tensor, q: torch.Tensor, drafted: list[int], ratios: list[float],
-           generator: torch.Generator | None) -> tuple[list[int], int]:
-    """Accept/reject one row's drafted tokens. p: (gamma + 1, V) target distributions, q: (gamma, V)
-    draft distributions, ``ratios[i]`` = p_i(x_i) / q_i(x_i). Returns (emitted tokens, accepted count).
-
-    The same draws, in the same order, as a row of :func:`iter_speculative_rows`'s batched step: ``gamma``
-    uniforms at once (x_i is accepted while u_i < ratio_i), then one exponential race (:func:`sample_rows`) for
-    the residual or bonus token."""
-    gamma = len(drafted)
-    u = row_uniforms([generator], [gamma], gamma, p.device)
-    ratio = torch.tensor([ratios], dtype=u.dtype, device=p.device)
-    n = accepted_counts(u < ratio)
-    dist = correction(p[None], q[None], n, n == gamma)
-    token = int(sample_rows(dist, [generator])[0])
-    accepted = int(n[0])
-    return list(drafted[:accepted]) + [token], accepted
 
 
 def _check(target, draft, gamma: int, adaptive_gamma: bool = False, max_gamma: int | None = None) -> int:

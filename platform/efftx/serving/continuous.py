@@ -62,7 +62,7 @@ import torch
 
 from efftx.generation.decode import Rows, Slots, splittable
 from efftx.generation.sampling import draw, is_greedy, probabilities
-from efftx.generation.speculative import (SpecStats, accepted_counts, correction, race, race_noise,
+from efftx.generation.speculative import (SpecStats, accept_sampled, kept_tokens, race, race_noise,
                                           row_uniforms)
 from efftx.serving.isolation import RowFailure, row_failure
 
@@ -239,14 +239,14 @@ class _Engine:
     """One running batch: its rows in :class:`~efftx.generation.decode.Slots` (one per model), in two lanes: slots
     ``0 .. fast - 1`` the ``fast`` lane (stepped every round: the short requests and, in the room left, long ones),
     the rest the ``slow`` lane (long requests the scheduler steps less often while short ones run). A step runs one
-    lane, or ``all`` rows, as one batched pass over a range of the slots (no cache is copied); a row joins by a
-    copy of its prefilled cache into a slot, and leaves by the last row of its lane (and, for the fast lane, the
-    last slow row) moving into its slot: a few rows' copies, never the whole batch. Subclasses define ``models``,
-    ``prefill(jobs) -> (state, result)``, ``compute(state) -> result`` (the step's forward passes, cache rewinds
-    and draws: all that can fail) and ``commit(state, result, batch)`` (host bookkeeping: tokens to the jobs)."""
+    lane, or ``all`` rows, as one batched pass over a range of the slots (no cache is copied); a row joins by a copy
+    of its prefilled cache into a slot, and leaves by the last row of its lane (and, for the fast lane, the last
+    slow row) moving into its slot: a few rows' copies, never the whole batch. Subclasses pass their models and
+    define ``prefill(jobs) -> (state, result)``, ``compute(state) -> result`` (the step's forward passes, cache
+    rewinds and draws: all that can fail) and ``commit(state, result, batch)`` (host bookkeeping: tokens to the
+    jobs)."""
 
     kind = "?"
-    LANES = ("fast", "slow")
 
     def __init__(self, hook: Callable[[str, list[Job]], None] | None, models: list, batched: bool):
         self.hook = hook
@@ -286,16 +286,20 @@ class _Engine:
                       self.order[a:b], a)
 
     # -- slot surgery (every model's slots, the jobs and last tokens alike)
+    def _place(self, slot: int, job: Job, last: int) -> None:
+        """``job`` and its last token at ``slot`` (a row, or one past the last)."""
+        if slot == len(self.order):
+            self.order.append(job)
+            self.last.append(last)
+        else:
+            self.order[slot], self.last[slot] = job, last
+
     def _copy(self, source: int, slot: int) -> None:
         if source == slot:
             return
         for s in self.slots:
             s.copy(source, slot)
-        if slot == len(self.order):
-            self.order.append(self.order[source])
-            self.last.append(self.last[source])
-        else:
-            self.order[slot], self.last[slot] = self.order[source], self.last[source]
+        self._place(slot, self.order[source], self.last[source])
 
     def _swap(self, a: int, b: int) -> None:
         for s in self.slots:
@@ -317,11 +321,7 @@ class _Engine:
                 self.fast += 1
             for s, rows in zip(self.slots, state.rows):
                 s.put(rows, i, slot)
-            if slot == len(self.order):
-                self.order.append(job)
-                self.last.append(lasts[i])
-            else:
-                self.order[slot], self.last[slot] = job, lasts[i]
+            self._place(slot, job, lasts[i])
 
     def _leave(self) -> None:
         """Rows whose jobs are done leave (the highest slot first, so that only kept rows fill the holes)."""
@@ -542,18 +542,15 @@ class SpeculativeEngine(_Engine):
             q.append(dist)
         drafted, q = torch.stack(tokens, 1), torch.stack(q, 1)  # (B, gamma), (B, gamma, V)
         p = row_probabilities(t_rows.forward(torch.cat([pending[:, None], drafted], 1)), samplings)
-        # every row's acceptance at once: x_i accepted while u_i < p_i(x_i) / q_i(x_i), then its last token
-        # (residual or bonus) by its race; the host reads one (B, gamma + 2) tensor
-        picked = drafted[..., None]
-        ratio = (p[:, :gamma].gather(-1, picked) / q.gather(-1, picked).clamp_min(1e-30))[..., 0]
-        n = accepted_counts(u < ratio)
-        last = race(correction(p, q, n, n == gamma), last_noise)
+        # every row's acceptance and last token at once; the host reads one (B, gamma + 2) tensor
+        own = torch.full((len(jobs),), gamma, device=device)
+        packed = accept_sampled(p, q, drafted, u, last_noise, own).tolist()
         emitted, accepted, keep = [], [], []
-        for job, (n_r, last_r, *drafts) in zip(jobs, torch.cat([n[:, None], last[:, None], drafted], 1).tolist()):
+        for job, (n_r, last_r, *drafts) in zip(jobs, packed):
             out = (drafts[:n_r] + [last_r])[: job.max_new - len(job.out)]
             emitted.append(out)
             accepted.append(n_r)
-            keep.append(min(n_r, len(out) - 1))  # tokens the caches keep after pending (fewer when cut)
+            keep.append(kept_tokens(n_r, len(out), gamma))  # tokens the caches keep after pending
         t_rows.rewind([gamma - k for k in keep])  # the target saw pending + gamma drafted tokens
         # the draft saw pending + gamma - 1 drafted; a row that keeps all lacks the last one: its next tail
         d_rows.rewind([max(gamma - 1 - k, 0) for k in keep])
