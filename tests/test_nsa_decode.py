@@ -15,12 +15,12 @@ from efftx.models import build as build_model
 from test_nsa import OPTION_CASES, inputs, make  # tests/test_nsa.py
 
 
-def _decode_ragged(backend, q, k, v, x, prompts, steps, rewinds=()):
+def _decode_ragged(backend, q, k, v, x, prompts, steps, rewinds=(), dtype=torch.float32):
     """Feed row b its first prompts[b] tokens (one padded prefill, the padding rewound, as Rows.prefill does), then
     ``steps`` (tokens per call) at each row's own position; ``rewinds`` (after call i, counts per row). Returns each
     row's output per position (a dict position -> (H, D), the latest write of a position winning)."""
     b, t = q.shape[:2]
-    cache = backend.new_cache(b, t, torch.device("cpu"), torch.float32)
+    cache = backend.new_cache(b, t, torch.device("cpu"), dtype)
     longest = max(prompts)
     got = [dict() for _ in range(b)]
     out = backend(q[:, :longest], k[:, :longest], v[:, :longest], cache=cache, x=x[:, :longest])
@@ -159,3 +159,94 @@ def test_equal_rows_steps_with_one_backend_over_caches_of_other_sizes(options):
                 at += n
             torch.testing.assert_close(torch.cat(got, 1), want[:, :at], rtol=1e-5, atol=1e-5,
                                        msg=lambda m: f"{rows} rows, capacity {cap}: {m}")
+
+
+# ------------------------------------------------------------------------------ the fused C++ decoding kernel
+# (block = stride = selection block, n_sel, window) x options the kernel covers: the identity score mapping, one
+# selection per kv head; memory slots, both importances, min_importance thresholds that bite, forced blocks and
+# the window branch's own projection
+KERNEL_GEOMETRIES = [(4, 3, 5), (8, 2, 12), (16, 4, 40)]
+KERNEL_OPTIONS = [{}, {"compress_mem_kv": 2}, {"importance": "logits_softmax", "min_importance": 1e-10,
+                                               "compress_mem_kv": 1},
+                  {"min_importance": 0.3}, {"num_initial_blocks": 1, "num_local_blocks": 2, "separate_kv": True},
+                  {"importance": "logits_softmax", "min_importance": 0.2, "num_local_blocks": 3}]
+KERNEL_HEADS = [(4, 2, 8), (4, 4, 8), (8, 2, 16), (6, 1, 4)]  # heads, kv heads, head dim: groups of 2, 1, 4, 6
+
+
+def _no_torch_decoding(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the torch decoding path ran where the fused kernel should have")
+
+    monkeypatch.setattr(nsa.NativeSparseAttention, "decode", refuse)
+
+
+@pytest.mark.parametrize("geometry", KERNEL_GEOMETRIES, ids=str)
+@pytest.mark.parametrize("options", KERNEL_OPTIONS, ids=lambda o: "+".join(f"{k}={v}" for k, v in o.items()) or "default")
+def test_fused_decoding_kernel_equals_the_torch_decoding(geometry, options, monkeypatch):
+    """Ragged rows (prompts of 1, 6, 19 and 30 tokens) stepping 1 to 5 queries per call with per-row rewinds: the
+    kernel (cpu_kernel=on; the torch path refused) gives the outputs of NativeSparseAttention.decode, its
+    reference (cpu_kernel=off), and so each row's uncached forward alone."""
+    block, n_sel, window = geometry
+    i = KERNEL_GEOMETRIES.index(geometry) + KERNEL_OPTIONS.index(options)
+    heads, kv_heads, head_dim = KERNEL_HEADS[i % len(KERNEL_HEADS)]
+    backend = make(heads=heads, kv_heads=kv_heads, head_dim=head_dim, block=block, stride=block, sel=block,
+                   n_sel=n_sel, window=window, **options)
+    q, k, v, x = inputs(60, heads=heads, kv_heads=kv_heads, head_dim=head_dim, b=4)
+    args = (backend, q, k, v, x, [1, 6, 19, 30], [1, 5, 1, 3, 1, 1, 2, 4, 1, 1, 1, 2, 1, 5, 1, 1, 3, 1])
+    rewinds = [(3, [2, 0, 5, 1]), (9, [0, 3, 1, 4])]
+    with torch.no_grad():
+        backend.cpu_kernel = "off"
+        want, _ = _decode_ragged(*args, rewinds=rewinds)
+        backend.cpu_kernel = "on"
+        with monkeypatch.context() as m:
+            _no_torch_decoding(m)
+            got, _ = _decode_ragged(*args, rewinds=rewinds)
+    for r, (row, ref) in enumerate(zip(got, want)):
+        assert sorted(row) == sorted(ref)
+        pos = sorted(row)
+        torch.testing.assert_close(torch.stack([row[p] for p in pos]), torch.stack([ref[p] for p in pos]),
+                                   rtol=1e-5, atol=1e-6, msg=lambda m: f"row {r}: {m}")
+    _assert_rows_equal_alone(backend, q, k, v, x, got)
+
+
+def test_fused_decoding_kernel_in_float64_and_at_the_seed_geometry(monkeypatch):
+    """float64 (the kernel's other type) at the seed's settings (blocks of 16, 4 selected, window 64, one memory
+    slot, logits_softmax importances) over 200 tokens: equal to the torch decoding to float64 rounding."""
+    backend = make(heads=4, kv_heads=2, head_dim=16, block=16, stride=16, sel=16, n_sel=4, window=64,
+                   importance="logits_softmax", min_importance=1e-10, compress_mem_kv=1).double()
+    q, k, v, x = inputs(200, head_dim=16, b=2, dtype=torch.float64)
+    args = (backend, q, k, v, x, [150, 37], [1] * 30 + [3] * 10)
+    with torch.no_grad():
+        backend.cpu_kernel = "off"
+        want, _ = _decode_ragged(*args, dtype=torch.float64)
+        backend.cpu_kernel = "on"
+        with monkeypatch.context() as m:
+            _no_torch_decoding(m)
+            got, _ = _decode_ragged(*args, dtype=torch.float64)
+    for row, ref in zip(got, want):
+        pos = sorted(row)
+        torch.testing.assert_close(torch.stack([row[p] for p in pos]), torch.stack([ref[p] for p in pos]),
+                                   rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", ["overlapping blocks", "per-head selection", "bfloat16", "cpu_kernel=off"])
+def test_fused_decoding_kernel_is_used_only_where_it_applies(case):
+    """Where the kernel does not apply (overlapping compressed blocks, a selection per query head, a type it does
+    not take) or is turned off, the torch decoding runs; the seed's settings take the kernel."""
+    geometry = dict(block=8, stride=4, sel=8) if case == "overlapping blocks" else dict(block=8, stride=8, sel=8)
+    backend = make(**geometry, share_selection=case != "per-head selection")
+    backend.cpu_kernel = "off" if case == "cpu_kernel=off" else "auto"
+    dtype = torch.bfloat16 if case == "bfloat16" else torch.float32
+    backend.to(dtype)
+    q, k, v, x = (t.to(dtype) for t in inputs(12))
+    cache = backend.new_cache(2, 12, torch.device("cpu"), dtype)
+    with torch.no_grad():
+        backend(q[:, :10], k[:, :10], v[:, :10], cache=cache, x=x[:, :10])
+        g = torch.sigmoid(backend.gate(x[:, 10:11])).view(2, 1, 4, 3)
+        assert backend._fused_decoder(q[:, 10:11], g, cache) is None
+        seed = make(block=8, stride=8, sel=8, importance="logits_softmax", min_importance=1e-10, compress_mem_kv=1)
+        cache = seed.new_cache(2, 12, torch.device("cpu"), torch.float32)
+        q, k, v, x = inputs(12)
+        seed(q[:, :10], k[:, :10], v[:, :10], cache=cache, x=x[:, :10])
+        g = torch.sigmoid(seed.gate(x[:, 10:11])).view(2, 1, 4, 3)
+        assert seed._fused_decoder(q[:, 10:11], g, cache) is not None

@@ -78,7 +78,11 @@ window branches' own keys/values, and the row positions on the device. A call wr
 position, compresses the blocks they complete, then :meth:`NativeSparseAttention.decode` attends in place: the
 compressed scores over the blocks each query sees (O(blocks)), the importances, ranking and forced blocks as the
 uncached forward defines them per query, the selected blocks gathered from the block table and the last
-``window`` keys (O(selected + window keys)), no copy of the cache. A cached call of rows of equal length with more
+``window`` keys (O(selected + window keys)), no copy of the cache. On a CPU, with the identity score mapping
+(compressed blocks = selection blocks, the seed's geometry) and one selection per kv head, the C++ kernel
+(``cpu_kernel``) does all of that in one call per layer (:meth:`NativeSparseAttention._fused_decoder`; a decoding
+step is latency bound, and the torch version is a few dozen small operations per layer); ``decode`` is its
+reference. A cached call of rows of equal length with more
 than ``DECODE_QUERIES`` tokens (a prefill) runs the uncached forward's path over the cache's keys instead. Either way
 decoding equals the full forward (up to rounding, which could only change a selection where two blocks' importances
 tie to within it). ``rewind(n)`` (one count, or one per row) shortens rows; compressed blocks that lose a token are
@@ -774,6 +778,10 @@ class NativeSparseAttention(AttentionBackend):
             (k, v), (kw, vw), ck, cv = cache.keys()
             return self.attend(q, k, v, kw, vw, ck, cv, g)
         start = cache.row_pos - tq  # (B,) each row's first new position
+        fused = self._fused_decoder(q, g, cache)
+        if fused is not None:  # every query of every row in one call of the C++ kernel
+            pos = (start[:, None] + torch.arange(tq, device=q.device)).contiguous()  # (B, tq)
+            return fused(q, g, pos, cache)
         equal = len(set(before)) == 1  # equal rows: decode() reads the window as a slice
         if tq == 1:  # a decoding step: no output buffer, no position range
             return self.decode(q, g, start[:, None], cache, max(before) + 1, before[0] if equal else None)
@@ -814,6 +822,40 @@ class NativeSparseAttention(AttentionBackend):
         out_win = sliding_window_attention(q, kw, vw, self.window, self.scale)
         g = g.unsqueeze(-1).to(q.dtype)
         return g[:, :, :, 0] * out_cmp + g[:, :, :, 1] * out_sel + g[:, :, :, 2] * out_win  # (B, T, H, D)
+
+    def _fused_decoder(self, q: torch.Tensor, g: torch.Tensor, cache: NSACache):
+        """The C++ kernel's fused cached decoding (:mod:`efftx.kernels.nsa_selected_cpu`, ``decode``) as a function
+        ``(q, g, pos, cache) -> out``, where it applies: CPU tensors of one float type (float32 or float64) with no
+        gradient wanted, the identity score mapping (compressed blocks = selection blocks) and one selection per kv
+        head (``share_selection`` or no GQA), ``cpu_kernel`` auto (and the kernel built) or on. Else None: then
+        :meth:`decode`, its reference, runs (tests hold the two to each other)."""
+        if self.cpu_kernel == "off" or q.device.type != "cpu" or not (self.block == self.stride == self.sel_block):
+            return None
+        if not (self.share or q.shape[2] == cache.k.shape[1]):
+            return None
+        dtype = q.dtype
+        if dtype not in (torch.float32, torch.float64) or g.dtype != dtype:
+            return None
+        if torch.is_grad_enabled() and (q.requires_grad or g.requires_grad):
+            return None
+        tables = (cache.k, cache.v, *cache.win_kv(), cache.ck, cache.cv)
+        if any(t.dtype != dtype or not t.is_contiguous() for t in tables):
+            return None
+        from efftx.kernels.nsa_selected_cpu import kernel as compiled  # (importing efftx.kernels imports Triton)
+
+        kernel = compiled(required=self.cpu_kernel == "on")
+        if kernel is None:
+            return None
+
+        def fused(q, g, pos, cache):
+            kw, vw = cache.win_kv()
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+            kernel.decode(q.contiguous(), cache.k, cache.v, kw, vw, cache.ck, cache.cv, pos, g.contiguous(), out,
+                          self.block, self.mem, self.n_sel, self.window, self.initial, self.local,
+                          float(self.opts.min_importance), self.opts.importance == "logits_softmax", self.scale)
+            return out
+
+        return fused
 
     def _decode_consts(self, cache: NSACache, b: int, hs: int, grp: int, n: int, device: torch.device):
         """Index tensors the cached decoding step reuses (made once per shape and device, not per step): a long

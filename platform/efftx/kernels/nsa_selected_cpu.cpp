@@ -442,6 +442,138 @@ void compressed_backward_impl(const SelectArgs& a, T* s, T* dp, const T* gate, T
   });
 }
 
+
+// Cached decoding, all three branches fused (efftx.attention.nsa.NativeSparseAttention.decode is its reference): each of
+// c queries per row at its own position, reading the cache in place, for the identity score mapping (compressed blocks
+// = selection blocks = `block` tokens) and one selection per kv head. Layouts (contiguous, one floating type):
+//   q, out: (B, c, H, D), head h = kv_head * G + g; gate: (B, c, H, 3), the branches' gates (compressed, selected,
+//   window); pos: (B, c) int64, each query's position (its key already in the cache)
+//   k, v: (B, Hkv, cap, D) every key/value; kw, vw: the window branch's (the same tables unless separate_kv)
+//   ck, cv: (B, Hkv, nc, D): `mem` memory slots, then the compressed blocks (those complete at a query: valid)
+struct DecodeArgs {
+  int64_t B, c, Hkv, G, D, cap, nc, block, mem, n_sel, window, initial, local;
+  double min_importance, scale;
+  bool logits;  // importance = logits_softmax (else probs_sum)
+};
+
+template <typename T>
+inline T dot(const T* a, const T* b, int64_t n) {
+  T s = 0;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// For each of the G scaled query rows qs (G, D): softmax of its scores against the keys of `runs` runs of rows of K
+// (run r: rows first[r] .. first[r] + len[r] - 1, row t at K + t * D), times the same rows of V, written to o (G, D).
+// s: scratch of at least the total run length.
+template <typename T>
+inline void attend(const T* qs, int64_t G, int64_t D, const T* K, const T* V, const int64_t* first, const int64_t* len,
+                   int64_t runs, T* s, T* o) {
+  for (int64_t g = 0; g < G; ++g) {
+    const T* qg = qs + g * D;
+    T* og = o + g * D;
+    int64_t n = 0;
+    for (int64_t r = 0; r < runs; ++r)
+      for (int64_t t = 0; t < len[r]; ++t) s[n++] = dot(qg, K + (first[r] + t) * D, D);
+    std::fill(og, og + D, T(0));
+    if (n == 0) continue;
+    softmax_inplace(s, n);
+    n = 0;
+    for (int64_t r = 0; r < runs; ++r)
+      for (int64_t t = 0; t < len[r]; ++t) axpy(s[n++], V + (first[r] + t) * D, og, D);
+  }
+}
+
+template <typename T>
+void decode_impl(const DecodeArgs& a, const T* q, const T* k, const T* v, const T* kw, const T* vw, const T* ck,
+                 const T* cv, const int64_t* pos, const T* gate, T* out) {
+  const int64_t H = a.Hkv * a.G, G = a.G, D = a.D, l = a.block;
+  run_tasks(a.B * a.Hkv * a.c, [&](int64_t task) {
+    const int64_t bh = task / a.c, i = task % a.c, b = bh / a.Hkv, kvh = bh % a.Hkv;
+    const int64_t p = pos[b * a.c + i], own = p / l;
+    const int64_t vis = std::min(a.nc, a.mem + (p + 1) / l);  // memory slots + blocks complete at p
+    const int64_t past = std::min(own, vis - a.mem);  // blocks before the own one (all complete)
+    const int64_t row = (b * a.c + i) * H + kvh * G;  // the group's first head in q, gate, out
+    std::vector<T> qs(G * D), o(G * D), acc(G * D);
+    for (int64_t x = 0; x < G * D; ++x) qs[x] = q[row * D + x] * T(a.scale);
+    const int64_t keys = std::max<int64_t>({vis, (a.n_sel + 1) * l, a.window, int64_t(1)});
+    std::vector<T> s(G * keys), imp(std::max<int64_t>(past, 1), T(0));
+    const T* ckh = ck + bh * a.nc * D;
+    const T* cvh = cv + bh * a.nc * D;
+
+    // compressed branch: raw scores of every head, the importances from them, their softmax
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t j = 0; j < vis; ++j) s[g * vis + j] = dot(qs.data() + g * D, ckh + j * D, D);
+    if (a.logits && past > 0) {  // softmax over the past blocks of the group-mean logits
+      group_columns(s.data(), G, vis, a.mem, past, imp.data(), true);
+      softmax_inplace(imp.data(), past);
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      T* og = acc.data() + g * D;
+      std::fill(og, og + D, T(0));
+      if (vis == 0) continue;  // a query that sees nothing: zeros
+      T* sg = s.data() + g * vis;
+      softmax_inplace(sg, vis);
+      for (int64_t j = 0; j < vis; ++j) axpy(sg[j], cvh + j * D, og, D);
+    }
+    if (!a.logits && past > 0) group_columns(s.data(), G, vis, a.mem, past, imp.data(), false);  // summed probs
+
+    // selection: the past blocks ranked as select_impl ranks them, the k_top best
+    const int64_t k_top = std::min(a.n_sel, past);
+    std::vector<int64_t> at(std::max<int64_t>(k_top, 1), -1);
+    if (k_top > 0) {
+      const double inf = std::numeric_limits<double>::infinity();
+      const T floor = T(a.min_importance);
+      const bool drop = a.min_importance > 0, forced = a.initial || a.local > 1;
+      std::vector<double> best(k_top, -inf);
+      for (int64_t j = 0; j < past; ++j) {
+        double r = double(imp[j]) + double(j) * 1e-12;
+        r = drop && imp[j] < floor ? -inf : r;
+        r = forced && (j < a.initial || j > own - a.local) ? inf : r;
+        if (!(r > best[k_top - 1])) continue;
+        int64_t x = k_top - 1;
+        while (x > 0 && r > best[x - 1]) {
+          best[x] = best[x - 1];
+          at[x] = at[x - 1];
+          --x;
+        }
+        best[x] = r;
+        at[x] = j;
+      }
+    }
+
+    // selected branch: the own block up to p, then the selected blocks, read in place
+    std::vector<int64_t> first(k_top + 1), len(k_top + 1);
+    first[0] = own * l;
+    len[0] = p - own * l + 1;
+    int64_t runs = 1;
+    for (int64_t x = 0; x < k_top; ++x)
+      if (at[x] >= 0) {
+        first[runs] = at[x] * l;
+        len[runs++] = l;
+      }
+    const int64_t table = bh * a.cap * D;
+    attend(qs.data(), G, D, k + table, v + table, first.data(), len.data(), runs, s.data(), o.data());
+    for (int64_t g = 0; g < G; ++g) {  // out = g_sel * selected + g_win * window + g_cmp * compressed
+      const T* gt = gate + (row + g) * 3;
+      T* dst = out + (row + g) * D;
+      const T* src = o.data() + g * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * gt[1];
+    }
+
+    // window branch: the last `window` keys up to p
+    const int64_t lo = std::max<int64_t>(0, p - a.window + 1), n = p - lo + 1;
+    attend(qs.data(), G, D, kw + table, vw + table, &lo, &n, 1, s.data(), o.data());
+    for (int64_t g = 0; g < G; ++g) {
+      const T* gt = gate + (row + g) * 3;
+      T* dst = out + (row + g) * D;
+      axpy(gt[2], o.data() + g * D, dst, D);
+      axpy(gt[0], acc.data() + g * D, dst, D);
+    }
+  });
+}
+
 }  // namespace
 
 // out += gate * selected(q); returns nothing (out is written in place).
@@ -527,9 +659,44 @@ void compressed_backward(torch::Tensor s, torch::Tensor dp, torch::Tensor gate, 
   });
 }
 
+// Cached decoding of every query of q (B, c, H, D) at pos (B, c), the three branches fused; out written. See
+// decode_impl.
+void decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor kw, torch::Tensor vw, torch::Tensor ck,
+            torch::Tensor cv, torch::Tensor pos, torch::Tensor gate, torch::Tensor out, int64_t block, int64_t mem,
+            int64_t n_sel, int64_t window, int64_t initial, int64_t local, double min_importance, bool logits,
+            double scale) {
+  check_contiguous({&q, &k, &v, &kw, &vw, &ck, &cv, &pos, &gate, &out});
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && ck.dim() == 4 && pos.dim() == 2,
+              "nsa_decode: q (B, c, H, D), k (B, Hkv, cap, D), ck (B, Hkv, nc, D), pos (B, c) expected");
+  DecodeArgs a{q.size(0), q.size(1), k.size(1), 0, q.size(3), k.size(2), ck.size(2), block, mem, n_sel, window,
+               initial, local, min_importance, scale, logits};
+  TORCH_CHECK(a.Hkv > 0 && q.size(2) % a.Hkv == 0, "nsa_decode: query heads must be a multiple of the kv heads");
+  a.G = q.size(2) / a.Hkv;
+  for (auto* t : {&k, &v, &kw, &vw})
+    TORCH_CHECK(t->sizes() == k.sizes() && k.size(0) == a.B && k.size(3) == a.D, "nsa_decode: bad key/value tables");
+  TORCH_CHECK(cv.sizes() == ck.sizes() && ck.size(0) == a.B && ck.size(1) == a.Hkv && ck.size(3) == a.D,
+              "nsa_decode: bad compressed tables");
+  TORCH_CHECK(pos.scalar_type() == torch::kInt64 && pos.size(0) == a.B && pos.size(1) == a.c,
+              "nsa_decode: positions (B, c) int64 expected");
+  TORCH_CHECK(gate.numel() == q.numel() / a.D * 3 && out.sizes() == q.sizes(), "nsa_decode: bad gate or output shape");
+  for (auto* t : {&k, &v, &kw, &vw, &ck, &cv, &gate, &out})
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "nsa_decode: every tensor but pos in q's dtype");
+  TORCH_CHECK(block > 0 && window > 0, "nsa_decode: block and window must be positive");
+  const int64_t top = pos.numel() ? pos.max().item<int64_t>() : 0;
+  TORCH_CHECK(pos.numel() == 0 || (pos.min().item<int64_t>() >= 0 && top < a.cap), "nsa_decode: positions outside the cache");
+  pybind11::gil_scoped_release no_gil;
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "nsa_decode", [&] {
+    decode_impl<scalar_t>(a, q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+                          kw.data_ptr<scalar_t>(), vw.data_ptr<scalar_t>(), ck.data_ptr<scalar_t>(),
+                          cv.data_ptr<scalar_t>(), pos.data_ptr<int64_t>(), gate.data_ptr<scalar_t>(),
+                          out.data_ptr<scalar_t>());
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "NSA selected branch, forward (adds into out)");
   m.def("backward", &backward, "NSA selected branch, backward");
   m.def("compressed_backward", &compressed_backward, "NSA compressed softmax backward of one chunk");
+  m.def("decode", &decode, "NSA cached decoding, the three branches fused");
   m.def("compressed_select", &compressed_select, "NSA compressed softmax (in place) and block selection of one chunk");
 }

@@ -16,6 +16,10 @@ softmax in place and picks every query's blocks in the same pass (group-mean log
 their ranking with the most recent block winning ties, ``min_importance``, forced blocks, top-k), and
 ``compressed_backward`` recomputes that softmax, forms the scores' gradient and, for ``diff_topk`` with
 ``logits_softmax`` importances, adds the importance gradient of the selected blocks, all in one pass per row.
+``decode`` is cached decoding (:meth:`efftx.attention.nsa.NativeSparseAttention.decode`, its torch reference) in
+one call: for each query at its own position, the compressed scores over the blocks it sees, their softmax and the
+importances, the ranking and top-k, the own and selected blocks and the window read in place from the cache, and
+the gated sum of the three branches (the same geometry and one selection per kv head).
 Work runs on torch's own intra-op threads (``at::parallel_for``; the build links OpenMP, which resolves to the
 ``libgomp`` torch already loaded: one thread pool, not two competing for the cores).
 
