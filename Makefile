@@ -54,7 +54,7 @@ demo: setup                       ## the main job on the embedded default (local
 # processes overlap it even on 2 cores. TEST_JOBS=0 runs everything in this process (what `pytest` alone does).
 TEST_JOBS ?= 2
 test: setup browser               ## the whole test suite, slow end-to-end and browser tests included
-	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 test-fast: setup
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)

@@ -314,6 +314,20 @@ inline void group_columns(const T* row0, int64_t G, int64_t gstride, int64_t off
   }
 }
 
+// Offers candidate j of rank r to the k best so far (best descending, at their ids): it enters when strictly above the
+// last (ties keep the earlier candidate; -inf never enters).
+inline void offer(double r, int64_t j, double* best, int64_t* at, int64_t k) {
+  if (!(r > best[k - 1])) return;
+  int64_t x = k - 1;
+  while (x > 0 && r > best[x - 1]) {
+    best[x] = best[x - 1];
+    at[x] = at[x - 1];
+    --x;
+  }
+  best[x] = r;
+  at[x] = j;
+}
+
 template <typename T>
 void select_impl(const SelectArgs& a, T* s, int64_t* sel) {
   const int64_t rows = a.B * a.Hkv * a.c;
@@ -361,18 +375,7 @@ void select_impl(const SelectArgs& a, T* s, int64_t* sel) {
     }
     std::vector<double> best(k_top, -inf);
     std::vector<int64_t> at(k_top, -1);
-    for (int64_t j = 0; j < past; ++j) {  // the k_top largest (-inf: never)
-      const double r = rk[j];
-      if (!(r > best[k_top - 1])) continue;
-      int64_t k = k_top - 1;
-      while (k > 0 && r > best[k - 1]) {
-        best[k] = best[k - 1];
-        at[k] = at[k - 1];
-        --k;
-      }
-      best[k] = r;
-      at[k] = j;
-    }
+    for (int64_t j = 0; j < past; ++j) offer(rk[j], j, best.data(), at.data(), k_top);  // the k_top largest
     std::copy(at.begin(), at.end(), out);
   });
 }
@@ -531,15 +534,7 @@ void decode_impl(const DecodeArgs& a, const T* q, const T* k, const T* v, const 
         double r = double(imp[j]) + double(j) * 1e-12;
         r = drop && imp[j] < floor ? -inf : r;
         r = forced && (j < a.initial || j > own - a.local) ? inf : r;
-        if (!(r > best[k_top - 1])) continue;
-        int64_t x = k_top - 1;
-        while (x > 0 && r > best[x - 1]) {
-          best[x] = best[x - 1];
-          at[x] = at[x - 1];
-          --x;
-        }
-        best[x] = r;
-        at[x] = j;
+        offer(r, j, best.data(), at.data(), k_top);
       }
     }
 
