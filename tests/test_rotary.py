@@ -41,3 +41,60 @@ def test_rotary_keeps_the_input_dtype_and_computes_in_float32():
     out = rot(x)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, _elementwise(x, rot.cos[:4, None], rot.sin[:4, None]), rtol=0, atol=0)
+
+
+def test_ragged_positions_are_checked_on_the_host_when_the_caller_knows_the_longest_row():
+    """With ``limit`` (one past the last position, from the cache's host lengths) the bound check never reads the
+    device positions: on the meta device, where any read of a value fails, the rotation goes through with a limit
+    and fails without one; a limit beyond the table is the usual error naming max_seq_len."""
+    rot = Rotary(8, 16).to("meta")
+    x = torch.empty(2, 1, 3, 8, device="meta")
+    offset = torch.empty(2, 1, dtype=torch.long, device="meta")
+    assert rot(x, offset, limit=10).shape == x.shape
+    q, k = rot.pair(x, x[:, :, :1], offset, limit=10)
+    assert q.shape == x.shape and k.shape == (2, 1, 1, 8)
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        rot(x, offset)  # reads pos.max() from the device
+    with pytest.raises(ValueError, match="position 17 beyond model.max_seq_len=16"):
+        rot(x, offset, limit=17)
+    with pytest.raises(ValueError, match="position 17 beyond model.max_seq_len=16"):
+        Rotary(8, 16)(torch.zeros(2, 1, 3, 8), torch.tensor([[3], [16]]))  # no limit: read from the positions
+
+
+def test_pair_rotates_q_and_k_as_two_calls_do():
+    torch.manual_seed(0)
+    rot = Rotary(16, 64)
+    q, k = torch.randn(2, 5, 4, 16), torch.randn(2, 5, 2, 16)
+    for offset, limit in [(3, None), (torch.tensor([[0], [9]]), 14)]:
+        pq, pk = rot.pair(q, k, offset, limit)
+        assert torch.equal(pq, rot(q, offset)) and torch.equal(pk, rot(k, offset))
+
+
+def test_ragged_decoding_passes_the_host_limit_to_every_rotary_call(monkeypatch):
+    """Ragged rows decoded through a model (efftx.generation.decode.Rows: a cache per layer, full attention and NSA
+    with its own window/compressed keys): every rotation at per-row positions is given its limit by the caller."""
+    from efftx import recipes
+    from efftx.generation.decode import Rows
+    from efftx.models import build
+    from efftx.models.layers import Rotary as R
+
+    seen = []
+    real = R.angles
+
+    def angles(self, t, offset=0, limit=None):
+        if isinstance(offset, torch.Tensor):
+            seen.append(limit)
+        return real(self, t, offset, limit)
+
+    monkeypatch.setattr(R, "angles", angles)
+    for overrides in ({}, {"attention.kind": "nsa", "attention.nsa.separate_kv": True,
+                           "attention.nsa.compress_block_size": 4, "attention.nsa.selection_block_size": 4,
+                           "attention.nsa.sliding_window_size": 4, "attention.nsa.num_selected_blocks": 1}):
+        torch.manual_seed(0)
+        model = build(recipes.get("lm_debug").override({"model.depth": 2, **overrides})).eval()
+        with torch.no_grad():
+            rows = Rows(model, 3, model.max_seq_len, True)
+            rows.prefill([[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]])
+            for _ in range(3):
+                rows.forward(torch.tensor([[1], [2], [3]]))
+    assert seen and all(isinstance(limit, int) for limit in seen), seen

@@ -134,6 +134,13 @@ def cache_offset(cache: Any) -> int | torch.Tensor:
     return cache.offset() if hasattr(cache, "offset") else cache.length
 
 
+def cache_limit(cache: Any, t: int) -> int | None:
+    """One past the last position of ``t`` new tokens, from a cache that keeps its row lengths on the host (its
+    longest row + t); None where it does not (no cache: positions are 0..t-1, checked as ints anyway)."""
+    end = getattr(cache, "end", None) if cache is not None else None
+    return end + t if isinstance(end, int) else None
+
+
 class ModelCache:
     """One cache per layer; the model reads its offset as the position of new tokens."""
 

@@ -615,12 +615,14 @@ class NativeSparseAttention(AttentionBackend):
         the branches' own keys are rotated as the layer rotates its k."""
         self.__dict__["rotary"] = rotary
 
-    def branch_kv(self, proj: nn.Linear, x: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys, values (B, T, Hkv, D) of a branch's own projection of x (tokens from position ``offset``)."""
+    def branch_kv(self, proj: nn.Linear, x: torch.Tensor, offset: int | torch.Tensor, limit: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys, values (B, T, Hkv, D) of a branch's own projection of x (tokens from position ``offset``; ``limit``:
+        one past the last, known on the host, see :meth:`efftx.models.layers.Rotary.angles`)."""
         b, t, _ = x.shape
         k, v = proj(x).view(b, t, 2, self.spec.kv_heads, self.spec.head_dim).unbind(2)
         if self.rotary is not None:
-            k = self.rotary(k, offset)
+            k = self.rotary(k, offset, limit)
         return k, v
 
     def with_memory(self, ck: torch.Tensor, cv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -762,8 +764,8 @@ class NativeSparseAttention(AttentionBackend):
         g = torch.sigmoid(self.gate(x)).view(b, tq, h, 3)
         cmp = win = None
         if self.separate:  # the compressed and window branches' own keys/values
-            offset = cache.offset() if cache is not None else 0
-            cmp, win = self.branch_kv(self.kv_cmp, x, offset), self.branch_kv(self.kv_win, x, offset)
+            offset, limit = (cache.offset(), cache.end + tq) if cache is not None else (0, None)
+            cmp, win = self.branch_kv(self.kv_cmp, x, offset, limit), self.branch_kv(self.kv_win, x, offset, limit)
         if cache is None:
             kc, vc = cmp if cmp is not None else (k, v)
             kw, vw = win if win is not None else (k, v)

@@ -14,7 +14,7 @@ from torch import nn
 
 from efftx import attention
 from efftx.attention.base import AttentionSpec
-from efftx.attention.cache import cache_offset
+from efftx.attention.cache import cache_limit, cache_offset
 from efftx.errors import ConfigError
 
 
@@ -53,22 +53,33 @@ class Rotary(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor, offset: int | torch.Tensor = 0) -> torch.Tensor:
-        """``offset``: position of x's first token, an int or (B, 1) per row (ragged caches)."""
-        t = x.shape[1]
+    def angles(self, t: int, offset: int | torch.Tensor = 0, limit: int | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of ``t`` tokens from ``offset`` (an int, or (B, 1) per row for ragged caches): (T, 1, D/2) or
+        (B, T, 1, D/2). A position beyond the table is an error naming max_seq_len; for ragged rows the caller that
+        knows the longest row on the host passes ``limit`` (one past the last position) and the check reads it, not
+        the device positions (on a GPU that read would wait for every queued kernel, twice per layer and step)."""
         if isinstance(offset, torch.Tensor):
             pos = offset + torch.arange(t, device=offset.device)  # (B, T)
-            # the bound check reads a device value: skipped inside a compiled graph (compiled decoding checks its
-            # capacity on the host, see efftx.generation.compiled)
-            if not torch.compiler.is_compiling() and int(pos.max()) >= self.cos.shape[0]:
-                raise ValueError(f"position {int(pos.max()) + 1} beyond model.max_seq_len={self.cos.shape[0]}")
-            cos, sin = self.cos[pos][:, :, None], self.sin[pos][:, :, None]  # (B, T, 1, D/2)
-        elif offset + t > self.cos.shape[0]:
+            # without a limit the check reads a device value: skipped inside a compiled graph (compiled decoding
+            # checks its capacity on the host, see efftx.generation.compiled)
+            top = limit if limit is not None else None if torch.compiler.is_compiling() else int(pos.max()) + 1
+            if top is not None and top > self.cos.shape[0]:
+                raise ValueError(f"position {top} beyond model.max_seq_len={self.cos.shape[0]}")
+            return self.cos[pos][:, :, None], self.sin[pos][:, :, None]
+        if offset + t > self.cos.shape[0]:
             raise ValueError(f"position {offset + t} beyond model.max_seq_len={self.cos.shape[0]}")
-        else:
-            cos = self.cos[offset:offset + t, None, :]  # (T, 1, D/2)
-            sin = self.sin[offset:offset + t, None, :]
-        return _Rotate.apply(x, cos, sin)
+        return self.cos[offset:offset + t, None, :], self.sin[offset:offset + t, None, :]
+
+    def forward(self, x: torch.Tensor, offset: int | torch.Tensor = 0, limit: int | None = None) -> torch.Tensor:
+        """x (B, T, H, D) rotated at the positions from ``offset`` (see :meth:`angles`)."""
+        return _Rotate.apply(x, *self.angles(x.shape[1], offset, limit))
+
+    def pair(self, q: torch.Tensor, k: torch.Tensor, offset: int | torch.Tensor = 0, limit: int | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k (of as many tokens) rotated alike, the angles looked up once."""
+        cos, sin = self.angles(q.shape[1], offset, limit)
+        return _Rotate.apply(q, cos, sin), _Rotate.apply(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -158,8 +169,7 @@ class Attention(nn.Module):
         q = self.q(x).view(b, t, s.heads, s.head_dim)  # (B, T, H, D)
         k, v = self.kv(x).view(b, t, 2, s.kv_heads, s.head_dim).unbind(2)  # (B, T, Hkv, D)
         if self.rotary is not None:
-            offset = cache_offset(cache)
-            q, k = self.rotary(q, offset), self.rotary(k, offset)
+            q, k = self.rotary.pair(q, k, cache_offset(cache), cache_limit(cache, t))
         y = self.inner(q, k, v, cache=cache, x=x)  # (B, T, H, D)
         return self.drop(self.out(y.reshape(b, t, s.heads * s.head_dim)))
 
