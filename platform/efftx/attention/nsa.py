@@ -100,7 +100,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from efftx.attention.base import AttentionBackend, AttentionSpec
-from efftx.attention.cache import RowLengths
+from efftx.attention.cache import RowLengths, cache_limit, cache_offset
 from efftx.attention.nsa_cpu import CPU_KERNEL_MODES, _to_selection, logit_importance, nsa_attention
 from efftx.attention.registry import register
 from efftx.errors import ConfigError
@@ -764,7 +764,7 @@ class NativeSparseAttention(AttentionBackend):
         g = torch.sigmoid(self.gate(x)).view(b, tq, h, 3)
         cmp = win = None
         if self.separate:  # the compressed and window branches' own keys/values
-            offset, limit = (cache.offset(), cache.end + tq) if cache is not None else (0, None)
+            offset, limit = cache_offset(cache), cache_limit(cache, tq)
             cmp, win = self.branch_kv(self.kv_cmp, x, offset, limit), self.branch_kv(self.kv_win, x, offset, limit)
         if cache is None:
             kc, vc = cmp if cmp is not None else (k, v)
@@ -782,8 +782,7 @@ class NativeSparseAttention(AttentionBackend):
         start = cache.row_pos - tq  # (B,) each row's first new position
         fused = self._fused_decoder(q, g, cache)
         if fused is not None:  # every query of every row in one call of the C++ kernel
-            pos = (start[:, None] + torch.arange(tq, device=q.device)).contiguous()  # (B, tq)
-            return fused(q, g, pos, cache)
+            return fused(q, g, start)
         equal = len(set(before)) == 1  # equal rows: decode() reads the window as a slice
         if tq == 1:  # a decoding step: no output buffer, no position range
             return self.decode(q, g, start[:, None], cache, max(before) + 1, before[0] if equal else None)
@@ -826,11 +825,12 @@ class NativeSparseAttention(AttentionBackend):
         return g[:, :, :, 0] * out_cmp + g[:, :, :, 1] * out_sel + g[:, :, :, 2] * out_win  # (B, T, H, D)
 
     def _fused_decoder(self, q: torch.Tensor, g: torch.Tensor, cache: NSACache):
-        """The C++ kernel's fused cached decoding (:mod:`efftx.kernels.nsa_selected_cpu`, ``decode``) as a function
-        ``(q, g, pos, cache) -> out``, where it applies: CPU tensors of one float type (float32 or float64) with no
-        gradient wanted, the identity score mapping (compressed blocks = selection blocks) and one selection per kv
-        head (``share_selection`` or no GQA), ``cpu_kernel`` auto (and the kernel built) or on. Else None: then
-        :meth:`decode`, its reference, runs (tests hold the two to each other)."""
+        """The C++ kernel's fused cached decoding (:mod:`efftx.kernels.nsa_selected_cpu`, ``decode``) over ``cache``
+        as a function ``(q, g, start) -> out`` (``start`` (B,): each row's first new position), where it applies:
+        CPU tensors of one float type (float32 or float64) with no gradient wanted, the identity score mapping
+        (compressed blocks = selection blocks) and one selection per kv head (``share_selection`` or no GQA),
+        ``cpu_kernel`` auto (and the kernel built) or on. Else None: then :meth:`decode`, its reference, runs (tests
+        hold the two to each other)."""
         if self.cpu_kernel == "off" or q.device.type != "cpu" or not (self.block == self.stride == self.sel_block):
             return None
         if not (self.share or q.shape[2] == cache.k.shape[1]):
@@ -840,7 +840,7 @@ class NativeSparseAttention(AttentionBackend):
             return None
         if torch.is_grad_enabled() and (q.requires_grad or g.requires_grad):
             return None
-        tables = (cache.k, cache.v, *cache.win_kv(), cache.ck, cache.cv)
+        tables = (cache.k, cache.v, *cache.win_kv(), cache.ck, cache.cv)  # keys, values, window's, compressed
         if any(t.dtype != dtype or not t.is_contiguous() for t in tables):
             return None
         from efftx.kernels.nsa_selected_cpu import kernel as compiled  # (importing efftx.kernels imports Triton)
@@ -849,12 +849,12 @@ class NativeSparseAttention(AttentionBackend):
         if kernel is None:
             return None
 
-        def fused(q, g, pos, cache):
-            kw, vw = cache.win_kv()
+        def fused(q, g, start):
+            pos = (start[:, None] + torch.arange(q.shape[1], device=q.device)).contiguous()  # (B, c)
             out = torch.empty_like(q, memory_format=torch.contiguous_format)
-            kernel.decode(q.contiguous(), cache.k, cache.v, kw, vw, cache.ck, cache.cv, pos, g.contiguous(), out,
-                          self.block, self.mem, self.n_sel, self.window, self.initial, self.local,
-                          float(self.opts.min_importance), self.opts.importance == "logits_softmax", self.scale)
+            kernel.decode(q.contiguous(), *tables, pos, g.contiguous(), out, self.block, self.mem, self.n_sel,
+                          self.window, self.initial, self.local, float(self.opts.min_importance),
+                          self.opts.importance == "logits_softmax", self.scale)
             return out
 
         return fused

@@ -677,8 +677,9 @@ void decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor kw,
   for (auto* t : {&k, &v, &kw, &vw, &ck, &cv, &gate, &out})
     TORCH_CHECK(t->scalar_type() == q.scalar_type(), "nsa_decode: every tensor but pos in q's dtype");
   TORCH_CHECK(block > 0 && window > 0, "nsa_decode: block and window must be positive");
-  const int64_t top = pos.numel() ? pos.max().item<int64_t>() : 0;
-  TORCH_CHECK(pos.numel() == 0 || (pos.min().item<int64_t>() >= 0 && top < a.cap), "nsa_decode: positions outside the cache");
+  const int64_t* at = pos.data_ptr<int64_t>();
+  for (int64_t i = 0; i < pos.numel(); ++i)
+    TORCH_CHECK(at[i] >= 0 && at[i] < a.cap, "nsa_decode: position ", at[i], " outside the cache (", a.cap, ")");
   pybind11::gil_scoped_release no_gil;
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "nsa_decode", [&] {
     decode_impl<scalar_t>(a, q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
