@@ -70,8 +70,21 @@ def layer_point(cfg, t: int, device: str, repeats: int, composed: bool = False) 
         x.grad = None
         layer(x).float().sum().backward()
 
-    seconds, peak = timed_peak(step, device, repeats)
+    with flash_only(cfg.attention.kind, device):
+        seconds, peak = timed_peak(step, device, repeats)
     return {"seconds": seconds, "peak_mb": peak}
+
+
+def flash_only(kind: str, device: str):
+    """On CUDA, `full` runs on SDPA's flash kernel, not whichever backend SDPA would fall back to: an error if
+    flash cannot run it. Elsewhere (and for other backends) nothing changes."""
+    import contextlib
+
+    if device != "cuda" or kind != "full":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
 
 
 def measure(kind: str, t: int, device: str, repeats: int, composed: bool = False) -> dict:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
@@ -54,6 +55,9 @@ FAMILIES = {
     "dalle": ("train_dalle.py", ["--recipe", "dalle_shapes_debug"], []),
 }
 CPU_ONLY_SKIPS = {"nsa": ["attention.nsa.impl=reference"]}  # the Triton kernel needs CUDA
+# What a section imports beyond torch and triton: checked up front, so a Python without them (a GPU image with
+# only torch, say) gets one clear error instead of a table of failed jobs.
+SECTION_NEEDS = {"train": ("ray", "deepspeed", "mlflow"), "serve": ("ray", "requests"), "kernels": ("pytest",)}
 
 
 @dataclasses.dataclass
@@ -129,7 +133,8 @@ def check_kernels(args, out: Path) -> list[Row]:
     autotune_log.unlink(missing_ok=True)
     env["EFFTX_TRITON_AUTOTUNE_LOG"] = str(autotune_log)
     t0 = time.perf_counter()
-    proc = subprocess.run([PY, "-m", "pytest", "tests/test_kernels.py", "-q", "-p", "no:cacheprovider",
+    jobs = ["-n", str(args.kernel_jobs)] if args.kernel_jobs > 1 else []  # compiling is CPU work: xdist spreads it
+    proc = subprocess.run([PY, "-m", "pytest", "tests/test_kernels.py", "-q", "-p", "no:cacheprovider", *jobs,
                            f"--junitxml={xml}"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=args.timeout)
     (out / "kernels.log").write_text(proc.stdout + proc.stderr)
@@ -408,6 +413,7 @@ def run(argv: list[str] | None = None) -> tuple[int, list[Row]]:
     p.add_argument("--parallel", type=int, default=4, help="train runs at once")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--kernel-jobs", type=int, default=1, help="kernels section: pytest-xdist processes (1: none)")
     p.add_argument("--timeout", type=int, default=480, help="seconds per subprocess")
     p.add_argument("--out", default=None, help="where logs and the table go (default: a new temp folder)")
     args = p.parse_args(argv)
@@ -421,6 +427,15 @@ def run(argv: list[str] | None = None) -> tuple[int, list[Row]]:
         p.error(f"unknown families/sections: {unknown}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda, but torch sees no CUDA device")
+    missing = {section: [m for m in SECTION_NEEDS[section] if importlib.util.find_spec(m) is None]
+               for section in args.only.split(",") if section in SECTION_NEEDS}
+    missing = {section: mods for section, mods in missing.items() if mods}
+    if missing:
+        p.error("; ".join(f"section {section} needs {', '.join(mods)}, which this Python cannot import"
+                          for section, mods in missing.items())
+                + f" ({sys.executable}): install the project (make setup, then .venv/bin/python), or leave the "
+                  "section out, e.g. --only kernels,decode,nsa with PYTHONPATH=platform:bench on a GPU image that "
+                  "has only torch and triton")
     out = Path(args.out or tempfile.mkdtemp(prefix="efftx-gpu-check-"))
     out.mkdir(parents=True, exist_ok=True)
     only = args.only.split(",")

@@ -38,7 +38,7 @@ def measure_layer(kind: str, t: int, device: str, repeats: int, composed: bool =
     forward+backward."""
     import torch
 
-    from attention_scaling import layer_point  # bench/attention_scaling.py
+    from attention_scaling import flash_only, layer_point  # bench/attention_scaling.py
     from efftx import recipes
     from efftx.attention.base import AttentionSpec
     from efftx.models.layers import Attention, Rotary
@@ -51,7 +51,7 @@ def measure_layer(kind: str, t: int, device: str, repeats: int, composed: bool =
     if composed and hasattr(layer.inner, "chunked"):
         layer.inner.chunked = False
     x = torch.randn(1, t, spec.dim, device=device, dtype=dtype)
-    with torch.no_grad():
+    with torch.no_grad(), flash_only(kind, device):
         fwd, _ = timed_peak(lambda: layer(x), device, repeats)
     return {"fwd_s": fwd, "fwd_bwd_s": result["seconds"], "peak_mb": result["peak_mb"]}
 

@@ -110,3 +110,17 @@ def test_kernel_rows_print_the_table_choice_and_what_autotune_chose(monkeypatch,
         "3 shapes tuned, table's choice kept in 1; picked TILE 32 x 4 warps x 3 stages (2), "
         "TILE 64 x 4 warps x 3 stages (1)")
     assert "nothing tuned" in {r.name: r for r in gpu_check.kernel_choices(tmp_path / "none.jsonl")}["autotune"].detail
+
+
+def test_a_section_whose_packages_are_missing_is_refused_naming_them(monkeypatch, tmp_path, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("ray", "mlflow") else real(name, *a))
+    with pytest.raises(SystemExit) as exc:
+        gpu_check.run(["--device", "cpu", "--only", "decode,train", "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "section train needs ray, mlflow" in err and "--only kernels,decode,nsa" in err
+    assert not (tmp_path / "gpu_check.md").exists()  # nothing ran
+    code, rows = gpu_check.run(["--device", "cpu", "--only", "decode", "--new-tokens", "4", "--out", str(tmp_path)])
+    assert code == 0 and any(r.section == "decode" and r.status == "pass" for r in rows)  # the rest still runs

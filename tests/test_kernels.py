@@ -92,12 +92,58 @@ def random_qkv(B, Tq, Tk, H, Hkv, D, dtype, *, seed=0, device="cpu"):
     return [x.to(device=device, dtype=dtype) for x in (q, k, v)]
 
 
+# The reference gathers every query's selected keys at once, (B, Hkv, Tq, S * block_size, D): at the GPU cases'
+# lengths (T 16384-65536) in float64 that and its gradient are 70-140 GB, more than an H100 holds (seen on one,
+# OOM). Above this many gathered elements it runs over query chunks instead (each chunk against the keys up to its
+# last query, which is all a causal query sees), each chunk's gradients summed in float64 and rounded once.
+REF_CHUNK_ELEMENTS = 1 << 28
+
+
+def reference_chunk(q, k, idx, block_size) -> int:
+    """Queries per chunk of the reference in `forward_and_grads` (all of them when the gather is small)."""
+    B, Tq, _, D = q.shape
+    per_query = B * k.shape[2] * idx.shape[-1] * block_size * D
+    return max(1, min(Tq, REF_CHUNK_ELEMENTS // per_query))
+
+
 def forward_and_grads(q, k, v, idx, block_size, grad_out, **kw):
     """Output and (dq, dk, dv) for leaf copies of q, k, v."""
     leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
-    out = selected_attention(*leaves, idx, block_size, **kw)
-    grads = torch.autograd.grad(out, leaves, grad_out.to(out.dtype))
-    return out, grads
+    Tq, Tk = q.shape[1], k.shape[1]
+    chunk = reference_chunk(q, k, idx, block_size) if kw.get("impl") == "reference" else Tq
+    if chunk >= Tq:
+        out = selected_attention(*leaves, idx, block_size, **kw)
+        grads = torch.autograd.grad(out, leaves, grad_out.to(out.dtype))
+        return out, grads
+    outs, sums = [], [torch.zeros_like(x, dtype=torch.float64) for x in leaves]
+    for s in range(0, Tq, chunk):
+        e = min(Tq, s + chunk)
+        keys = Tk - Tq + e  # the chunk's last query sits at key position keys - 1
+        parts = [leaves[0][:, s:e], leaves[1][:, :keys], leaves[2][:, :keys]]
+        out = selected_attention(*parts, idx[:, s:e], block_size, **kw)
+        dq, dk, dv = torch.autograd.grad(out, parts, grad_out[:, s:e].to(out.dtype))
+        sums[0][:, s:e] += dq.double()
+        sums[1][:, :keys] += dk.double()
+        sums[2][:, :keys] += dv.double()
+        outs.append(out.detach())
+    return torch.cat(outs, 1), tuple(total.to(q.dtype) for total in sums)
+
+
+@pytest.mark.parametrize("case", [(2, 40, 40, 4, 2, 8, 16, 3), (1, 29, 45, 6, 2, 12, 8, 4)])
+def test_chunked_reference_equals_the_whole_one(case, monkeypatch):
+    """The long GPU cases' reference runs in query chunks: here forced on small cases (Tq == Tk and Tq < Tk, chunks
+    cut mid-block), float64, against the reference over every query at once."""
+    B, Tq, Tk, H, Hkv, D, bs, S = case
+    q, k, v = random_qkv(B, Tq, Tk, H, Hkv, D, torch.float64, seed=4)
+    idx = make_block_indices(B, Tq, Tk, Hkv, bs, S, seed=5)
+    grad_out = torch.randn(B, Tq, H, D, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    whole, whole_grads = forward_and_grads(q, k, v, idx, bs, grad_out, impl="reference")
+    monkeypatch.setattr(sys.modules[__name__], "REF_CHUNK_ELEMENTS", 7 * B * Hkv * S * bs * D)  # 7 queries a chunk
+    assert reference_chunk(q, k, idx, bs) == 7
+    out, grads = forward_and_grads(q, k, v, idx, bs, grad_out, impl="reference")
+    torch.testing.assert_close(out, whole, rtol=0, atol=1e-12)
+    for got, want in zip(grads, whole_grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
 def max_err(got, truth):
