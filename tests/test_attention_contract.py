@@ -172,3 +172,33 @@ def test_few_query_attention_equals_sdpa_with_ragged_masks(heads, kv_heads, t):
     mask = (torch.arange(length)[None, None, :] <= slots[:, :, None])[:, None]  # (B, 1, T, L)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=heads != kv_heads)
     torch.testing.assert_close(few_query_attention(q, k, v, mask), want, rtol=1e-12, atol=1e-12)
+
+
+def test_growing_masks_keep_sdpa_off_cudnn_on_cuda_only():
+    """A decode step's mask grows by a key every step: on CUDA SDPA must not pick cuDNN (a graph per shape)."""
+    from efftx.attention.full import growing_mask_backends
+
+    backends = torch.backends.cuda
+    with growing_mask_backends(torch.device("cuda")):
+        assert not backends.cudnn_sdp_enabled() and not backends.flash_sdp_enabled()  # flash takes no mask anyway
+        assert backends.mem_efficient_sdp_enabled() and backends.math_sdp_enabled()
+    assert backends.cudnn_sdp_enabled()  # restored
+    with growing_mask_backends(torch.device("cpu")):
+        assert backends.cudnn_sdp_enabled() and backends.flash_sdp_enabled()  # nothing changes off CUDA
+
+
+def test_full_attention_guards_its_ragged_decode_steps_only(monkeypatch):
+    """The guard wraps SDPA in the cached steps of ragged rows (decode, verify), not in training passes or plain
+    prefills."""
+    import contextlib
+
+    from efftx.attention import full
+    from efftx.generation.decode import generate
+
+    calls = []
+    monkeypatch.setattr(full, "growing_mask_backends", lambda device: calls.append(device) or contextlib.nullcontext())
+    model = tiny_lm("full")
+    model(tokens())  # a training-shaped pass: no cache, no mask
+    assert calls == []
+    generate(model, [[5, 6, 7, 8, 9], [42]], 4, temperature=0)  # ragged rows decoded together
+    assert calls and all(device.type == "cpu" for device in calls)

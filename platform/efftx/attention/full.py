@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -15,6 +17,21 @@ def causal_offset_mask(t_q: int, t_k: int, device: torch.device) -> torch.Tensor
     q_pos = torch.arange(t_k - t_q, t_k, device=device)[:, None]
     k_pos = torch.arange(t_k, device=device)[None, :]
     return k_pos <= q_pos
+
+
+def growing_mask_backends(device: torch.device):
+    """Where SDPA runs with a mask whose key length grows from call to call (cached decode and verify steps of
+    ragged rows: the mask is (B, 1, T, L), T <= SMALL_QUERY, L longer every step): on CUDA, SDPA's
+    memory-efficient or math kernel, not cuDNN's. cuDNN attention builds an execution graph per shape, so a new
+    key length every step would rebuild one every step (40-50 ms each, as others measured); on an H100 one cached
+    step of `full` at context 8192 took 43 ms (bench/decode_cost.py), 16-32x the other backends' steps. This guard
+    went in after that GPU was given back: whether cuDNN was the cause is still to be measured. A no-op elsewhere
+    and while compiling (compiled decoding's caches have fixed shapes)."""
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 SMALL_QUERY = 16  # compiled cached passes of at most this many tokens per row (decode, verify) use matmuls
@@ -65,6 +82,8 @@ class FullAttention(AttentionBackend):
         if rows is not None and t_q <= SMALL_QUERY and dropout == 0.0 and torch.compiler.is_compiling():
             out = few_query_attention(q, k, v, mask)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                                 is_causal=is_causal, enable_gqa=gqa)
+            growing = rows is not None and t_q <= SMALL_QUERY  # a decode or verify step over ragged rows
+            with growing_mask_backends(q.device) if growing else contextlib.nullcontext():
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                                     is_causal=is_causal, enable_gqa=gqa)
         return out.transpose(1, 2)  # (B, T, H, D)
