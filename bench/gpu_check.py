@@ -1,7 +1,15 @@
 """The GPU check: every CUDA path of efftx in one command, one table.
 
     make gpu-check                                    # = python bench/gpu_check.py (one CUDA GPU, < 10 min on an H100)
-    python bench/gpu_check.py [--only kernels,train,decode,nsa,serve] [--quick] [--out DIR] [--device cuda|cpu]
+    python bench/gpu_check.py [--only kernels,train,decode,nsa,scaling,cost,serve] [--quick] [--out DIR]
+                              [--device cuda|cpu] [--kernel-jobs N] [--nsa-lengths T ...] [--scaling-lengths T ...]
+
+On a GPU machine with only torch and triton (no project venv: no Ray, DeepSpeed or MLflow), from the checkout:
+
+    PYTHONPATH=platform:bench python3 bench/gpu_check.py --only kernels,decode,nsa,scaling,cost --out DIR
+
+(about 7 minutes on an H100; the train and serve sections need the project installed and are refused, naming
+what is missing, when it is not).
 
 Sections (each row: pass / FAIL / skip with the reason, and its figures):
 
@@ -16,8 +24,10 @@ Sections (each row: pass / FAIL / skip with the reason, and its figures):
   speculative pair the train section trained (untrained debug models otherwise); greedy speculative output must
   equal greedy base output; compiled decoding (``compile="on"``: CUDA graphs) beside the eager base, its greedy
   tokens equal to the base's (a correctness row in fp32) and its tokens/s, compile time apart.
-* ``nsa``: ``bench/nsa.py`` on CUDA (Triton NSA vs SDPA forward and forward+backward to T=65536, kernel vs the
-  torch reference), its tables passed through.
+* ``nsa``: ``bench/nsa.py`` on CUDA (Triton NSA vs SDPA flash, forward and forward+backward, to T=65536; the
+  kernel vs its torch reference; a train step; torch.profiler's table of the layer), its tables passed through.
+* ``scaling``: ``bench/attention_scaling.py --device cuda``: every backend's layer against SDPA flash, bf16.
+* ``cost``: ``bench/decode_cost.py --device cuda``: one cached decoding step per backend at contexts 2048 / 8192.
 * ``serve``: the Serve app on the device: ``/generate`` in both modes and ``/images/generate`` answered, and
   ``/models/info`` naming the device.
 
@@ -43,7 +53,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
-SECTIONS = ("kernels", "train", "decode", "nsa", "serve")
+SECTIONS = ("kernels", "train", "decode", "nsa", "scaling", "cost", "serve")
 
 # family -> (job script, recipe, extra overrides); the speculative and DALL-E jobs train two models each.
 FAMILIES = {
@@ -330,20 +340,45 @@ def compiled_decode_rows(target, prompts, new: int, batch: int, base_s: float, b
                 f"first call {first_s:.1f} s (compiles)", correctness=False)]
 
 
-# ------------------------------------------------------------------------------------------------ nsa bench
-def check_nsa(args, out: Path) -> list[Row]:
+# ------------------------------------------------------------------------------------------------ benches
+def bench_section(section: str, name: str, cmd: list[str], args, out: Path) -> list[Row]:
+    """A bench of bench/ on CUDA, its tables passed through (printed and kept in OUT/<section>.log): pass when it
+    ran to the end, FAIL when it crashed or ran past --timeout."""
     if args.device != "cuda":
-        return [Row("nsa", "bench/nsa.py on CUDA", "skip", "no CUDA device")]
-    cmd = [PY, "bench/nsa.py", "--no-cpu"] + (["--quick"] if args.quick else [])
+        return [Row(section, name, "skip", "no CUDA device")]
     try:
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return [Row("nsa", "bench/nsa.py --no-cpu", "FAIL", f"no result within {args.timeout} s")]
-    (out / "nsa.log").write_text(proc.stdout + proc.stderr)
+        proc = subprocess.run([PY, *cmd], cwd=REPO, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired as exc:  # what it printed so far is kept
+        partial = exc.stdout or b""
+        (out / f"{section}.log").write_text(partial.decode() if isinstance(partial, bytes) else partial)
+        return [Row(section, name, "FAIL", f"no result within {args.timeout} s")]
+    (out / f"{section}.log").write_text(proc.stdout + proc.stderr)
     print(proc.stdout)
     if proc.returncode != 0:
-        return [Row("nsa", "bench/nsa.py --no-cpu", "FAIL", (proc.stderr.strip().splitlines() or ["?"])[-1][:200])]
-    return [Row("nsa", "bench/nsa.py --no-cpu", "pass", f"tables in {out / 'nsa.log'}")]
+        return [Row(section, name, "FAIL", (proc.stderr.strip().splitlines() or ["?"])[-1][:200])]
+    return [Row(section, name, "pass", f"tables in {out / (section + '.log')}")]
+
+
+def check_nsa(args, out: Path) -> list[Row]:
+    """bench/nsa.py on CUDA: the NSA layer (Triton kernel) vs SDPA flash, the kernel vs its reference, a train
+    step, and a torch.profiler table of the layer at the longest length."""
+    lengths = sorted(args.nsa_lengths)
+    profile = 4096 if args.quick else lengths[-2 if len(lengths) > 1 else -1]  # the longest but one: quicker
+    cmd = ["bench/nsa.py", "--no-cpu", "--gpu-lengths", *map(str, lengths), "--profile", str(profile)]
+    return bench_section("nsa", "bench/nsa.py --no-cpu", cmd + (["--quick"] if args.quick else []), args, out)
+
+
+def check_scaling(args, out: Path) -> list[Row]:
+    """bench/attention_scaling.py on CUDA: every backend's layer fwd+bwd against SDPA flash, bf16."""
+    cmd = ["bench/attention_scaling.py", "--device", "cuda", "--lengths", *map(str, args.scaling_lengths),
+           "--rounds", "1", "--repeats", "5"]
+    return bench_section("scaling", "bench/attention_scaling.py --device cuda", cmd, args, out)
+
+
+def check_cost(args, out: Path) -> list[Row]:
+    """bench/decode_cost.py on CUDA: one cached decoding step per backend at long context."""
+    cmd = ["bench/decode_cost.py", "--device", "cuda", "--contexts", "2048", "8192", "--rounds", "1"]
+    return bench_section("cost", "bench/decode_cost.py --device cuda", cmd, args, out)
 
 
 # ------------------------------------------------------------------------------------------------ serve
@@ -393,6 +428,13 @@ def check_serve(args, summaries: dict) -> list[Row]:
 
 
 # ------------------------------------------------------------------------------------------------ main
+def importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a broken or half-installed package
+        return False
+
+
 def environment(device: str) -> str:
     import torch
 
@@ -413,6 +455,8 @@ def run(argv: list[str] | None = None) -> tuple[int, list[Row]]:
     p.add_argument("--parallel", type=int, default=4, help="train runs at once")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--nsa-lengths", type=int, nargs="+", default=[2048, 8192, 32768, 65536], metavar="T")
+    p.add_argument("--scaling-lengths", type=int, nargs="+", default=[2048, 8192, 16384, 32768], metavar="T")
     p.add_argument("--kernel-jobs", type=int, default=1, help="kernels section: pytest-xdist processes (1: none)")
     p.add_argument("--timeout", type=int, default=480, help="seconds per subprocess")
     p.add_argument("--out", default=None, help="where logs and the table go (default: a new temp folder)")
@@ -427,15 +471,15 @@ def run(argv: list[str] | None = None) -> tuple[int, list[Row]]:
         p.error(f"unknown families/sections: {unknown}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda, but torch sees no CUDA device")
-    missing = {section: [m for m in SECTION_NEEDS[section] if importlib.util.find_spec(m) is None]
+    missing = {section: [m for m in SECTION_NEEDS[section] if not importable(m)]
                for section in args.only.split(",") if section in SECTION_NEEDS}
     missing = {section: mods for section, mods in missing.items() if mods}
     if missing:
         p.error("; ".join(f"section {section} needs {', '.join(mods)}, which this Python cannot import"
                           for section, mods in missing.items())
                 + f" ({sys.executable}): install the project (make setup, then .venv/bin/python), or leave the "
-                  "section out, e.g. --only kernels,decode,nsa with PYTHONPATH=platform:bench on a GPU image that "
-                  "has only torch and triton")
+                  "section out, e.g. --only kernels,decode,nsa,scaling,cost with PYTHONPATH=platform:bench on a GPU "
+                  "image that has only torch and triton")
     out = Path(args.out or tempfile.mkdtemp(prefix="efftx-gpu-check-"))
     out.mkdir(parents=True, exist_ok=True)
     only = args.only.split(",")
@@ -451,6 +495,10 @@ def run(argv: list[str] | None = None) -> tuple[int, list[Row]]:
         rows += check_decode(args, summaries)
     if "nsa" in only:
         rows += check_nsa(args, out)
+    if "scaling" in only:
+        rows += check_scaling(args, out)
+    if "cost" in only:
+        rows += check_cost(args, out)
     if "serve" in only:
         rows += check_serve(args, summaries)
     failed = [r for r in rows if r.status == "FAIL" and r.correctness]

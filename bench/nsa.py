@@ -1,7 +1,7 @@
 """Native Sparse Attention vs full attention: one layer, the selected-block kernel, one training step.
 
     python bench/nsa.py [--quick] [--cpu-lengths 2048 4096 8192 16384 32768] [--gpu-lengths ... 65536]
-                        [--no-cpu] [--repeats N] [--rounds N] [--composed]
+                        [--no-cpu] [--repeats N] [--rounds N] [--composed] [--profile T]
 
 One attention layer of the NSA seed (8 query heads, 4 kv heads, head dim 64, compressed blocks of 16,
 selection blocks of 16, 4 selected, window 64; batch 1, causal), with its projections (q, kv, output,
@@ -201,6 +201,38 @@ def step_table(repeats: int) -> None:
     print(f"nsa speed relative to full: {_ratio(full, nsa, 'step_s')} (the original repo reports 0.4x at T=512)")
 
 
+def profile_layer(t: int, device: str, rows: int = 20) -> None:
+    """torch.profiler's table of one fwd+bwd of the NSA layer (seed settings) at ``t``: where its time and memory
+    go, top ``rows`` operations by device time (CPU time without CUDA)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from efftx import recipes
+    from efftx.attention.base import AttentionSpec
+    from efftx.models.layers import Attention, Rotary
+
+    cfg = recipes.get(RECIPE).override({"attention.kind": "nsa", "model.max_seq_len": t})
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    spec = AttentionSpec.from_config(cfg.model, cfg.attention, seed=cfg.train.seed)
+    layer = Attention(spec, Rotary(spec.head_dim, t)).to(device=device, dtype=dtype).train()
+    x = torch.randn(1, t, spec.dim, device=device, dtype=dtype, requires_grad=True)
+
+    def step():
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        layer(x).float().sum().backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    step()  # warm-up (Triton compiles)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities, profile_memory=True) as prof:
+        step()
+    key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    print(f"\nprofile of one NSA layer fwd+bwd at T={t}, {device}, {str(dtype)[6:]} (top {rows} by {key})")
+    print(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small lengths, one repeat: a smoke run")
@@ -210,6 +242,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2, help="CPU layer table: measure every point this many times")
     p.add_argument("--composed", action="store_true", help="CPU: nsa on its branch-by-branch composition")
+    p.add_argument("--profile", type=int, default=0, metavar="T",
+                   help="also print torch.profiler's table of the NSA layer's fwd+bwd at T (on CUDA when present)")
     p.add_argument("--point", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.point:
@@ -230,6 +264,8 @@ def main() -> None:
         step_table(max(args.repeats, 5))
     else:
         print("\n(no CUDA device: the GPU tables are skipped)")
+    if args.profile:
+        profile_layer(args.profile, "cuda" if torch.cuda.is_available() else "cpu")
 
 
 if __name__ == "__main__":

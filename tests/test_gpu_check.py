@@ -124,3 +124,21 @@ def test_a_section_whose_packages_are_missing_is_refused_naming_them(monkeypatch
     assert not (tmp_path / "gpu_check.md").exists()  # nothing ran
     code, rows = gpu_check.run(["--device", "cpu", "--only", "decode", "--new-tokens", "4", "--out", str(tmp_path)])
     assert code == 0 and any(r.section == "decode" and r.status == "pass" for r in rows)  # the rest still runs
+
+
+def test_bench_sections_pass_through_what_ran_and_fail_what_crashed_or_hung(tmp_path):
+    """The nsa / scaling / cost sections run a bench in a subprocess on CUDA (here: stand-in commands, the device
+    said to be cuda): its tables kept in OUT/<section>.log; a crash is a FAIL naming its last error line, a bench
+    past --timeout a FAIL keeping what it printed; without CUDA a skip."""
+    args = type("Args", (), {"device": "cuda", "timeout": 5})()
+    ok = gpu_check.bench_section("cost", "a bench", ["-c", "print('| T | ms |')"], args, tmp_path)
+    assert [r.status for r in ok] == ["pass"] and "| T | ms |" in (tmp_path / "cost.log").read_text()
+    crash = gpu_check.bench_section("nsa", "a bench", ["-c", "raise SystemExit('CUDA out of memory at T=65536')"],
+                                    args, tmp_path)
+    assert crash[0].status == "FAIL" and crash[0].correctness and "CUDA out of memory" in crash[0].detail
+    hung = gpu_check.bench_section("scaling", "a bench", ["-c", "import time; print('T=2048 done', flush=True); "
+                                                          "time.sleep(30)"], args, tmp_path)
+    assert hung[0].status == "FAIL" and "within 5 s" in hung[0].detail
+    assert "T=2048 done" in (tmp_path / "scaling.log").read_text()
+    args.device = "cpu"
+    assert gpu_check.bench_section("cost", "a bench", ["-c", "raise SystemExit(1)"], args, tmp_path)[0].status == "skip"
