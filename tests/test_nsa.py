@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from efftx import attention, recipes
+from efftx.attention import nsa as nsa_module
 from efftx.attention import nsa_cpu
 from efftx.attention.base import AttentionSpec
 from efftx.attention.cache import RaggedCacheError
@@ -725,8 +726,10 @@ def chunked(case, chunk=None, dtype=torch.float32, kernel="on"):
 
 @pytest.fixture
 def small_subchunks(monkeypatch):
-    """Sub-chunks of the selected branch of 3 queries (with B * Hkv = 4), so they end inside chunks."""
+    """Sub-chunks of the selected branch of 3 queries (with B * Hkv = 4), so they end inside chunks; on the branch
+    composition, the selection and the straight-through gradient's backward in chunks of 6-25 queries."""
     monkeypatch.setattr(nsa_cpu, "SELECTED_ROWS", 12)
+    monkeypatch.setattr(nsa_module, "_SCORE_CHUNK_CPU", 1500)
 
 
 # T = 150: the default chunk (64) leaves a partial last chunk; 150 is no multiple of any block size

@@ -315,6 +315,46 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return out.view(b, nq, h, c, d).transpose(2, 3).reshape(b, nq * c, h, d)[:, :tq]
 
 
+class _StraightThrough(torch.autograd.Function):
+    """:meth:`NativeSparseAttention.straight_through`: zeros forward, the slot importances' gradient backward,
+    query chunk by query chunk (each chunk's parts and importances recomputed, nothing kept between chunks)."""
+
+    @staticmethod
+    def forward(ctx, q, ck, k, v, idx, pos, backend):
+        ctx.save_for_backward(q, ck, k, v, idx, pos)
+        ctx.backend = backend
+        return torch.zeros_like(q)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, ck, k, v, idx, pos = ctx.saved_tensors
+        nsa: NativeSparseAttention = ctx.backend
+        want_q, want_ck = ctx.needs_input_grad[:2]
+        b, tq, h, d = q.shape
+        hkv = ck.shape[2]
+        budget = _SCORE_CHUNK_CPU if q.device.type == "cpu" else _SCORE_CHUNK_ACCELERATOR
+        chunk = max(1, budget // max(1, b * h * ck.shape[1]))
+        dq = torch.zeros_like(q) if want_q else None
+        dck = torch.zeros(ck.shape, dtype=torch.promote_types(ck.dtype, torch.float32), device=ck.device) \
+            if want_ck else None
+        ck_leaf = ck.detach().requires_grad_(want_ck)
+        for a in range(0, tq, chunk):
+            e = min(a + chunk, tq)
+            part = nsa.slot_parts(q[:, a:e], k, v, idx[:, a:e], pos[a:e])  # (B, c, Hkv, G, n_sel, D)
+            g = grad[:, a:e].reshape(b, e - a, hkv, h // hkv, 1, d).to(part.dtype)
+            ds = (g * part).sum((3, 5))  # (B, c, Hkv, n_sel): d loss / d s
+            with torch.enable_grad():
+                q_leaf = q[:, a:e].detach().requires_grad_(want_q)
+                s = nsa.slot_importance(q_leaf, ck_leaf, idx[:, a:e], pos[a:e], k.shape[1])
+                wrt = [t for t, want in ((q_leaf, want_q), (ck_leaf, want_ck)) if want]
+                got = list(torch.autograd.grad(s, wrt, ds.to(s.dtype)))
+            if want_q:
+                dq[:, a:e] = got.pop(0)
+            if want_ck:
+                dck += got.pop(0)
+        return dq, dck.to(ck.dtype) if want_ck else None, None, None, None, None, None
+
+
 class BlockCompressor(nn.Module):
     """Learned compression of key (or value) blocks: (B, L, Hkv, D) -> (B, N, Hkv, D).
 
@@ -714,45 +754,58 @@ class NativeSparseAttention(AttentionBackend):
 
     def straight_through(self, q, k, v, ck, idx, pos) -> torch.Tensor:
         """diff_topk on the branch-by-branch path: ``sum_j (s_j - s_j.detach()) * O_j`` (B, Tq, H, D), zero in
-        value, where ``O_j`` is the part of the selected output that past slot ``j``'s block contributes (computed
-        without autograd) and ``s_j`` that block's importance, recomputed with autograd from q and the compressed
-        keys. Holds (B, H, Tq, Nc) probabilities and the (B, Tq, Hkv, slots x l', D) gathered keys: a fallback
-        for the accelerator path (the chunked CPU path adds the same gradient inside its backward). With
+        value, where ``O_j`` is the part of the selected output that past slot ``j``'s block contributes and
+        ``s_j`` that block's importance, with autograd from q and the compressed keys. With
         ``diff_topk_gate=keys``, ``O_j`` is instead the output's derivative in a gate on slot ``j``'s keys,
-        ``sum_i P_i S_i (v_i - O)`` over its keys ``i``."""
-        b, tq, h, d = q.shape
-        tk, hkv, nc, grp = k.shape[1], k.shape[2], ck.shape[1] - self.mem, h // k.shape[2]
-        n_blocks, l = -(-tk // self.sel_block), self.sel_block
-        past = idx[..., 1:]  # (B, Tq, Hkv, n_sel)
-        if nc == 0 or past.shape[-1] == 0:
+        ``sum_i P_i S_i (v_i - O)`` over its keys ``i``. The accelerator path's form of it (the chunked CPU path
+        adds the same gradient inside its backward): the forward returns zeros and keeps only its inputs; the
+        backward walks the queries in chunks (the selection's score budget) and, per chunk, recomputes ``O_j``
+        without autograd and the importances ``s`` with it, and back-propagates ``sum(grad * O_j)`` into q and ck.
+        Nothing of size (Tq, compressed blocks) or (Tq, selected keys, D) is held beyond one chunk: held for the
+        whole sequence (autograd kept them), they were 1.6 GB of the composed layer's 4.1 GB peak at T = 8192
+        (CPU, bench/nsa.py --composed; now 2.6 GB), and on an H100 the layer's peak was 13 GB at T = 32768, 33x
+        flash attention's (measured before this change)."""
+        if ck.shape[1] == self.mem or idx.shape[-1] <= 1:
             return torch.zeros_like(q)
-        qg = q.view(b, tq, hkv, grp, d)
-        work = torch.promote_types(q.dtype, torch.float32)
-        scores = torch.einsum("bthgd,bnhd->bhgtn", qg, ck).to(work) * self.scale
+        return _StraightThrough.apply(q, ck, k.detach(), v.detach(), idx, pos, self)
+
+    def slot_importance(self, q, ck, idx, pos, n_keys: int) -> torch.Tensor:
+        """Importances (B, Tq, Hkv, n_sel) of each query's past slots ``idx[..., 1:]`` (0 for unused slots), with
+        autograd from q (B, Tq, H, D) and ck (B, M + Nc, Hkv, D)."""
+        b, tq, h, d = q.shape
+        hkv = ck.shape[2]
+        past = idx[..., 1:]
+        scores = torch.einsum("bthgd,bnhd->bhgtn", q.view(b, tq, hkv, h // hkv, d), ck)
+        scores = scores.to(torch.promote_types(q.dtype, torch.float32)) * self.scale
         seen = torch.arange(ck.shape[1], device=q.device) < (
             self.mem + visible_blocks(pos, self.block, self.stride)[:, None])
-        imp = self.importance(scores, seen, pos, n_blocks).permute(0, 2, 1, 3)  # (B, Tq, Hkv, n_blocks)
-        s = imp.gather(-1, past.clamp(min=0)) * (past >= 0)  # (B, Tq, Hkv, n_sel)
-        with torch.no_grad():
-            key = idx[..., None] * l + torch.arange(l, device=q.device)  # (B, Tq, Hkv, S, l)
-            ok = (idx[..., None] >= 0) & (key <= pos.view(1, tq, 1, 1, 1))
-            flat = key.clamp(0, tk - 1).flatten(-2).permute(0, 2, 1, 3).reshape(b, hkv, -1)  # (B, Hkv, Tq * S * l)
-            gather = lambda t: t.transpose(1, 2).gather(2, flat[..., None].expand(-1, -1, -1, d))  # noqa: E731
-            ks, vs = (gather(t).view(b, hkv, tq, -1, d) for t in (k, v))  # (B, Hkv, Tq, S * l, D)
-            raw = torch.einsum("bthgd,bhtnd->bhtgn", qg, ks).to(work) * self.scale
-            att = raw.masked_fill(~ok.flatten(-2).permute(0, 2, 1, 3)[:, :, :, None], float("-inf")).softmax(-1)
-            att = att.nan_to_num(0.0)
-            if self.opts.diff_topk_gate == "keys":  # d O / d (slot gate) = sum over its keys of P S (v - O)
-                o = torch.einsum("bhtgn,bhtnd->bhtgd", att, vs.to(work))  # (B, Hkv, Tq, G, D) the selected output
-                w = (att * raw).unflatten(-1, (-1, l))  # (B, Hkv, Tq, G, S, l') P S
-                part = (torch.einsum("bhtgsl,bhtsld->bthgsd", w, vs.to(work).unflatten(-2, (-1, l)))
-                        - w.sum(-1).permute(0, 2, 1, 3, 4)[..., None] * o.permute(0, 2, 1, 3, 4)[..., None, :])
-                part = part.to(q.dtype)[..., 1:, :]
-            else:
-                part = torch.einsum("bhtgsl,bhtsld->bthgsd", att.to(q.dtype).unflatten(-1, (-1, l)),
-                                    vs.unflatten(-2, (-1, l)))[..., 1:, :]  # (B, Tq, Hkv, G, n_sel, D)
-        coef = (s - s.detach()).to(q.dtype)[:, :, :, None, :, None]
-        return (coef * part).sum(-2).reshape(b, tq, h, d)
+        imp = self.importance(scores, seen, pos, -(-n_keys // self.sel_block)).permute(0, 2, 1, 3)
+        return imp.gather(-1, past.clamp(min=0)) * (past >= 0)  # (B, Tq, Hkv, n_sel)
+
+    @torch.no_grad()
+    def slot_parts(self, q, k, v, idx, pos) -> torch.Tensor:
+        """``O_j`` of :meth:`straight_through` for each query's past slots: (B, Tq, Hkv, G, n_sel, D), float32 (or
+        float64)."""
+        b, tq, h, d = q.shape
+        tk, hkv, l = k.shape[1], k.shape[2], self.sel_block
+        grp, work = h // hkv, torch.promote_types(q.dtype, torch.float32)
+        qg = q.view(b, tq, hkv, grp, d)
+        key = idx[..., None] * l + torch.arange(l, device=q.device)  # (B, Tq, Hkv, S, l)
+        ok = (idx[..., None] >= 0) & (key <= pos.view(1, tq, 1, 1, 1))
+        flat = key.clamp(0, tk - 1).flatten(-2).permute(0, 2, 1, 3).reshape(b, hkv, -1)  # (B, Hkv, Tq * S * l)
+        gather = lambda t: t.transpose(1, 2).gather(2, flat[..., None].expand(-1, -1, -1, d))  # noqa: E731
+        ks, vs = (gather(t).view(b, hkv, tq, -1, d) for t in (k, v))  # (B, Hkv, Tq, S * l, D)
+        raw = torch.einsum("bthgd,bhtnd->bhtgn", qg, ks).to(work) * self.scale
+        att = raw.masked_fill(~ok.flatten(-2).permute(0, 2, 1, 3)[:, :, :, None], float("-inf")).softmax(-1)
+        att = att.nan_to_num(0.0)
+        if self.opts.diff_topk_gate == "keys":  # d O / d (slot gate) = sum over its keys of P S (v - O)
+            o = torch.einsum("bhtgn,bhtnd->bhtgd", att, vs.to(work))  # (B, Hkv, Tq, G, D) the selected output
+            w = (att * raw).unflatten(-1, (-1, l))  # (B, Hkv, Tq, G, S, l') P S
+            part = (torch.einsum("bhtgsl,bhtsld->bthgsd", w, vs.to(work).unflatten(-2, (-1, l)))
+                    - w.sum(-1).permute(0, 2, 1, 3, 4)[..., None] * o.permute(0, 2, 1, 3, 4)[..., None, :])
+            return part.to(q.dtype).to(work)[..., 1:, :]
+        return torch.einsum("bhtgsl,bhtsld->bthgsd", att.to(q.dtype).unflatten(-1, (-1, l)),
+                            vs.unflatten(-2, (-1, l)))[..., 1:, :].to(work)  # (B, Tq, Hkv, G, n_sel, D)
 
     # ------------------------------------------------------------------------------------ forward
 
