@@ -32,7 +32,7 @@ def test_cpu_run_trains_judges_decodes_and_writes_the_table(tmp_path):
     assert train.status == "pass" and "skipped steps after warm-up 0" in train.detail
     assert by_name[("decode", "batch 8, greedy speculative == base")].status == "pass"
     assert by_name[("kernels", "Triton kernel compiled")].status == "skip"
-    assert by_name[("nsa", "bench/nsa.py on CUDA")].status == "skip"
+    assert by_name[("nsa", "bench/nsa.py --no-cpu")].status == "skip"
     assert by_name[("serve", "Serve app on the device")].status == "skip"
     saved = json.loads((tmp_path / "gpu_check.json").read_text())
     assert [r["name"] for r in saved] == [r.name for r in rows]
