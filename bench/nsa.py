@@ -33,24 +33,39 @@ from measure import timed_peak  # bench/measure.py
 RECIPE = "nsa_enwik8"  # the layer's shape and NSA options come from the seed recipe
 
 
+def seed_config(kind: str, t: int):
+    """The seed recipe's config with backend ``kind`` at length ``t``."""
+    from efftx import recipes
+
+    return recipes.get(RECIPE).override({"attention.kind": kind, "model.max_seq_len": t})
+
+
+def seed_layer(cfg, t: int, device: str):
+    """``cfg``'s attention layer (projections, rotary, backend) for length ``t`` on ``device`` (bfloat16 on CUDA,
+    float32 elsewhere), in training mode: (layer, dtype)."""
+    import torch
+
+    from efftx.attention.base import AttentionSpec
+    from efftx.models.layers import Attention, Rotary
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    spec = AttentionSpec.from_config(cfg.model, cfg.attention, seed=cfg.train.seed)
+    return Attention(spec, Rotary(spec.head_dim, t)).to(device=device, dtype=dtype).train(), dtype
+
+
 def measure_layer(kind: str, t: int, device: str, repeats: int, composed: bool = False) -> dict:
     """One attention layer with its projections: forward time, forward+backward time, peak memory of
     forward+backward."""
     import torch
 
     from attention_scaling import flash_only, layer_point  # bench/attention_scaling.py
-    from efftx import recipes
-    from efftx.attention.base import AttentionSpec
-    from efftx.models.layers import Attention, Rotary
 
-    cfg = recipes.get(RECIPE).override({"attention.kind": kind, "model.max_seq_len": t})
-    result = layer_point(cfg, t, device, repeats, composed)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    spec = AttentionSpec.from_config(cfg.model, cfg.attention, seed=cfg.train.seed)
-    layer = Attention(spec, Rotary(spec.head_dim, t)).to(device=device, dtype=dtype).train()
+    cfg = seed_config(kind, t)
+    result = layer_point(cfg, t, device, repeats, composed)  # first: its peak is measured without this layer
+    layer, dtype = seed_layer(cfg, t, device)
     if composed and hasattr(layer.inner, "chunked"):
         layer.inner.chunked = False
-    x = torch.randn(1, t, spec.dim, device=device, dtype=dtype)
+    x = torch.randn(1, t, cfg.model.dim, device=device, dtype=dtype)
     with torch.no_grad(), flash_only(kind, device):
         fwd, _ = timed_peak(lambda: layer(x), device, repeats)
     return {"fwd_s": fwd, "fwd_bwd_s": result["seconds"], "peak_mb": result["peak_mb"]}
@@ -207,15 +222,9 @@ def profile_layer(t: int, device: str, rows: int = 20) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from efftx import recipes
-    from efftx.attention.base import AttentionSpec
-    from efftx.models.layers import Attention, Rotary
-
-    cfg = recipes.get(RECIPE).override({"attention.kind": "nsa", "model.max_seq_len": t})
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    spec = AttentionSpec.from_config(cfg.model, cfg.attention, seed=cfg.train.seed)
-    layer = Attention(spec, Rotary(spec.head_dim, t)).to(device=device, dtype=dtype).train()
-    x = torch.randn(1, t, spec.dim, device=device, dtype=dtype, requires_grad=True)
+    cfg = seed_config("nsa", t)
+    layer, dtype = seed_layer(cfg, t, device)
+    x = torch.randn(1, t, cfg.model.dim, device=device, dtype=dtype, requires_grad=True)
 
     def step():
         layer.zero_grad(set_to_none=True)
