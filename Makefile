@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m efftx.train.ops
 	@# NSA's C++ CPU kernels (efftx/kernels/nsa_selected_cpu.cpp), compiled once for this CPU
 	$(BIN)/python -m efftx.kernels.nsa_selected_cpu
+	@# the few-row CPU linear kernel of decoding steps (efftx/kernels/linear_cpu.cpp)
+	$(BIN)/python -m efftx.kernels.linear_cpu
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -19,6 +19,8 @@ these weights in float32 gets under on this machine: one token's matrix-vector p
 weight of the model alone (batch 1 streams each weight from memory once per token; NSA's compression network,
 run once per block, is not counted), with the ratio that floor would give; and one more generation with every
 attention backend replaced by the identity on q (no cache writes: the rest of the model's cost measured directly).
+Every round also times efftx's decoding with its CPU linear kernel off (every product on ``F.linear``, torch's
+BLAS: the column ``F.linear``), side by side; the weight floor is printed for both.
 Each generation's thread CPU time is taken too, and the ratios of the best CPU times are printed beside the wall-clock ones: on a
 machine shared with other processes they do not count the time this process waited for a core (the goal is judged
 on wall clock).
@@ -152,11 +154,14 @@ def backends_free(model, run) -> float:
             del m.forward
 
 
-def weight_floor(model, repeats: int = 20) -> float:
+def weight_floor(model, repeats: int = 20, product=None) -> float:
     """Seconds per token of only the matrix-vector products with every ``nn.Linear`` weight of ``model``, in module
-    order, at batch 1 (best of ``repeats``): the weight traffic of one decoding step, no other operation."""
+    order, at batch 1 (best of ``repeats``): the weight traffic of one decoding step, no other operation.
+    ``product``: the function computing them (default ``F.linear``; efftx's decoding uses its CPU kernel's)."""
     import torch
     import torch.nn.functional as F
+
+    product = product or F.linear
 
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     inputs = {m.in_features: torch.randn(1, m.in_features, device=m.weight.device, dtype=m.weight.dtype)
@@ -164,7 +169,7 @@ def weight_floor(model, repeats: int = 20) -> float:
 
     def one_token():
         for m in linears:
-            F.linear(inputs[m.in_features], m.weight, m.bias)
+            product(inputs[m.in_features], m.weight, m.bias)
 
     best = float("inf")
     with torch.no_grad():
@@ -204,6 +209,7 @@ def main() -> int:
     import torch
 
     from efftx.generation.decode import generate
+    from efftx.kernels import linear_cpu
 
     rows, missing, shares = [], [], []
     for family in args.families:
@@ -217,36 +223,43 @@ def main() -> int:
             missing.append((family, f"{type(e).__name__}: {e}"))
             ref, what = None, None
         generate(model, prompt, 2, temperature=0)  # warm-up
-        ours, theirs = [], []
+        ours, plain, theirs = [], [], []
         for _ in range(args.rounds):
             ours.append(timed(lambda: generate(model, prompt, args.new_tokens, temperature=0)))
+            with linear_cpu.disabled():  # the same decoding with every product on F.linear (torch's BLAS)
+                plain.append(timed(lambda: generate(model, prompt, args.new_tokens, temperature=0)))
             if ref is not None:
                 theirs.append(timed(lambda: ref(prompt, args.new_tokens)))
 
         def rate(runs, i):  # tokens/s of the best run by wall clock (i = 0) or by thread CPU time (i = 1)
             return args.new_tokens / min(r[i] for r in runs) if runs else None
 
-        rows.append((family, rate(ours, 0), rate(theirs, 0), what, rate(ours, 1), rate(theirs, 1)))
+        rows.append((family, rate(ours, 0), rate(theirs, 0), what, rate(ours, 1), rate(theirs, 1), rate(plain, 0)))
         if args.breakdown:
             total, inside = backend_share(model, lambda: generate(model, prompt, args.new_tokens, temperature=0))
             free = backends_free(model, lambda: generate(model, prompt, args.new_tokens, temperature=0))
             ref_s = min(r[0] for r in theirs) if theirs else None
-            shares.append((family, total, inside, ref_s, weight_floor(model), free))
+            floors = (weight_floor(model, product=linear_cpu.linear), weight_floor(model))
+            shares.append((family, total, inside, ref_s, floors, free))
         del model
 
     print(f"cached decoding, batch 1, prompt {args.prompt_len} tokens, {args.new_tokens} new tokens (greedy), "
           f"{args.device}, {torch.get_num_threads()} threads; best of {args.rounds} rounds; tokens/s")
-    print(f"{'family':10} {'efftx':>9} {'reference':>10} {'ratio':>7}  reference decoding")
-    for family, ours, theirs, what, _, _ in rows:
+    print("efftx: as it decodes (its CPU linear kernel on, efftx.kernels.linear_cpu); F.linear: the same decoding "
+          "with every product on torch's F.linear (EFFTX_CPU_LINEAR=off)")
+    print(f"{'family':10} {'efftx':>9} {'F.linear':>9} {'reference':>10} {'ratio':>7} {'F.linear':>9}  "
+          "reference decoding")
+    for family, ours, theirs, what, _, _, plain in rows:
         ratio = f"{ours / theirs:.2f}x" if theirs else "-"
-        print(f"{family:10} {ours:9.1f} {theirs if theirs is None else round(theirs, 1)!s:>10} {ratio:>7}  "
-              f"{what or 'not measured'}")
+        plain_ratio = f"{plain / theirs:.2f}x" if theirs else "-"
+        print(f"{family:10} {ours:9.1f} {plain:9.1f} {theirs if theirs is None else round(theirs, 1)!s:>10} "
+              f"{ratio:>7} {plain_ratio:>9}  {what or 'not measured'}")
     for family, error in missing:
         print(f"reference for {family} could not be imported or run (not measured): {error[:200]}")
-    for family, _, _, _, ours_cpu, theirs_cpu in rows:
+    for family, _, _, _, ours_cpu, theirs_cpu, _ in rows:
         if theirs_cpu:
             print(f"{family}: by thread CPU time efftx {ours_cpu / theirs_cpu:.2f}x the reference")
-    for family, total, inside, ref_s, floor, free in shares:
+    for family, total, inside, ref_s, (floor, blas_floor), free in shares:
         n = args.new_tokens
         rest = total - inside
         print(f"{family}: efftx {1000 * total / n:.2f} ms/token (prefill included), of it the attention backends "
@@ -258,7 +271,8 @@ def main() -> int:
         print(f"  measured with the attention backends replaced by the identity (no cache writes, no compression): "
               f"{n / free:.1f} tokens/s" + (f", {ref_s / free:.2f}x the reference" if ref_s else ""))
         print(f"  weight floor: one token's matrix-vector products with every Linear weight alone "
-              f"{1000 * floor:.2f} ms ({floor * n / total:.0%} of an efftx token)"
+              f"{1000 * floor:.2f} ms with efftx's CPU kernel, {1000 * blas_floor:.2f} ms with F.linear "
+              f"({blas_floor / floor:.2f}x; the kernel's {floor * n / total:.0%} of an efftx token)"
               + (f"; the ratio with everything else at no cost: {ref_s / n / floor:.2f}x" if ref_s else ""))
     print("goals (issue 15):")
     for family, ours, theirs, *_ in rows:

@@ -104,6 +104,7 @@ from efftx.attention.cache import RowLengths, cache_limit, cache_offset
 from efftx.attention.nsa_cpu import CPU_KERNEL_MODES, _to_selection, logit_importance, nsa_attention
 from efftx.attention.registry import register
 from efftx.errors import ConfigError
+from efftx.kernels.linear_cpu import Linear
 
 # Elements of the (B, H, query chunk, blocks) float32 scores held at once while selecting: 32 MiB on a CPU,
 # 512 MiB on an accelerator (fewer, larger chunks: at T = 65536 a chunk is 4096 queries, not 256).
@@ -637,13 +638,13 @@ class NativeSparseAttention(AttentionBackend):
         self.separate, self.mem = opts.separate_kv, opts.compress_mem_kv
         if self.separate:  # the compressed and window branches' own key/value projections (the layer's: selected)
             width = 2 * spec.kv_heads * spec.head_dim
-            self.kv_cmp = nn.Linear(spec.dim, width, bias=False)
-            self.kv_win = nn.Linear(spec.dim, width, bias=False)
+            self.kv_cmp = Linear(spec.dim, width, bias=False)
+            self.kv_win = Linear(spec.dim, width, bias=False)
         if self.mem:  # learned memory slots leading the compressed keys/values; zeros at first, as the seed's
             self.mem_k = nn.Parameter(torch.zeros(spec.kv_heads, self.mem, spec.head_dim))
             self.mem_v = nn.Parameter(torch.zeros(spec.kv_heads, self.mem, spec.head_dim))
         self.__dict__["rotary"] = None  # the layer's rotary module (use_rotary), a plain attribute: not our child
-        self.gate = nn.Linear(spec.dim, 3 * spec.heads)  # per head: compressed, selected, window
+        self.gate = Linear(spec.dim, 3 * spec.heads)  # per head: compressed, selected, window
         # CPU: all three branches in one chunked autograd.Function (nsa_cpu.py); False = the branch-by-branch
         # composition below (SDPA + selected_attention reference), which CUDA always uses.
         self.chunked = True

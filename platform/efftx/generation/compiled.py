@@ -42,6 +42,7 @@ from typing import Callable
 import torch
 
 from efftx.errors import ConfigError, EfftxError
+from efftx.kernels import linear_cpu
 
 log = logging.getLogger(__name__)
 
@@ -242,6 +243,8 @@ class StaticDecoder:
         p = model.embed.weight
         self.device_type = p.device.type
         self.compiled = compiled
+        if compiled and self.device_type == "cpu":  # its graphs call the few-row linear kernel where it builds
+            linear_cpu.kernel()
         pool = _POOLS.setdefault(model, {}).setdefault((batch, capacity, p.dtype, p.device), [])
         if pool:
             self.cache = pool.pop()

@@ -24,28 +24,20 @@ Work runs on torch's own intra-op threads (``at::parallel_for``; the build links
 ``libgomp`` torch already loaded: one thread pool, not two competing for the cores).
 
 The build uses ``torch.utils.cpp_extension`` (a C++ compiler and ninja; both come with ``make setup``'s
-environment, which also builds the kernel ahead) into ``$TORCH_EXTENSIONS_DIR``, which efftx points at the venv
-(:func:`efftx.train.ops.use_venv_cache`). It compiles for the machine's own CPU (``-march=native``), so the
-build's name carries a digest of the source, the flags and the CPU's feature flags: a cache shared by machines
-with other CPUs never loads a binary built for another one.
+environment, which also builds the kernel ahead), as :mod:`efftx.kernels.cpu_build` describes.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import sys
-import sysconfig
 from pathlib import Path
 
-import torch
+from efftx.kernels.cpu_build import build_name as _build_name
+from efftx.kernels.cpu_build import load_extension
 
 SOURCE = Path(__file__).with_name("nsa_selected_cpu.cpp")
-FLAGS = ("-O3", "-march=native", "-fopenmp")
+PREFIX = "efftx_nsa_selected"
 
 log = logging.getLogger(__name__)
 
@@ -54,46 +46,14 @@ class KernelUnavailable(RuntimeError):
     """``cpu_kernel=on`` and the kernel could not be built or loaded."""
 
 
-def cpu_tag() -> str:
-    """The machine's architecture and CPU feature flags, hashed (what ``-march=native`` compiles for)."""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                flags = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
-
-
 def build_name() -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode())
-    return f"efftx_nsa_selected_{digest.hexdigest()[:10]}_{cpu_tag()}"
+    return _build_name(PREFIX, SOURCE)
 
 
 @functools.cache
 def _load():
     """(module, None) or (None, why it is unavailable); built or loaded once per process."""
-    try:
-        from torch.utils.cpp_extension import load
-
-        from efftx.train.ops import use_venv_cache
-
-        use_venv_cache()
-        path = os.environ.get("PATH", "")
-        scripts = sysconfig.get_path("scripts") or str(Path(sys.executable).parent)
-        if shutil.which("ninja") is None and Path(scripts, "ninja").exists():  # the venv's ninja, off PATH
-            os.environ["PATH"] = scripts + os.pathsep + path
-        try:
-            module = load(name=build_name(), sources=[str(SOURCE)], extra_cflags=list(FLAGS), verbose=False)
-        finally:
-            os.environ["PATH"] = path
-        return module, None
-    except Exception as exc:  # noqa: BLE001 - any build or load failure means: use the torch path
-        lines = str(exc).strip().splitlines() or [""]
-        errors = [line.strip() for line in lines if "error" in line.lower()]  # the compiler's first error, if any
-        return None, f"{type(exc).__name__}: {(errors or lines)[0] if errors else lines[-1]}"
+    return load_extension(PREFIX, SOURCE)
 
 
 def kernel(required: bool = False):

@@ -16,6 +16,7 @@ from efftx import attention
 from efftx.attention.base import AttentionSpec
 from efftx.attention.cache import cache_limit, cache_offset
 from efftx.errors import ConfigError
+from efftx.kernels.linear_cpu import Linear
 
 
 class ScaleNorm(nn.Module):
@@ -120,8 +121,8 @@ class MLP(nn.Module):
     def __init__(self, dim: int, mult: float, dropout: float = 0.0, chunks: int = 1):
         super().__init__()
         hidden = int(dim * mult)
-        self.up = nn.Linear(dim, hidden)
-        self.down = nn.Linear(hidden, dim)
+        self.up = Linear(dim, hidden)
+        self.down = Linear(hidden, dim)
         self.drop = nn.Dropout(dropout)
         self.chunks = chunks
 
@@ -154,9 +155,9 @@ class Attention(nn.Module):
         super().__init__()
         self.spec = spec
         h, hkv, d = spec.heads, spec.kv_heads, spec.head_dim
-        self.q = nn.Linear(spec.dim, h * d, bias=False)
-        self.kv = nn.Linear(spec.dim, 2 * hkv * d, bias=False)
-        self.out = nn.Linear(h * d, spec.dim, bias=False)
+        self.q = Linear(spec.dim, h * d, bias=False)
+        self.kv = Linear(spec.dim, 2 * hkv * d, bias=False)
+        self.out = Linear(h * d, spec.dim, bias=False)
         self.inner = attention.build(spec)
         self.rotary = rotary
         if hasattr(self.inner, "use_rotary"):  # backends with keys of their own (nsa separate_kv) rotate them alike

@@ -13,10 +13,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from efftx.attention.base import AttentionSpec
+from efftx.kernels import linear_cpu
+from efftx.kernels.linear_cpu import Linear
 from efftx.attention.cache import ModelCache
 from efftx.flops import attention_cost
 from efftx.models.layers import Block, Rotary, make_norm
@@ -40,8 +41,8 @@ class LM(nn.Module):
         spec0 = AttentionSpec.from_config(m, attention, seed=seed)
         self.embed = nn.Embedding(m.vocab_size, emb_dim)
         # factorised embedding: a small table, projected up to the model width (and back for the logits)
-        self.emb_in = nn.Linear(emb_dim, m.dim, bias=False) if emb_dim != m.dim else None
-        self.emb_out = nn.Linear(m.dim, emb_dim, bias=False) if emb_dim != m.dim else None
+        self.emb_in = Linear(emb_dim, m.dim, bias=False) if emb_dim != m.dim else None
+        self.emb_out = Linear(m.dim, emb_dim, bias=False) if emb_dim != m.dim else None
         self.rotary = Rotary(spec0.head_dim, m.max_seq_len, m.rotary_base) if m.rotary else None
         self.pos = None if m.rotary else nn.Embedding(m.max_seq_len, m.dim)
         self.blocks = nn.ModuleList(
@@ -52,7 +53,7 @@ class LM(nn.Module):
         self.reversible = ReversibleStack(list(self.blocks)) if m.reversible else None
         self.activation_checkpointing = m.activation_checkpointing  # recompute each block in backward
         self.norm = make_norm(m.norm, m.dim)
-        self.head = None if m.tie_embeddings else nn.Linear(emb_dim, m.vocab_size, bias=False)
+        self.head = None if m.tie_embeddings else Linear(emb_dim, m.vocab_size, bias=False)
         init_weights(self, m)
 
     @staticmethod
@@ -95,7 +96,7 @@ class LM(nn.Module):
         if self.emb_out is not None:
             x = self.emb_out(x)  # (B, T, emb_dim)
         weight = self.embed.weight if self.head is None else self.head.weight
-        return F.linear(x, weight)  # (B, T, vocab)
+        return linear_cpu.linear(x, weight)  # (B, T, vocab)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

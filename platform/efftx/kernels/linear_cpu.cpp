@@ -1,0 +1,116 @@
+// y = x W^T + b for a few rows of x on a CPU: what a decoding step multiplies its Linear weights with (batch 1 is one
+// row, a speculative verify of gamma + 1 tokens a few more). With so few rows the product is bound by reading W
+// from memory; this kernel streams each weight row once and multiplies it with every row of x while it sits in
+// registers.
+//
+// Layouts (contiguous, float32): x (M, K), w (N, K) (nn.Linear's weight, read in place), b (N) or absent, y (M, N).
+//
+// Output rows are split over torch's intra-op threads (at::parallel_for) in blocks of 4 weight rows; each block
+// multiplies its 4 weight rows, 16 floats at a time, with the rows of x in tiles of 4, 2 and 1, keeping one vector
+// accumulator per (x row, weight row). Each output y[m, j] is accumulated in the same order whatever M, the tile
+// holding row m or the thread: a row's result is bit for bit the same alone or among other rows.
+//
+// No autograd: efftx.kernels.linear_cpu calls it only where no gradient is recorded.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace {
+
+constexpr int W = 16;  // floats per vector (one AVX-512 register; two AVX2 ones where the CPU has no AVX-512)
+typedef float vec __attribute__((vector_size(W * sizeof(float))));
+
+inline vec load(const float* p) {
+  vec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline float lanes_sum(vec v) {
+  float s = 0.0f;
+  for (int i = 0; i < W; ++i) s += v[i];
+  return s;
+}
+
+// G rows of x (from xs) against R weight rows (from w): y[g * ldy + r] = x_g . w_r (+ b[r])
+template <int G, int R>
+inline void tile(const float* __restrict xs, const float* __restrict w, const float* __restrict b, int64_t K,
+                 float* __restrict y, int64_t ldy) {
+  vec acc[G][R];
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < R; ++r) acc[g][r] = vec{};
+  int64_t k = 0;
+  for (; k + W <= K; k += W) {
+    vec wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = load(w + r * K + k);
+    for (int g = 0; g < G; ++g) {
+      const vec xv = load(xs + g * K + k);
+      for (int r = 0; r < R; ++r) acc[g][r] += wv[r] * xv;
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < R; ++r) {
+      float s = lanes_sum(acc[g][r]);
+      for (int64_t t = k; t < K; ++t) s += xs[g * K + t] * w[r * K + t];
+      y[g * ldy + r] = b ? s + b[r] : s;
+    }
+}
+
+template <int R>
+void block(const float* x, const float* w, const float* b, int64_t M, int64_t K, float* y, int64_t N) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) tile<4, R>(x + m * K, w, b, K, y + m * N, N);
+  for (; m + 2 <= M; m += 2) tile<2, R>(x + m * K, w, b, K, y + m * N, N);
+  for (; m < M; ++m) tile<1, R>(x + m * K, w, b, K, y + m * N, N);
+}
+
+}  // namespace
+
+// x (..., K) float32, w (N, K), b (N) or None -> (..., N)
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& b) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat, "linear_cpu: float32 only");
+  TORCH_CHECK(!x.is_cuda() && !w.is_cuda(), "linear_cpu: CPU tensors only");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "linear_cpu: the weight must be a contiguous (N, K) matrix");
+  const int64_t K = w.size(1), N = w.size(0);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "linear_cpu: x's last dimension ", x.size(-1), " != K = ", K);
+  const float* bp = nullptr;
+  if (b.has_value() && b->defined()) {
+    TORCH_CHECK(b->scalar_type() == torch::kFloat && b->dim() == 1 && b->size(0) == N && b->is_contiguous(),
+                "linear_cpu: the bias must be a contiguous float32 (N,) vector");
+    bp = b->data_ptr<float>();
+  }
+  const auto x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x2.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t blocks = (N + 3) / 4;
+  at::parallel_for(0, blocks, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t j = i * 4;
+      const float* wj = wp + j * K;
+      const float* bj = bp ? bp + j : nullptr;
+      switch (std::min<int64_t>(4, N - j)) {
+        case 4: block<4>(xp, wj, bj, M, K, yp + j, N); break;
+        case 3: block<3>(xp, wj, bj, M, K, yp + j, N); break;
+        case 2: block<2>(xp, wj, bj, M, K, yp + j, N); break;
+        default: block<1>(xp, wj, bj, M, K, yp + j, N);
+      }
+    }
+  });
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  return y.view(sizes);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear", &linear, "y = x W^T + b for a few rows of x, float32");
+}
+
+// The same function as an operator, efftx::cpu_linear, for graphs torch.compile traces (its shape function is
+// registered from Python, efftx.kernels.linear_cpu); eager calls take the binding above (no dispatcher).
+TORCH_LIBRARY_FRAGMENT(efftx, m) { m.def("cpu_linear(Tensor x, Tensor w, Tensor? b) -> Tensor"); }
+TORCH_LIBRARY_IMPL(efftx, CPU, m) { m.impl("cpu_linear", &linear); }

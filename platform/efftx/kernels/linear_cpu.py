@@ -1,0 +1,142 @@
+"""A Linear layer's product for a few rows on a CPU (decoding steps) as a compiled C++ kernel (``linear_cpu.cpp``).
+
+A decoding step multiplies every Linear weight of the model with one row per sequence (batch 1: one row; a
+speculative verify: gamma + 1 rows), so its time is the time to read the weights. torch's ``F.linear`` hands
+these products to its BLAS, which on this project's CPU machines streams the weights at about a third of the
+memory bandwidth for one row and less for 2 to 16 rows (``bench/decode_reference.py --breakdown`` prints both
+side by side); the kernel reads each weight row once, multiplies it with every input row in registers, and
+splits the output rows over torch's threads.
+
+:func:`linear` is ``F.linear`` with the kernel taking the calls it is for: float32 CPU tensors, at most
+:data:`MAX_ROWS` input rows, a contiguous weight, no autograd graph to record (decoding runs under
+``torch.no_grad`` / ``inference_mode``; training always takes ``F.linear``). Graphs that ``torch.compile``
+traces (compiled decoding, :mod:`efftx.generation.compiled`, which loads the kernel first) call it as the
+operator ``efftx::cpu_linear`` under the same conditions. Each
+output is summed in one fixed order whatever the number of rows, so a row's result is bit for bit the same alone
+or in a batch of up to :data:`MAX_ROWS` (``F.linear`` promises no such thing). ``F.linear`` is the kernel's
+reference (tests/test_linear_cpu.py holds them together over many shapes).
+
+``EFFTX_CPU_LINEAR=off`` (or :func:`disabled`, for side-by-side benches) keeps every call on ``F.linear``; where
+the kernel cannot be built (no C++ compiler, no ninja) the calls take ``F.linear`` and the log says why, once.
+``make setup`` builds it ahead (``python -m efftx.kernels.linear_cpu``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from efftx.kernels.cpu_build import build_name as _build_name
+from efftx.kernels.cpu_build import load_extension
+
+SOURCE = Path(__file__).with_name("linear_cpu.cpp")
+PREFIX = "efftx_linear_cpu"
+MAX_ROWS = 8  # beyond ~16 rows the product is compute-bound and the BLAS is faster (bench/decode_reference.py)
+ENV = "EFFTX_CPU_LINEAR"
+
+log = logging.getLogger(__name__)
+_state = {"enabled": os.environ.get(ENV, "auto").strip().lower() not in ("off", "0", "false", "no")}
+
+
+def build_name() -> str:
+    return _build_name(PREFIX, SOURCE)
+
+
+@functools.cache
+def _load():
+    """(module, None) or (None, why it is unavailable); built or loaded once per process. Loading it also
+    registers the operator ``efftx::cpu_linear`` (and here its shape function) for compiled graphs."""
+    module, why = load_extension(PREFIX, SOURCE)
+    if module is not None:
+        torch.library.register_fake("efftx::cpu_linear")(_shape)
+        _op["ready"] = True
+    return module, why
+
+
+def _shape(x, w, b):
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+_op = {"ready": False}  # efftx::cpu_linear is registered (read while torch.compile traces: a constant there)
+
+
+@functools.cache
+def _warn_once(why: str) -> None:
+    log.warning("efftx's C++ CPU linear kernel is unavailable (%s): decoding's products run on F.linear", why)
+
+
+def kernel():
+    """The compiled module, or None where it cannot be built (said once in the log)."""
+    module, why = _load()
+    if module is None:
+        _warn_once(why)
+    return module
+
+
+def enabled() -> bool:
+    return _state["enabled"]
+
+
+@contextlib.contextmanager
+def disabled():
+    """Every :func:`linear` call inside takes ``F.linear`` (benches measure the kernel side by side with it)."""
+    before = _state["enabled"]
+    _state["enabled"] = False
+    try:
+        yield
+    finally:
+        _state["enabled"] = before
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`linear` hands this call to the kernel (when it is built)."""
+    return (_state["enabled"] and x.device.type == "cpu" and x.dtype == torch.float32
+            and weight.dtype == torch.float32 and weight.is_contiguous() and weight.dim() == 2
+            and x.numel() <= MAX_ROWS * weight.shape[1]
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; few-row float32 CPU products without autograd run the C++ kernel (in a graph
+    torch.compile traces: as the operator ``efftx::cpu_linear``, when the kernel was loaded before tracing)."""
+    if takes(x, weight):
+        if torch.compiler.is_compiling():
+            if _op["ready"]:
+                return torch.ops.efftx.cpu_linear(x, weight, bias)
+        else:
+            module = kernel()
+            if module is not None:
+                return module.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (the same parameters and state dict) whose calls go through :func:`linear`: a decoding step's
+    few-row products run the kernel, every other call (training included) is ``F.linear``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def build(log_line=print) -> float:
+    """Build (or load from the cache) the kernel ahead of the first run; -> seconds. Raises if it cannot."""
+    import time
+
+    start = time.perf_counter()
+    module, why = _load()
+    if module is None:
+        raise RuntimeError(f"efftx's C++ CPU linear kernel could not be built: {why}")
+    seconds = time.perf_counter() - start
+    log_line(f"CPU linear kernel {build_name()}: ready in {seconds:.1f} s")
+    return seconds
+
+
+if __name__ == "__main__":  # make setup: build it ahead, so no run or test pays for the compile
+    build()

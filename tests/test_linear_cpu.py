@@ -1,0 +1,188 @@
+"""efftx's C++ CPU linear kernel (efftx.kernels.linear_cpu): against its reference F.linear over many shapes, a row's
+result the same alone or in a batch, which calls take it, and decoding with it equal to decoding without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from efftx import recipes
+from efftx.generation.decode import generate
+from efftx.kernels import linear_cpu
+from efftx.models import build
+
+MODULE = linear_cpu.kernel()
+
+
+def test_the_kernel_builds_here():
+    """The suite runs where `make setup` built it: a build failure here must fail, not fall back quietly."""
+    assert MODULE is not None, linear_cpu._load()[1]
+
+
+# K: below, at and around one 16-float vector, odd tails, model widths; N: around the 4-row blocks, odd, wide
+SHAPES = [(k, n) for k in (1, 7, 16, 17, 40, 100, 512) for n in (1, 3, 4, 5, 11, 64, 257)]
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_kernel_equals_f_linear_every_row_count_with_and_without_bias(k, n):
+    g = torch.Generator().manual_seed(k * 1000 + n)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 13):
+        x = torch.randn(rows, k, generator=g)
+        for bias in (None, b):
+            want = F.linear(x.double(), w.double(), None if bias is None else bias.double()).float()
+            got = MODULE.linear(x, w, bias)
+            assert got.shape == (rows, n)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * k ** 0.5)
+
+
+def test_kernel_takes_any_leading_shape_and_non_contiguous_inputs():
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(24, 40, generator=g), torch.randn(24, generator=g)
+    x = torch.randn(2, 3, 40, generator=g)
+    torch.testing.assert_close(MODULE.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    xt = torch.randn(40, 3, generator=g).t()  # (3, 40), not contiguous
+    torch.testing.assert_close(MODULE.linear(xt, w, None), F.linear(xt, w), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        MODULE.linear(x, torch.randn(40, 24).t(), None)
+    with pytest.raises(RuntimeError, match="last dimension 39 != K = 40"):
+        MODULE.linear(torch.randn(2, 39), w, None)
+    with pytest.raises(RuntimeError, match="float32"):
+        MODULE.linear(x.double(), w.double(), None)
+
+
+def test_a_rows_result_is_bit_for_bit_the_same_alone_and_in_any_batch():
+    """What makes batched decoding give each row what it gets alone, exactly (F.linear gives no such promise)."""
+    g = torch.Generator().manual_seed(2)
+    for k, n in ((512, 1024), (100, 37), (2048, 512)):
+        w = torch.randn(n, k, generator=g)
+        x = torch.randn(8, k, generator=g)
+        alone = torch.cat([MODULE.linear(x[i:i + 1], w, None) for i in range(8)])
+        for rows in range(2, 9):
+            batch = MODULE.linear(x[:rows], w, None)
+            assert torch.equal(batch, alone[:rows]), (k, n, rows)
+        perm = torch.randperm(8, generator=g)
+        assert torch.equal(MODULE.linear(x[perm], w, None), alone[perm])
+
+
+def test_which_calls_take_the_kernel():
+    w = torch.randn(16, 32, requires_grad=True)
+    x = torch.randn(1, 8, 32)
+    with torch.no_grad():
+        assert linear_cpu.takes(x, w)
+        assert linear_cpu.takes(torch.randn(linear_cpu.MAX_ROWS, 32), w)
+        assert not linear_cpu.takes(torch.randn(linear_cpu.MAX_ROWS + 1, 32), w)  # many rows: the BLAS is faster
+        assert not linear_cpu.takes(x.bfloat16(), w.bfloat16())
+        assert not linear_cpu.takes(torch.randn(1, 16), torch.randn(16, 32).t())  # a weight not (N, K) contiguous
+        with linear_cpu.disabled():
+            assert not linear_cpu.takes(x, w)
+        assert linear_cpu.takes(x, w)
+    assert not linear_cpu.takes(x, w)  # autograd records the product: F.linear
+    assert linear_cpu.takes(x, w.detach())  # nothing to record
+
+
+def test_linear_calls_the_kernel_only_where_it_takes_the_call(monkeypatch):
+    calls = []
+    real = MODULE.linear
+
+    class Spy:
+        @staticmethod
+        def linear(*args):
+            calls.append(args[0].shape)
+            return real(*args)
+
+    monkeypatch.setattr(linear_cpu, "kernel", lambda: Spy)
+    layer = linear_cpu.Linear(32, 16)
+    with torch.no_grad():
+        layer(torch.randn(3, 32))
+        layer(torch.randn(20, 32))
+    out = layer(torch.randn(2, 32))
+    out.sum().backward()  # training: F.linear, with gradients
+    assert layer.weight.grad is not None and layer.bias.grad is not None
+    assert calls == [(3, 32)]
+
+
+def test_an_unbuildable_kernel_falls_back_to_f_linear_and_says_why(monkeypatch, caplog):
+    monkeypatch.setattr(linear_cpu, "_load", lambda: (None, "RuntimeError: no C++ compiler"))
+    linear_cpu._warn_once.cache_clear()
+    w, x = torch.randn(8, 16), torch.randn(1, 16)
+    with caplog.at_level("WARNING", logger=linear_cpu.__name__), torch.no_grad():
+        got = linear_cpu.linear(x, w)
+    assert "CPU linear kernel is unavailable (RuntimeError: no C++ compiler)" in caplog.text
+    assert torch.equal(got, F.linear(x, w))
+    with pytest.raises(RuntimeError, match="could not be built: RuntimeError: no C"):
+        linear_cpu.build(log_line=lambda line: None)
+    linear_cpu._warn_once.cache_clear()
+
+
+def test_the_linear_module_keeps_nn_linears_parameters_and_state_dict():
+    torch.manual_seed(0)
+    plain = nn.Linear(12, 5)
+    ours = linear_cpu.Linear(12, 5)
+    ours.load_state_dict(plain.state_dict())
+    assert list(ours.state_dict()) == ["weight", "bias"]
+    x = torch.randn(2, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), plain(x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("recipe", ["lm_debug", "nsa_debug"])
+def test_cached_decoding_with_the_kernel_equals_decoding_without_it(recipe, monkeypatch):
+    """Every Linear weight of the model goes through the kernel in the decoding steps (a spy records them; the
+    prompts' prefill has too many rows), and greedy decoding gives the same tokens as without it."""
+    cfg = recipes.get(recipe)
+    torch.manual_seed(0)
+    model = build(cfg).eval()
+    prompts = torch.randint(0, cfg.model.vocab_size, (3, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), linear_cpu.disabled():
+        want_logits = model(prompts[:1, :1])
+        want = generate(model, prompts, 16, temperature=0.0)
+    seen = []
+    real = MODULE.linear
+
+    class Spy:
+        @staticmethod
+        def linear(x, w, b):
+            seen.append((x.shape[:-1].numel(), w.data_ptr()))
+            return real(x, w, b)
+
+    monkeypatch.setattr(linear_cpu, "kernel", lambda: Spy)
+    with torch.no_grad():
+        got_logits = model(prompts[:1, :1])
+        got = generate(model, prompts, 16, temperature=0.0)
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got, want)
+    weights = {m.weight.data_ptr() for m in model.modules() if isinstance(m, nn.Linear)}
+    if model.head is None:  # tied: the logits are the embedding table's product
+        weights.add(model.embed.weight.data_ptr())
+    assert {ptr for _, ptr in seen} == weights
+    assert {rows for rows, _ in seen} == {1, 3}  # the single-token call, then the 3 rows' decoding steps
+    assert all(isinstance(m, linear_cpu.Linear) for m in model.modules() if isinstance(m, nn.Linear))
+
+
+def test_compiled_graphs_call_the_kernel_as_an_operator_with_the_same_result():
+    """torch.compile traces the call as efftx::cpu_linear (a graph capture lists it); with grad on, or too many rows,
+    the graph holds F.linear's product instead."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(any(str(node.target).startswith("efftx.cpu_linear") for node in gm.graph.nodes))
+        return gm.forward
+
+    layer = linear_cpu.Linear(40, 24)
+    fn = torch.compile(lambda x: layer(x), backend=capture, fullgraph=True, dynamic=False)
+    x = torch.randn(3, 40)
+    with torch.no_grad():
+        got = fn(x)
+        torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        assert graphs[-1]
+        fn(torch.randn(linear_cpu.MAX_ROWS + 1, 40))
+        assert not graphs[-1]
+    fn(x).sum().backward()
+    assert not graphs[-1] and layer.weight.grad is not None
+    with torch.no_grad(), linear_cpu.disabled():  # switched off: a guard fails and the graph is traced again
+        fn(x)
+        assert not graphs[-1]
