@@ -113,6 +113,21 @@ def test_other_bad_teachers_are_rejected_naming_the_key(tmp_path):
         LMTask.prepare(student_cfg(tmp_path, **{"distill.teacher": short}))
 
 
+def test_a_relative_teacher_path_reaches_workers_that_run_elsewhere(tmp_path, monkeypatch):
+    """`--target .efftx/runs/.../export` (relative to the driver's directory): the driver hands the workers the
+    folder it checked, absolute, and a worker whose working directory is another one loads that teacher."""
+    folder, teacher = exported(tmp_path, "teacher", 0)
+    monkeypatch.chdir(tmp_path)
+    cfg = student_cfg(tmp_path, **{"distill.teacher": "teacher"})
+    prepared = LMTask.prepare(cfg)
+    assert prepared["teacher_export"] == str((tmp_path / "teacher").resolve())
+    (tmp_path / "worker").mkdir()
+    monkeypatch.chdir(tmp_path / "worker")  # Ray Train's workers run in a directory of their own
+    loaded = LMTask(cfg, prepared)._teacher(torch.device("cpu"))
+    for a, b in zip(loaded.state_dict().values(), teacher.state_dict().values()):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("assignment, expected", [
     ({"distill.teacher": "x", "distill.alpha": 1.5}, "distill.alpha must be in"),
     ({"distill.teacher": "x", "distill.temperature": 0}, "distill.temperature must be > 0"),

@@ -304,7 +304,7 @@ class LMTask(Task):
     def _check_teacher(cfg, codec) -> str:
         """The local folder of ``distill.teacher`` (a models:/ URI is downloaded), checked on the driver: a
         language model with the student's vocabulary and tokenizer that reads whole training windows. Errors
-        name the key."""
+        name the key. Returned absolute, for the workers (:meth:`_teacher`)."""
         from efftx.data.lm_tokenizer import export_codec
         from efftx.errors import ExportError
         from efftx.export import read_export_config, resolve_export
@@ -331,7 +331,7 @@ class LMTask(Task):
         if teacher_cfg.model.max_seq_len < cfg.data.seq_len:
             raise ConfigError(f"{key} reads at most {teacher_cfg.model.max_seq_len} tokens (its model.max_seq_len), "
                               f"fewer than a training window (data.seq_len={cfg.data.seq_len})")
-        return str(folder)
+        return str(Path(folder).resolve())  # absolute: the workers' working directory is not the driver's
 
     @classmethod
     def share(cls, cfg, prepared: dict[str, Any]) -> dict[str, Any]:
