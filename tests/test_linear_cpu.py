@@ -30,7 +30,7 @@ def test_kernel_equals_f_linear_every_row_count_with_and_without_bias(k, n):
     g = torch.Generator().manual_seed(k * 1000 + n)
     w = torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g)
-    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 13):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 13, 16, 19):
         x = torch.randn(rows, k, generator=g)
         for bias in (None, b):
             want = F.linear(x.double(), w.double(), None if bias is None else bias.double()).float()
@@ -59,12 +59,12 @@ def test_a_rows_result_is_bit_for_bit_the_same_alone_and_in_any_batch():
     g = torch.Generator().manual_seed(2)
     for k, n in ((512, 1024), (100, 37), (2048, 512)):
         w = torch.randn(n, k, generator=g)
-        x = torch.randn(8, k, generator=g)
-        alone = torch.cat([MODULE.linear(x[i:i + 1], w, None) for i in range(8)])
-        for rows in range(2, 9):
+        x = torch.randn(16, k, generator=g)
+        alone = torch.cat([MODULE.linear(x[i:i + 1], w, None) for i in range(16)])
+        for rows in range(2, 17):
             batch = MODULE.linear(x[:rows], w, None)
             assert torch.equal(batch, alone[:rows]), (k, n, rows)
-        perm = torch.randperm(8, generator=g)
+        perm = torch.randperm(16, generator=g)
         assert torch.equal(MODULE.linear(x[perm], w, None), alone[perm])
 
 

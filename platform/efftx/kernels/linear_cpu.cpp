@@ -28,19 +28,27 @@ inline vec load(const float* p) {
   return v;
 }
 
-inline float lanes_sum(vec v) {
-  float s = 0.0f;
-  for (int i = 0; i < W; ++i) s += v[i];
-  return s;
+// The lane sums of four accumulators a[0..3] into s[0..3]: halves added pairwise across the four in vector
+// adds (16 -> 8 -> 4 -> 2 partial sums each), then one scalar add each. The same order for every output.
+inline void lane_sums4(const vec* a, float* s) {
+  const vec t0 = __builtin_shufflevector(a[0], a[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                 __builtin_shufflevector(a[0], a[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const vec t1 = __builtin_shufflevector(a[2], a[3], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                 __builtin_shufflevector(a[2], a[3], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const vec u = __builtin_shufflevector(t0, t1, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                __builtin_shufflevector(t0, t1, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const vec v = __builtin_shufflevector(u, u, 0, 1, 4, 5, 8, 9, 12, 13, 0, 1, 4, 5, 8, 9, 12, 13) +
+                __builtin_shufflevector(u, u, 2, 3, 6, 7, 10, 11, 14, 15, 2, 3, 6, 7, 10, 11, 14, 15);
+  for (int r = 0; r < 4; ++r) s[r] = v[2 * r] + v[2 * r + 1];
 }
 
-// G rows of x (from xs) against R weight rows (from w): y[g * ldy + r] = x_g . w_r (+ b[r])
+// G rows of x (from xs) against R <= 4 weight rows (from w): y[g * ldy + r] = x_g . w_r (+ b[r])
 template <int G, int R>
 inline void tile(const float* __restrict xs, const float* __restrict w, const float* __restrict b, int64_t K,
                  float* __restrict y, int64_t ldy) {
-  vec acc[G][R];
+  vec acc[G][4];
   for (int g = 0; g < G; ++g)
-    for (int r = 0; r < R; ++r) acc[g][r] = vec{};
+    for (int r = 0; r < 4; ++r) acc[g][r] = vec{};  // rows past R stay zero (the same reduction for every R)
   int64_t k = 0;
   for (; k + W <= K; k += W) {
     vec wv[R];
@@ -50,12 +58,14 @@ inline void tile(const float* __restrict xs, const float* __restrict w, const fl
       for (int r = 0; r < R; ++r) acc[g][r] += wv[r] * xv;
     }
   }
-  for (int g = 0; g < G; ++g)
+  for (int g = 0; g < G; ++g) {
+    float s[4];
+    lane_sums4(acc[g], s);
     for (int r = 0; r < R; ++r) {
-      float s = lanes_sum(acc[g][r]);
-      for (int64_t t = k; t < K; ++t) s += xs[g * K + t] * w[r * K + t];
-      y[g * ldy + r] = b ? s + b[r] : s;
+      for (int64_t t = k; t < K; ++t) s[r] += xs[g * K + t] * w[r * K + t];
+      y[g * ldy + r] = b ? s[r] + b[r] : s[r];
     }
+  }
 }
 
 template <int R>

@@ -38,7 +38,7 @@ from efftx.kernels.cpu_build import load_extension
 
 SOURCE = Path(__file__).with_name("linear_cpu.cpp")
 PREFIX = "efftx_linear_cpu"
-MAX_ROWS = 8  # beyond ~16 rows the product is compute-bound and the BLAS is faster (bench/decode_reference.py)
+MAX_ROWS = 16  # beyond, the product is compute-bound and the BLAS is as fast or faster (24 rows: 0.3-1.3x)
 ENV = "EFFTX_CPU_LINEAR"
 
 log = logging.getLogger(__name__)
