@@ -186,3 +186,45 @@ def test_compiled_graphs_call_the_kernel_as_an_operator_with_the_same_result():
     with torch.no_grad(), linear_cpu.disabled():  # switched off: a guard fails and the graph is traced again
         fn(x)
         assert not graphs[-1]
+
+
+@pytest.mark.parametrize("module", ["linear_cpu", "nsa_selected_cpu"])
+def test_the_kernels_release_the_gil_while_they_run(module):
+    """Another Python thread runs while a kernel call is under way (a Serve replica's HTTP threads beside its
+    decoding thread). The main thread, woken as the call starts, takes the time; a binding that holds the GIL
+    keeps it waiting until the call is over (then its time comes after the call's end), one that releases it lets
+    it run at once (early in the call; half the call's length is the line, the kernel runs on one thread)."""
+    import threading
+    import time
+
+    if module == "linear_cpu":
+        g = torch.Generator().manual_seed(4)
+        x, w = torch.randn(4096, 1024, generator=g), torch.randn(2048, 1024, generator=g)  # ~0.5 s of products
+        call = lambda: MODULE.linear(x, w, None)  # noqa: E731
+    else:
+        from efftx.kernels import nsa_selected_cpu
+
+        kernel = nsa_selected_cpu.kernel(required=True)
+        s = torch.randn(1, 4, 16384, 1024, generator=torch.Generator().manual_seed(5))  # raw compressed scores
+        sel = torch.empty(16384, 1, 4, 4, dtype=torch.int64)  # ~0.2 s of softmax and selection
+        call = lambda: kernel.compressed_select(s, sel, 1, 0, 16, 16, 0, 16, 4, 1023, 0, 1, 1e-10, False)  # noqa: E731
+    times, started = {}, threading.Event()
+
+    def worker():
+        times["start"] = time.perf_counter()
+        started.set()
+        call()
+        times["end"] = time.perf_counter()
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the other core stays free for the main thread
+    try:
+        t = threading.Thread(target=worker)
+        t.start()
+        started.wait()
+        times["main"] = time.perf_counter()
+        t.join()
+    finally:
+        torch.set_num_threads(threads)
+    call_s = times["end"] - times["start"]
+    assert times["main"] - times["start"] < 0.5 * call_s, times
