@@ -80,10 +80,6 @@ def kernel():
     return module
 
 
-def enabled() -> bool:
-    return _state["enabled"]
-
-
 @contextlib.contextmanager
 def disabled():
     """Every :func:`linear` call inside takes ``F.linear`` (benches measure the kernel side by side with it)."""

@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from efftx.attention.base import AttentionSpec
-from efftx.kernels import linear_cpu
-from efftx.kernels.linear_cpu import Linear
 from efftx.attention.cache import ModelCache
 from efftx.flops import attention_cost
+from efftx.kernels import linear_cpu
+from efftx.kernels.linear_cpu import Linear
 from efftx.models.layers import Block, Rotary, make_norm
 from efftx.models.registry import register
 from efftx.models.reversible import ReversibleStack, run_blocks
