@@ -30,6 +30,7 @@ inline vec load(const float* p) {
 
 // The lane sums of four accumulators a[0..3] into s[0..3]: halves added pairwise across the four in vector
 // adds (16 -> 8 -> 4 -> 2 partial sums each), then one scalar add each. The same order for every output.
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
 inline void lane_sums4(const vec* a, float* s) {
   const vec t0 = __builtin_shufflevector(a[0], a[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
                  __builtin_shufflevector(a[0], a[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
@@ -41,6 +42,16 @@ inline void lane_sums4(const vec* a, float* s) {
                 __builtin_shufflevector(u, u, 2, 3, 6, 7, 10, 11, 14, 15, 2, 3, 6, 7, 10, 11, 14, 15);
   for (int r = 0; r < 4; ++r) s[r] = v[2 * r] + v[2 * r + 1];
 }
+#else  // compilers without __builtin_shufflevector (GCC < 12): the same additions, one lane at a time
+inline void lane_sums4(const vec* a, float* s) {
+  for (int r = 0; r < 4; ++r) {
+    float h[8], q[4];
+    for (int i = 0; i < 8; ++i) h[i] = a[r][i] + a[r][i + 8];
+    for (int i = 0; i < 4; ++i) q[i] = h[i] + h[i + 4];
+    s[r] = (q[0] + q[2]) + (q[1] + q[3]);
+  }
+}
+#endif
 
 // G rows of x (from xs) against R <= 4 weight rows (from w): y[g * ldy + r] = x_g . w_r (+ b[r])
 template <int G, int R>
