@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m efftx.kernels.nsa_selected_cpu
 	@# the few-row CPU linear kernel of decoding steps (efftx/kernels/linear_cpu.cpp)
 	$(BIN)/python -m efftx.kernels.linear_cpu
+	@# full attention's few-token cached passes on a CPU (efftx/kernels/decode_attention_cpu.cpp)
+	$(BIN)/python -m efftx.kernels.decode_attention_cpu
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -189,11 +189,14 @@ def test_growing_masks_keep_sdpa_off_cudnn_on_cuda_only():
 
 def test_full_attention_guards_its_ragged_decode_steps_only(monkeypatch):
     """The guard wraps SDPA in the cached steps of ragged rows (decode, verify), not in training passes or plain
-    prefills."""
+    prefills. (On a CPU those steps take the C++ decode attention kernel: switched off here, to reach SDPA.)"""
     import contextlib
 
     from efftx.attention import full
     from efftx.generation.decode import generate
+    from efftx.kernels import decode_attention_cpu
+
+    monkeypatch.setitem(decode_attention_cpu._state, "enabled", False)
 
     calls = []
     monkeypatch.setattr(full, "growing_mask_backends", lambda device: calls.append(device) or contextlib.nullcontext())

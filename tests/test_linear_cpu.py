@@ -188,7 +188,7 @@ def test_compiled_graphs_call_the_kernel_as_an_operator_with_the_same_result():
         assert not graphs[-1]
 
 
-@pytest.mark.parametrize("module", ["linear_cpu", "nsa_selected_cpu"])
+@pytest.mark.parametrize("module", ["linear_cpu", "nsa_selected_cpu", "decode_attention_cpu"])
 def test_the_kernels_release_the_gil_while_they_run(module):
     """Another Python thread runs while a kernel call is under way (a Serve replica's HTTP threads beside its
     decoding thread). The main thread, woken as the call starts, takes the time; a binding that holds the GIL
@@ -201,6 +201,15 @@ def test_the_kernels_release_the_gil_while_they_run(module):
         g = torch.Generator().manual_seed(4)
         x, w = torch.randn(4096, 1024, generator=g), torch.randn(2048, 1024, generator=g)  # ~0.5 s of products
         call = lambda: MODULE.linear(x, w, None)  # noqa: E731
+    elif module == "decode_attention_cpu":
+        from efftx.kernels import decode_attention_cpu
+
+        kernel = decode_attention_cpu.kernel()
+        g = torch.Generator().manual_seed(6)
+        k, v = torch.randn(32, 4096, 4, 64, generator=g), torch.randn(32, 4096, 4, 64, generator=g)
+        q, kn, vn = torch.randn(32, 16, 8, 64, generator=g), torch.randn(32, 16, 4, 64, generator=g), torch.randn(
+            32, 16, 4, 64, generator=g)  # ~0.3 s of attention over 4000 cached keys
+        call = lambda: kernel.attend(q, kn, vn, k, v, [4000] * 32, True, 0.125)  # noqa: E731
     else:
         from efftx.kernels import nsa_selected_cpu
 

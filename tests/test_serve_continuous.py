@@ -234,7 +234,7 @@ def test_rows_in_slots_step_as_ranges_and_decode_as_alone(kind, batched):
     single-row copies) keep each row's own history, for every backend (and row by row)."""
     from rows_check import check_slots  # tests/rows_check.py
 
-    check_slots(lm(0, 2, kind), batched=batched)
+    check_slots(lm(0, 2, kind), batched=batched, tol=1e-3)  # logits up to ~80 (sharpened): float32 rounding
 
 
 def test_the_slots_grow_for_a_burst_and_give_memory_back_when_it_is_gone():

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from efftx.attention.base import AttentionBackend
 from efftx.attention.cache import KVCache
 from efftx.attention.registry import register
+from efftx.kernels import decode_attention_cpu
 
 
 def causal_offset_mask(t_q: int, t_k: int, device: torch.device) -> torch.Tensor:
@@ -65,6 +66,10 @@ class FullAttention(AttentionBackend):
         # q: (B, T, H, D); k, v: (B, T, Hkv, D)
         t_q = q.shape[1]
         rows = None
+        if cache is not None and not (self.training and self.spec.dropout):
+            out = decode_attention_cpu.attend(q, k, v, cache, self.spec.causal)  # CPU float32, few tokens per row
+            if out is not None:
+                return out
         if cache is not None:
             k, v, rows = cache.append_rows(k, v, self.spec.causal)  # (B, L, Hkv, D), L = longest row so far
         t_k = k.shape[1]

@@ -62,3 +62,28 @@ def load_extension(prefix: str, source: Path):
         lines = str(exc).strip().splitlines() or [""]
         errors = [line.strip() for line in lines if "error" in line.lower()]  # the compiler's first error, if any
         return None, f"{type(exc).__name__}: {(errors or lines)[0] if errors else lines[-1]}"
+
+
+def resolve(load, warn_once, unavailable=None):
+    """The module ``load()`` gives; where it cannot be built: None, said once through ``warn_once(why)``, or, with
+    ``unavailable`` (why -> an exception), that exception raised."""
+    module, why = load()
+    if module is None:
+        if unavailable is not None:
+            raise unavailable(why)
+        warn_once(why)
+    return module
+
+
+def build_ahead(load, what: str, name: str, log_line=print) -> float:
+    """Build (or load from the cache) a kernel ahead of the first run (``make setup``); -> seconds. Raises with
+    the reason when it cannot be built."""
+    import time
+
+    start = time.perf_counter()
+    module, why = load()
+    if module is None:
+        raise RuntimeError(f"efftx's {what} could not be built: {why}")
+    seconds = time.perf_counter() - start
+    log_line(f"{what} {name}: ready in {seconds:.1f} s")
+    return seconds

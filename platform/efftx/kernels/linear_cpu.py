@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from efftx.kernels.cpu_build import build_name as _build_name
-from efftx.kernels.cpu_build import load_extension
+from efftx.kernels.cpu_build import build_ahead, load_extension, resolve
 
 SOURCE = Path(__file__).with_name("linear_cpu.cpp")
 PREFIX = "efftx_linear_cpu"
@@ -74,10 +74,7 @@ def _warn_once(why: str) -> None:
 
 def kernel():
     """The compiled module, or None where it cannot be built (said once in the log)."""
-    module, why = _load()
-    if module is None:
-        _warn_once(why)
-    return module
+    return resolve(_load, _warn_once)
 
 
 @contextlib.contextmanager
@@ -123,15 +120,7 @@ class Linear(nn.Linear):
 
 def build(log_line=print) -> float:
     """Build (or load from the cache) the kernel ahead of the first run; -> seconds. Raises if it cannot."""
-    import time
-
-    start = time.perf_counter()
-    module, why = _load()
-    if module is None:
-        raise RuntimeError(f"efftx's C++ CPU linear kernel could not be built: {why}")
-    seconds = time.perf_counter() - start
-    log_line(f"CPU linear kernel {build_name()}: ready in {seconds:.1f} s")
-    return seconds
+    return build_ahead(_load, "C++ CPU linear kernel", build_name(), log_line)
 
 
 if __name__ == "__main__":  # make setup: build it ahead, so no run or test pays for the compile

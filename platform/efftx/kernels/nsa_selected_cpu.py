@@ -34,7 +34,7 @@ import logging
 from pathlib import Path
 
 from efftx.kernels.cpu_build import build_name as _build_name
-from efftx.kernels.cpu_build import load_extension
+from efftx.kernels.cpu_build import build_ahead, load_extension, resolve
 
 SOURCE = Path(__file__).with_name("nsa_selected_cpu.cpp")
 PREFIX = "efftx_nsa_selected"
@@ -59,12 +59,11 @@ def _load():
 def kernel(required: bool = False):
     """The compiled kernel module; where it cannot be built: None (said once in the log), or, if ``required``,
     :class:`KernelUnavailable` naming why."""
-    module, why = _load()
-    if module is None:
-        if required:
-            raise KernelUnavailable(f"attention.nsa.cpu_kernel=on, but the C++ kernel could not be built: {why}")
-        _warn_once(why)
-    return module
+    return resolve(_load, _warn_once, _unavailable if required else None)
+
+
+def _unavailable(why: str) -> KernelUnavailable:
+    return KernelUnavailable(f"attention.nsa.cpu_kernel=on, but the C++ kernel could not be built: {why}")
 
 
 @functools.cache
@@ -74,13 +73,7 @@ def _warn_once(why: str) -> None:
 
 def build(log_line=print) -> float:
     """Build (or load from the cache) the kernel ahead of the first run; -> seconds. Raises if it cannot."""
-    import time
-
-    start = time.perf_counter()
-    kernel(required=True)
-    seconds = time.perf_counter() - start
-    log_line(f"NSA CPU kernel {build_name()}: ready in {seconds:.1f} s")
-    return seconds
+    return build_ahead(_load, "NSA CPU kernel", build_name(), log_line)
 
 
 if __name__ == "__main__":  # make setup: build it ahead, so no run or test pays for the compile

@@ -1,0 +1,186 @@
+// Softmax attention of a few new tokens per row over a key/value cache, on a CPU: what a decoding step (one token),
+// a speculative verify (gamma + 1 tokens) or a short prefill asks of full attention. With so few queries per row,
+// torch's SDPA spends most of its time around the arithmetic (a mask built per layer, the new keys scattered with
+// index_put, a flash kernel that tiles each (row, head)'s few queries as a full block). Here one call writes the
+// new keys and values at each row's own position and attends, each query over exactly the keys it may see.
+//
+// Layouts (float32, contiguous): q (B, T, H, D); k_new, v_new (B, T, Hkv, D); the caches k, v (B, C, Hkv, D);
+// before[b]: row b's length before the call; out (B, T, H, D). Query head h reads kv head h / (H / Hkv).
+// Query i of row b sits at position before[b] + i and sees keys 0 .. before[b] + i (causal) or
+// 0 .. before[b] + T - 1. The caller has checked that before[b] + T <= C.
+//
+// Work is split over torch's intra-op threads by (row, kv head). For each query: scores = scale * q . k_j over
+// its visible keys, their maximum, exp(score - max) and its sum, then sum_j exp_j v_j divided by the sum. Every
+// sum is taken in one fixed order that depends only on the query's own keys: a row's output is bit for bit the
+// same alone or among other rows, whatever their lengths.
+//
+// No autograd: efftx.kernels.decode_attention_cpu calls it only where no gradient is recorded.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int W = 16;  // floats per vector (one AVX-512 register; two AVX2 ones where the CPU has no AVX-512)
+typedef float vec __attribute__((vector_size(W * sizeof(float))));
+typedef int ivec __attribute__((vector_size(W * sizeof(int))));
+
+inline vec load(const float* p) {
+  vec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline vec splat(float x) { return vec{} + x; }
+
+// The sum of a vector's lanes, halves added pairwise (16 -> 8 -> 4 -> 2 -> 1): the same order for every call.
+inline float lane_sum(vec a) {
+  float h[W];
+  std::memcpy(h, &a, sizeof(a));
+  for (int n = W / 2; n >= 1; n /= 2)
+    for (int i = 0; i < n; ++i) h[i] += h[i + n];
+  return h[0];
+}
+
+// exp(x) for x <= 0 (scores minus their maximum), 16 lanes at a time: x = n ln2 + r with |r| <= ln2 / 2,
+// exp(r) by its Taylor series to r^7 (truncation below 6e-9 relative), times 2^n from the exponent bits. Below
+// -87 (where exp underflows float's normal range) lanes give exp(-87) ~ 1.6e-38: nothing next to the maximum's 1.
+inline vec vexp(vec x) {
+  const vec lo = splat(-87.0f);
+  x = x < lo ? lo : x;
+  const vec shifter = splat(12582912.0f);  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  const vec n = (x * splat(1.44269504088896341f) + shifter) - shifter;
+  const vec r = (x - n * splat(0.693145751953125f)) - n * splat(1.42860682030941723e-06f);
+  vec p = splat(1.0f / 5040.0f);
+  p = p * r + splat(1.0f / 720.0f);
+  p = p * r + splat(1.0f / 120.0f);
+  p = p * r + splat(1.0f / 24.0f);
+  p = p * r + splat(1.0f / 6.0f);
+  p = p * r + splat(0.5f);
+  p = p * r + splat(1.0f);
+  p = p * r + splat(1.0f);
+  const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
+  vec two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return p * two_n;
+}
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t D) {
+  vec acc{};
+  int64_t d = 0;
+  for (; d + W <= D; d += W) acc += load(a + d) * load(b + d);
+  float s = lane_sum(acc);
+  for (; d < D; ++d) s += a[d] * b[d];
+  return s;
+}
+
+// exp(s - max) in place over n scores; returns their sum (lanes accumulated, then summed in a fixed order).
+inline float exp_sum(float* s, int64_t n, float max) {
+  vec acc{};
+  int64_t j = 0;
+  const vec m = splat(max);
+  for (; j + W <= n; j += W) {
+    const vec e = vexp(load(s + j) - m);
+    store(s + j, e);
+    acc += e;
+  }
+  float tail = 0.0f;
+  if (j < n) {
+    float buf[W];
+    for (int i = 0; i < W; ++i) buf[i] = j + i < n ? s[j + i] - max : -100.0f;
+    vec e = vexp(load(buf));
+    store(buf, e);
+    for (int64_t i = 0; j + i < n; ++i) {
+      s[j + i] = buf[i];
+      tail += buf[i];
+    }
+  }
+  return lane_sum(acc) + tail;
+}
+
+torch::Tensor attend(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new, torch::Tensor k, torch::Tensor v,
+                     std::vector<int64_t> before, bool causal, double scale) {
+  for (const auto* t : {&q, &k_new, &v_new, &k, &v}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat, "decode attention: float32 CPU tensors");
+    TORCH_CHECK(t->dim() == 4 && t->is_contiguous(), "decode attention: contiguous 4-d tensors");
+  }
+  const int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3);
+  const int64_t C = k.size(1), Hkv = k.size(2);
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "decode attention: query heads ", H, " not a multiple of kv heads ", Hkv);
+  TORCH_CHECK(k_new.sizes() == torch::IntArrayRef({B, T, Hkv, D}) && v_new.sizes() == k_new.sizes(),
+              "decode attention: new keys/values must be (B, T, Hkv, D)");
+  TORCH_CHECK(k.size(0) == B && k.size(3) == D && v.sizes() == k.sizes(), "decode attention: cache shapes");
+  TORCH_CHECK(static_cast<int64_t>(before.size()) == B, "decode attention: one length per row");
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(before[b] >= 0 && before[b] + T <= C, "decode attention: row ", b, " holds ", before[b],
+                " tokens; ", T, " more exceed the cache's ", C);
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* knp = k_new.data_ptr<float>();
+  const float* vnp = v_new.data_ptr<float>();
+  float* kp = k.data_ptr<float>();
+  float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t G = H / Hkv;
+  const float sc = static_cast<float>(scale);
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, before[b] + T);
+  const int64_t work = std::max<int64_t>(1, G * T * longest * D);
+  const int64_t grain = std::max<int64_t>(1, 32768 / work);
+  at::parallel_for(0, B * Hkv, grain, [&](int64_t lo, int64_t hi) {
+    std::vector<float> scores(longest);
+    std::vector<float> acc(D);
+    for (int64_t task = lo; task < hi; ++task) {
+      const int64_t b = task / Hkv, kh = task % Hkv;
+      const int64_t start = before[b];
+      // this (row, kv head)'s new keys and values into the cache, at the row's own positions
+      for (int64_t i = 0; i < T; ++i) {
+        const int64_t src = ((b * T + i) * Hkv + kh) * D, dst = ((b * C + start + i) * Hkv + kh) * D;
+        std::memcpy(kp + dst, knp + src, D * sizeof(float));
+        std::memcpy(vp + dst, vnp + src, D * sizeof(float));
+      }
+      const float* kb = kp + (b * C * Hkv + kh) * D;  // key j of this row and kv head: kb + j * Hkv * D
+      const float* vb = vp + (b * C * Hkv + kh) * D;
+      const int64_t stride = Hkv * D;
+      for (int64_t i = 0; i < T; ++i) {
+        const int64_t visible = causal ? start + i + 1 : start + T;
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t h = kh * G + g;
+          const float* qv = qp + ((b * T + i) * H + h) * D;
+          float max = -INFINITY;
+          for (int64_t j = 0; j < visible; ++j) {
+            const float s = dot(qv, kb + j * stride, D) * sc;
+            scores[j] = s;
+            max = std::max(max, s);
+          }
+          const float inv = 1.0f / exp_sum(scores.data(), visible, max);
+          std::fill(acc.begin(), acc.end(), 0.0f);
+          float* a = acc.data();
+          for (int64_t j = 0; j < visible; ++j) {
+            const float* vj = vb + j * stride;
+            const float p = scores[j];
+            int64_t d = 0;
+            for (; d + W <= D; d += W) store(a + d, load(a + d) + splat(p) * load(vj + d));
+            for (; d < D; ++d) a[d] += p * vj[d];
+          }
+          float* o = op + ((b * T + i) * H + h) * D;
+          for (int64_t d = 0; d < D; ++d) o[d] = a[d] * inv;
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attend", &attend, "write a few new keys/values per row into a cache and attend over it, float32",
+        py::call_guard<py::gil_scoped_release>());
+}

@@ -1,0 +1,116 @@
+"""Full attention's cached passes of a few tokens per row on a CPU as a compiled C++ kernel
+(``decode_attention_cpu.cpp``): decoding steps, speculative verify passes, short prefills.
+
+Such a pass asks little arithmetic of attention (one query per row and head against the keys cached so far), and
+torch's path spends most of its time around it: per layer, the new keys scattered into the cache with
+``index_put`` at each row's position, a (B, T, L) mask built from the row lengths, and SDPA's CPU flash kernel,
+which tiles each (row, head)'s few queries as a full block. On a 16-row decoding step of ``spec_target_small``
+that was about a third of the step's time; the kernel writes the new keys and values in place and attends, each
+query over exactly the keys it may see, in one call per layer.
+
+:func:`attend` takes the calls it is for (:func:`takes`): float32 tensors on a CPU, a
+:class:`~efftx.attention.cache.KVCache` whose buffers are contiguous, at most :data:`MAX_QUERIES` new tokens per
+row, no autograd graph to record (training never reaches it: it has no cache), outside ``torch.compile`` (compiled
+decoding has its own fixed-shape path). Rows of equal and of different lengths alike go through it, so a row's
+output is bit for bit the same alone or in a batch (each sum is taken in one order that depends only on the row's
+own keys). The reference is the torch path it replaces (:class:`~efftx.attention.full.FullAttention` with the
+kernel off), and a float64 softmax in the tests, over many shapes (tests/test_decode_attention_cpu.py).
+
+``EFFTX_CPU_ATTENTION=off`` (or :func:`disabled`, for side-by-side benches) keeps every call on the torch path;
+where the kernel cannot be built (no C++ compiler, no ninja) the calls take the torch path and the log says why,
+once. ``make setup`` builds it ahead (``python -m efftx.kernels.decode_attention_cpu``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from efftx.kernels.cpu_build import build_ahead, load_extension, resolve
+from efftx.kernels.cpu_build import build_name as _build_name
+
+SOURCE = Path(__file__).with_name("decode_attention_cpu.cpp")
+PREFIX = "efftx_decode_attention"
+MAX_QUERIES = 16  # new tokens per row: decoding (1), verify (gamma + 1), short prompts; longer prefills take SDPA
+ENV = "EFFTX_CPU_ATTENTION"
+
+log = logging.getLogger(__name__)
+_state = {"enabled": os.environ.get(ENV, "auto").strip().lower() not in ("off", "0", "false", "no")}
+
+
+def build_name() -> str:
+    return _build_name(PREFIX, SOURCE)
+
+
+@functools.cache
+def _load():
+    """(module, None) or (None, why it is unavailable); built or loaded once per process."""
+    return load_extension(PREFIX, SOURCE)
+
+
+@functools.cache
+def _warn_once(why: str) -> None:
+    log.warning("efftx's C++ CPU decode attention kernel is unavailable (%s): cached attention runs on torch's "
+                "SDPA", why)
+
+
+def kernel():
+    """The compiled module, or None where it cannot be built (said once in the log)."""
+    return resolve(_load, _warn_once)
+
+
+@contextlib.contextmanager
+def disabled():
+    """Every call inside takes the torch path (benches measure the kernel side by side with it)."""
+    before = _state["enabled"]
+    _state["enabled"] = False
+    try:
+        yield
+    finally:
+        _state["enabled"] = before
+
+
+def takes(q: torch.Tensor, k: torch.Tensor, cache) -> bool:
+    """Whether :func:`attend` hands this pass to the kernel (when it is built): ``q`` (B, T, H, D) and ``k`` (B, T,
+    Hkv, D) the pass's queries and new keys, ``cache`` the layer's cache."""
+    from efftx.attention.cache import KVCache
+
+    return (_state["enabled"] and type(cache) is KVCache and q.device.type == "cpu"
+            and q.dtype == torch.float32 and k.dtype == torch.float32 and cache.k.dtype == torch.float32
+            and q.shape[1] <= MAX_QUERIES and cache.k.is_contiguous() and cache.v.is_contiguous()
+            and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, causal: bool) -> torch.Tensor | None:
+    """Write ``k`` / ``v`` (B, T, Hkv, D) into ``cache`` at each row's position and return softmax attention
+    (B, T, H, D) of ``q`` over each row's keys (``causal``: query i of a row sees its keys up to its own position;
+    else every key of the row, the new ones included), scaled by ``D ** -0.5``. None where the kernel does not take
+    the pass (:func:`takes`) or is unavailable: the caller then runs the torch path, the cache untouched."""
+    if not takes(q, k, cache):
+        return None
+    module = kernel()
+    if module is None:
+        return None
+    before = list(cache.lengths)
+    cache._grow(k.shape[1], cache.max_len, "KV cache")  # raises (nothing written) when the rows do not fit
+    try:
+        return module.attend(q.contiguous(), k.contiguous(), v.contiguous(), cache.k, cache.v, before, causal,
+                             q.shape[-1] ** -0.5)
+    except Exception:
+        cache.lengths = before
+        raise
+
+
+def build(log_line=print) -> float:
+    """Build (or load from the cache) the kernel ahead of the first run; -> seconds. Raises if it cannot."""
+    return build_ahead(_load, "C++ CPU decode attention kernel", build_name(), log_line)
+
+
+if __name__ == "__main__":  # make setup: build it ahead, so no run or test pays for the compile
+    build()

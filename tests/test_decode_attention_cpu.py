@@ -1,0 +1,203 @@
+"""The C++ CPU kernel of full attention's few-token cached passes (efftx/kernels/decode_attention_cpu.cpp) against a
+float64 softmax over many shapes and against the torch path it replaces (SDPA), and which passes take it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from efftx import recipes
+from efftx.attention.cache import KVCache, visible_keys
+from efftx.generation.decode import Rows, generate
+from efftx.kernels import decode_attention_cpu as dac
+from efftx.models import build as build_model
+
+MODULE = dac.kernel()
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_the_kernel_builds_here():
+    assert MODULE is not None, dac._load()[1]
+
+
+def reference(q, k_new, v_new, cache: KVCache, causal: bool):
+    """Float64: the new keys/values at each row's position, then softmax over the keys each query may see."""
+    b, t, h, d = q.shape
+    hkv = k_new.shape[2]
+    before = list(cache.lengths)
+    k, v = cache.k.double().clone(), cache.v.double().clone()
+    for r in range(b):
+        k[r, before[r]:before[r] + t] = k_new[r].double()
+        v[r, before[r]:before[r] + t] = v_new[r].double()
+    end = max(before) + t
+    keys = k[:, :end].repeat_interleave(h // hkv, 2).transpose(1, 2)  # (B, H, L, D)
+    values = v[:, :end].repeat_interleave(h // hkv, 2).transpose(1, 2)
+    scores = q.double().transpose(1, 2) @ keys.transpose(-1, -2) * d ** -0.5
+    scores = scores.masked_fill(~visible_keys(before, t, causal, q.device)[:, None], float("-inf"))
+    return (scores.softmax(-1) @ values).transpose(1, 2), k, v
+
+
+def case(seed: int, b: int, t: int, hkv: int, g: int, d: int, capacity: int, causal: bool, full: bool = False):
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    cache = KVCache(b, capacity, hkv, d)
+    cache.k.normal_(generator=gen)
+    cache.v.normal_(generator=gen)
+    cache.lengths = [capacity - t if full and r == 0 else rng.randint(0, capacity - t) for r in range(b)]
+    q = torch.randn(b, t, hkv * g, d, generator=gen) * 2
+    return q, torch.randn(b, t, hkv, d, generator=gen), torch.randn(b, t, hkv, d, generator=gen), cache
+
+
+# (rows, new tokens per row, kv heads, query heads per kv head, head dim, capacity, causal)
+SHAPES = [(1, 1, 1, 1, 8, 4, True), (1, 1, 6, 1, 32, 256, True), (2, 1, 6, 1, 32, 64, True),
+          (3, 2, 2, 3, 16, 40, True), (5, 6, 4, 1, 32, 100, True), (16, 1, 6, 1, 32, 256, True),
+          (16, 6, 6, 1, 32, 256, True), (7, 16, 2, 4, 64, 90, True), (4, 3, 1, 8, 128, 33, True),
+          (9, 1, 3, 2, 17, 50, True), (2, 5, 2, 2, 40, 21, True), (33, 1, 1, 2, 48, 70, True),
+          (1, 16, 4, 2, 24, 16, True), (6, 4, 2, 1, 80, 300, True), (3, 7, 3, 1, 1, 30, True),
+          (1, 1, 6, 1, 32, 256, False), (4, 6, 2, 2, 32, 64, False), (8, 16, 1, 4, 16, 40, False),
+          (2, 3, 3, 3, 20, 10, False), (11, 2, 4, 1, 64, 130, False)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:6])) + ("c" if s[6] else "n"))
+@pytest.mark.parametrize("full", [False, True], ids=["some", "to-capacity"])
+def test_the_kernel_matches_a_float64_softmax_and_writes_the_new_rows_in_place(shape, full):
+    q, k_new, v_new, cache = case(len(SHAPES) + SHAPES.index(shape), *shape, full=full)
+    before = list(cache.lengths)
+    want, keys, values = reference(q, k_new, v_new, cache, shape[-1])
+    with torch.no_grad():
+        got = dac.attend(q, k_new, v_new, cache, shape[-1])
+    assert got is not None and got.shape == q.shape
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-6)
+    assert torch.equal(cache.k.double(), keys) and torch.equal(cache.v.double(), values)  # nothing else touched
+    assert cache.lengths == [n + shape[1] for n in before]
+
+
+def test_a_row_is_bit_for_bit_the_same_alone_and_among_rows_of_other_lengths():
+    q, k_new, v_new, cache = case(7, 9, 4, 2, 3, 40, 120, True)
+    k0, v0, before = cache.k.clone(), cache.v.clone(), list(cache.lengths)
+    with torch.no_grad():
+        batch = dac.attend(q, k_new, v_new, cache, True)
+        for r in [4, 0, 8]:
+            alone = KVCache(1, 120, 2, 40)
+            alone.k.copy_(k0[r:r + 1])
+            alone.v.copy_(v0[r:r + 1])
+            alone.lengths = [before[r]]
+            got = dac.attend(q[r:r + 1], k_new[r:r + 1], v_new[r:r + 1], alone, True)
+            assert torch.equal(got[0], batch[r])
+
+
+def test_causal_and_full_visibility_differ_where_they_should():
+    """A kernel that ignored ``causal`` (or shifted the causal edge by one key) would fail one of these."""
+    q, k_new, v_new, cache = case(3, 2, 5, 1, 2, 16, 30, True)
+    snap = (cache.k.clone(), cache.v.clone(), list(cache.lengths))
+
+    def run(causal):
+        cache.k.copy_(snap[0])
+        cache.v.copy_(snap[1])
+        cache.lengths = list(snap[2])
+        with torch.no_grad():
+            return dac.attend(q, k_new, v_new, cache, causal)
+
+    causal, full = run(True), run(False)
+    assert torch.equal(causal[:, -1], full[:, -1])  # the last new token sees every key either way
+    assert not torch.allclose(causal[:, 0], full[:, 0])
+
+
+def test_rows_that_do_not_fit_raise_and_leave_the_cache_as_it_was():
+    q, k_new, v_new, cache = case(5, 3, 4, 1, 1, 8, 20, True)
+    cache.lengths = [3, 17, 0]  # 17 + 4 > 20
+    k0 = cache.k.clone()
+    with pytest.raises(ValueError, match="overflow"), torch.no_grad():
+        dac.attend(q, k_new, v_new, cache, True)
+    assert cache.lengths == [3, 17, 0] and torch.equal(cache.k, k0)
+
+
+def lm(depth: int = 2, **over):
+    cfg = recipes.get("lm_debug").override({"model.depth": depth, **over})
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(5)  # sharper predictions, so a wrong cache changes tokens
+    return model
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    calls = []
+    real = MODULE.attend
+
+    class Spy:
+        def attend(self, q, *args):
+            calls.append(tuple(q.shape))
+            return real(q, *args)
+
+    monkeypatch.setattr(dac, "kernel", lambda: Spy())
+    return calls
+
+
+def test_which_passes_take_the_kernel(spy):
+    model = lm()
+    prompt = torch.randint(0, 256, (1, 5))
+    with torch.no_grad():
+        generate(model, prompt, 4, temperature=0.0)
+    assert spy and all(s[1] <= dac.MAX_QUERIES for s in spy)
+    depth = len(model.blocks)
+    assert [s[1] for s in spy] == [5] * depth + [1] * 3 * depth  # the prompt's pass, then one token per step
+    spy.clear()
+    with torch.no_grad():
+        generate(model, torch.randint(0, 256, (2, dac.MAX_QUERIES + 1)), 2, temperature=0.0)
+    assert all(s[1] == 1 for s in spy) and len(spy) == depth  # a long prompt: SDPA; then a step
+    spy.clear()
+    model.train()
+    model(torch.randint(0, 256, (2, 8))).sum().backward()  # training: no cache, never the kernel
+    model.eval()
+    with torch.no_grad():
+        cache = model.new_cache(1, 32)
+        model(prompt, cache=cache)
+        assert len(spy) == depth
+        spy.clear()
+        with dac.disabled():
+            model(prompt[:, :1], cache=cache)
+        bf16 = lm().to(torch.bfloat16)
+        bf16(prompt, cache=bf16.new_cache(1, 32))
+    assert not spy
+
+
+def test_decoding_with_the_kernel_gets_the_torch_paths_tokens_and_logits():
+    model = lm(depth=3)
+    prompts = [[5, 6, 7], [9] * 12, [1], [3, 1, 4, 1, 5, 9, 2, 6]]
+    with torch.no_grad():
+        ours = generate(model, prompts, 12, temperature=0.0)
+        with dac.disabled():
+            theirs = generate(model, prompts, 12, temperature=0.0)
+        assert torch.equal(ours, theirs)
+        rows = {}
+        for off in (False, True):
+            r = Rows(model, len(prompts), 64)
+            with dac.disabled() if off else torch.no_grad():
+                first = r.prefill(prompts)
+                step = r.forward(torch.tensor([[1, 2], [3, 4], [5, 6], [7, 8]]))  # ragged rows, two tokens each
+            rows[off] = (first, step)
+        for ours, theirs in zip(rows[False], rows[True]):  # float32 rounding, amplified by the sharpened weights
+            scale = theirs.abs().max().item()
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5 * scale)
+
+
+def test_an_unbuildable_kernel_falls_back_to_sdpa_and_says_why(monkeypatch, caplog):
+    monkeypatch.setattr(dac, "_load", lambda: (None, "RuntimeError: no C++ compiler"))
+    dac._warn_once.cache_clear()
+    model = lm()
+    prompt = torch.randint(0, 256, (1, 6))
+    with caplog.at_level("WARNING", logger=dac.__name__), torch.no_grad():
+        cache = model.new_cache(1, 16)
+        got = model(prompt, cache=cache)
+    assert "decode attention kernel is unavailable (RuntimeError: no C++ compiler)" in caplog.text
+    assert cache.lengths == [6]  # grown once, by the torch path
+    with dac.disabled(), torch.no_grad():
+        torch.testing.assert_close(got, model(prompt, cache=model.new_cache(1, 16)))
+    with pytest.raises(RuntimeError, match="could not be built: RuntimeError: no C"):
+        dac.build(log_line=lambda line: None)
+    dac._warn_once.cache_clear()
