@@ -136,7 +136,7 @@ def test_a_draft_equal_to_the_target_keeps_every_draft_and_feeds_the_last_in_the
         return real_forward(*args, **kwargs)
 
     draft.forward = counted
-    scheduler = Scheduler(target, draft, short_tokens=0,
+    scheduler = Scheduler(target, draft, short_tokens=0, prefill_rows=0,  # three arrivals: one batched prefill
                           observe=lambda kind, rows: spec_steps.__setitem__(0, spec_steps[0] + (kind != "base")))
     plan = [(0, [5, 6, 7], 17, GREEDY, 1, 3), (0, [9, 9], 23, HOT, 2, 3), (0, [1, 2, 3, 4], 11, NUCLEUS, 3, 3)]
     jobs = run_rounds(scheduler, plan)
@@ -149,7 +149,7 @@ def test_a_draft_equal_to_the_target_keeps_every_draft_and_feeds_the_last_in_the
 
 def test_rows_leave_at_once_and_stream_their_tokens():
     target, draft = lm(0), lm(1, 1)
-    scheduler = Scheduler(target, draft)
+    scheduler = Scheduler(target, draft, prefill_rows=0)  # the three arrivals of round 0 start together
     seen: dict[str, list] = {"long": [], "short": [], "spec": []}
     finished_at: dict[str, int] = {}
     rounds = [0]
@@ -239,7 +239,7 @@ def test_rows_in_slots_step_as_ranges_and_decode_as_alone(kind, batched):
 
 def test_the_slots_grow_for_a_burst_and_give_memory_back_when_it_is_gone():
     target, draft = lm(0), lm(1, 1)
-    scheduler = Scheduler(target, draft, max_rows=16, short_tokens=0)
+    scheduler = Scheduler(target, draft, max_rows=16, short_tokens=0, prefill_rows=0)  # the burst joins at once
     plan = [(0, [i + 1, 7], 3 + i, HOT, 40 + i, None) for i in range(12)]
     jobs = [scheduler.submit(Job(p[1], p[2], p[3], p[4], p[5], tag=p)) for p in plan]
     slots = scheduler.base.slots[0]
@@ -379,7 +379,7 @@ def test_short_requests_step_every_round_and_long_ones_every_long_every_rounds()
     row and the long row left in the fast lane step every round. Once the short row is gone, every row steps every
     round again. Every row gets exactly its solo tokens and acceptance."""
     target, draft = lm(0), lm(1, 1)
-    scheduler = Scheduler(target, draft, short_tokens=8, fast_rows=2, long_every=3)
+    scheduler = Scheduler(target, draft, short_tokens=8, fast_rows=2, long_every=3, prefill_rows=0)
     plan = [(0, [5, 6, 7], 30, HOT, 1, None, "long"), (0, [9, 9], 60, GREEDY, 2, 3, "spec"),
             (0, [2, 7], 24, NUCLEUS, 5, None, "third"),
             (4, [1, 2, 3], 8, HOT, 3, None, "short"), (5, [4, 4], 20, HOT, 4, None, "late")]
@@ -426,6 +426,27 @@ def test_long_rows_do_not_starve_under_a_stream_of_short_requests():
     assert_alone(target, draft, [jobs["long"], jobs["queued"], jobs["s7"], jobs["s120"]])
 
 
+@pytest.mark.parametrize("limit", [2, 0])
+def test_a_burst_of_arrivals_is_prefilled_a_few_rows_per_round_short_ones_first(limit):
+    """Five requests arrive in one round: with ``prefill_rows=2`` two are prefilled per round, the short ones
+    first, then the long ones in arrival order, while the rows already admitted step every round; with 0, all five
+    in the first round. Either way each gets its solo tokens."""
+    target, draft = lm(0), lm(1, 1)
+    scheduler = Scheduler(target, draft, short_tokens=8, prefill_rows=limit)
+    plan = [(0, [5, 6, 7], 20, HOT, 1, None, "long1"), (0, [9, 9], 18, GREEDY, 2, 3, "long2"),
+            (0, [1, 2, 3], 8, HOT, 3, None, "short8"), (0, [2, 7], 24, NUCLEUS, 5, None, "long3"),
+            (0, [4, 4], 5, HOT, 4, 2, "short5")]
+    jobs, got, finished = rounds_of(scheduler, plan)
+    first = {name: rounds[0] for name, rounds in got.items()}
+    if limit:
+        assert first == {"short5": 0, "short8": 0, "long1": 1, "long2": 1, "long3": 2}
+    else:
+        assert set(first.values()) == {0}
+    assert got["short8"][:4] == [0, 0, 1, 2]  # the prefill's token and the step's, then one a round: the later
+    # prefills hold no row back
+    assert_alone(target, draft, list(jobs.values()))
+
+
 @pytest.mark.parametrize("kind", ["full", "nsa"])
 def test_priority_keeps_every_requests_solo_output(pairs, kind):
     """The mixed plan (every mode, sampling and gamma, arrivals at different rounds) under a tight priority policy:
@@ -441,16 +462,16 @@ def test_priority_keeps_every_requests_solo_output(pairs, kind):
 def test_priority_settings_are_checked_and_reach_the_scheduler(debug_exports):
     target = lm(0)
     for bad in ({"short_tokens": -1}, {"fast_rows": 0}, {"long_every": 0}, {"max_wait_rounds": -2},
-                {"long_every": 2.5}, {"fast_rows": True}):
+                {"long_every": 2.5}, {"fast_rows": True}, {"prefill_rows": -1}):
         name = next(iter(bad))
         with pytest.raises(ValueError, match=name):
             Scheduler(target, **bad)
     from efftx.serving.app_args import TextAppArgs
     from efftx.serving.text import build
 
-    args = TextAppArgs(target="/nowhere/target", short_tokens="4", long_every=2)
-    assert args.priority() == {"short_tokens": 4, "long_every": 2}
-    assert build(args)._bound_deployment.init_kwargs["priority"] == {"short_tokens": 4, "long_every": 2}
+    args = TextAppArgs(target="/nowhere/target", short_tokens="4", long_every=2, prefill_rows=0)
+    assert args.priority() == {"short_tokens": 4, "long_every": 2, "prefill_rows": 0}
+    assert build(args)._bound_deployment.init_kwargs["priority"] == args.priority()
     assert "priority" not in build(TextAppArgs(target="/nowhere/target"))._bound_deployment.init_kwargs
     from efftx.serving.text import TextGenerator
 

@@ -34,7 +34,7 @@ Batching = Literal["continuous", "static"]
 Device = Literal["auto", "cpu", "cuda"]
 assert get_args(Device) == DEVICES, "Device and efftx.serving.devices.DEVICES disagree"
 
-PRIORITY = ("short_tokens", "fast_rows", "long_every")  # efftx.serving.continuous.Scheduler's knobs, as given
+PRIORITY = ("short_tokens", "fast_rows", "long_every", "prefill_rows")  # efftx.serving.continuous.Scheduler's knobs, as given
 
 _PATH = ("an export folder or an MLflow registered-model URI (models:/NAME@champion, models:/NAME/VERSION or "
          "models:/NAME/latest)")
@@ -70,6 +70,9 @@ class TextAppArgs(BaseModel):
         "room left (default 8; more short requests wait in the queue)."))
     long_every: int | None = Field(None, gt=0, description=(
         "continuous: while short requests decode, the long ones step once every this many rounds (default 8)."))
+    prefill_rows: int | None = Field(None, ge=0, description=(
+        "continuous: at most this many waiting requests are prefilled per decoding round, short ones first "
+        "(default 2; 0: no limit), so that a burst of arrivals does not stall the running rows for one long round."))
     limits: Limits | None = Field(None, description=(
         "Request limits of the text endpoints (:class:`efftx.serving.schemas.Limits`; unset fields keep their "
         "defaults): a mapping, or its JSON text. GET /openapi.json states them as the bounds of the fields."))

@@ -600,16 +600,21 @@ class Scheduler:
     * ``long_every``: while short rows run, the slow lanes step, and long arrivals that find no fast row are
       prefilled, once every this many rounds (1: every round): a long row in the slow lane is at most about this
       many times slower than it would be stepped every round, so it cannot starve;
-    * ``max_wait_rounds``: a queued request waits at most this many rounds before it goes ahead of every other.
+    * ``max_wait_rounds``: a queued request waits at most this many rounds before it goes ahead of every other;
+    * ``prefill_rows``: at most this many queued requests are prefilled in one round (in the order above; 0: no
+      limit). A prefill costs several decoding steps' time (its prompt's tokens go through every weight), and
+      requests that finish in the same step come back as arrivals together: without a limit, one round could
+      prefill a whole burst while every running row waits. Prefilling two rows costs about twice one, so the limit
+      spreads bursts at no cost in throughput.
     """
 
     def __init__(self, target, draft=None, *, max_rows: int = 32, admit_wait_s: float = 0.0,
                  short_tokens: int = 16, fast_rows: int = 8, long_every: int = 8, max_wait_rounds: int = 64,
-                 hook: Callable[[str, list[Job]], None] | None = None,
+                 prefill_rows: int = 2, hook: Callable[[str, list[Job]], None] | None = None,
                  observe: Callable[[str, int], None] | None = None):
         for name, value, least in (("max_rows", max_rows, 1), ("short_tokens", short_tokens, 0),
                                    ("fast_rows", fast_rows, 1), ("long_every", long_every, 1),
-                                   ("max_wait_rounds", max_wait_rounds, 0)):
+                                   ("max_wait_rounds", max_wait_rounds, 0), ("prefill_rows", prefill_rows, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         if not admit_wait_s >= 0:
@@ -617,7 +622,7 @@ class Scheduler:
         self.target, self.draft = target, draft
         self.max_rows, self.admit_wait_s, self.hook = int(max_rows), float(admit_wait_s), hook
         self.short_tokens, self.fast_rows, self.long_every = short_tokens, fast_rows, long_every
-        self.max_wait_rounds = max_wait_rounds
+        self.max_wait_rounds, self.prefill_rows = max_wait_rounds, prefill_rows
         self.observe = observe
         self.base = BaseEngine(target, hook)
         self.spec: dict[int, SpeculativeEngine] = {}
@@ -715,19 +720,24 @@ class Scheduler:
                          key=lambda ej: -(ej[1].max_new - len(ej[1].out)))
         moves: list[tuple[_Engine, Job]] = []
         waiting = []
+        admitted = 0
         for i, job in sorted(enumerate(pending), key=order):
             engine = self._engine(job)
             lanes = taken.setdefault(engine, {"fast": [], "slow": []})
-            if len(engine) + len(lanes["fast"]) + len(lanes["slow"]) >= self.max_rows:
+            if len(engine) + len(lanes["fast"]) + len(lanes["slow"]) >= self.max_rows or (
+                    self.prefill_rows and admitted >= self.prefill_rows):
                 waiting.append((i, job))
             elif fast < self.fast_rows:
                 lanes["fast"].append(job)
                 fast += 1
+                admitted += 1
             elif self.short(job) and movable:
                 moves.append(movable.pop(0))
                 lanes["fast"].append(job)
+                admitted += 1
             elif not self.short(job) and (long_due or id(job) in aged):
                 lanes["slow"].append(job)
+                admitted += 1
             else:
                 waiting.append((i, job))
         if waiting:

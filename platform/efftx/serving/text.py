@@ -30,7 +30,7 @@ Endpoints (FastAPI; OpenAPI docs at /docs and /openapi.json):
   stream included, joins at the next decoding step and leaves the moment it has its tokens.
   ``max_batch_size`` (default 32) bounds the rows of a running batch; ``batch_wait_timeout_s`` (default 0) is
   how long the first request of an idle replica waits for others to start with it. Short requests get priority
-  (``short_tokens``, ``short_rows``, ``long_every``: the scheduler's knobs).
+  (``short_tokens``, ``fast_rows``, ``long_every``, ``prefill_rows``: the scheduler's knobs).
 * ``static``: ``@serve.batch`` groups requests (``max_batch_size`` default 8, ``batch_wait_timeout_s`` default
   0.02) and a batch is answered when its longest request is done; streams decode alone.
 
