@@ -9,6 +9,7 @@ other CPUs never loads a binary built for another one. Work inside the kernels r
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
@@ -87,3 +88,19 @@ def build_ahead(load, what: str, name: str, log_line=print) -> float:
     seconds = time.perf_counter() - start
     log_line(f"{what} {name}: ready in {seconds:.1f} s")
     return seconds
+
+
+def switch(env: str) -> dict:
+    """A kernel's switch, ``{"enabled": bool}``: on unless the environment variable ``env`` is off, 0, false or no."""
+    return {"enabled": os.environ.get(env, "auto").strip().lower() not in ("off", "0", "false", "no")}
+
+
+@contextlib.contextmanager
+def switched_off(state: dict):
+    """Inside, the switch ``state`` is off (benches time a kernel side by side with the torch path it replaces)."""
+    before = state["enabled"]
+    state["enabled"] = False
+    try:
+        yield
+    finally:
+        state["enabled"] = before

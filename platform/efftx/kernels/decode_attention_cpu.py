@@ -23,15 +23,13 @@ once. ``make setup`` builds it ahead (``python -m efftx.kernels.decode_attention
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import os
 from pathlib import Path
 
 import torch
 
-from efftx.kernels.cpu_build import build_ahead, load_extension, resolve
+from efftx.kernels.cpu_build import build_ahead, load_extension, resolve, switch, switched_off
 from efftx.kernels.cpu_build import build_name as _build_name
 
 SOURCE = Path(__file__).with_name("decode_attention_cpu.cpp")
@@ -40,7 +38,7 @@ MAX_QUERIES = 16  # new tokens per row: decoding (1), verify (gamma + 1), short 
 ENV = "EFFTX_CPU_ATTENTION"
 
 log = logging.getLogger(__name__)
-_state = {"enabled": os.environ.get(ENV, "auto").strip().lower() not in ("off", "0", "false", "no")}
+_state = switch(ENV)
 
 
 def build_name() -> str:
@@ -64,15 +62,9 @@ def kernel():
     return resolve(_load, _warn_once)
 
 
-@contextlib.contextmanager
 def disabled():
     """Every call inside takes the torch path (benches measure the kernel side by side with it)."""
-    before = _state["enabled"]
-    _state["enabled"] = False
-    try:
-        yield
-    finally:
-        _state["enabled"] = before
+    return switched_off(_state)
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, cache) -> bool:

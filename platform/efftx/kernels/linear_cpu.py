@@ -23,10 +23,8 @@ the kernel cannot be built (no C++ compiler, no ninja) the calls take ``F.linear
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -34,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from efftx.kernels.cpu_build import build_name as _build_name
-from efftx.kernels.cpu_build import build_ahead, load_extension, resolve
+from efftx.kernels.cpu_build import build_ahead, load_extension, resolve, switch, switched_off
 
 SOURCE = Path(__file__).with_name("linear_cpu.cpp")
 PREFIX = "efftx_linear_cpu"
@@ -42,7 +40,7 @@ MAX_ROWS = 16  # beyond, the product is compute-bound and the BLAS is as fast or
 ENV = "EFFTX_CPU_LINEAR"
 
 log = logging.getLogger(__name__)
-_state = {"enabled": os.environ.get(ENV, "auto").strip().lower() not in ("off", "0", "false", "no")}
+_state = switch(ENV)
 
 
 def build_name() -> str:
@@ -77,15 +75,9 @@ def kernel():
     return resolve(_load, _warn_once)
 
 
-@contextlib.contextmanager
 def disabled():
     """Every :func:`linear` call inside takes ``F.linear`` (benches measure the kernel side by side with it)."""
-    before = _state["enabled"]
-    _state["enabled"] = False
-    try:
-        yield
-    finally:
-        _state["enabled"] = before
+    return switched_off(_state)
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -24,12 +24,15 @@ loop) that repeats rounds: admit the requests that may start, then run one decod
   asking for at most ``short_tokens`` are *short*. Each batch keeps its rows in two lanes, stepped as separate
   passes. The **fast lane** (``fast_rows`` rows in all) steps every round: short rows, and long ones in the room
   left. The **slow lane** holds the other long rows: it steps every round while no short row runs, and otherwise
-  once every ``long_every`` rounds (with the fast lane, in one pass), when long arrivals that found no fast row
-  are also prefilled; so a short request's rounds are mostly one small step, and a long request is at most about
-  ``long_every`` times slower while short ones run (it cannot starve). A short arrival takes a free fast row, or
-  the one of the fast long row with the most tokens left (that row moves to the slow lane: its cache rows swap
-  places with another row's, its tokens unchanged), or else waits in the queue, fewest tokens first. A queued
-  request that waited ``max_wait_rounds`` rounds goes ahead of every other. ``short_tokens=0`` turns priority
+  once every ``long_every`` rounds (with the fast lane, in one pass); so a short request's rounds are mostly one
+  small step, and a long request is at most about ``long_every`` times slower while short ones run (it cannot
+  starve). A short arrival takes a free fast row, or the one of the fast long row with the most tokens left (that
+  row moves to the slow lane: its cache rows swap places with another row's, its tokens unchanged), or else waits
+  in the queue, fewest tokens first. At most ``prefill_rows`` queued requests are prefilled per round (short ones
+  first), so a burst of arrivals is spread over a few rounds, and a long arrival that finds no fast row joins the
+  slow lane in the next round with room; with no such limit (``prefill_rows=0``) long arrivals wait for a round
+  in which the slow lane steps. A queued request that waited ``max_wait_rounds`` rounds goes ahead of every
+  other. ``short_tokens=0`` turns priority
   off: both lanes step every round and the queue is served in arrival order. A row's tokens (and acceptance) do
   not depend on when or in which lane it is stepped: priority changes a request's latency, never its output.
 * **Streams** are rows like any other: their ``on_step`` callback receives each step's tokens as they are
@@ -597,15 +600,16 @@ class Scheduler:
     * ``fast_rows``: the rows of the fast lanes, stepped every round: short rows first, long ones in the room left
       (more short requests wait in the queue, fewest tokens first). Set it where a decoding step's cost stops being
       nearly flat in its rows (``bench/serve_load.py`` prints the step cost per row count);
-    * ``long_every``: while short rows run, the slow lanes step, and long arrivals that find no fast row are
-      prefilled, once every this many rounds (1: every round): a long row in the slow lane is at most about this
-      many times slower than it would be stepped every round, so it cannot starve;
+    * ``long_every``: while short rows run, the slow lanes step (and, with ``prefill_rows=0``, long arrivals that
+      find no fast row are prefilled) once every this many rounds (1: every round): a long row in the slow lane is
+      at most about this many times slower than it would be stepped every round, so it cannot starve;
     * ``max_wait_rounds``: a queued request waits at most this many rounds before it goes ahead of every other;
     * ``prefill_rows``: at most this many queued requests are prefilled in one round (in the order above; 0: no
       limit). A prefill costs several decoding steps' time (its prompt's tokens go through every weight), and
       requests that finish in the same step come back as arrivals together: without a limit, one round could
       prefill a whole burst while every running row waits. Prefilling two rows costs about twice one, so the limit
-      spreads bursts at no cost in throughput.
+      spreads bursts at no cost in throughput; with it, long arrivals join the slow lane in any round (the limit,
+      not ``long_every``, bounds their prefills' cost to a round).
     """
 
     def __init__(self, target, draft=None, *, max_rows: int = 32, admit_wait_s: float = 0.0,
@@ -691,7 +695,8 @@ class Scheduler:
         tokens first), then long ones in arrival order, each while its batch has room (``max_rows``). A short job
         takes a fast row: a free one, else one a long row leaves for the slow lane (the one with the most tokens
         left), else it waits. A long job takes a free fast row, else a slow one when the slow lanes step this round
-        (``long_due``) or when it has waited too long, else it waits."""
+        (``long_due``), when it has waited too long, or in any round when prefills are limited per round
+        (``prefill_rows``: the limit bounds what they cost the round), else it waits."""
         taken: dict[_Engine, dict[str, list[Job]]] = {}
         with self._cv:
             pending: list[Job] = []
@@ -735,7 +740,7 @@ class Scheduler:
                 moves.append(movable.pop(0))
                 lanes["fast"].append(job)
                 admitted += 1
-            elif not self.short(job) and (long_due or id(job) in aged):
+            elif not self.short(job) and (long_due or id(job) in aged or self.prefill_rows):
                 lanes["slow"].append(job)
                 admitted += 1
             else:
