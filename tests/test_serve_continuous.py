@@ -237,6 +237,31 @@ def test_rows_in_slots_step_as_ranges_and_decode_as_alone(kind, batched):
     check_slots(lm(0, 2, kind), batched=batched, tol=1e-3)  # logits up to ~80 (sharpened): float32 rounding
 
 
+@pytest.mark.parametrize("kind", ["full", "performer"])
+def test_a_prefill_caches_only_its_prompts_room_where_every_layer_keeps_keys_and_values(pairs, kind, monkeypatch):
+    """Full attention's prefills allocate their prompts' room, not the model's max_seq_len (their rows fill a slot's
+    first positions); a backend with other decoding state (Performer's running sums) keeps the full capacity.
+    Either way each request gets its solo tokens."""
+    target, draft = pair(pairs, kind)
+    made = []
+    real = continuous.Rows
+
+    class Spy(real):
+        def __init__(self, model, batch_size, capacity, batched=None):
+            made.append((model is target, batch_size, capacity))
+            super().__init__(model, batch_size, capacity, batched)
+
+    monkeypatch.setattr(continuous, "Rows", Spy)
+    scheduler = Scheduler(target, draft, prefill_rows=0)
+    plan = [(0, [5, 6, 7], 9, HOT, 1, None), (0, [1] * 7, 6, GREEDY, 2, None), (1, [2, 4, 6, 8], 8, HOT, 3, 3)]
+    jobs = run_rounds(scheduler, plan)
+    assert_alone(target, draft, jobs)
+    if kind == "full":  # base: the longest prompt; speculative: every prompt token but the last, in both models
+        assert made == [(True, 2, 7), (True, 1, 3), (False, 1, 3)]
+    else:
+        assert made == [(True, 2, target.max_seq_len), (True, 1, target.max_seq_len), (False, 1, draft.max_seq_len)]
+
+
 def test_the_slots_grow_for_a_burst_and_give_memory_back_when_it_is_gone():
     target, draft = lm(0), lm(1, 1)
     scheduler = Scheduler(target, draft, max_rows=16, short_tokens=0, prefill_rows=0)  # the burst joins at once

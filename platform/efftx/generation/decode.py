@@ -7,7 +7,7 @@ from typing import Sequence
 
 import torch
 
-from efftx.attention.cache import ModelCache, RowLengths
+from efftx.attention.cache import KVCache, ModelCache, RowLengths
 from efftx.generation import compiled
 from efftx.generation.sampling import draw, is_greedy, probabilities, sample
 
@@ -265,7 +265,9 @@ class Slots:
 
     def put(self, source: Rows, index: int, slot: int) -> None:
         """Copy row ``index`` of ``source`` (prefilled apart, same model and capacity) into ``slot`` (at most one past
-        the last row: the slots grow by one)."""
+        the last row: the slots grow by one). Key/value caches (:class:`~efftx.attention.cache.KVCache`) may come
+        with a smaller capacity (a prefill needs only its prompts' room): their positions fill the slot's first
+        ones, and the rest, past the row's length, is never read."""
         if source.batched != self.batched:
             raise ValueError("a row-by-row state cannot join batched slots (or the other way round)")
         self._extend(slot)
@@ -274,7 +276,10 @@ class Slots:
             return
         for mine, theirs, names in zip(self._cache.layers, source.caches[0].layers, self._names):
             for name in names:
-                getattr(mine, name)[slot].copy_(getattr(theirs, name)[index])
+                src, dst = getattr(theirs, name)[index], getattr(mine, name)[slot]
+                if src.shape != dst.shape and type(theirs) is KVCache:
+                    dst = dst[:src.shape[0]]  # (capacity, Hkv, D): the prefilled positions
+                dst.copy_(src)
             mine.lengths[slot] = theirs.lengths[index]
 
     def copy(self, source: int, slot: int) -> None:

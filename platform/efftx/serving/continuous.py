@@ -63,6 +63,7 @@ from typing import Any
 
 import torch
 
+from efftx.attention.cache import KVCache
 from efftx.generation.decode import Rows, Slots, splittable
 from efftx.generation.sampling import draw, is_greedy, probabilities
 from efftx.generation.speculative import (SpecStats, accept_sampled, kept_tokens, race, race_noise,
@@ -255,6 +256,9 @@ class _Engine:
         self.hook = hook
         self.batched = batched
         self.slots = [Slots(m, m.max_seq_len, batched=batched) for m in models]
+        # models whose every layer keeps a key/value cache: a prefill's cache needs only its prompts' room (its rows
+        # fill a slot's first positions, Slots.put); others' caches are laid out by capacity (full size)
+        self._kv_only = {id(m): all(type(layer) is KVCache for layer in m.new_cache(1, 1).layers) for m in models}
         self.device = _device(models[0])
         self.order: list[Job] = []  # the job of each slot
         self.last: list[int] = []  # each slot's last token
@@ -262,6 +266,11 @@ class _Engine:
 
     def __len__(self) -> int:
         return len(self.order)
+
+    def _room(self, model, needed: int) -> int:
+        """The capacity of a prefill's cache for ``model``: ``needed`` positions where that is enough (see above),
+        else the slots' own."""
+        return max(int(needed), 1) if self._kv_only[id(model)] else model.max_seq_len
 
     def _bounds(self, lane: str) -> tuple[int, int]:
         if lane == "fast":
@@ -458,7 +467,7 @@ class BaseEngine(_Engine):
                                  f"exceeds the model's max_seq_len={self.model.max_seq_len}")
             job.generator = _generator(job.seed, device)
         if self.batched:
-            rows = Rows(self.model, len(jobs), self.model.max_seq_len, True)
+            rows = Rows(self.model, len(jobs), self._room(self.model, max(len(j.prompt) for j in jobs)), True)
         else:
             rows = Rows.concat([Rows(self.model, 1, self._capacity(j), False) for j in jobs])
         logits = rows.prefill([j.prompt for j in jobs])
@@ -500,8 +509,9 @@ class SpeculativeEngine(_Engine):
                                  f"exceeds the models' max_seq_len={limit}")
             job.generator = _generator(job.seed, device)
         if self.batched:
-            t = Rows(self.target, len(jobs), self.target.max_seq_len, True)
-            d = Rows(self.draft, len(jobs), self.draft.max_seq_len, True)
+            room = max(len(j.prompt) for j in jobs) - 1  # the caches hold every prompt token but the last
+            t = Rows(self.target, len(jobs), self._room(self.target, room), True)
+            d = Rows(self.draft, len(jobs), self._room(self.draft, room), True)
         else:
             caps = [len(j.prompt) + j.max_new + self.gamma + 1 for j in jobs]
             t = Rows.concat([Rows(self.target, 1, c, False) for c in caps])
