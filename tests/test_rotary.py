@@ -98,3 +98,23 @@ def test_ragged_decoding_passes_the_host_limit_to_every_rotary_call(monkeypatch)
             for _ in range(3):
                 rows.forward(torch.tensor([[1], [2], [3]]))
     assert seen and all(isinstance(limit, int) for limit in seen), seen
+
+
+def test_without_a_gradient_to_record_rotary_skips_the_autograd_node_with_the_same_values(monkeypatch):
+    from efftx.models import layers
+
+    rot = Rotary(16, 64)
+    x = torch.randn(2, 5, 3, 16)
+    q = torch.randn(2, 5, 3, 16, requires_grad=True)
+    want = _elementwise(x, rot.cos[3:8, None, :], rot.sin[3:8, None, :])
+    applied = []
+    real = layers._Rotate.apply
+    monkeypatch.setattr(layers._Rotate, "apply", lambda *a: applied.append(a[0].shape) or real(*a))
+    with torch.no_grad():
+        a, b = rot.pair(x, q, 3)  # decoding: no node
+    assert not applied and torch.equal(a, want) and not b.requires_grad
+    out = rot(q, 3)  # training: the node, and a gradient
+    out.sum().backward()
+    assert applied == [q.shape] and q.grad is not None
+    assert torch.equal(rot(x, 3), want)  # grad mode, but nothing to differentiate: no node
+    assert len(applied) == 1
