@@ -201,3 +201,48 @@ def test_an_unbuildable_kernel_falls_back_to_sdpa_and_says_why(monkeypatch, capl
     with pytest.raises(RuntimeError, match="could not be built: RuntimeError: no C"):
         dac.build(log_line=lambda line: None)
     dac._warn_once.cache_clear()
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 6, 1, 32, 256), (5, 6, 2, 3, 16, 40), (16, 1, 6, 1, 32, 256),
+                                   (3, 16, 1, 4, 64, 90), (2, 3, 4, 1, 2, 12)], ids=lambda s: "x".join(map(str, s)))
+def test_rotary_inside_the_kernel_is_bit_for_bit_the_modules(shape):
+    """q and the new keys rotated in the kernel at each row's positions equal the Rotary module's rotation followed
+    by the kernel without it: outputs and cache contents, bit for bit."""
+    from efftx.models.layers import Rotary
+
+    rot = Rotary(shape[4], shape[5])
+    q, k_new, v_new, fused = case(11, *shape, True)
+    plain = KVCache(*fused.k.shape[:1], fused.k.shape[1], fused.k.shape[2], fused.k.shape[3])
+    plain.k.copy_(fused.k)
+    plain.v.copy_(fused.v)
+    plain.lengths = list(fused.lengths)
+    offset = torch.tensor(fused.lengths)[:, None]
+    with torch.no_grad():
+        got = dac.attend(q, k_new, v_new, fused, True, rot)
+        rq, rk = rot.pair(q, k_new, offset)
+        want = dac.attend(rq, rk, v_new, plain, True)
+    assert torch.equal(got, want) and torch.equal(fused.k, plain.k) and torch.equal(fused.v, plain.v)
+
+
+def test_the_model_hands_rotation_to_the_kernel_and_decodes_as_without_it(monkeypatch):
+    calls = []
+    real = MODULE.attend
+
+    class Spy:
+        def attend(self, *args):
+            calls.append(len(args))
+            return real(*args)
+
+    monkeypatch.setattr(dac, "kernel", lambda: Spy())
+    model = lm(depth=2)
+    prompts = [[5, 6, 7], [9] * 12, [1]]
+    with torch.no_grad():
+        ours = Rows(model, 3, 40)
+        first = ours.prefill(prompts)
+        steps = [ours.forward(torch.tensor([[1], [2], [3]]))]
+        assert calls and all(n == 10 for n in calls)  # the rotary tables went in: every pass rotated in the kernel
+        with dac.disabled():
+            theirs = Rows(model, 3, 40)
+            torch.testing.assert_close(first, theirs.prefill(prompts), rtol=0, atol=1e-5 * first.abs().max().item())
+            torch.testing.assert_close(steps[0], theirs.forward(torch.tensor([[1], [2], [3]])), rtol=0,
+                                       atol=1e-5 * steps[0].abs().max().item())

@@ -62,6 +62,14 @@ def few_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
 class FullAttention(AttentionBackend):
     supports_ragged = True
 
+    def attend_rotating(self, q, k, v, cache, rotary):
+        """A cached pass of unrotated ``q`` / ``k`` with the rotation done inside the CPU decode attention kernel
+        (one call instead of the rotary's table lookups and two rotations per layer); None where the kernel does
+        not take it (then the caller rotates and calls :meth:`forward`)."""
+        if cache is None or type(self) is not FullAttention or (self.training and self.spec.dropout):
+            return None
+        return decode_attention_cpu.attend(q, k, v, cache, self.spec.causal, rotary)
+
     def forward(self, q, k, v, *, cache: KVCache | None = None, x=None):
         # q: (B, T, H, D); k, v: (B, T, Hkv, D)
         t_q = q.shape[1]

@@ -5,7 +5,8 @@
 // new keys and values at each row's own position and attends, each query over exactly the keys it may see.
 //
 // Layouts (float32, contiguous): q (B, T, H, D); k_new, v_new (B, T, Hkv, D); the caches k, v (B, C, Hkv, D);
-// before[b]: row b's length before the call; out (B, T, H, D). Query head h reads kv head h / (H / Hkv).
+// before[b]: row b's length before the call; out (B, T, H, D). Query head h reads kv head h / (H / Hkv). With
+// rotary tables (cos, sin: (P, D / 2)), q and the new keys come unrotated and are rotated here at their positions.
 // Query i of row b sits at position before[b] + i and sees keys 0 .. before[b] + i (causal) or
 // 0 .. before[b] + T - 1. The caller has checked that before[b] + T <= C.
 //
@@ -104,8 +105,24 @@ inline float exp_sum(float* s, int64_t n, float max) {
   return lane_sum(acc) + tail;
 }
 
+// Rotary positions, as efftx.models.layers._rotate computes them: the halves (x1, x2) of a head vector at position
+// p become (x1 cos - x2 sin, x2 cos + x1 sin) with cos / sin from row p of the tables (P, D / 2). Each product is
+// rounded before the sum, as torch's separate multiply and subtract round them (no fused multiply-add), so the
+// rotated vectors are bit for bit torch's.
+__attribute__((optimize("fp-contract=off"))) void rotate(const float* __restrict x, const float* __restrict c,
+                                                         const float* __restrict s, int64_t half,
+                                                         float* __restrict out) {
+  for (int64_t j = 0; j < half; ++j) {
+    const float a = x[j] * c[j], b = x[j + half] * s[j];
+    const float e = x[j + half] * c[j], f = x[j] * s[j];
+    out[j] = a - b;
+    out[j + half] = e + f;
+  }
+}
+
 torch::Tensor attend(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new, torch::Tensor k, torch::Tensor v,
-                     std::vector<int64_t> before, bool causal, double scale) {
+                     std::vector<int64_t> before, bool causal, double scale, c10::optional<torch::Tensor> cos,
+                     c10::optional<torch::Tensor> sin) {
   for (const auto* t : {&q, &k_new, &v_new, &k, &v}) {
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat, "decode attention: float32 CPU tensors");
     TORCH_CHECK(t->dim() == 4 && t->is_contiguous(), "decode attention: contiguous 4-d tensors");
@@ -120,6 +137,21 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new, 
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(before[b] >= 0 && before[b] + T <= C, "decode attention: row ", b, " holds ", before[b],
                 " tokens; ", T, " more exceed the cache's ", C);
+  const bool rotary = cos.has_value();
+  TORCH_CHECK(rotary == sin.has_value(), "decode attention: rotary needs both cos and sin tables");
+  const float* cp = nullptr;
+  const float* sp = nullptr;
+  if (rotary) {
+    for (const auto* t : {&*cos, &*sin})
+      TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 2 && t->is_contiguous() &&
+                      t->size(1) * 2 == D && t->sizes() == cos->sizes(),
+                  "decode attention: rotary tables must be contiguous float32 (positions, head_dim / 2)");
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(before[b] + T <= cos->size(0), "position ", before[b] + T, " beyond model.max_seq_len=",
+                  cos->size(0));
+    cp = cos->data_ptr<float>();
+    sp = sin->data_ptr<float>();
+  }
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
   const float* knp = k_new.data_ptr<float>();
@@ -136,13 +168,17 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new, 
   at::parallel_for(0, B * Hkv, grain, [&](int64_t lo, int64_t hi) {
     std::vector<float> scores(longest);
     std::vector<float> acc(D);
+    std::vector<float> turned(D);  // a rotated query
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t b = task / Hkv, kh = task % Hkv;
       const int64_t start = before[b];
       // this (row, kv head)'s new keys and values into the cache, at the row's own positions
       for (int64_t i = 0; i < T; ++i) {
         const int64_t src = ((b * T + i) * Hkv + kh) * D, dst = ((b * C + start + i) * Hkv + kh) * D;
-        std::memcpy(kp + dst, knp + src, D * sizeof(float));
+        if (rotary)
+          rotate(knp + src, cp + (start + i) * (D / 2), sp + (start + i) * (D / 2), D / 2, kp + dst);
+        else
+          std::memcpy(kp + dst, knp + src, D * sizeof(float));
         std::memcpy(vp + dst, vnp + src, D * sizeof(float));
       }
       const float* kb = kp + (b * C * Hkv + kh) * D;  // key j of this row and kv head: kb + j * Hkv * D
@@ -153,6 +189,10 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new, 
         for (int64_t g = 0; g < G; ++g) {
           const int64_t h = kh * G + g;
           const float* qv = qp + ((b * T + i) * H + h) * D;
+          if (rotary) {
+            rotate(qv, cp + (start + i) * (D / 2), sp + (start + i) * (D / 2), D / 2, turned.data());
+            qv = turned.data();
+          }
           float max = -INFINITY;
           for (int64_t j = 0; j < visible; ++j) {
             const float s = dot(qv, kb + j * stride, D) * sc;
@@ -182,5 +222,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new, 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend, "write a few new keys/values per row into a cache and attend over it, float32",
+        py::arg("q"), py::arg("k_new"), py::arg("v_new"), py::arg("k"), py::arg("v"), py::arg("before"),
+        py::arg("causal"), py::arg("scale"), py::arg("cos") = py::none(), py::arg("sin") = py::none(),
         py::call_guard<py::gil_scoped_release>());
 }

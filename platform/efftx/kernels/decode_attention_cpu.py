@@ -79,12 +79,18 @@ def takes(q: torch.Tensor, k: torch.Tensor, cache) -> bool:
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)))
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, causal: bool) -> torch.Tensor | None:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, causal: bool, rotary=None
+           ) -> torch.Tensor | None:
     """Write ``k`` / ``v`` (B, T, Hkv, D) into ``cache`` at each row's position and return softmax attention
     (B, T, H, D) of ``q`` over each row's keys (``causal``: query i of a row sees its keys up to its own position;
-    else every key of the row, the new ones included), scaled by ``D ** -0.5``. None where the kernel does not take
-    the pass (:func:`takes`) or is unavailable: the caller then runs the torch path, the cache untouched."""
+    else every key of the row, the new ones included), scaled by ``D ** -0.5``. With ``rotary`` (a
+    :class:`~efftx.models.layers.Rotary`), ``q`` and ``k`` come unrotated and the kernel rotates them at their
+    positions, bit for bit as the module does. None where the kernel does not take the pass (:func:`takes`) or is
+    unavailable: the caller then runs the torch path, the cache untouched."""
     if not takes(q, k, cache):
+        return None
+    tables = () if rotary is None else (rotary.cos, rotary.sin)
+    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tables):
         return None
     module = kernel()
     if module is None:
@@ -93,7 +99,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, causal: boo
     cache._grow(k.shape[1], cache.max_len, "KV cache")  # raises (nothing written) when the rows do not fit
     try:
         return module.attend(q.contiguous(), k.contiguous(), v.contiguous(), cache.k, cache.v, before, causal,
-                             q.shape[-1] ** -0.5)
+                             q.shape[-1] ** -0.5, *tables)
     except Exception:
         cache.lengths = before
         raise

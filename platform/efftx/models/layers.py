@@ -177,9 +177,14 @@ class Attention(nn.Module):
         s = self.spec
         q = self.q(x).view(b, t, s.heads, s.head_dim)  # (B, T, H, D)
         k, v = self.kv(x).view(b, t, 2, s.kv_heads, s.head_dim).unbind(2)  # (B, T, Hkv, D)
+        y = None
         if self.rotary is not None:
-            q, k = self.rotary.pair(q, k, cache_offset(cache), cache_limit(cache, t))
-        y = self.inner(q, k, v, cache=cache, x=x)  # (B, T, H, D)
+            fused = getattr(self.inner, "attend_rotating", None)  # full attention's CPU decode kernel rotates itself
+            y = fused(q, k, v, cache, self.rotary) if fused is not None else None
+            if y is None:
+                q, k = self.rotary.pair(q, k, cache_offset(cache), cache_limit(cache, t))
+        if y is None:
+            y = self.inner(q, k, v, cache=cache, x=x)  # (B, T, H, D)
         return self.drop(self.out(y.reshape(b, t, s.heads * s.head_dim)))
 
 
