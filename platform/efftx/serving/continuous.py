@@ -32,9 +32,9 @@ loop) that repeats rounds: admit the requests that may start, then run one decod
   first), so a burst of arrivals is spread over a few rounds, and a long arrival that finds no fast row joins the
   slow lane in the next round with room; with no such limit (``prefill_rows=0``) long arrivals wait for a round
   in which the slow lane steps. A queued request that waited ``max_wait_rounds`` rounds goes ahead of every
-  other. ``short_tokens=0`` turns priority
-  off: both lanes step every round and the queue is served in arrival order. A row's tokens (and acceptance) do
-  not depend on when or in which lane it is stepped: priority changes a request's latency, never its output.
+  other. ``short_tokens=0`` turns priority off: both lanes step every round and the queue is served in arrival
+  order. A row's tokens (and acceptance) do not depend on when or in which lane it is stepped: priority changes a
+  request's latency, never its output.
 * **Streams** are rows like any other: their ``on_step`` callback receives each step's tokens as they are
   produced.
 * **Caches.** A running batch keeps its rows in preallocated slots of each model's cache
