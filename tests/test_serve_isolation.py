@@ -110,9 +110,9 @@ def apps(ray_cluster, debug_exports, tmp_path_factory):
     serve.run(build(args), name="real", route_prefix="/")
     text, images = poisoned_deployments(str(gate))
     # a long batch window and room for 8 valid + 2 poisoned requests in one batch (in the fast lane too: short and
-    # long requests alike share its passes while it has room)
+    # long requests alike share its passes while it has room; and prefilled together: no per-round prefill limit)
     serve.run(build_with({**args, "max_batch_size": "16", "fast_rows": "16", "batch_wait_timeout_s": "1.0",
-                          "image_max_batch_size": "16",
+                          "prefill_rows": "0", "image_max_batch_size": "16",
                           "image_batch_wait_timeout_s": "1.0"}, text_deployment=text, image_deployment=images),
               name="poisoned", route_prefix="/poisoned")
     static = {k: v for k, v in args.items() if k not in ("dalle", "image_limits")}
