@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -25,14 +24,9 @@ BIN = Path(sys.executable).parent
 
 
 def kill_cluster(temp_dir: str) -> None:
-    import psutil
+    from efftx.cluster import kill_node
 
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            if any(temp_dir in part for part in proc.info["cmdline"] or []):
-                proc.send_signal(signal.SIGKILL)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
+    kill_node(temp_dir + "/")
 
 
 def cluster_env(home: Path) -> dict[str, str]:
@@ -52,7 +46,7 @@ def cluster_up(env: dict[str, str], temp_dir: str, *extra: str) -> str:
     cmd = [str(BIN / "python"), "-m", "efftx.cluster", "up", "--num-cpus", "2", "--port", str(free_port()),
            "--dashboard-port", str(dash), "--temp-dir", temp_dir, *extra, "--dashboard-agent-listen-port",
            str(free_port()), "--ray-client-server-port", str(free_port()), "--metrics-export-port", str(free_port())]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     return f"http://127.0.0.1:{dash}"
 
@@ -143,6 +137,100 @@ print('job ran on call', n)
     counter.unlink()
     assert cluster.submit(["--", "fail"], wait_s=60) == 1  # another error is not retried
     assert counter.read_text() == "1"
+
+
+NODE = """import subprocess, sys, time
+agent = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])  # names nothing, like ray::...
+with open(sys.argv[1], 'a') as f:
+    f.write(f'{agent.pid}\\n')
+time.sleep(120)
+"""
+
+
+def fake_ray_start(tmp_path: Path, fail_times: int, message: str) -> tuple[Path, Path]:
+    """A stand-in `ray` for `ray start`: its first ``fail_times`` calls leave a half-started node behind (a
+    "raylet" naming a session dir named after this call's pid, as Ray names a head's, and an "agent" child naming
+    nothing, like Ray's ray::DashboardAgent) and fail with ``message``; later calls succeed.
+    -> (the script, the file of the left-behind pids)."""
+    node, pids = tmp_path / "node.py", tmp_path / "pids"
+    node.write_text(NODE)
+    fake = tmp_path / "ray"
+    fake.write_text(f"""#!{sys.executable}
+import os, pathlib, subprocess, sys, time
+calls, pids = pathlib.Path({str(tmp_path / "calls")!r}), pathlib.Path({str(pids)!r})
+n = int(calls.read_text()) + 1 if calls.exists() else 1
+calls.write_text(str(n))
+if n > {fail_times}:
+    print('Ray runtime started.'); sys.exit(0)
+before = len(pids.read_text().split()) if pids.exists() else 0
+session = {str(tmp_path)!r} + f'/session_2026-11-28_03-59-25_550123_{{os.getpid()}}'
+raylet = subprocess.Popen([sys.executable, {str(node)!r}, str(pids), '--session_dir=' + session],
+                          start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+while (len(pids.read_text().split()) if pids.exists() else 0) < before + 1:
+    time.sleep(0.05)
+with open(pids, 'a') as f:
+    f.write(f'{{raylet.pid}}\\n')
+print({message!r}, file=sys.stderr); sys.exit(1)
+""")
+    fake.chmod(0o755)
+    return fake, pids
+
+
+def alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_cluster_up_starts_a_head_again_when_its_raylet_registers_late(tmp_path, monkeypatch, capsys):
+    """`ray start` fails when the raylet takes over Ray's 30 s to register (seen in CI on a busy machine) and
+    leaves that node running: `up` kills exactly that node (its processes and their children, not another
+    node's) and starts it again; another failure is not retried, and the attempts run out."""
+    import types
+
+    from efftx import cluster
+
+    timeout = "Exception: The current node timed out during startup. This could happen because ..."
+    fake, pids = fake_ray_start(tmp_path, 2, timeout)
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)",
+                                  f"--session_dir={tmp_path}/session_2026-11-28_03-59-25_550123_1"])
+    monkeypatch.setattr(cluster, "ray_bin", lambda name="ray": str(fake))
+    monkeypatch.setattr(cluster, "time", types.SimpleNamespace(sleep=lambda s: None, monotonic=time.monotonic))
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "0" * 64)
+    argv = ["up", "--no-wait", "--dashboard-port", "1", "--dashboard-agent-listen-port", "2"]
+    try:
+        assert cluster.main(argv) == 0
+        assert (tmp_path / "calls").read_text() == "3"
+        err = capsys.readouterr().err
+        assert "starting it again (2 of 3)" in err and "starting it again (3 of 3)" in err
+        left = [int(x) for x in pids.read_text().split()]
+        assert len(left) == 4  # two nodes' agent and raylet
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in left) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(pid) for pid in left)
+        assert alive(bystander.pid)  # another node's process
+        for name in ("calls", "pids"):
+            (tmp_path / name).unlink()
+        assert cluster.main(argv + ["--attempts", "2"]) == 2  # two timeouts, two attempts: the error stands
+        assert (tmp_path / "calls").read_text() == "2" and "timed out during startup" in capsys.readouterr().err
+        (tmp_path / "calls").unlink()
+        other, _ = fake_ray_start(tmp_path, 5, "ValueError: port 1 is in use")
+        monkeypatch.setattr(cluster, "ray_bin", lambda name="ray": str(other))
+        assert cluster.main(argv) == 2  # not a startup timeout: no second try
+        assert (tmp_path / "calls").read_text() == "1" and "port 1 is in use" in capsys.readouterr().err
+    finally:
+        import psutil
+
+        bystander.kill()
+        for pid in [int(x) for x in pids.read_text().split()] if pids.exists() else []:
+            try:
+                psutil.Process(pid).kill()
+            except psutil.NoSuchProcess:
+                pass
 
 
 def test_ray_job_submit_to_ray_start_head(head_cluster, efftx_home):

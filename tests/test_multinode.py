@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -46,28 +45,9 @@ WORKER_LINE = re.compile(r"\[efftx\] workers: (\d+) on (\d+) node\(s\): (.*)")
 def kill_node(temp_dir: str) -> list[int]:
     """SIGKILL every process of one Ray node: those naming its temp dir (raylet, log monitor) and all their
     descendants (the dashboard and runtime-env agents, the Ray workers: RayTrainWorker actors)."""
-    import psutil
+    from efftx.cluster import kill_node as kill
 
-    me = os.getpid()
-    roots = []
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            if proc.pid != me and any(temp_dir + "/" in part for part in proc.info["cmdline"] or []):
-                roots.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    family = set(roots)
-    for proc in roots:
-        try:
-            family |= set(proc.children(recursive=True))
-        except psutil.NoSuchProcess:
-            pass
-    for proc in family:
-        try:
-            proc.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    return sorted(p.pid for p in family)
+    return kill(temp_dir + "/")
 
 
 class Cluster:
@@ -91,22 +71,23 @@ class Cluster:
                "--dashboard-port", str(self.dash_port), "--temp-dir", str(self.root / "head"),
                "--dashboard-agent-listen-port", str(free_port()), "--ray-client-server-port", str(free_port()),
                "--metrics-export-port", str(free_port())]
-        proc = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=400)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
 
     def add_workers(self, *names: str) -> None:
-        """`ray start --address HEAD --num-cpus 1` per name (side by side), each with its own temp dir."""
+        """`python -m efftx.cluster join --address HEAD --num-cpus 1` (`ray start`, token auth) per name (side by
+        side), each with its own temp dir."""
         procs = {}
         for name in names:
             temp_dir = str(self.root / name)
-            cmd = [str(BIN / "ray"), "start", "--address", self.address, "--num-cpus", "1", "--temp-dir", temp_dir,
-                   "--disable-usage-stats", "--dashboard-agent-listen-port", str(free_port()),
+            cmd = [str(BIN / "python"), "-m", "efftx.cluster", "join", "--address", self.address, "--num-cpus", "1",
+                   "--temp-dir", temp_dir, "--dashboard-agent-listen-port", str(free_port()),
                    "--metrics-export-port", str(free_port())]
             procs[name] = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                            text=True)
             self.workers[name] = temp_dir
         for name, proc in procs.items():
-            out, _ = proc.communicate(timeout=180)
+            out, _ = proc.communicate(timeout=400)
             assert proc.returncode == 0, f"worker node {name}: {out[-3000:]}"
 
     def node_ids(self) -> dict[str, str]:

@@ -1,6 +1,7 @@
 """A Ray cluster with token authentication on, from nothing: ``make cluster-up`` / ``make submit-example``.
 
     python -m efftx.cluster up [--num-cpus N] [--num-gpus N] [--port P] [--dashboard-port D] [--temp-dir DIR]
+    python -m efftx.cluster join --address HEAD:PORT [--temp-dir DIR] [ray start options]
     python -m efftx.cluster submit [--address URL] [ray job submit options] -- ENTRYPOINT ...
     python -m efftx.cluster token
     python -m efftx.cluster down
@@ -16,12 +17,19 @@ file through ``ray get-auth-token --generate``; a ``$RAY_AUTH_TOKEN_PATH`` file 
 plain ``RAY_AUTH_MODE=token ray job submit ...`` works. ``submit`` runs ``ray job submit`` with the token
 mode set and retries while the cluster answers "No available agent" (no job was created then), so it
 may also be used right after a ``ray start`` of any other origin.
+
+``ray start`` gives a new node's raylet a fixed 30 s to register with the GCS; on a busy machine it may take
+longer, and ``ray start`` then fails ("The current node timed out during startup") and leaves the half-started
+node running. ``up`` and ``join`` stop that node's processes (only its own: the head's by its session, which is
+named after the ``ray start`` process, a joining node's by its ``--temp-dir``) and start it again, up to
+``--attempts`` times.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -32,6 +40,7 @@ from pathlib import Path
 from efftx.errors import LaunchError
 
 NO_AGENT = "No available agent"
+STARTUP_TIMEOUT = "timed out during startup"  # `ray start`: the raylet did not register within 30 s
 DEFAULT_DASHBOARD_PORT = 8265
 DEFAULT_AGENT_PORT = 52365  # the dashboard agent's HTTP port: jobs go through it
 
@@ -186,6 +195,80 @@ def wait_for_jobs(address: str, wait_s: float = 120.0) -> None:
     raise LaunchError(f"the cluster at {address} did not accept a job within {wait_s:.0f} s ({last})")
 
 
+def kill_node(marker: str | re.Pattern) -> list[int]:
+    """SIGKILL one Ray node: the processes whose command line names ``marker`` (a substring: its temp dir plus
+    "/"; or a pattern: its session dir), i.e. GCS, raylet, dashboard, monitors, and all their descendants (the
+    dashboard and runtime-env agents rename themselves ``ray::...``; the Ray workers). Returns their pids."""
+    import signal
+
+    import psutil
+
+    found = marker.search if isinstance(marker, re.Pattern) else (lambda part: marker in part)
+    me = os.getpid()
+    roots = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if proc.pid != me and any(found(part) for part in proc.info["cmdline"] or []):
+                roots.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    family = set(roots)
+    for proc in roots:
+        try:
+            family |= set(proc.children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+    for proc in family:
+        try:
+            proc.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    return sorted(p.pid for p in family)
+
+
+def session_of(pid: int) -> re.Pattern:
+    """The session dir of a head node started by the ``ray start`` process ``pid``: Ray names it
+    ``session_<date>_<time>_<microseconds>_<pid>``."""
+    return re.compile(rf"session_\d{{4}}-\d\d-\d\d_\d\d-\d\d-\d\d_\d+_{pid}(?![0-9])")
+
+
+def start_node(cmd: list[str], attempts: int, node_marker) -> None:
+    """Run ``ray start`` (``cmd``) with token auth; when its raylet did not register in time, stop the
+    half-started node (``node_marker(pid of ray start)``, see ``kill_node``; None: it cannot be told apart from
+    others, so no retry) and start again, ``attempts`` times in all. Raises LaunchError on failure."""
+    for attempt in range(1, attempts + 1):
+        proc = subprocess.Popen(cmd, env=auth_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = proc.communicate()
+        if proc.returncode == 0:
+            return
+        text = (err or out).strip()
+        marker = node_marker(proc.pid)
+        if STARTUP_TIMEOUT not in text or attempt == attempts or marker is None:
+            hint = ("" if STARTUP_TIMEOUT not in text or marker is not None else
+                    "\n(not started again: without a --temp-dir of its own the node's processes cannot be told "
+                    "apart from other nodes' on this machine)")
+            tries = f" ({attempt} attempts)" if attempt > 1 else ""
+            raise LaunchError(f"`ray start` failed{tries}:\n{text[-2000:]}{hint}")
+        killed = kill_node(marker)
+        print(f"[efftx] `ray start`: the node's raylet did not register with the GCS within Ray's 30 s (a busy "
+              f"machine?); stopped its {len(killed)} processes, starting it again ({attempt + 1} of {attempts})",
+              file=sys.stderr)
+        time.sleep(2.0)
+
+
+def join(ns: argparse.Namespace) -> int:
+    """``ray start --address HEAD`` with token auth, retried like ``up``'s head (only with a ``--temp-dir``)."""
+    source = ensure_token()
+    cmd = [ray_bin(), "start", "--address", ns.address, "--disable-usage-stats"]
+    for flag, value in (("--num-cpus", ns.num_cpus), ("--num-gpus", ns.num_gpus), ("--temp-dir", ns.temp_dir)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    temp = str(Path(ns.temp_dir).resolve()) + "/" if ns.temp_dir else None
+    start_node(cmd + ns.ray_args, ns.attempts, lambda pid: temp)
+    print(f"Ray node joined {ns.address} with token authentication (token: {source})")
+    return 0
+
+
 def up(ns: argparse.Namespace) -> int:
     source = ensure_token()
     cmd = [ray_bin(), "start", "--head", "--disable-usage-stats", "--dashboard-port", str(ns.dashboard_port)]
@@ -200,9 +283,7 @@ def up(ns: argparse.Namespace) -> int:
         print(f"[efftx] port {DEFAULT_AGENT_PORT} (Ray's dashboard agent) is taken, by another Ray cluster on this "
               f"machine: the agent listens on {agent_port} instead", file=sys.stderr)
         cmd += ["--dashboard-agent-listen-port", str(agent_port)]
-    proc = subprocess.run(cmd + ns.ray_args, env=auth_env(), capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise LaunchError(f"`ray start --head` failed:\n{(proc.stderr or proc.stdout).strip()[-2000:]}")
+    start_node(cmd + ns.ray_args, ns.attempts, session_of)
     address = f"http://127.0.0.1:{ns.dashboard_port}"
     if not ns.no_wait:
         wait_for_jobs(address, ns.wait)
@@ -223,18 +304,28 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--temp-dir")
     u.add_argument("--wait", type=float, default=120.0, help="seconds to wait for the job agent")
     u.add_argument("--no-wait", action="store_true", help="return right after `ray start`")
+    j = sub.add_parser("join", help="start a worker node of the cluster at --address (GCS HEAD:PORT), token auth")
+    j.add_argument("--address", required=True, help="the head's GCS address, e.g. 10.0.0.1:6379")
+    j.add_argument("--num-cpus", type=int)
+    j.add_argument("--num-gpus", type=int)
+    j.add_argument("--temp-dir", help="this node's own temp dir (needed to start it again after a timeout)")
+    for parser in (u, j):
+        parser.add_argument("--attempts", type=int, default=3,
+                            help="`ray start` tries when the raylet does not register in time (default 3)")
     s = sub.add_parser("submit", help="`ray job submit` with the token, retried while there is no job agent yet")
     s.add_argument("--address", help="the dashboard URL (default: $RAY_ADDRESS or Ray's default)")
     s.add_argument("--wait", type=float, default=120.0)
     sub.add_parser("token", help="print the token file (creating a token when none exists)")
     sub.add_parser("down", help="`ray stop`")
     ns, extra = p.parse_known_args(argv)  # up: more `ray start` options; submit: `ray job submit`'s, -- ENTRYPOINT
-    if extra and ns.command not in ("up", "submit"):
+    if extra and ns.command not in ("up", "join", "submit"):
         p.error(f"unrecognized arguments: {' '.join(extra)}")
+    if getattr(ns, "attempts", 1) < 1:
+        p.error(f"--attempts must be at least 1, not {ns.attempts}")
     try:
-        if ns.command == "up":
+        if ns.command in ("up", "join"):
             ns.ray_args = extra
-            return up(ns)
+            return up(ns) if ns.command == "up" else join(ns)
         if ns.command == "submit":
             job_args = extra
             if "--" not in job_args or job_args.index("--") == len(job_args) - 1:
