@@ -233,6 +233,42 @@ def test_cluster_up_starts_a_head_again_when_its_raylet_registers_late(tmp_path,
                 pass
 
 
+def test_start_local_starts_the_cluster_again_when_its_raylet_registers_late(tmp_path, monkeypatch, capsys):
+    """The in-process cluster of a job (`start_local`, Ray's `ray.init`) has the same 30 s: the half-started node
+    (its session named after this process) is killed, and the cluster started again; other errors stand."""
+    import ray
+
+    from efftx import cluster
+
+    calls, left, ports = [], [], []
+
+    def init(address=None, **kwargs):
+        calls.append(address)
+        ports.append(os.environ["RAY_GCS_SERVER_PORT"])
+        if len(calls) == 1:
+            session = f"--session_dir={tmp_path}/session_2026-11-28_03-59-25_550123_{os.getpid()}"
+            left.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", session]))
+            raise Exception("The current node timed out during startup. This could happen because ...")
+        if len(calls) == 2:
+            return None
+        raise RuntimeError("Maybe you called ray.init twice by accident?")
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "get_runtime_context",
+                        lambda: type("Ctx", (), {"gcs_address": f"{ray.util.get_node_ip_address()}:{ports[-1]}"})())
+    monkeypatch.setattr(cluster, "time", type("T", (), {"sleep": staticmethod(lambda s: None)}))
+    try:
+        assert cluster.start_local() == f"{ray.util.get_node_ip_address()}:{ports[0]}"
+        assert calls == ["local", "local"] and ports[0] == ports[1] and "starting it again (2 of 3)" in capsys.readouterr().err
+        assert left[0].wait(timeout=10) == -9  # SIGKILLed
+        with pytest.raises(RuntimeError, match="twice"):
+            cluster.start_local()
+        assert len(calls) == 3  # not a startup timeout: not retried
+    finally:
+        for proc in left:
+            proc.kill()
+
+
 def test_ray_job_submit_to_ray_start_head(head_cluster, efftx_home):
     summary = submit(head_cluster, "jobs/train_sinkhorn.py", "--recipe", "sinkhorn_debug", "--run-name", "submitted",
                      "--set", "train.steps=10", "--set", "train.eval_every=5")

@@ -64,7 +64,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_local(**init_kwargs) -> str:
+def start_local(attempts: int = 3, **init_kwargs) -> str:
     """Start a new single-node Ray cluster in this process (``ray.init(address="local", ...)``); returns its GCS
     address.
 
@@ -74,7 +74,9 @@ def start_local(**init_kwargs) -> str:
     without it the lookup fails with "Found multiple active Ray instances". Ray Train's placement-group cleaner
     is such code: it removes the workers' placement group of a run whose controller died (a Tune trial that
     ASHA stopped), and when it fails the group's CPUs stay reserved for as long as the driver lives, until a
-    later trial waits forever for them."""
+    later trial waits forever for them.
+
+    Started again, up to ``attempts`` times in all, when the raylet registers too late (as ``up`` does)."""
     import ray
 
     port = free_port()
@@ -86,7 +88,20 @@ def start_local(**init_kwargs) -> str:
     before = os.environ.get("RAY_GCS_SERVER_PORT")
     os.environ["RAY_GCS_SERVER_PORT"] = str(port)  # read by the head node Ray starts here, and only by it
     try:
-        ray.init(address="local", runtime_env=runtime_env, **init_kwargs)
+        for attempt in range(1, attempts + 1):
+            try:
+                ray.init(address="local", runtime_env=runtime_env, **init_kwargs)
+                break
+            except Exception as exc:  # Ray raises a bare Exception when the raylet registers late
+                if STARTUP_TIMEOUT not in str(exc) or attempt == attempts:
+                    raise
+                # the half-started node: its session is named after this process (an earlier cluster of this
+                # process is shut down: ray.init refuses to start a second one)
+                killed = kill_node(session_of(os.getpid()))
+                print(f"[efftx] Ray's raylet did not register within 30 s (a busy machine?); stopped the "
+                      f"half-started node's {len(killed)} processes, starting it again ({attempt + 1} of "
+                      f"{attempts})", file=sys.stderr)
+                time.sleep(2.0)
     finally:
         if before is None:
             os.environ.pop("RAY_GCS_SERVER_PORT", None)
