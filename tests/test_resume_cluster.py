@@ -27,6 +27,8 @@ import pytest
 from netutil import free_port
 from test_job_submit import kill_cluster
 
+from efftx.cluster import session_of, start_node
+
 pytestmark = [pytest.mark.slow, pytest.mark.own_cluster]
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -50,8 +52,7 @@ def cluster():
     start = [str(BIN / "ray"), "start", "--head", "--num-cpus", "2", "--port", str(port), "--include-dashboard",
              "false", "--temp-dir", temp_dir, "--disable-usage-stats"]
     try:
-        proc = subprocess.run(start, env=env, capture_output=True, text=True, timeout=180)
-        assert proc.returncode == 0, proc.stderr[-2000:]
+        start_node(start, 3, session_of, env)  # `ray start`, started again if the raylet registers late
         yield temp_dir, {**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}
     finally:
         kill_cluster(temp_dir)

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 def another_ray_instance():
     """A second Ray cluster on this machine (as when two jobs, or two test processes, each start one): Ray code
     that looks its cluster up from inside a worker finds two and fails unless it is told its address."""
-    from efftx.cluster import auth_env, ray_bin
+    from efftx.cluster import ray_bin, session_of, start_node
     from netutil import free_port
     from test_job_submit import kill_cluster
 
@@ -28,8 +28,7 @@ def another_ray_instance():
     cmd = [ray_bin(), "start", "--head", "--num-cpus", "0", "--include-dashboard", "false", "--disable-usage-stats",
            "--port", str(free_port()), "--temp-dir", temp_dir]
     try:
-        proc = subprocess.run(cmd, env=auth_env(), capture_output=True, text=True, timeout=180)
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-2000:]
+        start_node(cmd, 3, session_of)  # `ray start` with token auth, started again if the raylet registers late
         yield
     finally:
         kill_cluster(temp_dir)

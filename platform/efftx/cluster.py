@@ -247,12 +247,13 @@ def session_of(pid: int) -> re.Pattern:
     return re.compile(rf"session_\d{{4}}-\d\d-\d\d_\d\d-\d\d-\d\d_\d+_{pid}(?![0-9])")
 
 
-def start_node(cmd: list[str], attempts: int, node_marker) -> None:
+def start_node(cmd: list[str], attempts: int, node_marker, env: dict[str, str] | None = None) -> None:
     """Run ``ray start`` (``cmd``) with token auth; when its raylet did not register in time, stop the
     half-started node (``node_marker(pid of ray start)``, see ``kill_node``; None: it cannot be told apart from
-    others, so no retry) and start again, ``attempts`` times in all. Raises LaunchError on failure."""
+    others, so no retry) and start again, ``attempts`` times in all. ``env``: the command's environment (default
+this process's), token auth added. Raises LaunchError on failure."""
     for attempt in range(1, attempts + 1):
-        proc = subprocess.Popen(cmd, env=auth_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(cmd, env=auth_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         out, err = proc.communicate()
         if proc.returncode == 0:
             return
