@@ -235,19 +235,28 @@ def test_cluster_up_starts_a_head_again_when_its_raylet_registers_late(tmp_path,
 
 def test_start_local_starts_the_cluster_again_when_its_raylet_registers_late(tmp_path, monkeypatch, capsys):
     """The in-process cluster of a job (`start_local`, Ray's `ray.init`) has the same 30 s: the half-started node
-    (its session named after this process) is killed, and the cluster started again; other errors stand."""
+    (its session named after this process and started at this attempt) is killed, never an earlier cluster of the
+    same process (CI: the test session's own cluster was killed with it), and the cluster started again; other
+    errors stand."""
     import ray
 
     from efftx import cluster
 
+    import datetime
+
     calls, left, ports = [], [], []
+    sleep = [sys.executable, "-c", "import time; time.sleep(120)"]
+    # this process's own earlier cluster (the test session's has a session named after this pid too): it stays
+    earlier = datetime.datetime.today() - datetime.timedelta(minutes=5)
+    mine = subprocess.Popen(sleep + [f"--session_dir={tmp_path}/session_{earlier.strftime(cluster.SESSION_TIME)}_"
+                                     f"{os.getpid()}"])
 
     def init(address=None, **kwargs):
         calls.append(address)
         ports.append(os.environ["RAY_GCS_SERVER_PORT"])
         if len(calls) == 1:
-            session = f"--session_dir={tmp_path}/session_2026-11-28_03-59-25_550123_{os.getpid()}"
-            left.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", session]))
+            now = datetime.datetime.today().strftime(cluster.SESSION_TIME)
+            left.append(subprocess.Popen(sleep + [f"--session_dir={tmp_path}/session_{now}_{os.getpid()}"]))
             raise Exception("The current node timed out during startup. This could happen because ...")
         if len(calls) == 2:
             return None
@@ -261,11 +270,12 @@ def test_start_local_starts_the_cluster_again_when_its_raylet_registers_late(tmp
         assert cluster.start_local() == f"{ray.util.get_node_ip_address()}:{ports[0]}"
         assert calls == ["local", "local"] and ports[0] == ports[1] and "starting it again (2 of 3)" in capsys.readouterr().err
         assert left[0].wait(timeout=10) == -9  # SIGKILLed
+        assert mine.poll() is None
         with pytest.raises(RuntimeError, match="twice"):
             cluster.start_local()
         assert len(calls) == 3  # not a startup timeout: not retried
     finally:
-        for proc in left:
+        for proc in [*left, mine]:
             proc.kill()
 
 

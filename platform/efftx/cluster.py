@@ -28,6 +28,7 @@ named after the ``ray start`` process, a joining node's by its ``--temp-dir``) a
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import re
 import secrets
@@ -36,6 +37,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from efftx.errors import LaunchError
 
@@ -89,15 +91,16 @@ def start_local(attempts: int = 3, **init_kwargs) -> str:
     os.environ["RAY_GCS_SERVER_PORT"] = str(port)  # read by the head node Ray starts here, and only by it
     try:
         for attempt in range(1, attempts + 1):
+            since = datetime.datetime.today().replace(microsecond=0)  # Ray's session clock, as it names sessions
             try:
                 ray.init(address="local", runtime_env=runtime_env, **init_kwargs)
                 break
             except Exception as exc:  # Ray raises a bare Exception when the raylet registers late
                 if STARTUP_TIMEOUT not in str(exc) or attempt == attempts:
                     raise
-                # the half-started node: its session is named after this process (an earlier cluster of this
-                # process is shut down: ray.init refuses to start a second one)
-                killed = kill_node(session_of(os.getpid()))
+                # the half-started node: its session is named after this process and this attempt's time (an
+                # earlier cluster of this process may still be running, e.g. a test session's)
+                killed = kill_node(session_of(os.getpid(), since))
                 print(f"[efftx] Ray's raylet did not register within 30 s (a busy machine?); stopped the "
                       f"half-started node's {len(killed)} processes, starting it again ({attempt + 1} of "
                       f"{attempts})", file=sys.stderr)
@@ -210,15 +213,16 @@ def wait_for_jobs(address: str, wait_s: float = 120.0) -> None:
     raise LaunchError(f"the cluster at {address} did not accept a job within {wait_s:.0f} s ({last})")
 
 
-def kill_node(marker: str | re.Pattern) -> list[int]:
-    """SIGKILL one Ray node: the processes whose command line names ``marker`` (a substring: its temp dir plus
-    "/"; or a pattern: its session dir), i.e. GCS, raylet, dashboard, monitors, and all their descendants (the
-    dashboard and runtime-env agents rename themselves ``ray::...``; the Ray workers). Returns their pids."""
+def kill_node(marker: str | Callable[[str], bool]) -> list[int]:
+    """SIGKILL one Ray node: the processes with a command-line part that contains ``marker`` (its temp dir plus
+    "/") or satisfies it (a predicate: ``session_of``), i.e. GCS, raylet, dashboard, monitors, and all their
+    descendants (the dashboard and runtime-env agents rename themselves ``ray::...``; the Ray workers). Returns
+    their pids."""
     import signal
 
     import psutil
 
-    found = marker.search if isinstance(marker, re.Pattern) else (lambda part: marker in part)
+    found = marker if callable(marker) else (lambda part: marker in part)
     me = os.getpid()
     roots = []
     for proc in psutil.process_iter(["cmdline"]):
@@ -241,10 +245,20 @@ def kill_node(marker: str | re.Pattern) -> list[int]:
     return sorted(p.pid for p in family)
 
 
-def session_of(pid: int) -> re.Pattern:
-    """The session dir of a head node started by the ``ray start`` process ``pid``: Ray names it
-    ``session_<date>_<time>_<microseconds>_<pid>``."""
-    return re.compile(rf"session_\d{{4}}-\d\d-\d\d_\d\d-\d\d-\d\d_\d+_{pid}(?![0-9])")
+SESSION_TIME = "%Y-%m-%d_%H-%M-%S_%f"  # Ray's session dirs: session_<local time in this format>_<pid>
+
+
+def session_of(pid: int, since: datetime.datetime | None = None) -> Callable[[str], bool]:
+    """Whether a command-line part names the session dir of a head node started by the process ``pid`` (Ray
+    names it ``session_<date>_<time>_<microseconds>_<pid>``), and, with ``since``, one started at ``since`` or
+    later: a process that starts a node again keeps its pid, and an earlier cluster of its own may still run."""
+    pattern = re.compile(rf"session_(\d{{4}}-\d\d-\d\d_\d\d-\d\d-\d\d_\d+)_{pid}(?![0-9])")
+
+    def names(part: str) -> bool:
+        return any(since is None or datetime.datetime.strptime(m.group(1), SESSION_TIME) >= since
+                   for m in pattern.finditer(part))
+
+    return names
 
 
 def start_node(cmd: list[str], attempts: int, node_marker, env: dict[str, str] | None = None) -> None:
