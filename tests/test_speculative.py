@@ -162,6 +162,33 @@ def test_ragged_batch_equals_rows_run_alone(kind):
         assert stats.target_calls < solo_passes
 
 
+@pytest.mark.parametrize("kind", DECODING_KINDS)
+def test_finished_rows_leave_the_batch_and_the_others_keep_their_solo_tokens(kind, monkeypatch):
+    """Rows asking for different numbers of tokens: once a row has all of its tokens it leaves the batch (the
+    passes after that run over fewer rows, where the backend's cache rows can be taken apart), and every row still
+    gets exactly the tokens it gets decoded alone (sampled, each row its own generator)."""
+    from efftx.generation.decode import Rows, splittable
+
+    target, draft = lm(0, 2, kind), lm(1, 1, kind)
+    prompts = [[5, 6, 7], [9, 8, 7, 6, 5, 4, 3], [42], [1, 2]]
+    limits = [4, 24, 0, 12]
+    seen = []
+    forward = Rows.forward
+    monkeypatch.setattr(Rows, "forward", lambda self, tokens: seen.append(len(self)) or forward(self, tokens))
+    batch, stats = speculative_generate(target, draft, prompts, limits, gamma=3, temperature=1.0, seed=11)
+    sizes = list(seen)
+    monkeypatch.setattr(Rows, "forward", forward)
+    for r, (prompt, n) in enumerate(zip(prompts, limits)):
+        alone, _ = speculative_generate(target, draft, [prompt], n, gamma=3, temperature=1.0, seed=11 + r)
+        assert batch[r] == alone[0] and len(batch[r]) == n
+    if target.supports_ragged and splittable(target) and splittable(draft):
+        # the prefill and first step over all 4 rows, then 3 (the row of no tokens left), then 2, then 1
+        assert sizes[0] == 4 and sizes[-1] == 1 and sorted(set(sizes)) == [1, 2, 3, 4]
+        assert sizes == sorted(sizes, reverse=True)
+    elif target.supports_ragged:
+        assert set(sizes) == {4}  # rows that cannot be taken apart keep the batch's shape
+
+
 def test_batched_and_row_by_row_modes_agree_with_greedy_decoding():
     target, draft = lm(0), lm(1, 1)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7], [1, 8, 2, 8, 1]]

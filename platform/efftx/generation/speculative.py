@@ -42,7 +42,7 @@ from typing import Sequence
 import torch
 
 from efftx.generation import compiled
-from efftx.generation.decode import Rows, as_rows, generators
+from efftx.generation.decode import Rows, as_rows, generators, splittable
 from efftx.generation.sampling import is_greedy, probabilities
 
 
@@ -344,8 +344,16 @@ def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy,
     (B, gamma + 2) tensor per step (accepted counts, last tokens, drafts) to yield the tokens and size the rewinds.
     ``static`` (compiled decoders): the verify pass always feeds ``cap + 1`` tokens (one compiled shape under an
     adaptive gamma; the padding sits after every row's real tokens, so causal attention keeps it out of their
-    logits, and the rewind drops it)."""
+    logits, and the rewind drops it).
+    Eager states (whose caches' rows can be taken apart, :func:`~efftx.generation.decode.splittable`): a row that
+    has all its tokens leaves the batch (its cache rows are dropped with
+    :meth:`~efftx.generation.decode.Rows.select`), so the steps that wait for the batch's slowest row do not
+    also pass the finished rows through both models; each row draws from its own generator, so the others' tokens
+    do not change. Compiled states keep their fixed batch shape."""
     n_rows = len(rows)
+    live = list(range(n_rows))  # the rows in the batch, by their index in ``rows``
+    # finished rows may leave: eager states whose caches' rows can be taken apart (or per-row caches)
+    leave = not static and all(not s.batched or splittable(s.model) for s in (t_rows, d_rows))
     pending = torch.tensor([r[-1] for r in rows], device=device)
     produced = [0] * n_rows
     vocab = t_rows.model.vocab_size
@@ -363,20 +371,30 @@ def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy,
     catch_up, prev = False, None
 
     while True:
-        active = [n < m for n, m in zip(produced, limits)]
-        if not any(active):
+        if not any(n < m for n, m in zip(produced, limits)):
             return
+        if leave and any(produced[r] >= limits[r] for r in live):  # finished rows leave the batch
+            kept = [i for i, r in enumerate(live) if produced[r] < limits[r]]
+            t_rows, d_rows = t_rows.select(kept), d_rows.select(kept)
+            at = torch.tensor(kept, device=device)
+            pending = pending[at]
+            prev = prev[at] if catch_up else prev
+            live = [live[i] for i in kept]
+        # the rows of the batch, in its order: still decoding, drafts per step, generators
+        active = [produced[r] < limits[r] for r in live]
+        gammas = [row_gamma[r] for r in live]
+        row_gens = [gens[r] for r in live]
         # this step drafts as many tokens as its longest-drafting row; a row verifies only its own
-        gamma_step = max(g for g, a in zip(row_gamma, active) if a)
-        own = [g if a else 0 for g, a in zip(row_gamma, active)]  # drafts each row verifies (0: finished)
+        gamma_step = max(g for g, a in zip(gammas, active) if a)
+        own = [g if a else 0 for g, a in zip(gammas, active)]  # drafts each row verifies (0: finished)
         # every random number of the step, drawn first in each row's fixed order (the values do not depend on
         # the passes): one race per drafted token, the acceptance uniforms of its own drafts, the last token's race
         width = cap if static else gamma_step  # compiled: one verify shape for every gamma_step
         noises, u, last_noise = [None] * gamma_step, None, None
         if not greedy:
-            noises = [race_noise(gens, vocab, [i < g for g in row_gamma], device) for i in range(gamma_step)]
-            u = row_uniforms(gens, own, width, device)
-            last_noise = race_noise(gens, vocab, active, device)
+            noises = [race_noise(row_gens, vocab, [i < g for g in gammas], device) for i in range(gamma_step)]
+            u = row_uniforms(row_gens, own, width, device)
+            last_noise = race_noise(row_gens, vocab, active, device)
         first = torch.stack([prev, pending], 1) if catch_up else pending[:, None]
         if static and not adaptive_gamma:  # every step drafts gamma tokens: all of them in one graph
             drafted, q = d_rows.run(draft_steps, first, None if greedy else torch.stack(noises),
@@ -394,9 +412,9 @@ def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy,
         own_t = torch.tensor(own, device=device)
         if width > gamma_step:  # padding after every row's real drafts: causal attention keeps it out of their
             pad = width - gamma_step  # logits, `own` out of their acceptance, and the rewind drops it
-            drafted = torch.cat([drafted, drafted.new_zeros(n_rows, pad)], 1)
+            drafted = torch.cat([drafted, drafted.new_zeros(len(live), pad)], 1)
             if not greedy:
-                q = torch.cat([q, q.new_ones(n_rows, pad, vocab)], 1)
+                q = torch.cat([q, q.new_ones(len(live), pad, vocab)], 1)
         fed = torch.cat([pending[:, None], drafted], 1)
         n_fed = fed.shape[1]
         if static:
@@ -405,17 +423,15 @@ def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy,
             packed = accept(t_rows.forward(fed), drafted, q, u, last_noise, own_t, *knobs)
         # the one read back per step: accepted counts, last tokens and the drafts, (B, width + 2)
         host = packed.tolist()
-        emitted, accepted, keep = [], [], []
-        for r, (n_r, last_r, *drafts) in enumerate(host):
-            if active[r]:
+        emitted, accepted, keep = [[] for _ in range(n_rows)], [-1] * n_rows, []
+        for r, a, (n_r, last_r, *drafts) in zip(live, active, host):
+            if a:
                 out = (drafts[:n_r] + [last_r])[: limits[r] - produced[r]]
                 # tokens the caches keep after pending; -1 below = undo the step (a finished row)
                 keep.append(kept_tokens(n_r, len(out), row_gamma[r]))
+                emitted[r], accepted[r] = out, n_r
             else:
-                out, n_r = [], -1
                 keep.append(-1)
-            emitted.append(out)
-            accepted.append(n_r)
         # The target cache got pending + n_fed - 1 tokens; a row keeps pending + its kept tokens.
         t_rows.rewind([n_fed - 1 - k for k in keep])
         # The draft saw [prev,] pending and gamma_step - 1 drafts; a row keeps [prev,] pending and its kept drafts,
@@ -427,11 +443,11 @@ def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy,
         if catch_up:  # each row's token before its next pending: [pending, drafts][kept drafts]
             at = torch.tensor([max(k, 0) for k in keep], device=device)
             prev = torch.cat([pending[:, None], drafted], 1).gather(1, at[:, None])[:, 0]
-        for s in [stats] + [row_stats[r] for r in range(n_rows) if active[r]]:
+        for s in [stats] + [row_stats[r] for r, a in zip(live, active) if a]:
             s.draft_calls += gamma_step
             s.target_calls += 1
-        for r in range(n_rows):
-            if active[r]:
+        for r, a in zip(live, active):
+            if a:
                 for s in (stats, row_stats[r]):
                     s.steps += 1
                     s.accepted.append(accepted[r])
