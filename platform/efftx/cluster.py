@@ -100,11 +100,7 @@ def start_local(attempts: int = 3, **init_kwargs) -> str:
                     raise
                 # the half-started node: its session is named after this process and this attempt's time (an
                 # earlier cluster of this process may still be running, e.g. a test session's)
-                killed = kill_node(session_of(os.getpid(), since))
-                print(f"[efftx] Ray's raylet did not register within 30 s (a busy machine?); stopped the "
-                      f"half-started node's {len(killed)} processes, starting it again ({attempt + 1} of "
-                      f"{attempts})", file=sys.stderr)
-                time.sleep(2.0)
+                restart(session_of(os.getpid(), since), attempt, attempts)
     finally:
         if before is None:
             os.environ.pop("RAY_GCS_SERVER_PORT", None)
@@ -261,11 +257,21 @@ def session_of(pid: int, since: datetime.datetime | None = None) -> Callable[[st
     return names
 
 
+def restart(marker: str | Callable[[str], bool], attempt: int, attempts: int) -> None:
+    """After attempt ``attempt`` of ``attempts`` timed out (STARTUP_TIMEOUT): kill the half-started node
+    (``marker``, see ``kill_node``), say so, and give its ports a moment before the next attempt."""
+    killed = kill_node(marker)
+    print(f"[efftx] `ray start`: the node's raylet did not register with the GCS within Ray's 30 s (a busy "
+          f"machine?); stopped its {len(killed)} processes, starting it again ({attempt + 1} of {attempts})",
+          file=sys.stderr)
+    time.sleep(2.0)
+
+
 def start_node(cmd: list[str], attempts: int, node_marker, env: dict[str, str] | None = None) -> None:
     """Run ``ray start`` (``cmd``) with token auth; when its raylet did not register in time, stop the
     half-started node (``node_marker(pid of ray start)``, see ``kill_node``; None: it cannot be told apart from
     others, so no retry) and start again, ``attempts`` times in all. ``env``: the command's environment (default
-this process's), token auth added. Raises LaunchError on failure."""
+    this process's), token auth added. Raises LaunchError on failure."""
     for attempt in range(1, attempts + 1):
         proc = subprocess.Popen(cmd, env=auth_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         out, err = proc.communicate()
@@ -279,11 +285,7 @@ this process's), token auth added. Raises LaunchError on failure."""
                     "apart from other nodes' on this machine)")
             tries = f" ({attempt} attempts)" if attempt > 1 else ""
             raise LaunchError(f"`ray start` failed{tries}:\n{text[-2000:]}{hint}")
-        killed = kill_node(marker)
-        print(f"[efftx] `ray start`: the node's raylet did not register with the GCS within Ray's 30 s (a busy "
-              f"machine?); stopped its {len(killed)} processes, starting it again ({attempt + 1} of {attempts})",
-              file=sys.stderr)
-        time.sleep(2.0)
+        restart(marker, attempt, attempts)
 
 
 def join(ns: argparse.Namespace) -> int:
