@@ -50,7 +50,10 @@ def test_health_models_and_docs(server):
 def test_models_info_names_the_device_and_the_batching(server):
     info = requests.get(f"{server}/models/info", timeout=30).json()
     assert [(m["role"], m["device"]) for m in info["models"]] == [("target", "cpu"), ("draft", "cpu"), ("image", "cpu")]
-    assert info["batching"] == {"mode": "continuous", "max_batch_size": 32, "batch_wait_timeout_s": 0.25}
+    warmed = info["batching"].pop("warm_up_s")
+    assert info["batching"] == {"mode": "continuous", "max_batch_size": 32, "batch_wait_timeout_s": 0.25,
+                                "warm_up_rows": 2 * (16 + 8 + 4 + 2 + 1)}  # base and speculative: 16, 8, ..., 1
+    assert warmed > 0
 
 
 def test_generate_both_modes_greedy_agree(server):
@@ -145,10 +148,12 @@ def test_concurrent_requests_are_decoded_as_one_batch(server):
 
 
 def test_streams_join_the_running_batch_and_short_requests_leave_early(server):
-    """Continuous batching over HTTP: a long and a short request and a stream arrive together (within the
-    0.25 s admission window); they share decoding steps, the short one is answered as soon as it has its tokens
-    (long before the long one), and each gets exactly what it gets alone. Arrival times over HTTP are not under
-    the test's control: the exactness checks hold on every attempt, the sharing must be seen on one of three."""
+    """Continuous batching over HTTP: a long request and a stream arrive together (within the 0.25 s admission
+    window) and share decoding steps; a short request sent once the stream has its first tokens joins the running
+    batch, is answered as soon as it has its tokens (long before the long one), and each gets exactly what it gets
+    alone. Arrival times over HTTP are not under the test's control: the exactness checks hold on every attempt,
+    the sharing must be seen on one of three."""
+    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     sampling = {"temperature": 1.0, "top_k": 20}
@@ -158,20 +163,31 @@ def test_streams_join_the_running_batch_and_short_requests_leave_early(server):
     alone = {name: post(f"{server}/generate", json=body).json()["results"]
              for name, body in (("long", long), ("short", short), ("streamed", streamed))}
 
-    def stream_done(body):
-        res = requests.post(f"{server}/generate/stream", json=body, stream=True, timeout=120)
-        blocks = [b for b in res.text.split("\n\n") if b.strip()]
+    def stream_done(body, started):
+        blocks, block = [], []
+        with requests.post(f"{server}/generate/stream", json=body, stream=True, timeout=120) as res:
+            for line in res.iter_lines(decode_unicode=True):
+                if line:
+                    block.append(line)
+                    continue
+                if block:
+                    blocks.append("\n".join(block))
+                    block = []
+                    started.set()  # the stream decodes: its batch is running
+        blocks += ["\n".join(block)] if block else []
         steps = [json.loads(b.split("data: ", 1)[1]) for b in blocks if b.startswith("event: step")]
         assert blocks[-1].startswith("event: done"), blocks[-1]
         return steps, json.loads(blocks[-1].split("data: ", 1)[1])
 
     shared = []
     for _ in range(3):
+        started = threading.Event()
         with ThreadPoolExecutor(3) as pool:
-            jobs = [pool.submit(post, f"{server}/generate", json=long),
-                    pool.submit(post, f"{server}/generate", json=short), pool.submit(stream_done, streamed)]
-            long_res, short_res = jobs[0].result().json()["results"], jobs[1].result().json()["results"]["base"]
-            steps, done = jobs[2].result()
+            jobs = [pool.submit(post, f"{server}/generate", json=long), pool.submit(stream_done, streamed, started)]
+            assert started.wait(60)
+            short_res = post(f"{server}/generate", json=short).json()["results"]["base"]
+            long_res = jobs[0].result().json()["results"]
+            steps, done = jobs[1].result()
         assert {m: r["text"] for m, r in long_res.items()} == {m: r["text"] for m, r in alone["long"].items()}
         assert short_res["text"] == alone["short"]["base"]["text"]
         assert (done["text"], done["mean_accepted"]) == (alone["streamed"]["speculative"]["text"],
@@ -181,7 +197,7 @@ def test_streams_join_the_running_batch_and_short_requests_leave_early(server):
         if short_res["batch_size"] >= 2 and done["batch_size"] >= 2:
             shared.append((short_res["latency_ms"], long_res["base"]["latency_ms"]))
             break
-    assert shared, "the three requests never shared a running batch"
+    assert shared, "the short request never joined a running batch"
     short_ms, long_ms = shared[0]
     assert short_ms < long_ms  # the short request left the batch as soon as it had its 4 tokens
 

@@ -134,6 +134,17 @@ def test_defaults_follow_the_batching_mode():
     assert (init["max_batch_size"], init["batch_wait_timeout_s"]) == (3, 0.02)
 
 
+def test_warm_up_rows_reach_the_replica_and_need_continuous_batching():
+    _, kwargs, _ = bound(build({"target": "/nowhere/target", "warm_up_rows": "4"}))["TextGenerator"]
+    assert kwargs["warm_up_rows"] == 4 and type(kwargs["warm_up_rows"]) is int
+    _, kwargs, _ = bound(build({"target": "/nowhere/target"}))["TextGenerator"]
+    assert "warm_up_rows" not in kwargs  # the replica's own default
+    with pytest.raises(ValidationError, match="warm_up_rows: only with batching=continuous"):
+        build({"target": "/nowhere/target", "batching": "static", "warm_up_rows": 4})
+    with pytest.raises(ValidationError, match="warm_up_rows"):
+        build({"target": "/nowhere/target", "warm_up_rows": -1})
+
+
 def test_an_empty_value_means_not_given():
     """``draft: ""`` or ``batching:`` with no value in YAML: the default, as before."""
     app = build({"target": "/nowhere/target", "draft": "", "dalle": " ", "batching": None, "max_batch_size": "",

@@ -22,7 +22,7 @@ from efftx.generation.speculative import speculative_generate
 from efftx.models import build as build_model
 from efftx.models.lm import LM
 from efftx.serving import continuous
-from efftx.serving.continuous import Job, Sampling, Scheduler
+from efftx.serving.continuous import Job, Sampling, Scheduler, warm_up
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: tests/conftest.py
 
@@ -113,7 +113,7 @@ def assert_alone(target, draft, jobs):
 @pytest.mark.parametrize("kind", ["full", "performer", "sinkhorn", "nsa"])
 def test_requests_joining_at_different_steps_get_their_solo_output(pairs, kind):
     target, draft = pair(pairs, kind)
-    scheduler = Scheduler(target, draft, max_rows=8)
+    scheduler = Scheduler(target, draft, max_rows=8, short_tokens=0)  # every row every round (priority: below)
     jobs = run_rounds(scheduler, MIXED)
     assert_alone(target, draft, jobs)
     batched = scheduler.base.batched
@@ -149,7 +149,8 @@ def test_a_draft_equal_to_the_target_keeps_every_draft_and_feeds_the_last_in_the
 
 def test_rows_leave_at_once_and_stream_their_tokens():
     target, draft = lm(0), lm(1, 1)
-    scheduler = Scheduler(target, draft, prefill_rows=0)  # the three arrivals of round 0 start together
+    # no priority: every row steps every round; the three arrivals of round 0 start together
+    scheduler = Scheduler(target, draft, short_tokens=0, prefill_rows=0)
     seen: dict[str, list] = {"long": [], "short": [], "spec": []}
     finished_at: dict[str, int] = {}
     rounds = [0]
@@ -421,18 +422,22 @@ def test_short_requests_step_every_round_and_long_ones_every_long_every_rounds()
     assert_alone(target, draft, list(jobs.values()))
 
 
-def test_short_requests_beyond_the_fast_rows_wait_fewest_tokens_first():
+def test_short_requests_beyond_the_fast_rows_join_it_and_long_arrivals_wait_for_the_slow_lanes_round():
+    """Three short requests and a long one arrive together; one fast row, two prefills a round. The short ones are
+    prefilled first, fewest tokens first, and the one beyond the fast row joins the fast lane rather than waiting
+    for a short row to finish: all three step together. The long arrival, though the round's prefills had room
+    for it, waits for the first round in which the slow lane steps (one in three while short requests run)."""
     target, draft = lm(0), lm(1, 1)
-    scheduler = Scheduler(target, draft, short_tokens=8, fast_rows=1, long_every=2)
-    plan = [(0, [1, 2], 8, HOT, 1, None, "eight"), (0, [3, 4], 3, HOT, 2, None, "three"),
-            (0, [5], 5, GREEDY, 3, 2, "five"), (0, [6, 7], 12, HOT, 4, None, "long")]
+    scheduler = Scheduler(target, draft, short_tokens=8, fast_rows=1, long_every=3, prefill_rows=2)
+    plan = [(0, [1, 2], 8, HOT, 1, None, "eight"), (0, [3, 4], 6, HOT, 2, None, "six"),
+            (0, [5], 7, GREEDY, 3, 2, "seven"), (0, [6, 7], 12, HOT, 4, None, "long")]
     jobs, got, finished = rounds_of(scheduler, plan)
-    # one short row at a time (no long row in the fast lane to make room), the fewest tokens first; the long row
-    # is not held up by them: it joins the slow lane at once (prefills are limited per round, prefill_rows=2, so it
-    # need not wait for a round in which the slow lane steps; that waiting, with prefill_rows=0, is tested above)
-    assert got["three"][0] == 0 and got["five"][0] > finished["three"] and got["eight"][0] > finished["five"]
-    assert got["long"][0] == 0
-    assert max(j.batch_size for n, j in jobs.items() if n != "long") <= 2  # a short row and at most the long one
+    assert got["six"][0] == 0 and got["seven"][0] == 0  # the round's two prefills: the fewest tokens first
+    assert got["eight"][0] == 1 < finished["six"]  # the next round, beside the two running short rows
+    assert jobs["six"].batch_size == jobs["eight"].batch_size == 3  # both base short rows (and the long one)
+    assert got["long"][0] == 2  # prefilled in the first round the slow lane steps (rounds 3, 6, ... count from 1)
+    # its prefill's token and a step's, then one round in three while short rows run, then every round
+    assert got["long"][:6] == [2, 2, 5, 8, 9, 10]
     assert_alone(target, draft, list(jobs.values()))
 
 
@@ -454,20 +459,21 @@ def test_long_rows_do_not_starve_under_a_stream_of_short_requests():
 
 @pytest.mark.parametrize("limit", [2, 0])
 def test_a_burst_of_arrivals_is_prefilled_a_few_rows_per_round_short_ones_first(limit):
-    """Five requests arrive in one round: with ``prefill_rows=2`` two are prefilled per round, the short ones
-    first, then the long ones in arrival order, while the rows already admitted step every round; with 0, all five
-    in the first round. Either way each gets its solo tokens."""
+    """Five requests arrive in one round. The two short ones are prefilled at once; the long ones wait for the
+    first round in which the slow lane steps (one in ``long_every=4`` while short requests run): with
+    ``prefill_rows=2`` two of them then, in arrival order, and the third in the next such round; with 0, all three
+    at once. The short rows step every round meanwhile, and each request gets its solo tokens."""
     target, draft = lm(0), lm(1, 1)
-    scheduler = Scheduler(target, draft, short_tokens=8, prefill_rows=limit)
+    scheduler = Scheduler(target, draft, short_tokens=8, long_every=4, prefill_rows=limit)
     plan = [(0, [5, 6, 7], 20, HOT, 1, None, "long1"), (0, [9, 9], 18, GREEDY, 2, 3, "long2"),
             (0, [1, 2, 3], 8, HOT, 3, None, "short8"), (0, [2, 7], 24, NUCLEUS, 5, None, "long3"),
             (0, [4, 4], 5, HOT, 4, 2, "short5")]
     jobs, got, finished = rounds_of(scheduler, plan)
     first = {name: rounds[0] for name, rounds in got.items()}
     if limit:
-        assert first == {"short5": 0, "short8": 0, "long1": 1, "long2": 1, "long3": 2}
+        assert first == {"short5": 0, "short8": 0, "long1": 3, "long2": 3, "long3": 7}
     else:
-        assert set(first.values()) == {0}
+        assert first == {"short5": 0, "short8": 0, "long1": 3, "long2": 3, "long3": 3}
     assert got["short8"][:4] == [0, 0, 1, 2]  # the prefill's token and the step's, then one a round: the later
     # prefills hold no row back
     assert_alone(target, draft, list(jobs.values()))
@@ -476,13 +482,47 @@ def test_a_burst_of_arrivals_is_prefilled_a_few_rows_per_round_short_ones_first(
 @pytest.mark.parametrize("kind", ["full", "nsa"])
 def test_priority_keeps_every_requests_solo_output(pairs, kind):
     """The mixed plan (every mode, sampling and gamma, arrivals at different rounds) under a tight priority policy:
-    short rows capped and long rows stepped one round in three."""
+    a fast lane of three rows and long rows stepped one round in two."""
     target, draft = pair(pairs, kind)
-    scheduler = Scheduler(target, draft, max_rows=8, short_tokens=12, fast_rows=3, long_every=3)
+    scheduler = Scheduler(target, draft, max_rows=8, short_tokens=12, fast_rows=3, long_every=2)
     jobs = run_rounds(scheduler, MIXED)
     assert_alone(target, draft, jobs)
     # the policy had rows to order: short ones, long rows moved out of a fast lane of several rows
     assert sum(scheduler.short(j) for j in jobs) == 5 and scheduler.moves >= 1
+
+
+def test_warm_up_decodes_throwaway_batches_and_leaves_nothing_behind():
+    """A replica's warm-up decodes batches of 5, 2 and 1 requests in base and speculative decoding through the
+    models themselves, leaves the global random state as it was, and fails with the error a model gives."""
+    target, draft = lm(0), lm(1, 1)
+    shapes: list[tuple[int, ...]] = []
+    real = target.forward
+
+    def seen(tokens, *args, **kwargs):
+        shapes.append(tuple(tokens.shape))
+        return real(tokens, *args, **kwargs)
+
+    target.forward = seen
+    state = torch.get_rng_state()
+    try:
+        out = warm_up(target, draft, rows=5, gamma=3, tokens=2)
+    finally:
+        target.forward = real
+    assert out["rows"] == 2 * (5 + 2 + 1) and out["seconds"] > 0
+    assert torch.equal(torch.get_rng_state(), state)
+    assert {5, 2, 1} <= {s[0] for s in shapes}  # every batch went through the target (rows leave as they finish)
+    assert (5, 4) in shapes  # speculative: a verify pass of gamma + 1 tokens over 5 rows
+    assert warm_up(target, draft, rows=0) == {"rows": 0, "seconds": 0.0}
+    for bad in (-1, True, 2.5):
+        with pytest.raises(ValueError, match="warm-up rows"):
+            warm_up(target, rows=bad)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel for this device")
+
+    draft.forward = broken
+    with pytest.raises(RuntimeError, match="no kernel for this device"):
+        warm_up(target, draft, rows=2, gamma=3)
 
 
 def test_priority_settings_are_checked_and_reach_the_scheduler(debug_exports):

@@ -110,9 +110,10 @@ def apps(ray_cluster, debug_exports, tmp_path_factory):
     serve.run(build(args), name="real", route_prefix="/")
     text, images = poisoned_deployments(str(gate))
     # a long batch window and room for 8 valid + 2 poisoned requests in one batch (in the fast lane too: short and
-    # long requests alike share its passes while it has room; and prefilled together: no per-round prefill limit)
+    # long requests alike share its passes while it has room; prefilled together: no per-round prefill limit, and
+    # long arrivals not held for a round of the slow lane while short ones run: every round is one)
     serve.run(build_with({**args, "max_batch_size": "16", "fast_rows": "16", "batch_wait_timeout_s": "1.0",
-                          "prefill_rows": "0", "image_max_batch_size": "16",
+                          "prefill_rows": "0", "long_every": "1", "image_max_batch_size": "16",
                           "image_batch_wait_timeout_s": "1.0"}, text_deployment=text, image_deployment=images),
               name="poisoned", route_prefix="/poisoned")
     static = {k: v for k, v in args.items() if k not in ("dalle", "image_limits")}

@@ -66,13 +66,18 @@ class TextAppArgs(BaseModel):
         "continuous: requests asking for at most this many new tokens are short and get priority (default 16; 0: no "
         "priority). See :mod:`efftx.serving.continuous`."))
     fast_rows: int | None = Field(None, gt=0, description=(
-        "continuous: the rows stepped every round while short requests decode: short ones first, long ones in the "
-        "room left (default 8; more short requests wait in the queue)."))
+        "continuous: while short requests decode, the rows stepped every round: every short one, and long ones while "
+        "there are fewer than this (default 4)."))
     long_every: int | None = Field(None, gt=0, description=(
-        "continuous: while short requests decode, the long ones step once every this many rounds (default 8)."))
+        "continuous: while short requests decode or wait, the long ones step, and long arrivals are prefilled, once "
+        "every this many rounds (default 16)."))
     prefill_rows: int | None = Field(None, ge=0, description=(
         "continuous: at most this many waiting requests are prefilled per decoding round, short ones first "
         "(default 2; 0: no limit), so that a burst of arrivals does not stall the running rows for one long round."))
+    warm_up_rows: int | None = Field(None, ge=0, description=(
+        "continuous: at start, each replica decodes throwaway batches of this many requests, half as many, ..., 1 "
+        "(default 16, at most max_batch_size; 0: none), so that its first burst of real requests does not pay a "
+        "fresh model's one-time costs. GET /models/info reports the rows and seconds."))
     limits: Limits | None = Field(None, description=(
         "Request limits of the text endpoints (:class:`efftx.serving.schemas.Limits`; unset fields keep their "
         "defaults): a mapping, or its JSON text. GET /openapi.json states them as the bounds of the fields."))
@@ -109,7 +114,7 @@ class TextAppArgs(BaseModel):
 
     @model_validator(mode="after")
     def _priority_needs_continuous(self) -> "TextAppArgs":
-        given = [k for k in PRIORITY if getattr(self, k) is not None]
+        given = [k for k in (*PRIORITY, "warm_up_rows") if getattr(self, k) is not None]
         if given and self.batching != "continuous":
             raise ValueError(f"{', '.join(given)}: only with batching=continuous (got batching={self.batching})")
         return self

@@ -22,19 +22,20 @@ loop) that repeats rounds: admit the requests that may start, then run one decod
   step costs several times a 1-row step, while up to a few rows cost about one), so a short request stepped with
   every running row would take several times its unloaded latency. Requests declare ``max_new_tokens``: those
   asking for at most ``short_tokens`` are *short*. Each batch keeps its rows in two lanes, stepped as separate
-  passes. The **fast lane** (``fast_rows`` rows in all) steps every round: short rows, and long ones in the room
-  left. The **slow lane** holds the other long rows: it steps every round while no short row runs, and otherwise
-  once every ``long_every`` rounds (with the fast lane, in one pass); so a short request's rounds are mostly one
-  small step, and a long request is at most about ``long_every`` times slower while short ones run (it cannot
-  starve). A short arrival takes a free fast row, or the one of the fast long row with the most tokens left (that
-  row moves to the slow lane: its cache rows swap places with another row's, its tokens unchanged), or else waits
-  in the queue, fewest tokens first. At most ``prefill_rows`` queued requests are prefilled per round (short ones
-  first), so a burst of arrivals is spread over a few rounds, and a long arrival that finds no fast row joins the
-  slow lane in the next round with room; with no such limit (``prefill_rows=0``) long arrivals wait for a round
-  in which the slow lane steps. A queued request that waited ``max_wait_rounds`` rounds goes ahead of every
-  other. ``short_tokens=0`` turns priority off: both lanes step every round and the queue is served in arrival
-  order. A row's tokens (and acceptance) do not depend on when or in which lane it is stepped: priority changes a
-  request's latency, never its output.
+  passes. The **fast lane** steps every round: every short row, and long ones while it has fewer than ``fast_rows``
+  rows. The **slow lane** holds the other long rows: it steps every round while no short request runs or waits,
+  and otherwise once every ``long_every`` rounds (with the fast lane, in one pass); so a short request's rounds are
+  mostly one small step, and a long request is at most about ``long_every`` times slower while short ones run (it
+  cannot starve). A short arrival takes a free fast row, or the one of the fast long row with the most tokens left
+  (that row moves to the slow lane: its cache rows swap places with another row's, its tokens unchanged), or else
+  joins the fast lane beyond ``fast_rows`` (a burst of short requests shares small steps rather than waiting for
+  each other). The queue is served short requests first, fewest tokens first, at most ``prefill_rows`` per round
+  (0: no limit), so a burst of arrivals is spread over a few rounds. A prefill costs several steps' time, so while
+  short requests run or wait, long arrivals are prefilled only in the rounds in which the slow lane steps (their
+  first token waits up to ``long_every`` rounds). A queued request that waited ``max_wait_rounds`` rounds goes
+  ahead of every other. ``short_tokens=0`` turns priority off: both lanes step every round and the queue is served
+  in arrival order. A row's tokens (and acceptance) do not depend on when or in which lane it is stepped: priority
+  changes a request's latency, never its output.
 * **Streams** are rows like any other: their ``on_step`` callback receives each step's tokens as they are
   produced.
 * **Caches.** A running batch keeps its rows in preallocated slots of each model's cache
@@ -593,6 +594,44 @@ class SpeculativeEngine(_Engine):
         return finished
 
 
+# ---------------------------------------------------------------------------------------------- warm-up
+def warm_up(target, draft=None, *, rows: int = 16, gamma: int | None = None, tokens: int = 4) -> dict[str, Any]:
+    """Decode throwaway requests at a replica's start, so that its first real burst does not pay one-time costs.
+
+    A freshly loaded model's first batched steps are slower than later ones of the same size (first use of each
+    product shape, the slots' first growth, the sampling path): in-process on a 2-core CPU, with the untrained
+    ``spec_target_small``, a burst of 16 requests of 16 new tokens took 195-199 ms on a fresh model and 109-120 ms
+    afterwards; after ``warm_up(rows=16)`` (0.16 s) the first burst took 122-131 ms. Runs batches of ``rows``,
+    ``rows // 2``, ..., 1 requests of ``tokens`` new tokens (each batch drained before the next; prompts of 1 to
+    16 tokens, sampled at temperature 1, top-k 8), base decoding and, with a draft and ``gamma``, speculative
+    decoding with that gamma, on a scheduler of its own (no hook, no metrics: nothing of it is counted or kept).
+    ``rows=0`` does nothing. Returns ``{"rows": requests decoded, "seconds": wall time}``. A model that cannot
+    decode fails here, when the replica starts, with the error it would give the first request."""
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+        raise ValueError(f"warm-up rows must be an integer >= 0, got {rows!r}")
+    started, done = time.perf_counter(), 0
+    if rows == 0:
+        return {"rows": 0, "seconds": 0.0}
+    limit = min(target.max_seq_len, draft.max_seq_len) if draft is not None else target.max_seq_len
+    longest = max(1, min(16, limit - tokens - (gamma + 1 if gamma else 0)))
+    scheduler = Scheduler(target, draft, max_rows=rows, short_tokens=0, prefill_rows=0)
+    batches = []
+    n = rows
+    while n >= 1:
+        batches.append(n)
+        n //= 2
+    for gam in [None] + ([gamma] if draft is not None and gamma else []):
+        for n in batches:
+            jobs = [scheduler.submit(Job([1] * (1 + i % longest), tokens, Sampling(1.0, 8), i, gam))
+                    for i in range(n)]
+            scheduler.drain()
+            for job in jobs:
+                if job.error is not None:
+                    raise job.error
+            done += n
+    return {"rows": done, "seconds": round(time.perf_counter() - started, 3)}
+
+
 # ---------------------------------------------------------------------------------------------- scheduler
 class Scheduler:
     """Continuous batching over a target (and a draft) for one replica; see the module docstring.
@@ -607,23 +646,23 @@ class Scheduler:
 
     * ``short_tokens``: a request asking for at most this many new tokens is *short* (0: none is; then the slow
       lanes step every round like the fast ones and the queue is served in arrival order);
-    * ``fast_rows``: the rows of the fast lanes, stepped every round: short rows first, long ones in the room left
-      (more short requests wait in the queue, fewest tokens first). Set it where a decoding step's cost stops being
-      nearly flat in its rows (``bench/serve_load.py`` prints the step cost per row count);
-    * ``long_every``: while short rows run, the slow lanes step (and, with ``prefill_rows=0``, long arrivals that
-      find no fast row are prefilled) once every this many rounds (1: every round): a long row in the slow lane is
-      at most about this many times slower than it would be stepped every round, so it cannot starve;
+    * ``fast_rows``: the fast lanes, stepped every round, take long rows in while they have fewer rows than this
+      (short rows always step there: a short arrival takes a long row's place, or joins beyond). Set it where a
+      decoding step's cost stops being nearly flat in its rows (``bench/serve_load.py`` prints the step cost per
+      row count);
+    * ``long_every``: while short requests run or wait, the slow lanes step, and long arrivals are prefilled, once
+      every this many rounds (1: every round): a long row in the slow lane is at most about this many times slower
+      than it would be stepped every round, so it cannot starve;
     * ``max_wait_rounds``: a queued request waits at most this many rounds before it goes ahead of every other;
     * ``prefill_rows``: at most this many queued requests are prefilled in one round (in the order above; 0: no
       limit). A prefill costs several decoding steps' time (its prompt's tokens go through every weight), and
       requests that finish in the same step come back as arrivals together: without a limit, one round could
       prefill a whole burst while every running row waits. Prefilling two rows costs about twice one, so the limit
-      spreads bursts at no cost in throughput; with it, long arrivals join the slow lane in any round (the limit,
-      not ``long_every``, bounds their prefills' cost to a round).
+      spreads bursts at no cost in throughput.
     """
 
     def __init__(self, target, draft=None, *, max_rows: int = 32, admit_wait_s: float = 0.0,
-                 short_tokens: int = 16, fast_rows: int = 8, long_every: int = 8, max_wait_rounds: int = 64,
+                 short_tokens: int = 16, fast_rows: int = 4, long_every: int = 16, max_wait_rounds: int = 64,
                  prefill_rows: int = 2, hook: Callable[[str, list[Job]], None] | None = None,
                  observe: Callable[[str, int], None] | None = None):
         for name, value, least in (("max_rows", max_rows, 1), ("short_tokens", short_tokens, 0),
@@ -702,11 +741,11 @@ class Scheduler:
         long rows to move from the fast lane to the slow one to make room for short arrivals.
 
         Taken first: jobs queued for ``max_wait_rounds`` rounds or more (in arrival order), then short jobs (fewest
-        tokens first), then long ones in arrival order, each while its batch has room (``max_rows``). A short job
-        takes a fast row: a free one, else one a long row leaves for the slow lane (the one with the most tokens
-        left), else it waits. A long job takes a free fast row, else a slow one when the slow lanes step this round
-        (``long_due``), when it has waited too long, or in any round when prefills are limited per round
-        (``prefill_rows``: the limit bounds what they cost the round), else it waits."""
+        tokens first), then long ones in arrival order, each while its batch has room (``max_rows``) and the round
+        has prefills left (``prefill_rows``). A short job takes a fast row: a free one, else one a long row leaves
+        for the slow lane (the one with the most tokens left), else a new one beyond ``fast_rows``. A long job waits
+        unless the slow lanes step this round (``long_due``: no short request runs or waits, or it is their turn) or
+        it has waited too long; then it takes a free fast row, else a slow one."""
         taken: dict[_Engine, dict[str, list[Job]]] = {}
         with self._cv:
             pending: list[Job] = []
@@ -742,19 +781,22 @@ class Scheduler:
             if len(engine) + len(lanes["fast"]) + len(lanes["slow"]) >= self.max_rows or (
                     self.prefill_rows and admitted >= self.prefill_rows):
                 waiting.append((i, job))
+            elif not (self.short(job) or long_due or id(job) in aged):
+                waiting.append((i, job))  # a long arrival, while short requests run or wait
             elif fast < self.fast_rows:
                 lanes["fast"].append(job)
                 fast += 1
                 admitted += 1
-            elif self.short(job) and movable:
-                moves.append(movable.pop(0))
+            elif self.short(job):
+                if movable:
+                    moves.append(movable.pop(0))
+                else:
+                    fast += 1
                 lanes["fast"].append(job)
                 admitted += 1
-            elif not self.short(job) and (long_due or id(job) in aged or self.prefill_rows):
+            else:
                 lanes["slow"].append(job)
                 admitted += 1
-            else:
-                waiting.append((i, job))
         if waiting:
             with self._cv:  # ahead of what arrived meanwhile, in arrival order
                 self._queue.extendleft(job for _, job in sorted(waiting, key=lambda item: -item[0]))

@@ -30,7 +30,9 @@ Endpoints (FastAPI; OpenAPI docs at /docs and /openapi.json):
   stream included, joins at the next decoding step and leaves the moment it has its tokens.
   ``max_batch_size`` (default 32) bounds the rows of a running batch; ``batch_wait_timeout_s`` (default 0) is
   how long the first request of an idle replica waits for others to start with it. Short requests get priority
-  (``short_tokens``, ``fast_rows``, ``long_every``, ``prefill_rows``: the scheduler's knobs).
+  (``short_tokens``, ``fast_rows``, ``long_every``, ``prefill_rows``: the scheduler's knobs). A replica warms up
+  before it takes requests: throwaway batches of ``warm_up_rows`` (default 16), half as many, ..., 1 requests
+  (:func:`efftx.serving.continuous.warm_up`), so its first burst does not pay a fresh model's one-time costs.
 * ``static``: ``@serve.batch`` groups requests (``max_batch_size`` default 8, ``batch_wait_timeout_s`` default
   0.02) and a batch is answered when its longest request is done; streams decode alone.
 
@@ -86,7 +88,7 @@ from efftx.generation.decode import iter_generate
 from efftx.generation.speculative import SpecStats, iter_speculative, iter_speculative_rows
 from efftx.serving import metrics
 from efftx.serving.app_args import TextAppArgs
-from efftx.serving.continuous import Job, Sampling, Scheduler
+from efftx.serving.continuous import Job, Sampling, Scheduler, warm_up
 from efftx.serving.devices import replica_device, resolve_build_devices, with_gpus
 from efftx.serving.images import (ImageGenerator, ImageLimits, ImageRequest, OpenAIImageRequest, as_image_request,
                                   check_request, field_error, image_field_limits, openai_size)
@@ -217,7 +219,8 @@ class TextGenerator:
     def __init__(self, target: str, draft: str | None = None, name: str | None = None,
                  limits: dict[str, Any] | None = None, max_batch_size: int | None = None,
                  batch_wait_timeout_s: float | None = None, images=None, image_limits: dict[str, Any] | None = None,
-                 device: str = "auto", batching: str = "continuous", priority: dict[str, int] | None = None):
+                 device: str = "auto", batching: str = "continuous", priority: dict[str, int] | None = None,
+                 warm_up_rows: int = 16):
         from efftx.export import load_export, resolve_export
 
         torch.set_num_threads(1)
@@ -257,6 +260,12 @@ class TextGenerator:
                          "batch_wait_timeout_s": float(batch_wait_timeout_s)}
         self.scheduler: Scheduler | None = None
         if batching == "continuous":
+            # throwaway requests first (efftx.serving.continuous.warm_up): the first burst of real ones does not pay
+            # the one-time costs of a fresh model; speculative with the requests' default gamma, within the limits
+            gamma = min(max(GenerateRequest.model_fields["gamma"].default, self.limits.min_gamma),
+                        self.limits.max_gamma)
+            warmed = warm_up(self.target, self.draft, rows=min(int(warm_up_rows), int(max_batch_size)), gamma=gamma)
+            self.batching.update(warm_up_rows=warmed["rows"], warm_up_s=warmed["seconds"])
             self.scheduler = Scheduler(self.target, self.draft, max_rows=max_batch_size,
                                        admit_wait_s=batch_wait_timeout_s, **(priority or {}),
                                        hook=lambda kind, jobs: self._step_hook(kind, [j.tag for j in jobs]),
@@ -635,4 +644,5 @@ def build_with(args: TextAppArgs | dict[str, Any], *, text_deployment=TextGenera
     image_limits = None if args.image_limits is None else args.image_limits.model_dump()
     return with_gpus(text_deployment, text_gpus).bind(
         args.target, args.draft, args.name, limits, max_batch_size, batch_wait_timeout_s, images, image_limits,
-        device=device, batching=args.batching, **({"priority": args.priority()} if args.priority() else {}))
+        device=device, batching=args.batching, **({"priority": args.priority()} if args.priority() else {}),
+        **({"warm_up_rows": args.warm_up_rows} if args.warm_up_rows is not None else {}))
