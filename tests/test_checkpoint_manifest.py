@@ -174,3 +174,30 @@ def test_registering_a_resumed_runs_export_again_makes_no_second_version(tmp_pat
     other.log_artifacts(str(export), "export")
     assert other.register("export") == "models:/lm_debug/2"
     assert os.path.exists(tmp_path / "mlflow.db")
+
+
+def test_a_trial_rerun_after_its_driver_died_continues_its_child_run(tmp_path):
+    """A sweep's trial whose first attempt created its MLflow child run and died before its run folder recorded
+    it (the sweep's driver killed as the trial started): the rerun continues that run, RUNNING again, its
+    parameters not logged twice; another trial of the sweep, and a run without a parent, get runs of their own."""
+    from efftx.tracking import Tracker, client_for
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    base = recipes.get("lm_debug").override({"name": "sweep", "tracking.uri": uri})
+    parent = Tracker(base)
+    trial = base.override({"name": "sweep-t1"})
+    first = Tracker(trial, extra_params={"data.sha256": "abc"}, parent_run_id=parent.run_id)
+    first.log_metrics({"loss": 2.0}, 1)
+    client = client_for(uri)
+    client.set_terminated(first.run_id, status="KILLED")
+    again = Tracker(trial, extra_params={"data.sha256": "abc"}, parent_run_id=parent.run_id)
+    assert again.run_id == first.run_id
+    run = client.get_run(first.run_id)
+    assert run.info.status == "RUNNING" and run.data.params["data.sha256"] == "abc"
+    assert [m.value for m in client.get_metric_history(first.run_id, "loss")] == [2.0]
+    other = Tracker(base.override({"name": "sweep-t2"}), parent_run_id=parent.run_id)
+    alone = Tracker(trial)  # no parent: a run of its own
+    assert len({first.run_id, other.run_id, alone.run_id, parent.run_id}) == 4
+    exp = run.info.experiment_id
+    children = client.search_runs([exp], f"tags.mlflow.parentRunId = '{parent.run_id}'")
+    assert sorted(c.info.run_name for c in children) == ["sweep-t1", "sweep-t2"]

@@ -154,7 +154,12 @@ def _quiet_registry_wait():
 
 
 class Tracker:
-    """An MLflow run. ``run_id`` given = continue that run (after a resume)."""
+    """An MLflow run. ``run_id`` given = continue that run (after a resume).
+
+    A child run (``parent_run_id``: a sweep's trial) whose parent already holds a child of the same run name
+    continues that one: an earlier attempt of the same trial created it and died before its run folder recorded
+    the run id (a sweep's driver killed as a trial starts), and rerunning the trial must not leave a second run,
+    the first one stuck RUNNING. Its parameters are logged where they are missing."""
 
     def __init__(self, cfg, run_id: str | None = None, extra_params: dict[str, Any] | None = None,
                  parent_run_id: str | None = None):
@@ -167,13 +172,22 @@ class Tracker:
         self.cfg = cfg
         if run_id is None:
             tags = {"efftx.recipe": cfg.recipe, "efftx.run_name": cfg.name}
+            exp_id = experiment_id(self.client, cfg.tracking.experiment, self.uri)
+            earlier = None
             if parent_run_id:
                 tags["mlflow.parentRunId"] = parent_run_id
-            exp_id = experiment_id(self.client, cfg.tracking.experiment, self.uri)
-            run = self.client.create_run(exp_id, run_name=cfg.name, tags=tags)
-            self.run_id = run.info.run_id
-            params = {**cfg.flat(), **(extra_params or {})}
-            self.client.log_batch(self.run_id, params=[Param(k, str(v)) for k, v in params.items()])
+                children = self.client.search_runs([exp_id], f"tags.mlflow.parentRunId = '{parent_run_id}'",
+                                                   order_by=["attributes.start_time ASC"])
+                earlier = next((r for r in children if r.data.tags.get("efftx.run_name") == cfg.name), None)
+            if earlier is None:
+                run = self.client.create_run(exp_id, run_name=cfg.name, tags=tags)
+                self.run_id, logged = run.info.run_id, {}
+            else:
+                self.run_id, logged = earlier.info.run_id, earlier.data.params
+                self.client.update_run(self.run_id, status="RUNNING")
+            params = {k: str(v) for k, v in {**cfg.flat(), **(extra_params or {})}.items() if k not in logged}
+            if params:
+                self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in params.items()])
         else:
             self.run_id = run_id
             self.client.update_run(run_id, status="RUNNING")
