@@ -525,6 +525,15 @@ def test_warm_up_decodes_throwaway_batches_and_leaves_nothing_behind():
         warm_up(target, draft, rows=2, gamma=3)
 
 
+def test_warm_up_fits_its_requests_in_a_short_context():
+    """A context of 8 tokens: base requests of 4 new tokens, speculative ones with gamma 5 get 2 (1 + 2 + 5 = 8);
+    with gamma 7 no speculative request fits, and that warm-up is skipped rather than failing the replica."""
+    cfg = recipes.get("lm_debug").override({"model.depth": 1, "model.max_seq_len": 8})
+    target, draft = (build_model(cfg).eval() for _ in range(2))
+    assert warm_up(target, draft, rows=2, gamma=5)["rows"] == 2 * (2 + 1)
+    assert warm_up(target, draft, rows=2, gamma=7)["rows"] == 2 + 1
+
+
 def test_priority_settings_are_checked_and_reach_the_scheduler(debug_exports):
     target = lm(0)
     for bad in ({"short_tokens": -1}, {"fast_rows": 0}, {"long_every": 0}, {"max_wait_rounds": -2},

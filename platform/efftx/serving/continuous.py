@@ -605,6 +605,7 @@ def warm_up(target, draft=None, *, rows: int = 16, gamma: int | None = None, tok
     ``rows // 2``, ..., 1 requests of ``tokens`` new tokens (each batch drained before the next; prompts of 1 to
     16 tokens, sampled at temperature 1, top-k 8), base decoding and, with a draft and ``gamma``, speculative
     decoding with that gamma, on a scheduler of its own (no hook, no metrics: nothing of it is counted or kept).
+    In a short context the requests get fewer new tokens, and a mode none of whose requests fits is skipped.
     ``rows=0`` does nothing. Returns ``{"rows": requests decoded, "seconds": wall time}``. A model that cannot
     decode fails here, when the replica starts, with the error it would give the first request."""
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
@@ -612,8 +613,6 @@ def warm_up(target, draft=None, *, rows: int = 16, gamma: int | None = None, tok
     started, done = time.perf_counter(), 0
     if rows == 0:
         return {"rows": 0, "seconds": 0.0}
-    limit = min(target.max_seq_len, draft.max_seq_len) if draft is not None else target.max_seq_len
-    longest = max(1, min(16, limit - tokens - (gamma + 1 if gamma else 0)))
     scheduler = Scheduler(target, draft, max_rows=rows, short_tokens=0, prefill_rows=0)
     batches = []
     n = rows
@@ -621,8 +620,15 @@ def warm_up(target, draft=None, *, rows: int = 16, gamma: int | None = None, tok
         batches.append(n)
         n //= 2
     for gam in [None] + ([gamma] if draft is not None and gamma else []):
+        # a prompt and its new tokens (speculative: and gamma) must fit the context: fewer new tokens in a short
+        # one, and no warm-up of a mode whose requests cannot fit at all
+        room = target.max_seq_len if gam is None else min(target.max_seq_len, draft.max_seq_len) - gam
+        new = min(tokens, room - 1)
+        if new < 1:
+            continue
+        longest = max(1, min(16, room - new))
         for n in batches:
-            jobs = [scheduler.submit(Job([1] * (1 + i % longest), tokens, Sampling(1.0, 8), i, gam))
+            jobs = [scheduler.submit(Job([1] * (1 + i % longest), new, Sampling(1.0, 8), i, gam))
                     for i in range(n)]
             scheduler.drain()
             for job in jobs:
