@@ -164,17 +164,13 @@ def test_streams_join_the_running_batch_and_short_requests_leave_early(server):
              for name, body in (("long", long), ("short", short), ("streamed", streamed))}
 
     def stream_done(body, started):
-        blocks, block = [], []
+        lines = []
         with requests.post(f"{server}/generate/stream", json=body, stream=True, timeout=120) as res:
             for line in res.iter_lines(decode_unicode=True):
-                if line:
-                    block.append(line)
-                    continue
-                if block:
-                    blocks.append("\n".join(block))
-                    block = []
+                lines.append(line)
+                if line == "event: step":
                     started.set()  # the stream decodes: its batch is running
-        blocks += ["\n".join(block)] if block else []
+        blocks = [b for b in "\n".join(lines).split("\n\n") if b.strip()]
         steps = [json.loads(b.split("data: ", 1)[1]) for b in blocks if b.startswith("event: step")]
         assert blocks[-1].startswith("event: done"), blocks[-1]
         return steps, json.loads(blocks[-1].split("data: ", 1)[1])

@@ -35,6 +35,7 @@ Device = Literal["auto", "cpu", "cuda"]
 assert get_args(Device) == DEVICES, "Device and efftx.serving.devices.DEVICES disagree"
 
 PRIORITY = ("short_tokens", "fast_rows", "long_every", "prefill_rows")  # efftx.serving.continuous.Scheduler's knobs, as given
+CONTINUOUS_ONLY = (*PRIORITY, "warm_up_rows")  # settings of continuous batching alone
 
 _PATH = ("an export folder or an MLflow registered-model URI (models:/NAME@champion, models:/NAME/VERSION or "
          "models:/NAME/latest)")
@@ -114,7 +115,7 @@ class TextAppArgs(BaseModel):
 
     @model_validator(mode="after")
     def _priority_needs_continuous(self) -> "TextAppArgs":
-        given = [k for k in (*PRIORITY, "warm_up_rows") if getattr(self, k) is not None]
+        given = [k for k in CONTINUOUS_ONLY if getattr(self, k) is not None]
         if given and self.batching != "continuous":
             raise ValueError(f"{', '.join(given)}: only with batching=continuous (got batching={self.batching})")
         return self

@@ -610,15 +610,11 @@ def warm_up(target, draft=None, *, rows: int = 16, gamma: int | None = None, tok
     decode fails here, when the replica starts, with the error it would give the first request."""
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
         raise ValueError(f"warm-up rows must be an integer >= 0, got {rows!r}")
-    started, done = time.perf_counter(), 0
     if rows == 0:
         return {"rows": 0, "seconds": 0.0}
+    started, done = time.perf_counter(), 0
     scheduler = Scheduler(target, draft, max_rows=rows, short_tokens=0, prefill_rows=0)
-    batches = []
-    n = rows
-    while n >= 1:
-        batches.append(n)
-        n //= 2
+    batches = [rows >> k for k in range(rows.bit_length())]  # rows, rows // 2, ..., 1
     for gam in [None] + ([gamma] if draft is not None and gamma else []):
         # a prompt and its new tokens (speculative: and gamma) must fit the context: fewer new tokens in a short
         # one, and no warm-up of a mode whose requests cannot fit at all
