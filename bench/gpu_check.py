@@ -1,7 +1,7 @@
 """The GPU check: every CUDA path of efftx in one command, one table.
 
     make gpu-check                                    # = python bench/gpu_check.py (one CUDA GPU, < 10 min on an H100)
-    python bench/gpu_check.py [--only kernels,train,decode,nsa,scaling,cost,serve] [--quick] [--out DIR]
+    python bench/gpu_check.py [--only kernels,train,decode,nsa,scaling,cost,serveload,serve] [--quick] [--out DIR]
                               [--device cuda|cpu] [--kernel-jobs N] [--nsa-lengths T ...] [--scaling-lengths T ...]
 
 On a GPU machine with only torch and triton (no project venv: no Ray, DeepSpeed or MLflow), from the checkout:
@@ -9,7 +9,9 @@ On a GPU machine with only torch and triton (no project venv: no Ray, DeepSpeed 
     PYTHONPATH=platform:bench python3 bench/gpu_check.py --only kernels,decode,nsa,scaling,cost --out DIR
 
 (about 7 minutes on an H100; the train and serve sections need the project installed and are refused, naming
-what is missing, when it is not).
+what is missing, when it is not), and in a second call the serving load, with torch alone too:
+
+    PYTHONPATH=platform:bench python3 bench/gpu_check.py --only serveload --out DIR
 
 Sections (each row: pass / FAIL / skip with the reason, and its figures):
 
@@ -28,6 +30,10 @@ Sections (each row: pass / FAIL / skip with the reason, and its figures):
   kernel vs its torch reference; a train step; torch.profiler's table of the layer), its tables passed through.
 * ``scaling``: ``bench/attention_scaling.py --device cuda``: every backend's layer against SDPA flash, bf16.
 * ``cost``: ``bench/decode_cost.py --device cuda``: one cached decoding step per backend at contexts 2048 / 8192.
+* ``serveload``: ``bench/serve_load.py --inprocess --device cuda --rounds 2``: the continuous-batching scheduler
+  under the load of 16 clients (8..128 new tokens), one row at a time vs without priority vs continuous batching,
+  on the wall clock, its goals (requests/s >= 3x unbatched, short requests' p99 <= 2x unloaded, no errors) marked
+  met or not: torch alone (no Ray, no HTTP), so it runs on a bare GPU image.
 * ``serve``: the Serve app on the device: ``/generate`` in both modes and ``/images/generate`` answered, and
   ``/models/info`` naming the device.
 
@@ -53,7 +59,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
-SECTIONS = ("kernels", "train", "decode", "nsa", "scaling", "cost", "serve")
+SECTIONS = ("kernels", "train", "decode", "nsa", "scaling", "cost", "serveload", "serve")
 
 # family -> (job script, recipe, extra overrides); the speculative and DALL-E jobs train two models each.
 FAMILIES = {
@@ -67,7 +73,8 @@ FAMILIES = {
 CPU_ONLY_SKIPS = {"nsa": ["attention.nsa.impl=reference"]}  # the Triton kernel needs CUDA
 # What a section imports beyond torch and triton: checked up front, so a Python without them (a GPU image with
 # only torch, say) gets one clear error instead of a table of failed jobs.
-SECTION_NEEDS = {"train": ("ray", "deepspeed", "mlflow"), "serve": ("ray", "requests"), "kernels": ("pytest",)}
+SECTION_NEEDS = {"train": ("ray", "deepspeed", "mlflow"), "serve": ("ray", "requests"), "kernels": ("pytest",),
+                 "serveload": ("safetensors", "requests")}
 
 
 @dataclasses.dataclass
@@ -381,6 +388,14 @@ def check_cost(args, out: Path) -> list[Row]:
     return bench_section("cost", "bench/decode_cost.py --device cuda", cmd, args, out)
 
 
+def check_serveload(args, out: Path) -> list[Row]:
+    """bench/serve_load.py --inprocess on CUDA: the continuous-batching scheduler's load and its goals (torch
+    alone: no Ray, no HTTP)."""
+    cmd = ["bench/serve_load.py", "--inprocess", "--device", "cuda", "--rounds", "1" if args.quick else "2"]
+    return bench_section("serveload", "bench/serve_load.py --inprocess --device cuda",
+                         cmd + (["--quick"] if args.quick else []), args, out)
+
+
 # ------------------------------------------------------------------------------------------------ serve
 def check_serve(args, summaries: dict) -> list[Row]:
     import requests
@@ -499,6 +514,8 @@ def run(argv: list[str] | None = None) -> tuple[int, list[Row]]:
         rows += check_scaling(args, out)
     if "cost" in only:
         rows += check_cost(args, out)
+    if "serveload" in only:
+        rows += check_serveload(args, out)
     if "serve" in only:
         rows += check_serve(args, summaries)
     failed = [r for r in rows if r.status == "FAIL" and r.correctness]

@@ -1,7 +1,8 @@
 """Load on the text app over loopback: continuous batching vs static batching vs unbatched serving.
 
     python bench/serve_load.py [--clients 16] [--requests 64] [--modes base,speculative] [--rounds 1]
-                               [--target PATH --draft PATH | --size small|debug] [--quick]
+                               [--target PATH --draft PATH | --size small|debug] [--quick] [--device cpu|cuda]
+    python bench/serve_load.py --inprocess [--device cpu|cuda] [--clock cpu|wall] [the same load options]
 
 Starts a local Ray cluster and Serve on 127.0.0.1 and deploys the text app several ways, one after another, in
 one run: ``unbatched`` (``batching=static``, ``max_batch_size=1``), ``static`` (``@serve.batch``, 8 per batch),
@@ -29,7 +30,13 @@ p99 latency ratio under load is <= 2x (also printed without the opening burst: t
 first ``--clients``, which all start at once), and no request fails. ``--rounds N`` measures every configuration N times,
 alternated (round 1: unbatched, ..., continuous; round 2: the same again), prints a row per round and takes each
 goal's median over the rounds (the throughput ratio paired within a round): one run's ratio moves by about 15%
-on this machine.
+on this machine. ``--device cuda``: the models decode on the GPU (each replica is given one).
+
+``--inprocess``: the same load on the scheduler itself, no HTTP and no Ray (torch alone: the GPU check's
+``serveload`` section runs it on a bare GPU image), for three policies of :class:`efftx.serving.continuous.Scheduler`:
+``unbatched`` (one row at a time), ``fifo`` and ``continuous``; timed on the decoding thread's CPU clock
+(``--clock cpu``, the default on a CPU: the figures measure the scheduling, hardly the machine's other load) or
+the wall clock (``--clock wall``, the default with ``--device cuda``), with the same goals marked.
 """
 
 from __future__ import annotations
@@ -155,17 +162,16 @@ def short_ratios(shorts: list[tuple[int, float]], alone: dict[int, float]) -> li
     return [secs * 1e3 / (la + (lb - la) * (n - a) / (b - a)) for n, secs in shorts]
 
 
-def step_costs(paths: dict, counts: list[int], modes: list[str], repeats: int = 3) -> dict[str, dict[int, float]]:
+def step_costs(paths: dict, counts: list[int], modes: list[str], repeats: int = 3, device: str = "cpu"
+               ) -> dict[str, dict[int, float]]:
     """In-process, no HTTP: ms per decoding step of the continuous-batching scheduler (no priority: every row in
     every step) for each row count in ``counts`` (what a short request's latency scales with when it shares a
     step), after a warm-up; the counts are interleaved and each takes its best of ``repeats`` (the machine's
-    other load inflates single timings)."""
+    other load inflates single timings). Every step reads its tokens back to the host, so on CUDA the wall clock
+    waits for the device."""
     from efftx.serving.continuous import Job, Sampling, Scheduler
-    from efftx.export import load_export
 
-    torch.set_num_threads(1)  # as a replica
-    target = load_export(paths["target"])[0]
-    draft = load_export(paths["draft"])[0] if "draft" in paths else None
+    target, draft = load_models(paths, device)
     out = {}
     for mode in modes:
         best: dict[int, float] = {}
@@ -186,66 +192,159 @@ def step_costs(paths: dict, counts: list[int], modes: list[str], repeats: int = 
     return out
 
 
-def inprocess(paths: dict, modes: list[str], clients: int, lengths: list[int], unloaded: int) -> None:
-    """``--inprocess``: the same closed-loop load on the scheduler itself (no HTTP, no Ray), with and without
-    priority, timed on the decoding thread's CPU clock: a request's "latency" is the CPU time the decoding thread
-    spent from its submission to its last token, so the figures measure the scheduling (whose work a short request
-    waits for) and hardly the machine's other load. Prints per mode and policy: the decoding thread's CPU seconds
-    for the whole load (the throughput cost), and the short requests' latency over their unloaded latency."""
-    from efftx.serving.continuous import Job, Sampling, Scheduler
+def print_step_costs(floors: dict[str, dict[int, float]]) -> None:
+    for mode, costs in floors.items():
+        print(f"in-process decoding step, {mode}, best of 3: " + ", ".join(
+            f"{n} rows {ms:.1f} ms ({ms / costs[1]:.2f}x)" for n, ms in sorted(costs.items())), flush=True)
+
+
+def load_models(paths: dict, device: str):
+    """(target, draft or None) on ``device``, with one torch thread on a CPU (as a replica has)."""
     from efftx.export import load_export
 
-    torch.set_num_threads(1)
-    target = load_export(paths["target"])[0]
-    draft = load_export(paths["draft"])[0] if "draft" in paths else None
-    print(f"in-process, {clients} clients, {len(lengths)} requests; load average "
-          + " ".join(f"{x:.1f}" for x in os.getloadavg()))
+    if device == "cpu":
+        torch.set_num_threads(1)
+    target = load_export(paths["target"], device)[0]
+    draft = load_export(paths["draft"], device)[0] if "draft" in paths else None
+    return target, draft
+
+
+# the in-process policies: one row at a time (the unbatched baseline), continuous batching without priority, with it
+POLICIES = [("unbatched", {"max_rows": 1, "short_tokens": 0}), ("fifo", {"short_tokens": 0}), ("continuous", {})]
+
+
+def inprocess_load(target, draft, mode: str, knobs: dict, clients: int, lengths: list[int], unloaded: int,
+                   clock: str, timeout: float = 300.0) -> dict:
+    """One policy's closed-loop load on a scheduler of its own (see :func:`inprocess`): its figures."""
+    from efftx.serving.continuous import Job, Sampling, Scheduler
+
+    scheduler = Scheduler(target, draft, **{"max_rows": 32, **knobs}).start()
+    if clock == "cpu":
+        clock_id = time.pthread_getcpuclockid(scheduler._thread.ident)
+        now = lambda: time.clock_gettime(clock_id)  # noqa: E731 - the decoding thread's CPU clock, from any thread
+    else:
+        now = time.perf_counter
+
+    def run(i: int, new: int) -> tuple[float, float | None, Job]:
+        done = threading.Event()
+        job = Job(list(PROMPTS[i % len(PROMPTS)].encode()), new, Sampling(0.8, 32), 1000 + i,
+                  5 if mode == "speculative" else None)
+        spent = []
+        job.on_done = lambda j: (spent.append(now() - t0), done.set())  # runs on the decoding thread
+        t0 = now()
+        scheduler.submit(job)
+        if not done.wait(timeout):
+            raise TimeoutError(f"a request of {new} new tokens did not finish within {timeout} s")
+        return spent[0], job.first_token_s, job
+
+    try:
+        run(0, SHORT)  # warm-up
+        alone = {n: statistics.median(run(10000 + k, n)[0] for k in range(unloaded)) * 1e3 for n in (8, SHORT)}
+        results, lock, nxt = [], threading.Lock(), [0]
+
+        def client():
+            while True:
+                with lock:
+                    i = nxt[0]
+                    if i >= len(lengths):
+                        return
+                    nxt[0] += 1
+                secs, first, job = run(i, lengths[i])
+                with lock:
+                    results.append((lengths[i], secs, i, first, job))
+
+        c_start = now()
+        threads = [threading.Thread(target=client) for _ in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        total = now() - c_start
+    finally:
+        scheduler.close()
+    ok = [r for r in results if r[4].error is None]
+    ratios = short_ratios([(n, c) for n, c, *_ in ok if n <= SHORT], alone)
+    later = short_ratios([(n, c) for n, c, i, *_ in ok if n <= SHORT and i >= clients], alone)
+    ttft = [r[3] for r in ok if r[3] is not None]
+    return {"ok": len(ok), "errors": len(lengths) - len(ok), "seconds": total, "rps": len(ok) / total,
+            "short_ratio_p50": pct(ratios, 0.5) / 1e3, "short_ratio_p99": pct(ratios, 0.99) / 1e3,
+            "later_ratio_p99": pct(later, 0.99) / 1e3, "unloaded": alone, "ttft_p50": pct(ttft, 0.5),
+            "ttft_p99": pct(ttft, 0.99), "rows": max((r[4].batch_size for r in ok), default=0)}
+
+
+def inprocess(paths: dict, modes: list[str], clients: int, lengths: list[int], unloaded: int, device: str = "cpu",
+              clock: str = "cpu", rounds: int = 1, timeout: float = 300.0) -> dict:
+    """``--inprocess``: the same closed-loop load on the scheduler itself (no HTTP, no Ray: torch alone), for each
+    of :data:`POLICIES`, the policies alternated round after round. ``clock="cpu"``: timed on the decoding
+    thread's CPU clock (a request's "latency" is the CPU time the decoding thread spent from its submission to
+    its last token), so the figures measure the scheduling and hardly the machine's other load; ``"wall"``: the
+    wall clock (on CUDA, where the device's time is not the thread's). Prints per mode and policy the load's
+    seconds (the throughput), the short requests' latency over their unloaded latency, the most rows a request
+    shared a step with, then the goals as the HTTP load does. Returns the figures per (policy, mode)."""
+    from efftx.serving.continuous import warm_up
+
+    target, draft = load_models(paths, device)
+    warm_up(target, draft)  # as a replica starts (one-time costs: on CUDA its kernels' first launches)
+    print(f"in-process on {device} ({clock} clock), {clients} clients, {len(lengths)} requests; load average "
+          + " ".join(f"{x:.1f}" for x in os.getloadavg()), flush=True)
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for rnd in range(rounds):
+        for mode in modes:
+            for name, knobs in POLICIES:
+                r = inprocess_load(target, draft, mode, knobs, clients, lengths, unloaded, clock, timeout)
+                runs.setdefault((name, mode), []).append(r)
+                print(f"  {f'round {rnd + 1}: ' if rounds > 1 else ''}{mode:<12}{name:<11} {clock} seconds "
+                      f"{r['seconds']:6.2f} ({r['rps']:6.2f} req/s), errors {r['errors']}, up to {r['rows']} rows a "
+                      f"step; short requests' latency / unloaded: p50 {r['short_ratio_p50']:.2f}x, p99 "
+                      f"{r['short_ratio_p99']:.2f}x (without the opening burst {r['later_ratio_p99']:.2f}x) "
+                      f"(unloaded 8/{SHORT} tokens {r['unloaded'][8]:.0f}/{r['unloaded'][SHORT]:.0f} ms)"
+                      + (f"; first token p50 {r['ttft_p50']:.0f} ms" if clock == "wall" else ""), flush=True)
+    print(f"\ngoals (in-process, {clock} clock, continuous batching"
+          + (f"; the median over {rounds} rounds" if rounds > 1 else "") + "):")
+    for line in goals(runs, modes):
+        print("  " + line)
+    return runs
+
+
+def goals(runs: dict[tuple[str, str], list[dict]], modes: list[str], notes: dict[str, str] | None = None
+          ) -> list[str]:
+    """The issue's goals for continuous batching, each line marked met or NOT met: requests/s >= 3x unbatched
+    (each round's paired ratio, their median), short requests' p99 latency under load <= 2x unloaded, no errors;
+    with [info] lines (``notes[mode]`` among them)."""
+    lines = []
     for mode in modes:
-        for name, knobs in (("fifo", {"short_tokens": 0}), ("continuous", {})):
-            scheduler = Scheduler(target, draft, max_rows=32, **knobs).start()
-            clock = time.pthread_getcpuclockid(scheduler._thread.ident)
+        c, u, f = (runs.get((n, mode)) for n in ("continuous", "unbatched", "fifo"))
+        if c and u:
+            paired = [a["rps"] / b["rps"] if b["rps"] else float("nan") for a, b in zip(c, u)]
+            ratio = statistics.median(paired)
+            fifo = statistics.median(a["rps"] / b["rps"] for a, b in zip(f, u)) if f else None
+            lines.append(f"[{'met' if ratio >= 3 else 'NOT met'}] {mode}: requests/s >= 3x unbatched: {ratio:.2f}x"
+                         f"{rounds_of(paired, '.2f')} ({statistics.median(a['rps'] for a in c):.2f} vs "
+                         f"{statistics.median(b['rps'] for b in u):.2f})"
+                         + (f"; without priority (fifo): {fifo:.2f}x" if fifo is not None else ""))
+        if c:
+            lats = [a["short_ratio_p99"] for a in c]
+            lat = statistics.median(lats)
+            lines.append(f"[{'met' if lat <= 2 else 'NOT met'}] {mode}: short requests' p99 under load <= 2x unloaded "
+                         f"(at their own lengths): {lat:.2f}x{rounds_of(lats, '.2f')} (unloaded 8/{SHORT} tokens "
+                         + "/".join(f"{v:.0f}" for _, v in sorted(c[0]["unloaded"].items())) + " ms)"
+                         + (f"; without priority (fifo): {statistics.median(a['short_ratio_p99'] for a in f):.2f}x"
+                            if f else "") + (f"; {notes[mode]}" if notes and mode in notes else ""))
+            later = [a["later_ratio_p99"] for a in c]
+            lines.append(f"[info] {mode}: the same p99 without the opening burst (the short requests among the first "
+                         f"clients, sent at once): {statistics.median(later):.2f}x{rounds_of(later, '.2f')}")
+            errors = sum(a["errors"] for a in c)
+            lines.append(f"[{'met' if errors == 0 else 'NOT met'}] {mode}: no errors: {errors}")
+            if u:
+                lines.append(f"[info] {mode}: time to first token p50 {statistics.median(a['ttft_p50'] for a in c):.0f}"
+                             f" ms, p99 {statistics.median(a['ttft_p99'] for a in c):.0f} ms (unbatched: p50 "
+                             f"{statistics.median(b['ttft_p50'] for b in u):.0f} ms, p99 "
+                             f"{statistics.median(b['ttft_p99'] for b in u):.0f} ms)")
+    return lines
 
-            def run(i: int, new: int) -> tuple[float, float]:
-                done = threading.Event()
-                job = Job(list(PROMPTS[i % len(PROMPTS)].encode()), new, Sampling(0.8, 32), 1000 + i,
-                          5 if mode == "speculative" else None)
-                spent = []
-                job.on_done = lambda j: (spent.append(time.thread_time() - c0), done.set())  # the decoding thread
-                c0 = time.clock_gettime(clock)
-                scheduler.submit(job)
-                done.wait()
-                return spent[0], job.first_token_s or float("nan")
 
-            run(0, SHORT)  # warm-up
-            alone = {n: statistics.median(run(10000 + k, n)[0] for k in range(unloaded)) for n in (8, SHORT)}
-            results, lock, nxt = [], threading.Lock(), [0]
-
-            def client():
-                while True:
-                    with lock:
-                        i = nxt[0]
-                        if i >= len(lengths):
-                            return
-                        nxt[0] += 1
-                    cpu, _ = run(i, lengths[i])
-                    with lock:
-                        results.append((lengths[i], cpu, i))
-
-            c_start = time.clock_gettime(clock)
-            threads = [threading.Thread(target=client) for _ in range(clients)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            total = time.clock_gettime(clock) - c_start
-            scheduler.close()
-            ms = {n: v * 1e3 for n, v in alone.items()}
-            ratios = short_ratios([(n, c) for n, c, _ in results if n <= SHORT], ms)
-            later = short_ratios([(n, c) for n, c, i in results if n <= SHORT and i >= clients], ms)
-            print(f"  {mode:<12}{name:<11} decoding thread CPU {total:6.2f} s; short requests' latency / unloaded "
-                  f"(CPU clock): p50 {pct(ratios, 0.5) / 1e3:.2f}x, p99 {pct(ratios, 0.99) / 1e3:.2f}x "
-                  f"(without the opening burst {pct(later, 0.99) / 1e3:.2f}x) "
-                  f"(unloaded 8/{SHORT} tokens {alone[8] * 1e3:.0f}/{alone[SHORT] * 1e3:.0f} ms CPU)", flush=True)
+def rounds_of(values: list[float], fmt: str) -> str:
+    return "" if len(values) == 1 else " [" + ", ".join(format(v, fmt) for v in values) + "]"
 
 
 def export_models(size: str) -> tuple[dict, str]:
@@ -285,22 +384,28 @@ def main() -> None:
                    help="measure every configuration this many times, the configurations alternated round after round "
                         "(the goals take the median of the rounds' paired ratios; runs on one machine vary by 15%%)")
     p.add_argument("--json", default=None, help="also write the figures here")
-    p.add_argument("--inprocess", action="store_true", help="only the load on the scheduler itself, timed on the "
-                                                              "decoding thread's CPU clock (no HTTP, no Ray)")
+    p.add_argument("--inprocess", action="store_true", help="only the load on the scheduler itself (no HTTP, no "
+                                                              "Ray: torch alone), unbatched vs fifo vs continuous")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the models decode (cuda: the "
+                                                                            "replicas get a GPU)")
+    p.add_argument("--clock", default=None, choices=["cpu", "wall"], help="--inprocess: the decoding thread's CPU "
+                                                                          "clock (default on cpu) or the wall clock "
+                                                                          "(default on cuda)")
     args = p.parse_args()
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda, but torch sees no CUDA device")
+    if args.clock == "cpu" and args.device == "cuda":
+        p.error("--clock cpu measures the decoding thread, not the GPU: use --clock wall with --device cuda")
+    args.clock = args.clock or ("wall" if args.device == "cuda" else "cpu")
+    bad = [m for m in args.modes.split(",") if m and m not in ("base", "speculative")]
+    if bad or not args.modes.strip(","):
+        p.error(f"--modes takes base and/or speculative, got {args.modes!r}")
     if args.quick:
         args.clients, args.requests, args.max_new, args.unloaded = 8, 24, 48, 3
     modes = [m for m in args.modes.split(",") if m]
     configs = [(name, cfg) for name, cfg in CONFIGS if name in args.configs.split(",")]
-
-    import ray
-    from ray import serve
-
-    from efftx.serving.app_args import TextAppArgs
-    from efftx.serving.schemas import Limits
-    from efftx.serving.text import build
 
     if args.target:
         paths = {"target": args.target, **({"draft": args.draft} if args.draft else {})}
@@ -312,12 +417,27 @@ def main() -> None:
     # a fixed mix of lengths (the same for every configuration): a third short, the rest spread up to max_new
     lengths = [rng.choice([args.min_new, SHORT]) if i % 3 == 0 else rng.randint(args.min_new, args.max_new)
                for i in range(args.requests)]
-    if args.inprocess:
-        inprocess(paths, modes, args.clients, lengths, args.unloaded)
-        return
     counts = sorted({1, 4, 8, args.clients})
-    floors = step_costs(paths, counts, modes)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    if args.inprocess:
+        print(note)
+        floors = step_costs(paths, counts, modes, device=args.device)
+        print_step_costs(floors)
+        runs = inprocess(paths, modes, args.clients, lengths, args.unloaded, args.device, args.clock, args.rounds,
+                         args.timeout)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({f"{n}/{m}": rs for (n, m), rs in runs.items()}, f, indent=2)
+        return
+    import ray
+    from ray import serve
+
+    from efftx.serving.app_args import TextAppArgs
+    from efftx.serving.schemas import Limits
+    from efftx.serving.text import build
+
+    floors = step_costs(paths, counts, modes, device=args.device)
+    cuda = args.device == "cuda"
+    ray.init(num_cpus=4, num_gpus=1 if cuda else 0, include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     url = f"http://127.0.0.1:{port}"
@@ -326,7 +446,8 @@ def main() -> None:
     try:
         for rnd in range(args.rounds):
             for name, cfg in configs:
-                serve.run(build(TextAppArgs(**paths, name="load", limits=limits, **cfg)),
+                devices = {"device": "cuda", "num_gpus": 1} if cuda else {}
+                serve.run(build(TextAppArgs(**paths, name="load", limits=limits, **devices, **cfg)),
                           name="load", route_prefix="/")
                 for mode in modes:
                     one(url, body_for(0, 16, mode), False, args.timeout)  # warm-up
@@ -349,7 +470,7 @@ def main() -> None:
     print(f"\n{note}")
     print(f"{args.clients} clients, {args.requests} requests per row, {args.min_new}..{args.max_new} new tokens "
           f"(mean {statistics.mean(lengths):.0f}; {sum(n <= SHORT for n in lengths)} short <= {SHORT}), every 4th a "
-          f"stream; torch {torch.__version__}, {'CUDA' if torch.cuda.is_available() else 'CPU'}")
+          f"stream; torch {torch.__version__}, {args.device}")
     w = 13 if args.rounds == 1 else 18  # the row labels: configuration (and round)
     head = (f"{'':<{w}}{'mode':<12}{'ok':>4}{'err':>5}{'req/s':>8}{'vs unb.':>8}{'tok/s':>8}{'p50 ms':>8}{'p99 ms':>8}"
             f"{'short p50':>10}{'short p99':>10}{'unl. 8/16':>11}{'x p50':>7}{'x p99':>7}{'ttft p50':>9}{'ttft p99':>9}")
@@ -367,48 +488,15 @@ def main() -> None:
     print("(x p50 / x p99: a short request's latency under load over the unloaded latency at its own length, "
           "interpolated between the 8- and 16-token medians; fifo: continuous batching without priority, "
           "short_tokens=0)")
-    for mode in modes:
-        costs = floors[mode]
-        print(f"in-process decoding step, {mode}, best of 3: " + ", ".join(
-            f"{n} rows {ms:.1f} ms ({ms / costs[1]:.2f}x)" for n, ms in sorted(costs.items())))
+    print_step_costs(floors)
     print(f"load average: {load_before} before, {' '.join(f'{x:.1f}' for x in os.getloadavg())} after")
     print("\ngoals (continuous batching" + (f"; the median over {args.rounds} rounds, each round's configurations "
                                           "measured one after another, the rounds listed" if args.rounds > 1 else "")
           + "):")
-
-    def rounds_of(values: list[float], fmt: str) -> str:
-        return "" if len(values) == 1 else " [" + ", ".join(format(v, fmt) for v in values) + "]"
-
-    for mode in modes:
-        c, u, f = (runs.get((n, mode)) for n in ("continuous", "unbatched", "fifo"))
-        if c and u:
-            paired = [a["rps"] / b["rps"] if b["rps"] else float("nan") for a, b in zip(c, u)]
-            ratio = statistics.median(paired)
-            fifo = statistics.median(a["rps"] / b["rps"] for a, b in zip(f, u)) if f else None
-            print(f"  [{'met' if ratio >= 3 else 'NOT met'}] {mode}: requests/s >= 3x unbatched: {ratio:.2f}x"
-                  f"{rounds_of(paired, '.2f')} ({statistics.median(a['rps'] for a in c):.2f} vs "
-                  f"{statistics.median(b['rps'] for b in u):.2f})"
-                  + (f"; without priority (fifo): {fifo:.2f}x" if fifo is not None else ""))
-        if c:
-            lats = [a["short_ratio_p99"] for a in c]
-            lat = statistics.median(lats)
-            costs = floors[mode]
-            errors = sum(a["errors"] for a in c)
-            print(f"  [{'met' if lat <= 2 else 'NOT met'}] {mode}: short requests' p99 under load <= 2x unloaded (at "
-                  f"their own lengths): {lat:.2f}x{rounds_of(lats, '.2f')} (unloaded 8/16 tokens "
-                  + "/".join(f"{v:.0f}" for _, v in sorted(c[0]["unloaded"].items())) + " ms)"
-                  + (f"; without priority (fifo): {statistics.median(a['short_ratio_p99'] for a in f):.2f}x"
-                     if f else "")
-                  + f"; a step of {args.clients} rows costs {costs[args.clients] / costs[1]:.1f}x one of 1 row")
-            later = [a["later_ratio_p99"] for a in c]
-            print(f"  [info] {mode}: the same p99 without the opening burst (the short requests among the first "
-                  f"{args.clients}, sent at once): {statistics.median(later):.2f}x{rounds_of(later, '.2f')}")
-            print(f"  [{'met' if errors == 0 else 'NOT met'}] {mode}: no errors: {errors}")
-            if u:
-                print(f"  [info] {mode}: time to first token p50 {statistics.median(a['ttft_p50'] for a in c):.0f} ms, "
-                      f"p99 {statistics.median(a['ttft_p99'] for a in c):.0f} ms (unbatched: p50 "
-                      f"{statistics.median(b['ttft_p50'] for b in u):.0f} ms, p99 "
-                      f"{statistics.median(b['ttft_p99'] for b in u):.0f} ms)")
+    steps = {mode: f"a step of {args.clients} rows costs {floors[mode][args.clients] / floors[mode][1]:.1f}x one "
+                   f"of 1 row (in-process)" for mode in modes}
+    for line in goals(runs, modes, steps):
+        print("  " + line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({f"{n}/{m}": rs for (n, m), rs in runs.items()}, f, indent=2)

@@ -142,3 +142,21 @@ def test_bench_sections_pass_through_what_ran_and_fail_what_crashed_or_hung(tmp_
     assert "T=2048 done" in (tmp_path / "scaling.log").read_text()
     args.device = "cpu"
     assert gpu_check.bench_section("cost", "a bench", ["-c", "raise SystemExit(1)"], args, tmp_path)[0].status == "skip"
+
+
+def test_the_serveload_section_runs_the_inprocess_load_on_cuda(monkeypatch, tmp_path):
+    """``--only serveload`` needs torch alone (no Ray): on CUDA it runs bench/serve_load.py's in-process load on the
+    device, two rounds (one with --quick); without CUDA it is skipped, saying so."""
+    ran = []
+    monkeypatch.setattr(gpu_check, "bench_section", lambda section, name, cmd, args, out: ran.append(cmd) or
+                        [gpu_check.Row(section, name, "pass")])
+    args = type("Args", (), {"device": "cuda", "timeout": 5, "quick": False})()
+    assert gpu_check.check_serveload(args, tmp_path)[0].section == "serveload"
+    args.quick = True
+    gpu_check.check_serveload(args, tmp_path)
+    assert ran == [["bench/serve_load.py", "--inprocess", "--device", "cuda", "--rounds", "2"],
+                   ["bench/serve_load.py", "--inprocess", "--device", "cuda", "--rounds", "1", "--quick"]]
+    monkeypatch.undo()
+    code, rows = gpu_check.run(["--device", "cpu", "--only", "serveload", "--out", str(tmp_path)])
+    assert code == 0 and [(r.section, r.status, r.detail) for r in rows if r.section == "serveload"] == [
+        ("serveload", "skip", "no CUDA device")]

@@ -350,6 +350,23 @@ def test_requests_the_decoder_refuses_fail_alone():
     assert_alone(target, draft, [fine])
 
 
+def test_a_refused_request_without_the_web_stack_fails_alone_with_its_error(monkeypatch):
+    """The scheduler runs with torch alone (bench/serve_load.py --inprocess on a bare GPU image): where the HTTP
+    answer cannot be made (FastAPI missing), a refused request still finishes with its error and the others
+    decode."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "efftx.serving.isolation", None)  # its import now raises ImportError
+    target = lm(0)
+    scheduler = Scheduler(target)
+    empty = scheduler.submit(Job([], 4, HOT, 1, tag="empty"))
+    fine = scheduler.submit(Job([1, 2], 6, HOT, 3, tag=(0, [1, 2], 6, HOT, 3, None)))
+    scheduler.drain()
+    assert empty.done and empty.failure is None and "prompt is empty" in str(empty.error)
+    assert fine.error is None and len(fine.out) == 6
+    assert_alone(target, None, [fine])
+
+
 def test_cancelled_rows_leave_the_batch():
     target, draft = lm(0), lm(1, 1)
     scheduler = Scheduler(target, draft)

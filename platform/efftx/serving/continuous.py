@@ -60,7 +60,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -69,7 +69,9 @@ from efftx.generation.decode import Rows, Slots, splittable
 from efftx.generation.sampling import draw, is_greedy, probabilities
 from efftx.generation.speculative import (SpecStats, accept_sampled, kept_tokens, race, race_noise,
                                           row_uniforms)
-from efftx.serving.isolation import RowFailure, row_failure
+
+if TYPE_CHECKING:  # the scheduler runs with torch alone (bench/serve_load.py --inprocess on a bare GPU image)
+    from efftx.serving.isolation import RowFailure
 
 logger = logging.getLogger("ray.serve")
 
@@ -154,7 +156,7 @@ class Job:
         self.queued_round: int | None = None  # the scheduling round that first saw it queued
         self.first_token: float | None = None
         self.finished: float | None = None
-        self.failure: RowFailure | None = None
+        self.failure: "RowFailure | None" = None
         self.error: BaseException | None = None
         self.cancelled = False
         self.done = False
@@ -198,7 +200,12 @@ class Job:
 
     def _fail(self, exc: BaseException, what: str) -> None:
         self.error = exc
-        self.failure = row_failure(exc, what)
+        try:
+            from efftx.serving.isolation import row_failure  # the HTTP answer (FastAPI's)
+        except ImportError:  # the scheduler alone, without the web stack (a bench on a bare GPU image)
+            self.failure = None
+        else:
+            self.failure = row_failure(exc, what)
         self._finish()
 
 

@@ -1,0 +1,89 @@
+"""bench/serve_load.py's in-process load (``--inprocess``): the scheduler under a closed-loop load, unbatched vs
+fifo vs continuous, with the issue's goals marked. It is the GPU check's ``serveload`` section, which runs on a
+GPU image that has torch and no web stack, so it is run here with Ray, FastAPI, pydantic, Starlette and MLflow
+made unimportable."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("serve_load", REPO / "bench" / "serve_load.py")
+serve_load = importlib.util.module_from_spec(_spec)
+sys.modules["serve_load"] = serve_load
+_spec.loader.exec_module(serve_load)
+
+# runs the bench as ``python bench/serve_load.py ARGS`` with the web stack (and Ray, MLflow) unimportable
+BARE = """
+import importlib.abc, runpy, sys
+BLOCKED = {"ray", "fastapi", "pydantic", "starlette", "uvicorn", "mlflow", "deepspeed"}
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"{name} is not installed on this image")
+sys.meta_path.insert(0, Block())
+sys.argv = ["bench/serve_load.py", *sys.argv[1:]]
+runpy.run_path("bench/serve_load.py", run_name="__main__")
+"""
+
+
+def bench(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "platform"), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", BARE, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_the_inprocess_load_runs_with_torch_alone_and_marks_the_goals(tmp_path):
+    out = tmp_path / "figures.json"
+    proc = bench("--inprocess", "--size", "debug", "--requests", "12", "--clients", "4", "--max-new", "32",
+                 "--unloaded", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(out.read_text())
+    assert set(runs) == {f"{p}/{m}" for p, _ in serve_load.POLICIES for m in ("base", "speculative")}
+    for key, (r,) in runs.items():
+        assert (r["ok"], r["errors"]) == (12, 0), key
+        assert r["rps"] > 0 and r["seconds"] > 0 and set(r["unloaded"]) == {"8", "16"}
+    for mode in ("base", "speculative"):
+        # the baseline really decodes one row at a time; the batching policies share steps
+        assert runs[f"unbatched/{mode}"][0]["rows"] == 1
+        assert runs[f"fifo/{mode}"][0]["rows"] > 1 and runs[f"continuous/{mode}"][0]["rows"] > 1
+        for goal in ("requests/s >= 3x unbatched", "short requests' p99 under load <= 2x", "no errors: 0"):
+            assert any(line.startswith(("  [met] " + mode, "  [NOT met] " + mode)) and goal in line
+                       for line in proc.stdout.splitlines()), (mode, goal, proc.stdout[-2000:])
+    assert "in-process on cpu (cpu clock)" in proc.stdout and "in-process decoding step, speculative" in proc.stdout
+
+
+def run(rps: float, p99: float, errors: int = 0) -> dict:
+    return {"rps": rps, "short_ratio_p99": p99, "later_ratio_p99": p99, "errors": errors, "unloaded": {8: 10, 16: 20},
+            "ttft_p50": 1.0, "ttft_p99": 2.0}
+
+
+@pytest.mark.parametrize("rps, p99, errors, marks", [
+    (3.0, 2.0, 0, ["met", "met", "met"]),
+    (2.99, 2.01, 0, ["NOT met", "NOT met", "met"]),
+    (9.0, 1.0, 1, ["met", "met", "NOT met"]),
+])
+def test_goals_are_marked_at_their_thresholds(rps, p99, errors, marks):
+    """requests/s >= 3x unbatched (the median of the rounds' paired ratios), short p99 <= 2x, no errors."""
+    runs = {("unbatched", "base"): [run(1.0, 9.0), run(2.0, 9.0)],
+            ("continuous", "base"): [run(rps, p99, errors), run(2 * rps, p99)]}
+    lines = [line for line in serve_load.goals(runs, ["base"], {"base": "a note"}) if not line.startswith("[info]")]
+    assert [line[1:line.index("]")] for line in lines] == marks
+    assert f"{rps:.2f}x [{rps:.2f}, {rps:.2f}]" in lines[0] and "a note" in lines[1]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--device", "cuda"], "torch sees no CUDA device"),
+    (["--modes", "base,fast"], "--modes takes base and/or speculative"),
+    (["--rounds", "0"], "--rounds must be at least 1"),
+])
+def test_bad_arguments_are_refused_by_name(args, says):
+    proc = bench("--inprocess", *args)
+    assert proc.returncode == 2 and says in proc.stderr, proc.stderr[-2000:]
