@@ -650,6 +650,8 @@ class Scheduler:
     (0: start at once). ``hook(kind, jobs)``: called before every prefill and step with the rows it covers
     (tests use it to inject faults). ``observe(kind, rows)``: called after every decoding step of a running batch
     with its kind (``base`` | ``speculative``) and its rows (the app's metrics, :mod:`efftx.serving.metrics`).
+    The decoding thread uses as many torch threads as the thread that built the scheduler
+    (``torch.get_num_threads()``; a new thread would start with the process default instead).
 
     Priority to short requests (see the module docstring), its knobs:
 
@@ -686,6 +688,9 @@ class Scheduler:
         self.short_tokens, self.fast_rows, self.long_every = short_tokens, fast_rows, long_every
         self.max_wait_rounds, self.prefill_rows = max_wait_rounds, prefill_rows
         self.observe = observe
+        # torch's intra-op threads as the creating thread has them: a new thread does not inherit
+        # torch.set_num_threads (its OpenMP pool starts at the process default, e.g. every core outside Ray)
+        self.threads = torch.get_num_threads()
         self.base = BaseEngine(target, hook)
         self.spec: dict[int, SpeculativeEngine] = {}
         self._queue: deque[Job] = deque()
@@ -861,6 +866,7 @@ class Scheduler:
             engine.fail_all(exc)
 
     def _loop(self) -> None:
+        torch.set_num_threads(self.threads)  # per thread, as grad mode is
         with torch.no_grad():  # grad mode is per thread
             while True:
                 with self._cv:
