@@ -2,7 +2,7 @@
 
     python bench/serve_load.py [--clients 16] [--requests 64] [--modes base,speculative] [--rounds 1]
                                [--target PATH --draft PATH | --size small|debug] [--quick] [--device cpu|cuda]
-    python bench/serve_load.py --inprocess [--device cpu|cuda] [--clock cpu|wall] [the same load options]
+    python bench/serve_load.py --inprocess [--device cpu|cuda] [--clock cpu|wall] [--threads N] [the load options]
 
 Starts a local Ray cluster and Serve on 127.0.0.1 and deploys the text app several ways, one after another, in
 one run: ``unbatched`` (``batching=static``, ``max_batch_size=1``), ``static`` (``@serve.batch``, 8 per batch),
@@ -30,7 +30,8 @@ p99 latency ratio under load is <= 2x (also printed without the opening burst: t
 first ``--clients``, which all start at once), and no request fails. ``--rounds N`` measures every configuration N times,
 alternated (round 1: unbatched, ..., continuous; round 2: the same again), prints a row per round and takes each
 goal's median over the rounds (the throughput ratio paired within a round): one run's ratio moves by about 15%
-on this machine. ``--device cuda``: the models decode on the GPU (each replica is given one).
+on this machine. ``--device cuda``: the models decode on the GPU (each replica is given one); ``--threads N``: each
+replica's torch threads (the app's ``threads``).
 
 ``--inprocess``: the same load on the scheduler itself, no HTTP and no Ray (torch alone: the GPU check's
 ``serveload`` section runs it on a bare GPU image), for three policies of :class:`efftx.serving.continuous.Scheduler`:
@@ -162,8 +163,8 @@ def short_ratios(shorts: list[tuple[int, float]], alone: dict[int, float]) -> li
     return [secs * 1e3 / (la + (lb - la) * (n - a) / (b - a)) for n, secs in shorts]
 
 
-def step_costs(paths: dict, counts: list[int], modes: list[str], repeats: int = 3, device: str = "cpu"
-               ) -> dict[str, dict[int, float]]:
+def step_costs(paths: dict, counts: list[int], modes: list[str], repeats: int = 3, device: str = "cpu",
+               threads: int = 1) -> dict[str, dict[int, float]]:
     """In-process, no HTTP: ms per decoding step of the continuous-batching scheduler (no priority: every row in
     every step) for each row count in ``counts`` (what a short request's latency scales with when it shares a
     step), after a warm-up; the counts are interleaved and each takes its best of ``repeats`` (the machine's
@@ -171,7 +172,7 @@ def step_costs(paths: dict, counts: list[int], modes: list[str], repeats: int = 
     waits for the device."""
     from efftx.serving.continuous import Job, Sampling, Scheduler
 
-    target, draft = load_models(paths, device)
+    target, draft = load_models(paths, device, threads)
     out = {}
     for mode in modes:
         best: dict[int, float] = {}
@@ -198,12 +199,12 @@ def print_step_costs(floors: dict[str, dict[int, float]]) -> None:
             f"{n} rows {ms:.1f} ms ({ms / costs[1]:.2f}x)" for n, ms in sorted(costs.items())), flush=True)
 
 
-def load_models(paths: dict, device: str):
-    """(target, draft or None) on ``device``, with one torch thread on a CPU (as a replica has)."""
+def load_models(paths: dict, device: str, threads: int = 1):
+    """(target, draft or None) on ``device``, with ``threads`` torch threads (a replica's ``threads``; the
+    scheduler's decoding thread takes them from here)."""
     from efftx.export import load_export
 
-    if device == "cpu":
-        torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     target = load_export(paths["target"], device)[0]
     draft = load_export(paths["draft"], device)[0] if "draft" in paths else None
     return target, draft
@@ -273,7 +274,7 @@ def inprocess_load(target, draft, mode: str, knobs: dict, clients: int, lengths:
 
 
 def inprocess(paths: dict, modes: list[str], clients: int, lengths: list[int], unloaded: int, device: str = "cpu",
-              clock: str = "cpu", rounds: int = 1, timeout: float = 300.0) -> dict:
+              clock: str = "cpu", rounds: int = 1, timeout: float = 300.0, threads: int = 1) -> dict:
     """``--inprocess``: the same closed-loop load on the scheduler itself (no HTTP, no Ray: torch alone), for each
     of :data:`POLICIES`, the policies alternated round after round. ``clock="cpu"``: timed on the decoding
     thread's CPU clock (a request's "latency" is the CPU time the decoding thread spent from its submission to
@@ -283,9 +284,9 @@ def inprocess(paths: dict, modes: list[str], clients: int, lengths: list[int], u
     shared a step with, then the goals as the HTTP load does. Returns the figures per (policy, mode)."""
     from efftx.serving.continuous import warm_up
 
-    target, draft = load_models(paths, device)
+    target, draft = load_models(paths, device, threads)
     warm_up(target, draft)  # as a replica starts (one-time costs: on CUDA its kernels' first launches)
-    print(f"in-process on {device} ({clock} clock), {clients} clients, {len(lengths)} requests; load average "
+    print(f"in-process on {device} ({clock} clock, {threads} torch thread{'s' * (threads > 1)}), {clients} clients, {len(lengths)} requests; load average "
           + " ".join(f"{x:.1f}" for x in os.getloadavg()), flush=True)
     runs: dict[tuple[str, str], list[dict]] = {}
     for rnd in range(rounds):
@@ -388,6 +389,8 @@ def main() -> None:
                                                               "Ray: torch alone), unbatched vs fifo vs continuous")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the models decode (cuda: the "
                                                                             "replicas get a GPU)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the replica (its ``threads``) or of the "
+                                                          "in-process decoding thread")
     p.add_argument("--clock", default=None, choices=["cpu", "wall"], help="--inprocess: the decoding thread's CPU "
                                                                           "clock (default on cpu) or the wall clock "
                                                                           "(default on cuda)")
@@ -398,7 +401,12 @@ def main() -> None:
         p.error("--device cuda, but torch sees no CUDA device")
     if args.clock == "cpu" and args.device == "cuda":
         p.error("--clock cpu measures the decoding thread, not the GPU: use --clock wall with --device cuda")
-    args.clock = args.clock or ("wall" if args.device == "cuda" else "cpu")
+    if args.threads < 1:
+        p.error(f"--threads must be at least 1, got {args.threads}")
+    if args.clock == "cpu" and args.threads > 1:
+        p.error("--clock cpu counts the decoding thread alone, not the threads it spreads a product over: use "
+                "--clock wall with --threads above 1")
+    args.clock = args.clock or ("wall" if args.device == "cuda" or args.threads > 1 else "cpu")
     bad = [m for m in args.modes.split(",") if m and m not in ("base", "speculative")]
     if bad or not args.modes.strip(","):
         p.error(f"--modes takes base and/or speculative, got {args.modes!r}")
@@ -420,10 +428,10 @@ def main() -> None:
     counts = sorted({1, 4, 8, args.clients})
     if args.inprocess:
         print(note)
-        floors = step_costs(paths, counts, modes, device=args.device)
+        floors = step_costs(paths, counts, modes, device=args.device, threads=args.threads)
         print_step_costs(floors)
         runs = inprocess(paths, modes, args.clients, lengths, args.unloaded, args.device, args.clock, args.rounds,
-                         args.timeout)
+                         args.timeout, args.threads)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({f"{n}/{m}": rs for (n, m), rs in runs.items()}, f, indent=2)
@@ -435,7 +443,7 @@ def main() -> None:
     from efftx.serving.schemas import Limits
     from efftx.serving.text import build
 
-    floors = step_costs(paths, counts, modes, device=args.device)
+    floors = step_costs(paths, counts, modes, device=args.device, threads=args.threads)
     cuda = args.device == "cuda"
     ray.init(num_cpus=4, num_gpus=1 if cuda else 0, include_dashboard=False, log_to_driver=False)
     port = free_port()
@@ -446,7 +454,7 @@ def main() -> None:
     try:
         for rnd in range(args.rounds):
             for name, cfg in configs:
-                devices = {"device": "cuda", "num_gpus": 1} if cuda else {}
+                devices = {"device": "cuda", "num_gpus": 1} if cuda else {"threads": args.threads}
                 serve.run(build(TextAppArgs(**paths, name="load", limits=limits, **devices, **cfg)),
                           name="load", route_prefix="/")
                 for mode in modes:
@@ -470,7 +478,7 @@ def main() -> None:
     print(f"\n{note}")
     print(f"{args.clients} clients, {args.requests} requests per row, {args.min_new}..{args.max_new} new tokens "
           f"(mean {statistics.mean(lengths):.0f}; {sum(n <= SHORT for n in lengths)} short <= {SHORT}), every 4th a "
-          f"stream; torch {torch.__version__}, {args.device}")
+          f"stream; torch {torch.__version__}, {args.device}, replicas with {args.threads} torch thread(s)")
     w = 13 if args.rounds == 1 else 18  # the row labels: configuration (and round)
     head = (f"{'':<{w}}{'mode':<12}{'ok':>4}{'err':>5}{'req/s':>8}{'vs unb.':>8}{'tok/s':>8}{'p50 ms':>8}{'p99 ms':>8}"
             f"{'short p50':>10}{'short p99':>10}{'unl. 8/16':>11}{'x p50':>7}{'x p99':>7}{'ttft p50':>9}{'ttft p99':>9}")

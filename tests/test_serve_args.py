@@ -145,6 +145,19 @@ def test_warm_up_rows_reach_the_replica_and_need_continuous_batching():
         build({"target": "/nowhere/target", "warm_up_rows": -1})
 
 
+def test_threads_and_cpus_reach_the_replica():
+    """``threads``: the replica's torch threads (a constructor argument); ``num_cpus``: its Ray CPU share."""
+    init, kwargs, options = bound(serve_run("target=/nowhere/target", "threads=4", "num_cpus=4"))["TextGenerator"]
+    assert kwargs["threads"] == 4 and type(kwargs["threads"]) is int and options["num_cpus"] == 4
+    _, kwargs, options = bound(build({"target": "/nowhere/target", "batching": "static"}))["TextGenerator"]
+    assert "threads" not in kwargs and options["num_cpus"] == 0.25  # the replica's and the deployment's defaults
+    _, _, options = bound(build({"target": "/nowhere/target", "num_cpus": 2, "num_gpus": 0.5}))["TextGenerator"]
+    assert (options["num_cpus"], options["num_gpus"]) == (2, 0.5)
+    for argument, value in (("threads", 0), ("threads", 1.5), ("num_cpus", 0)):
+        with pytest.raises(ValidationError, match=argument):
+            build({"target": "/nowhere/target", argument: value})
+
+
 def test_an_empty_value_means_not_given():
     """``draft: ""`` or ``batching:`` with no value in YAML: the default, as before."""
     app = build({"target": "/nowhere/target", "draft": "", "dalle": " ", "batching": None, "max_batch_size": "",
@@ -185,7 +198,7 @@ def test_the_yaml_configs_commented_out_arguments_are_valid_too():
             depth += line.count("{") - line.count("}")
         out.append(line)
     args = yaml.safe_load("\n".join(out))["applications"][0]["args"]
-    uncommented = {"num_gpus", "image_num_gpus", "device", "limits", "image_limits"}
+    uncommented = {"num_gpus", "image_num_gpus", "device", "threads", "num_cpus", "limits", "image_limits"}
     assert uncommented <= set(args)
     checked = TextAppArgs.model_validate(args)
     assert checked.limits == Limits() and checked.image_limits == ImageLimits()  # "these are the defaults"

@@ -86,3 +86,28 @@ def test_the_replica_device():
         assert replica_device("auto") == torch.device("cpu")  # no GPU given (and none to use)
         with pytest.raises(RuntimeError, match="device=cuda"):
             replica_device("cuda")
+
+
+def test_a_streams_steps_run_on_the_replicas_threads_in_any_pool_thread():
+    """Starlette runs each step of a sync stream in whichever thread of its pool is free, a new thread starting with
+    the process default (both cores here): ``with_threads`` sets the replica's count before every step, so a
+    1-thread replica's stream decodes on one core; a plain iterator does not."""
+    import concurrent.futures
+
+    from cores import cores_used, needs_two_cores
+
+    needs_two_cores()
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the replica's setting, made in its own thread
+    try:
+        def steps():
+            for _ in range(2):
+                yield cores_used()
+
+        for wrapped, one_core in ((devices.with_threads(steps(), 1), True), (steps(), False)):
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:  # fresh threads, as Starlette's pool has
+                used = [pool.submit(next, wrapped).result() for _ in range(2)]
+            assert all(u < 1.3 for u in used) if one_core else all(u > 1.3 for u in used), used
+        assert list(devices.with_threads(iter(()), 1)) == []
+    finally:
+        torch.set_num_threads(before)

@@ -57,7 +57,7 @@ def test_the_inprocess_load_runs_with_torch_alone_and_marks_the_goals(tmp_path):
         for goal in ("requests/s >= 3x unbatched", "short requests' p99 under load <= 2x", "no errors: 0"):
             assert any(line.startswith(("  [met] " + mode, "  [NOT met] " + mode)) and goal in line
                        for line in proc.stdout.splitlines()), (mode, goal, proc.stdout[-2000:])
-    assert "in-process on cpu (cpu clock)" in proc.stdout and "in-process decoding step, speculative" in proc.stdout
+    assert "in-process on cpu (cpu clock, 1 torch thread)" in proc.stdout and "in-process decoding step, speculative" in proc.stdout
 
 
 def run(rps: float, p99: float, errors: int = 0) -> dict:
@@ -83,6 +83,7 @@ def test_goals_are_marked_at_their_thresholds(rps, p99, errors, marks):
     (["--device", "cuda"], "torch sees no CUDA device"),
     (["--modes", "base,fast"], "--modes takes base and/or speculative"),
     (["--rounds", "0"], "--rounds must be at least 1"),
+    (["--threads", "2", "--clock", "cpu"], "use --clock wall with --threads above 1"),
 ])
 def test_bad_arguments_are_refused_by_name(args, says):
     proc = bench("--inprocess", *args)

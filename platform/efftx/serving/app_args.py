@@ -92,6 +92,12 @@ class TextAppArgs(BaseModel):
         "Not given: the deployment's own (none)."))
     image_num_gpus: float | None = Field(None, ge=0, description="The GPU share of each image replica, like "
                                                                  "``num_gpus``.")
+    num_cpus: float | None = Field(None, gt=0, description=(
+        "The CPU share of each text replica (``ray_actor_options.num_cpus``). Not given: the deployment's own "
+        "(0.25)."))
+    threads: int | None = Field(None, gt=0, description=(
+        "torch's intra-op threads in every thread a text replica decodes in (default 1): a batch's products spread "
+        "over this many cores. Give the replica as many CPUs (``num_cpus``) on a shared cluster."))
     # ---------------------------------------------------------------- images
     dalle: str | None = Field(None, description=(
         f"A DALL-E model: {_PATH}. With it the app serves POST /images/generate and /v1/images/generations from an "

@@ -1,4 +1,4 @@
-"""Which device a Serve replica decodes on, and the GPU share it asks Ray for.
+"""Which device a Serve replica decodes on, the CPU and GPU shares it asks Ray for, and its torch threads.
 
 The app builder (:func:`efftx.serving.text.build`) takes
 
@@ -10,13 +10,23 @@ The app builder (:func:`efftx.serving.text.build`) takes
   and the connected Ray cluster has no ``GPU`` resource) it is an error naming the argument, not a crash inside
   a replica; ``cuda`` without a ``num_gpus`` gives each deployment half a GPU (text and image replicas share one).
 
+On a CPU, ``threads`` (default 1) is torch's intra-op thread count in every thread a text replica decodes in (the
+continuous-batching thread, the static batches' worker threads, the steps of a stream): a larger batch's products
+spread over that many cores. ``num_cpus`` reserves the replica's CPU share with Ray (``ray_actor_options.num_cpus``;
+the deployment's default is 0.25): give as many CPUs as threads on a shared cluster.
+
 The models are loaded onto the replica's device (``load_export(path, device)``) and every tensor of a request is
 made there; ``GET /models/info`` names each model's device (``"cpu"``, ``"cuda:0"``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import TypeVar
+
 import torch
+
+T = TypeVar("T")
 
 DEVICES = ("auto", "cpu", "cuda")
 CUDA_DEFAULT_SHARE = 0.5  # num_gpus of each deployment when device=cuda and no share is given
@@ -90,10 +100,23 @@ def _given_a_gpu() -> bool:
         return False
 
 
-def with_gpus(deployment, share: float | None):
-    """``deployment`` with ``num_gpus=share`` added to its ``ray_actor_options`` (unchanged for None)."""
-    if share is None:
+def with_resources(deployment, *, num_gpus: float | None = None, num_cpus: float | None = None):
+    """``deployment`` with the shares given (not None) set in its ``ray_actor_options`` (unchanged for none)."""
+    given = {k: v for k, v in (("num_gpus", num_gpus), ("num_cpus", num_cpus)) if v is not None}
+    if not given:
         return deployment
-    options = dict(deployment.ray_actor_options or {})
-    options["num_gpus"] = share
-    return deployment.options(ray_actor_options=options)
+    return deployment.options(ray_actor_options={**(deployment.ray_actor_options or {}), **given})
+
+
+def with_threads(steps: Iterator[T], threads: int) -> Iterator[T]:
+    """``steps`` with torch's intra-op threads set to ``threads`` before each step is computed: a sync stream's
+    steps run in whichever thread of Starlette's pool takes them, and a new thread starts with the process
+    default (``OMP_NUM_THREADS``, which Ray sets from the replica's CPU share), not the replica's setting."""
+    it = iter(steps)
+    while True:
+        torch.set_num_threads(threads)
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        yield item

@@ -154,6 +154,7 @@ class ModelsInfo(BaseModel):
     image_limits: dict[str, int | float] | None = None
     batching: dict[str, int | float | str | bool] | None = None  # mode (continuous | static), max_batch_size, ...
     replica: dict[str, str] | None = None  # the replica that answered: its Serve id and its Ray node id
+    threads: int | None = None  # torch's intra-op threads in the replica's decoding threads
 
 
 class CompletionRequest(BaseModel):

@@ -89,7 +89,7 @@ from efftx.generation.speculative import SpecStats, iter_speculative, iter_specu
 from efftx.serving import metrics
 from efftx.serving.app_args import TextAppArgs
 from efftx.serving.continuous import Job, Sampling, Scheduler, warm_up
-from efftx.serving.devices import replica_device, resolve_build_devices, with_gpus
+from efftx.serving.devices import replica_device, resolve_build_devices, with_resources, with_threads
 from efftx.serving.images import (ImageGenerator, ImageLimits, ImageRequest, OpenAIImageRequest, as_image_request,
                                   check_request, field_error, image_field_limits, openai_size)
 from efftx.serving.isolation import BodyLimit, RowFailure, contained
@@ -220,10 +220,13 @@ class TextGenerator:
                  limits: dict[str, Any] | None = None, max_batch_size: int | None = None,
                  batch_wait_timeout_s: float | None = None, images=None, image_limits: dict[str, Any] | None = None,
                  device: str = "auto", batching: str = "continuous", priority: dict[str, int] | None = None,
-                 warm_up_rows: int = 16):
+                 warm_up_rows: int = 16, threads: int = 1):
         from efftx.export import load_export, resolve_export
 
-        torch.set_num_threads(1)
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
+        self.threads = threads  # every decoding thread sets it (a new thread starts at the process default)
+        torch.set_num_threads(threads)  # the scheduler's thread takes it from here
         if batching not in BATCHING:
             raise ValueError(f"batching must be one of {', '.join(BATCHING)}; got {batching!r}")
         max_batch_size, batch_wait_timeout_s = batch_defaults(batching, max_batch_size, batch_wait_timeout_s)
@@ -342,6 +345,7 @@ class TextGenerator:
                 for prompt, row, st in zip(prompts, out, row_stats)]
 
     def _run(self, requests: list[GenerateRequest]) -> list[GenerateResponse | RowFailure]:
+        torch.set_num_threads(self.threads)  # a worker thread of asyncio's pool
         results: list[dict[str, ModeResult]] = [{} for _ in requests]
         failed: dict[int, RowFailure] = {}
         for mode, run in (("base", self._base_rows), ("speculative", self._speculative_rows)):
@@ -516,7 +520,7 @@ class TextGenerator:
                           models=self.model_cards + ([image_card(info)] if info else []),
                           limits=dataclasses.asdict(self.limits),
                           image_limits=self.image_limits.model_dump() if info else None, batching=self.batching,
-                          replica=self.replica)
+                          replica=self.replica, threads=self.threads)
 
     @app.post("/generate/stream")
     async def generate_stream(self, req: StreamRequest) -> StreamingResponse:
@@ -527,8 +531,8 @@ class TextGenerator:
             t0 = time.perf_counter()
             return StreamingResponse(sse_async(job_events(self._job_steps(req, req.mode), req.mode, t0, self.codec,
                                                           tokens)), media_type="text/event-stream")
-        return StreamingResponse(sse(stream_events(self.target, self.draft, tokens, req, self.codec)),
-                                 media_type="text/event-stream")
+        return StreamingResponse(sse(with_threads(stream_events(self.target, self.draft, tokens, req, self.codec),
+                                                  self.threads)), media_type="text/event-stream")
 
     @app.post("/generate", response_model=GenerateResponse)
     async def generate(self, req: GenerateRequest) -> GenerateResponse:
@@ -588,7 +592,7 @@ class TextGenerator:
             return StreamingResponse(chunks(), media_type="text/event-stream")
 
         stats = SpecStats(gamma=gamma)
-        steps = self._completion_steps(tokens, req, speculative, gamma, stats)
+        steps = with_threads(self._completion_steps(tokens, req, speculative, gamma, stats), self.threads)
 
         def events():  # a sync generator: Starlette runs it in its thread pool, off the event loop
             decoder = self.codec.decoder(tokens)  # a character may span tokens and steps
@@ -637,12 +641,13 @@ def build_with(args: TextAppArgs | dict[str, Any], *, text_deployment=TextGenera
                                                           args.batch_wait_timeout_s)
     images = None
     if args.dalle:
-        images = with_gpus(image_deployment, image_gpus).bind(
+        images = with_resources(image_deployment, num_gpus=image_gpus).bind(
             args.dalle, args.image_max_batch_size, args.image_batch_wait_timeout_s, device=device)
     # the limits go to the replicas as plain mappings (the deployments' constructors build their own)
     limits = None if args.limits is None else dataclasses.asdict(args.limits)
     image_limits = None if args.image_limits is None else args.image_limits.model_dump()
-    return with_gpus(text_deployment, text_gpus).bind(
+    return with_resources(text_deployment, num_gpus=text_gpus, num_cpus=args.num_cpus).bind(
         args.target, args.draft, args.name, limits, max_batch_size, batch_wait_timeout_s, images, image_limits,
         device=device, batching=args.batching, **({"priority": args.priority()} if args.priority() else {}),
-        **({"warm_up_rows": args.warm_up_rows} if args.warm_up_rows is not None else {}))
+        **({"warm_up_rows": args.warm_up_rows} if args.warm_up_rows is not None else {}),
+        **({"threads": args.threads} if args.threads is not None else {}))
