@@ -62,6 +62,7 @@ CONFIGS = [("unbatched", {"batching": "static", "max_batch_size": 1}),
            ("fifo", {"batching": "continuous", "max_batch_size": 32, "short_tokens": 0}),
            ("continuous", {"batching": "continuous", "max_batch_size": 32})]
 SHORT = 16  # requests with at most this many new tokens are "short"
+ADAPTIVE_CAP = None  # --adaptive-gamma: speculative requests' draft lengths follow their acceptance, up to this
 
 
 def free_port() -> int:
@@ -72,7 +73,7 @@ def free_port() -> int:
 
 def body_for(i: int, new: int, mode: str) -> dict:
     return {"prompt": PROMPTS[i % len(PROMPTS)], "max_new_tokens": new, "temperature": 0.8, "top_k": 32,
-            "seed": 1000 + i, "mode": mode, "gamma": 5}
+            "seed": 1000 + i, "mode": mode, "gamma": 5, **({"adaptive_gamma": True} if ADAPTIVE_CAP else {})}
 
 
 def one(url: str, body: dict, stream: bool, timeout: float) -> tuple[bool, float, float | None]:
@@ -229,7 +230,8 @@ def inprocess_load(target, draft, mode: str, knobs: dict, clients: int, lengths:
     def run(i: int, new: int) -> tuple[float, float | None, Job]:
         done = threading.Event()
         job = Job(list(PROMPTS[i % len(PROMPTS)].encode()), new, Sampling(0.8, 32), 1000 + i,
-                  5 if mode == "speculative" else None)
+                  5 if mode == "speculative" else None,
+                  max_gamma=ADAPTIVE_CAP if mode == "speculative" else None)
         spent = []
         job.on_done = lambda j: (spent.append(now() - t0), done.set())  # runs on the decoding thread
         t0 = now()
@@ -389,6 +391,8 @@ def main() -> None:
                                                               "Ray: torch alone), unbatched vs fifo vs continuous")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the models decode (cuda: the "
                                                                             "replicas get a GPU)")
+    p.add_argument("--adaptive-gamma", action="store_true", help="speculative requests with adaptive_gamma (from 5, "
+                                                                 "at most the limits' max_gamma, 8)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the replica (its ``threads``) or of the "
                                                           "in-process decoding thread")
     p.add_argument("--clock", default=None, choices=["cpu", "wall"], help="--inprocess: the decoding thread's CPU "
@@ -406,6 +410,8 @@ def main() -> None:
     if args.clock == "cpu" and args.threads > 1:
         p.error("--clock cpu counts the decoding thread alone, not the threads it spreads a product over: use "
                 "--clock wall with --threads above 1")
+    global ADAPTIVE_CAP
+    ADAPTIVE_CAP = 8 if args.adaptive_gamma else None  # the server's cap: its limits' max_gamma (8 by default)
     args.clock = args.clock or ("wall" if args.device == "cuda" or args.threads > 1 else "cpu")
     bad = [m for m in args.modes.split(",") if m and m not in ("base", "speculative")]
     if bad or not args.modes.strip(","):

@@ -74,6 +74,31 @@ def test_sampling_is_seeded(server):
     assert a["results"]["speculative"]["text"] == b["results"]["speculative"]["text"]
 
 
+def test_adaptive_gamma_is_the_librarys_adaptive_speculative_decoding(server, debug_exports):
+    """``adaptive_gamma``: the request decodes as the library's speculative decoding with an adaptive gamma capped
+    at the limits' max_gamma (8 here): the same tokens and acceptance, from /generate and from a stream."""
+    from efftx.export import load_export
+    from efftx.generation.decode import decode_bytes
+    from efftx.generation.speculative import speculative_generate
+
+    target, draft = load_export(debug_exports["target"])[0], load_export(debug_exports["draft"])[0]
+    prompt, n = "x = ", 20
+    body = {"prompt": prompt, "max_new_tokens": n, "temperature": 1.0, "top_k": 20, "seed": 7,
+            "mode": "speculative", "gamma": 2, "adaptive_gamma": True}
+    out, stats = speculative_generate(target, draft, [list(prompt.encode())], n, gamma=2, temperature=1.0, top_k=20,
+                                      seed=7, adaptive_gamma=True, max_gamma=8)
+    res = post(f"{server}/generate", json=body).json()["results"]["speculative"]
+    assert res["text"] == decode_bytes(out[0])
+    assert (res["acceptance_histogram"], res["draft_calls"]) == (stats.histogram, stats.draft_calls)
+    assert len(res["acceptance_histogram"]) == 9  # 0..8 accepted: the cap
+    with requests.post(f"{server}/generate/stream", json=body, stream=True, timeout=120) as r:
+        blocks = [b for b in "\n".join(r.iter_lines(decode_unicode=True)).split("\n\n") if b.strip()]
+    done = json.loads(blocks[-1].split("data: ", 1)[1])
+    assert blocks[-1].startswith("event: done") and done["acceptance_histogram"] == stats.histogram
+    fixed = post(f"{server}/generate", json={**body, "adaptive_gamma": False}).json()["results"]["speculative"]
+    assert len(fixed["acceptance_histogram"]) == 3
+
+
 def test_openai_client_plain_and_streaming(server):
     from openai import OpenAI
 

@@ -78,7 +78,8 @@ MIXED = [
 
 def run_rounds(scheduler: Scheduler, plan, make_job=None) -> list[Job]:
     """Submit each planned request at its round; run rounds until everything is done."""
-    make_job = make_job or (lambda p: Job(p[1], p[2], p[3], p[4], p[5], tag=p))
+    make_job = make_job or (lambda p: Job(p[1], p[2], p[3], p[4], p[5], max_gamma=p[6] if len(p) > 6 else None,
+                                          tag=p))
     jobs, r = [], 0
     last = max(p[0] for p in plan)
     with torch.no_grad():
@@ -96,7 +97,8 @@ def solo(target, draft, p):
     sampling = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "seed": seed}
     if gamma is None:
         return generate(target, [prompt], n, **sampling)[0].tolist(), None
-    out, stats = speculative_generate(target, draft, [prompt], n, gamma=gamma, **sampling)
+    adaptive = {"adaptive_gamma": True, "max_gamma": p[6]} if len(p) > 6 and p[6] is not None else {}
+    out, stats = speculative_generate(target, draft, [prompt], n, gamma=gamma, **sampling, **adaptive)
     return out[0], stats
 
 
@@ -107,6 +109,7 @@ def assert_alone(target, draft, jobs):
         assert job.out == tokens, job.tag
         if stats is not None:  # the same acceptance, step for step, and the passes it would take alone
             assert job.stats.accepted == stats.accepted, job.tag
+            assert job.stats.drafted == stats.drafted, job.tag  # each step's own draft length
             assert job.stats.histogram == stats.histogram
             assert (job.stats.target_calls, job.stats.draft_calls) == (stats.target_calls, stats.draft_calls)
 
@@ -334,6 +337,41 @@ def test_a_failing_row_fails_alone_and_the_others_keep_their_tokens(monkeypatch)
     monkeypatch.setattr(continuous, "draw", real_draw)
     monkeypatch.setattr(continuous, "accept_sampled", real_accept)
     assert_alone(target, draft, [j for j in jobs if len(j.tag) != 1])
+
+
+# (arrival round, prompt, max_new_tokens, sampling, seed, starting gamma, max_gamma: an adaptive gamma)
+ADAPTIVE = [
+    (0, [5, 6, 7], 24, HOT, 1, 3, 6),
+    (0, [9] * 12, 20, GREEDY, 2, 3, 6),
+    (1, [1, 2], 18, NUCLEUS, 3, 3, 6),
+    (1, [42], 15, HOT, 4, 2, 4),
+    (2, [3, 1, 4, 1, 5], 22, HOT, 5, 2, 4),
+    (3, [8, 8], 16, HOT, 6, 3, None),  # a fixed gamma beside them
+]
+
+
+@pytest.mark.parametrize("kind", ["full", "nsa"])
+def test_adaptive_gamma_rows_get_their_solo_tokens_acceptance_and_draft_lengths(pairs, kind):
+    """Rows of one batch whose draft lengths follow their own acceptance (so they differ within a step): each row
+    draws only for its own drafts, verifies only those, and gets the tokens, acceptance and draft lengths it gets
+    decoded alone; rows of equal (gamma, max_gamma) share steps."""
+    target, draft = pair(pairs, kind)
+    scheduler = Scheduler(target, draft, max_rows=8, short_tokens=0)
+    jobs = run_rounds(scheduler, ADAPTIVE)
+    assert_alone(target, draft, jobs)
+    adaptive = [j for j in jobs if j.max_gamma is not None]
+    assert all(len(set(j.stats.drafted)) > 1 for j in adaptive)  # the lengths moved
+    assert max(j.batch_size for j in adaptive) > 1
+    assert all(j.stats.gamma == j.max_gamma for j in adaptive)  # the histogram runs to the cap
+    bad = Scheduler(target, draft)
+    refused = bad.submit(Job([1, 2], 4, HOT, 1, 4, max_gamma=3))
+    room = target.max_seq_len - 2 - 3  # fits with gamma 3 alone, not with the cap of 6
+    too_long = bad.submit(Job([1, 2], room, HOT, 1, 3, max_gamma=6))
+    fits = bad.submit(Job([1, 2], room, HOT, 1, 3))
+    bad.drain()
+    assert refused.failure.status == 422 and "max_gamma" in str(refused.failure.detail)
+    assert too_long.failure.status == 422 and "gamma (6)" in str(too_long.failure.detail)
+    assert fits.failure is None and len(fits.out) == room
 
 
 def test_requests_the_decoder_refuses_fail_alone():

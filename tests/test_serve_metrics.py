@@ -157,3 +157,32 @@ def test_metrics_move_after_requests(apps):
     for app in (TEXT, STATIC):  # this test's apps (other tests' apps in the session answer 500s on purpose)
         assert total(now, "ray_efftx_requests_total", status=500, application=app) == 0
         assert total(now, "ray_efftx_requests_total", endpoint="other", application=app) == 0
+
+
+def test_static_batching_serves_an_adaptive_gamma_as_the_library_decodes_it(apps, debug_exports):
+    """``adaptive_gamma`` with ``batching=static``: a batch of two such requests and a stream decode as the
+    library's adaptive speculative decoding (cap: the limits' max_gamma, 8), each request its own seed."""
+    from efftx.export import load_export
+    from efftx.generation.decode import decode_bytes
+    from efftx.generation.speculative import speculative_generate
+
+    target, draft = load_export(debug_exports["target"])[0], load_export(debug_exports["draft"])[0]
+    body = {"max_new_tokens": 16, "temperature": 1.0, "top_k": 20, "mode": "speculative", "gamma": 2,
+            "adaptive_gamma": True}
+    reqs = [{**body, "prompt": "x = ", "seed": 3}, {**body, "prompt": "def f(", "seed": 4}]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:  # one @serve.batch
+        results = list(pool.map(lambda b: post(f"{apps}/static/generate", json=b), reqs))
+    for req, res in zip(reqs, results):
+        assert res.status_code == 200, res.text
+        out, stats = speculative_generate(target, draft, [list(req["prompt"].encode())], 16, gamma=2,
+                                          temperature=1.0, top_k=20, seed=req["seed"], adaptive_gamma=True,
+                                          max_gamma=8)
+        got = res.json()["results"]["speculative"]
+        assert got["text"] == decode_bytes(out[0]) and got["acceptance_histogram"] == stats.histogram
+        assert got["draft_calls"] >= stats.draft_calls  # the batch's passes it took part in (its own, or more)
+    stream = sse_blocks(post(f"{apps}/static/generate/stream", json=reqs[0]))
+    assert json.loads(stream[-1].split("data: ", 1)[1])["acceptance_histogram"] == \
+        speculative_generate(target, draft, [list(b"x = ")], 16, gamma=2, temperature=1.0, top_k=20, seed=3,
+                             adaptive_gamma=True, max_gamma=8)[1].histogram

@@ -67,7 +67,7 @@ import torch
 from efftx.attention.cache import KVCache
 from efftx.generation.decode import Rows, Slots, splittable
 from efftx.generation.sampling import draw, is_greedy, probabilities
-from efftx.generation.speculative import (SpecStats, accept_sampled, kept_tokens, race, race_noise,
+from efftx.generation.speculative import (SpecStats, accept_sampled, kept_tokens, next_gamma, race, race_noise,
                                           row_uniforms)
 
 if TYPE_CHECKING:  # the scheduler runs with torch alone (bench/serve_load.py --inprocess on a bare GPU image)
@@ -137,7 +137,7 @@ class Job:
     job has its tokens or has failed (``job.failure`` / ``job.error``) or was cancelled."""
 
     def __init__(self, prompt: Sequence[int], max_new_tokens: int, sampling: Sampling = Sampling(),
-                 seed: int | None = None, gamma: int | None = None, *,
+                 seed: int | None = None, gamma: int | None = None, *, max_gamma: int | None = None,
                  on_step: Callable[[list[int], int | None], None] | None = None,
                  on_done: Callable[["Job"], None] | None = None, tag: Any = None):
         self.prompt = [int(t) for t in prompt]
@@ -145,9 +145,11 @@ class Job:
         self.sampling = sampling
         self.seed = seed
         self.gamma = gamma
+        self.max_gamma = max_gamma  # adaptive gamma: each step's draft length follows the acceptance, up to this
+        self.draft_gamma = gamma  # this step's draft length (speculative decoding)
         self.on_step, self.on_done, self.tag = on_step, on_done, tag
         self.out: list[int] = []
-        self.stats = SpecStats(gamma=gamma) if gamma is not None else None
+        self.stats = SpecStats(gamma=max_gamma or gamma) if gamma is not None else None
         self.steps = 0
         self.draft_tail: int | None = None  # speculative: the last kept draft, not fed to the draft model yet
         self.generator: torch.Generator | None = None
@@ -498,11 +500,15 @@ class SpeculativeEngine(_Engine):
 
     kind = "speculative"
 
-    def __init__(self, target, draft, gamma: int, hook=None):
+    def __init__(self, target, draft, gamma: int, hook=None, max_gamma: int | None = None):
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
+        if max_gamma is not None and max_gamma < gamma:
+            raise ValueError(f"max_gamma ({max_gamma}) must be >= gamma ({gamma}), the starting value")
         super().__init__(hook, [target, draft], splittable(target) and splittable(draft))
         self.target, self.draft, self.gamma = target, draft, gamma
+        self.max_gamma = max_gamma  # adaptive rows (:func:`~efftx.generation.speculative.next_gamma`), or None
+        self.cap = max_gamma or gamma  # the most tokens a row drafts in one step
 
     def prefill(self, jobs):
         self._hook(jobs)
@@ -512,8 +518,8 @@ class SpeculativeEngine(_Engine):
             if not job.prompt:
                 raise ValueError("the prompt is empty")
             longest = len(job.prompt) + job.max_new
-            if longest + self.gamma > limit:
-                raise ValueError(f"prompt + max_new_tokens ({longest}) + gamma ({self.gamma}) "
+            if longest + self.cap > limit:
+                raise ValueError(f"prompt + max_new_tokens ({longest}) + gamma ({self.cap}) "
                                  f"exceeds the models' max_seq_len={limit}")
             job.generator = _generator(job.seed, device)
         if self.batched:
@@ -521,7 +527,7 @@ class SpeculativeEngine(_Engine):
             t = Rows(self.target, len(jobs), self._room(self.target, room), True)
             d = Rows(self.draft, len(jobs), self._room(self.draft, room), True)
         else:
-            caps = [len(j.prompt) + j.max_new + self.gamma + 1 for j in jobs]
+            caps = [len(j.prompt) + j.max_new + self.cap + 1 for j in jobs]
             t = Rows.concat([Rows(self.target, 1, c, False) for c in caps])
             d = Rows.concat([Rows(self.draft, 1, c, False) for c in caps])
         prefixes = [j.prompt[:-1] for j in jobs]  # the caches hold every prompt token but the last: "pending"
@@ -533,13 +539,17 @@ class SpeculativeEngine(_Engine):
     def compute(self, state):
         self._hook(state.jobs)
         t_rows, d_rows = state.rows
-        gamma, jobs = self.gamma, state.jobs
+        jobs = state.jobs
         samplings, gens = [j.sampling for j in jobs], [j.generator for j in jobs]
         pending, device, vocab = state.last, state.last.device, self.target.vocab_size
+        # each row drafts its own number of tokens (all alike but with an adaptive gamma); the step drafts as many
+        # as its longest-drafting row, and a row verifies only its own (its extra drafts are never looked at)
+        own = [j.draft_gamma for j in jobs]
+        gamma = max(own)
         # every random number of the step first, each row's in the order it draws them alone
-        # (speculative.iter_speculative_rows): one race per drafted token, the acceptance uniforms, the last race
-        noises = [race_noise(gens, vocab, device=device) for _ in range(gamma)]
-        u = row_uniforms(gens, [gamma] * len(jobs), gamma, device)
+        # (speculative.iter_speculative_rows): one race per own drafted token, its acceptance uniforms, the last race
+        noises = [race_noise(gens, vocab, [i < g for g in own], device) for i in range(gamma)]
+        u = row_uniforms(gens, own, gamma, device)
         last_noise = race_noise(gens, vocab, device=device)
         # A row that kept every draft of its previous step has not fed the last one to the draft model (its "tail"):
         # the first draft pass feeds [tail, pending] to such rows and [pending, padding] to the others (their
@@ -564,20 +574,19 @@ class SpeculativeEngine(_Engine):
         drafted, q = torch.stack(tokens, 1), torch.stack(q, 1)  # (B, gamma), (B, gamma, V)
         p = row_probabilities(t_rows.forward(torch.cat([pending[:, None], drafted], 1)), samplings)
         # every row's acceptance and last token at once; the host reads one (B, gamma + 2) tensor
-        own = torch.full((len(jobs),), gamma, device=device)
-        packed = accept_sampled(p, q, drafted, u, last_noise, own).tolist()
+        packed = accept_sampled(p, q, drafted, u, last_noise, torch.tensor(own, device=device)).tolist()
         emitted, accepted, keep = [], [], []
-        for job, (n_r, last_r, *drafts) in zip(jobs, packed):
+        for job, g, (n_r, last_r, *drafts) in zip(jobs, own, packed):
             out = (drafts[:n_r] + [last_r])[: job.max_new - len(job.out)]
             emitted.append(out)
             accepted.append(n_r)
-            keep.append(kept_tokens(n_r, len(out), gamma))  # tokens the caches keep after pending
+            keep.append(kept_tokens(n_r, len(out), g))  # tokens the caches keep after pending
         t_rows.rewind([gamma - k for k in keep])  # the target saw pending + gamma drafted tokens
         # the draft saw pending + gamma - 1 drafted; a row that keeps all lacks the last one: its next tail
         d_rows.rewind([max(gamma - 1 - k, 0) for k in keep])
         last_drafts = drafted[:, -1].tolist()
         tails = [last_drafts[r] if k == gamma else None for r, k in enumerate(keep)]
-        return emitted, accepted, keep, tails
+        return emitted, accepted, keep, tails, own
 
     def commit(self, state, result, batch):
         if result is None:  # the prefill: counted as a pass of each model when there was a prompt prefix
@@ -586,15 +595,18 @@ class SpeculativeEngine(_Engine):
                     job.stats.target_calls += 1
                     job.stats.draft_calls += 1
             return [False] * len(state.jobs)
-        emitted, accepted, keep, tails = result
+        emitted, accepted, keep, tails, own = result
         finished = []
-        for job, out, n, k, tail in zip(state.jobs, emitted, accepted, keep, tails):
+        for job, out, n, k, tail, g in zip(state.jobs, emitted, accepted, keep, tails, own):
             job.draft_tail = tail
             st = job.stats
             st.steps += 1
             st.accepted.append(n)
+            st.drafted.append(g)
             st.target_calls += 1
-            st.draft_calls += self.gamma  # as alone: gamma draft passes a step (a tail rides on the next step's first)
+            st.draft_calls += g  # as alone: its draft passes a step (a tail rides on the next step's first)
+            if self.max_gamma is not None:
+                job.draft_gamma = next_gamma(g, g, n, self.max_gamma)
             finished.append(job._push(out, n, batch))
         state.last = torch.tensor([e[-1] if e else int(t) for e, t in zip(emitted, state.last.tolist())],
                                   device=state.last.device)
@@ -692,7 +704,7 @@ class Scheduler:
         # torch.set_num_threads (its OpenMP pool starts at the process default, e.g. every core outside Ray)
         self.threads = torch.get_num_threads()
         self.base = BaseEngine(target, hook)
-        self.spec: dict[int, SpeculativeEngine] = {}
+        self.spec: dict[tuple[int, int | None], SpeculativeEngine] = {}  # per (gamma, max_gamma)
         self._queue: deque[Job] = deque()
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -739,9 +751,10 @@ class Scheduler:
     def _engine(self, job: Job) -> _Engine:
         if not job.speculative:
             return self.base
-        if job.gamma not in self.spec:
-            self.spec[job.gamma] = SpeculativeEngine(self.target, self.draft, job.gamma, self.hook)
-        return self.spec[job.gamma]
+        key = (job.gamma, job.max_gamma)  # a batch per fixed gamma, and per starting gamma and cap when adaptive
+        if key not in self.spec:
+            self.spec[key] = SpeculativeEngine(self.target, self.draft, job.gamma, self.hook, job.max_gamma)
+        return self.spec[key]
 
     def _engines(self) -> list[_Engine]:
         return [self.base, *self.spec.values()]
@@ -768,8 +781,9 @@ class Scheduler:
                 if job.cancelled or job.max_new <= 0:
                     job._finish()
                     continue
-                if job.speculative and job.gamma < 1:
-                    job._fail(ValueError(f"gamma must be >= 1, got {job.gamma}"), "speculative decoding")
+                if job.speculative and (job.gamma < 1 or (job.max_gamma is not None and job.max_gamma < job.gamma)):
+                    job._fail(ValueError(f"gamma must be >= 1 and max_gamma >= gamma, got gamma={job.gamma}, "
+                                         f"max_gamma={job.max_gamma}"), "speculative decoding")
                     continue
                 if job.queued_round is None:
                     job.queued_round = self.rounds
@@ -850,8 +864,8 @@ class Scheduler:
                     self.steps += 1
                     if self.observe is not None:
                         _call(self.observe, engine.kind, rows)
-        for gamma in [g for g, e in self.spec.items() if not len(e)]:
-            del self.spec[gamma]
+        for key in [k for k, e in self.spec.items() if not len(e)]:
+            del self.spec[key]
         return self.running
 
     @staticmethod

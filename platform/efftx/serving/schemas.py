@@ -73,6 +73,11 @@ class GenerateRequest(BaseModel):
     mode: Literal["base", "speculative", "both"] = "base"
     gamma: int = Field(default=5, ge=1, description="draft tokens per speculative step, in "
                                                     "[limits.min_gamma, limits.max_gamma] (checked in every mode)")
+    adaptive_gamma: bool = Field(default=False, description=(
+        "speculative: each step's draft length follows this request's acceptance, starting at gamma: one more "
+        "after a step that accepted every draft, one fewer after a rejection, between 1 and limits.max_gamma "
+        "(the context must then hold prompt + max_new_tokens + limits.max_gamma + 1); the tokens are the same "
+        "distribution, only the passes differ"))
 
 
 class ModeResult(BaseModel):

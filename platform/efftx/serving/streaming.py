@@ -80,16 +80,18 @@ class StepMarks:
                           tokens_per_s=len(self.out) / secs, **extra)
 
 
-def stream_events(target, draft, prompt: list[int], req: StreamRequest, codec=None) -> Iterator[BaseModel]:
+def stream_events(target, draft, prompt: list[int], req: StreamRequest, codec=None, max_gamma: int | None = None
+                  ) -> Iterator[BaseModel]:
     """Decode ``prompt`` in ``req.mode``; yield a StreamStep per decoding step, then a StreamDone. ``codec``: the
-    model's (bytes by default)."""
+    model's (bytes by default); ``max_gamma``: the cap of ``req.adaptive_gamma`` (default ``req.gamma``)."""
     sampling = {"temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p, "seed": req.seed}
     speculative = req.mode == "speculative"
-    stats = SpecStats(gamma=req.gamma)
+    adaptive = {"adaptive_gamma": True, "max_gamma": max_gamma or req.gamma} if req.adaptive_gamma else {}
+    stats = SpecStats(gamma=adaptive.get("max_gamma", req.gamma))
     marks = StepMarks(req.mode, codec=codec, prompt=prompt)
     if speculative:
         steps: Iterable[list[int]] = iter_speculative(target, draft, prompt, req.max_new_tokens, gamma=req.gamma,
-                                                      stats=stats, **sampling)
+                                                      stats=stats, **sampling, **adaptive)
     else:
         steps = ([int(t[0])] for t in iter_generate(target, [prompt], req.max_new_tokens, **sampling))
     for toks in steps:

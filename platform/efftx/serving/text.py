@@ -283,7 +283,7 @@ class TextGenerator:
 
     # ------------------------------------------------------------------ checks
     def _check(self, prompt: str, max_new: int, temperature: float, gamma: int, speculative: bool,
-               names: dict[str, str]) -> list[int]:
+               names: dict[str, str], adaptive: bool = False) -> list[int]:
         lim = self.limits
         size = len(prompt.encode("utf-8"))
         if size > lim.max_prompt_bytes:
@@ -299,7 +299,8 @@ class TextGenerator:
             raise _field_error("gamma", f"must be in [{lim.min_gamma}, {lim.max_gamma}], got {gamma}")
         if speculative and self.draft is None:
             raise _field_error("mode", "speculative decoding needs a draft model; this server has none")
-        room = self.target.max_seq_len - (gamma + 1 if speculative else 0)
+        drafts = lim.max_gamma if adaptive else gamma  # the most tokens a step may draft
+        room = self.target.max_seq_len - (drafts + 1 if speculative else 0)
         if len(tokens) + max_new > room:
             raise _field_error(names["max_new_tokens"], f"prompt ({len(tokens)} {self.codec.unit}) + {max_new} new "
                                                         f"tokens exceed the model's context of {room}")
@@ -328,14 +329,15 @@ class TextGenerator:
 
     def _speculative_rows(self, reqs: list[GenerateRequest]) -> list[ModeResult]:
         first = reqs[0]
-        row_stats = [SpecStats(gamma=first.gamma) for _ in reqs]
+        adaptive = {"adaptive_gamma": True, "max_gamma": self.limits.max_gamma} if first.adaptive_gamma else {}
+        row_stats = [SpecStats(gamma=adaptive.get("max_gamma", first.gamma)) for _ in reqs]
         out: list[list[int]] = [[] for _ in reqs]
         t0 = time.perf_counter()
         prompts = [self.codec.encode(r.prompt) for r in reqs]
         steps = iter_speculative_rows(
             self.target, self.draft, prompts, [r.max_new_tokens for r in reqs],
             gamma=first.gamma, temperature=first.temperature, top_k=first.top_k, top_p=first.top_p,
-            seed=[r.seed for r in reqs], row_stats=row_stats)
+            seed=[r.seed for r in reqs], row_stats=row_stats, **adaptive)
         for step in steps:
             for row, toks in zip(out, step):
                 row.extend(toks)
@@ -352,7 +354,8 @@ class TextGenerator:
             groups: dict[tuple, list[int]] = {}
             for i, r in enumerate(requests):
                 if r.mode in (mode, "both") and i not in failed:
-                    key = (r.temperature, r.top_k, r.top_p) + ((r.gamma,) if mode == "speculative" else ())
+                    key = (r.temperature, r.top_k, r.top_p) + ((r.gamma, r.adaptive_gamma) if mode == "speculative"
+                                                               else ())
                     groups.setdefault(key, []).append(i)
             for rows in groups.values():  # a failing group is decoded again request by request: only its culprit fails
                 metrics.batch("static", mode, len(rows))
@@ -380,8 +383,10 @@ class TextGenerator:
     # ------------------------------------------------------------------ continuous batching
     def _job(self, req: GenerateRequest, mode: str, on_step=None) -> Job:
         """The scheduler's row for one mode of a request (its ``tag`` is the request: hooks see it)."""
+        speculative = mode == "speculative"
         return Job(self.codec.encode(req.prompt), req.max_new_tokens, Sampling(req.temperature, req.top_k, req.top_p),
-                   req.seed, req.gamma if mode == "speculative" else None, on_step=on_step, tag=req)
+                   req.seed, req.gamma if speculative else None, on_step=on_step, tag=req,
+                   max_gamma=self.limits.max_gamma if speculative and req.adaptive_gamma else None)
 
     def _step_hook(self, mode: str, requests: list) -> None:
         """Called on the decoding thread before every prefill and step with the requests it covers (tests
@@ -526,18 +531,19 @@ class TextGenerator:
     async def generate_stream(self, req: StreamRequest) -> StreamingResponse:
         """Server-sent events: ``step`` per decoding step, then ``done`` with the timings (see efftx.serving.streaming)."""
         tokens = self._check(req.prompt, req.max_new_tokens, req.temperature, req.gamma, req.mode == "speculative",
-                             {"prompt": "prompt", "max_new_tokens": "max_new_tokens"})
+                             {"prompt": "prompt", "max_new_tokens": "max_new_tokens"}, req.adaptive_gamma)
         if self.scheduler is not None:  # a row of the running batch; its steps are pushed as they are decoded
             t0 = time.perf_counter()
             return StreamingResponse(sse_async(job_events(self._job_steps(req, req.mode), req.mode, t0, self.codec,
                                                           tokens)), media_type="text/event-stream")
-        return StreamingResponse(sse(with_threads(stream_events(self.target, self.draft, tokens, req, self.codec),
-                                                  self.threads)), media_type="text/event-stream")
+        return StreamingResponse(sse(with_threads(stream_events(self.target, self.draft, tokens, req, self.codec,
+                                                                self.limits.max_gamma), self.threads)),
+                                 media_type="text/event-stream")
 
     @app.post("/generate", response_model=GenerateResponse)
     async def generate(self, req: GenerateRequest) -> GenerateResponse:
         self._check(req.prompt, req.max_new_tokens, req.temperature, req.gamma, req.mode != "base",
-                    {"prompt": "prompt", "max_new_tokens": "max_new_tokens"})
+                    {"prompt": "prompt", "max_new_tokens": "max_new_tokens"}, req.adaptive_gamma)
         return await self._decode(req)
 
     def _completion_steps(self, tokens: list[int], req: CompletionRequest, speculative: bool, gamma: int,
