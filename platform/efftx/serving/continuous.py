@@ -14,7 +14,10 @@ loop) that repeats rounds: admit the requests that may start, then run one decod
 * **Batches.** One running batch for base decoding (target only), and one per ``gamma`` for speculative decoding
   (target + draft; rows of one batch draft ``gamma`` tokens in the same passes and are verified in one target
   pass, each row with its own acceptance and its own rewind, as in
-  :func:`~efftx.generation.speculative.iter_speculative_rows`). Sampling settings (temperature, top-k, top-p)
+  :func:`~efftx.generation.speculative.iter_speculative_rows`); rows with an adaptive gamma (``max_gamma``: a
+  row's draft length follows its acceptance, :func:`~efftx.generation.speculative.next_gamma`) have a batch per
+  starting gamma and cap, whose step drafts as many tokens as its longest-drafting row: each row draws for and
+  verifies only its own drafts. Sampling settings (temperature, top-k, top-p)
   are per row: rows share every forward pass whatever their settings, and the logits are turned into
   distributions per group of rows with equal settings. Every row draws from its own generator (``seed``), so
   each request's tokens, and in speculative decoding its acceptance, are exactly those it gets alone.

@@ -9,8 +9,8 @@ converts ``key=value`` strings and YAML values to the fields' types and refuses 
 
 Endpoints (FastAPI; OpenAPI docs at /docs and /openapi.json):
 
-* ``POST /generate``: ``{prompt, max_new_tokens, temperature, top_k, top_p, seed, mode, gamma}`` with
-  ``mode`` = ``base`` | ``speculative`` | ``both``; per mode the text, latency, tokens/s and, for
+* ``POST /generate``: ``{prompt, max_new_tokens, temperature, top_k, top_p, seed, mode, gamma, adaptive_gamma}``
+  with ``mode`` = ``base`` | ``speculative`` | ``both``; per mode the text, latency, tokens/s and, for
   speculative decoding, the acceptance statistics.
 * ``POST /v1/completions``: the OpenAI completions API (``stream: true`` answers server-sent events); the
   model name chooses base (``<name>``) or speculative (``<name>-speculative``) decoding.
