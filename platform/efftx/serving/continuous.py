@@ -578,17 +578,16 @@ class SpeculativeEngine(_Engine):
         p = row_probabilities(t_rows.forward(torch.cat([pending[:, None], drafted], 1)), samplings)
         # every row's acceptance and last token at once; the host reads one (B, gamma + 2) tensor
         packed = accept_sampled(p, q, drafted, u, last_noise, torch.tensor(own, device=device)).tolist()
-        emitted, accepted, keep = [], [], []
+        emitted, accepted, keep, tails = [], [], [], []
         for job, g, (n_r, last_r, *drafts) in zip(jobs, own, packed):
             out = (drafts[:n_r] + [last_r])[: job.max_new - len(job.out)]
             emitted.append(out)
             accepted.append(n_r)
             keep.append(kept_tokens(n_r, len(out), g))  # tokens the caches keep after pending
+            # the draft saw pending + gamma - 1 drafted; a row that keeps all lacks the last one: its next tail
+            tails.append(drafts[-1] if keep[-1] == gamma else None)
         t_rows.rewind([gamma - k for k in keep])  # the target saw pending + gamma drafted tokens
-        # the draft saw pending + gamma - 1 drafted; a row that keeps all lacks the last one: its next tail
         d_rows.rewind([max(gamma - 1 - k, 0) for k in keep])
-        last_drafts = drafted[:, -1].tolist()
-        tails = [last_drafts[r] if k == gamma else None for r, k in enumerate(keep)]
         return emitted, accepted, keep, tails, own
 
     def commit(self, state, result, batch):
