@@ -354,6 +354,16 @@ def test_sampled_columns_mark_draft_and_target_tokens(page, server, artifacts):
     badge_cls = page.evaluate("document.querySelector('#match').className")
     assert ("identical" in badge_cls) == (base["text"] == spec["text"])
     page.screenshot(artifacts / "04-sampled-marks.png")
+    # the adaptive gamma box: the speculative stream asks for it (its histogram runs to the limits' max_gamma, 6),
+    # the base stream is unchanged
+    page.evaluate("document.querySelector('#adaptive_gamma').checked = true")
+    click_and_wait(page, "#generate-text")
+    adaptive = requests.post(f"{server}/generate", json={**settings, "mode": "speculative", "adaptive_gamma": True},
+                             timeout=120).json()["results"]["speculative"]
+    base2, spec2 = column(page, "base"), column(page, "speculative")
+    assert base2["text"] == base["text"] and spec2["text"] == adaptive["text"], (spec2, adaptive)
+    assert len(adaptive["acceptance_histogram"]) == 7
+    assert f"histogram [{', '.join(map(str, adaptive['acceptance_histogram']))}]" in spec2["stats"]
     no_script_errors(page)
 
 

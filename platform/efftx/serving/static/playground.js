@@ -51,14 +51,16 @@ function el(tag, props = {}, ...children) {
 // ------------------------------------------------------------------------------------------------ forms + errors
 // Read a form's named inputs into a JSON body. data-kind on an input says how to send it:
 // "int"/"float" as numbers (left out when blank: the server's default applies), "int-or-empty" as a
-// number or null (a blank seed = random). Textareas are sent as typed.
+// number or null (a blank seed = random), "bool" (a checkbox) as true/false. Textareas are sent as typed.
 function formBody(form) {
   const body = {};
   const errors = [];
   for (const input of $$("input[name], textarea[name]", form)) {
     const kind = input.dataset.kind;
     const raw = input.value.trim();
-    if (!kind) {
+    if (kind === "bool") {
+      body[input.name] = input.checked;
+    } else if (!kind) {
       body[input.name] = input.value;
     } else if (input.validity && input.validity.badInput) {  // the browser could not read a number
       errors.push({ field: input.name, msg: "not a number" });
@@ -211,9 +213,9 @@ const columns = {};  // mode -> Column, filled in start()
 async function runMode(mode, body, signal) {
   const column = columns[mode];
   column.start();
-  // gamma (checked in every mode) only matters to speculative decoding: the base stream leaves it out, so an
-  // over-limit gamma refuses the speculative stream alone
-  const { gamma, ...baseBody } = body;
+  // gamma (checked in every mode) and adaptive_gamma only matter to speculative decoding: the base stream leaves
+  // them out, so an over-limit gamma refuses the speculative stream alone
+  const { gamma, adaptive_gamma, ...baseBody } = body;
   const response = await fetch(API.stream, {
     method: "POST",
     headers: { "content-type": "application/json" },
