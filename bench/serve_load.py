@@ -2,7 +2,8 @@
 
     python bench/serve_load.py [--clients 16] [--requests 64] [--modes base,speculative] [--rounds 1]
                                [--target PATH --draft PATH | --size small|debug] [--quick] [--device cpu|cuda]
-    python bench/serve_load.py --inprocess [--device cpu|cuda] [--clock cpu|wall] [--threads N] [the load options]
+    python bench/serve_load.py --inprocess [--device cpu|cuda] [--clock cpu|wall] [--threads N] [--adaptive-gamma]
+                               [the load options]
 
 Starts a local Ray cluster and Serve on 127.0.0.1 and deploys the text app several ways, one after another, in
 one run: ``unbatched`` (``batching=static``, ``max_batch_size=1``), ``static`` (``@serve.batch``, 8 per batch),
@@ -31,7 +32,8 @@ first ``--clients``, which all start at once), and no request fails. ``--rounds 
 alternated (round 1: unbatched, ..., continuous; round 2: the same again), prints a row per round and takes each
 goal's median over the rounds (the throughput ratio paired within a round): one run's ratio moves by about 15%
 on this machine. ``--device cuda``: the models decode on the GPU (each replica is given one); ``--threads N``: each
-replica's torch threads (the app's ``threads``).
+replica's torch threads (the app's ``threads``); ``--adaptive-gamma``: the speculative requests ask for
+``adaptive_gamma`` (from gamma 5 up to the limits' max_gamma, 8).
 
 ``--inprocess``: the same load on the scheduler itself, no HTTP and no Ray (torch alone: the GPU check's
 ``serveload`` section runs it on a bare GPU image), for three policies of :class:`efftx.serving.continuous.Scheduler`:
