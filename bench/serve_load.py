@@ -166,8 +166,7 @@ def short_ratios(shorts: list[tuple[int, float]], alone: dict[int, float]) -> li
     return [secs * 1e3 / (la + (lb - la) * (n - a) / (b - a)) for n, secs in shorts]
 
 
-def step_costs(paths: dict, counts: list[int], modes: list[str], repeats: int = 3, device: str = "cpu",
-               threads: int = 1) -> dict[str, dict[int, float]]:
+def step_costs(target, draft, counts: list[int], modes: list[str], repeats: int = 3) -> dict[str, dict[int, float]]:
     """In-process, no HTTP: ms per decoding step of the continuous-batching scheduler (no priority: every row in
     every step) for each row count in ``counts`` (what a short request's latency scales with when it shares a
     step), after a warm-up; the counts are interleaved and each takes its best of ``repeats`` (the machine's
@@ -175,7 +174,6 @@ def step_costs(paths: dict, counts: list[int], modes: list[str], repeats: int = 
     waits for the device."""
     from efftx.serving.continuous import Job, Sampling, Scheduler
 
-    target, draft = load_models(paths, device, threads)
     out = {}
     for mode in modes:
         best: dict[int, float] = {}
@@ -277,7 +275,7 @@ def inprocess_load(target, draft, mode: str, knobs: dict, clients: int, lengths:
             "ttft_p99": pct(ttft, 0.99), "rows": max((r[4].batch_size for r in ok), default=0)}
 
 
-def inprocess(paths: dict, modes: list[str], clients: int, lengths: list[int], unloaded: int, device: str = "cpu",
+def inprocess(target, draft, modes: list[str], clients: int, lengths: list[int], unloaded: int, device: str = "cpu",
               clock: str = "cpu", rounds: int = 1, timeout: float = 300.0, threads: int = 1) -> dict:
     """``--inprocess``: the same closed-loop load on the scheduler itself (no HTTP, no Ray: torch alone), for each
     of :data:`POLICIES`, the policies alternated round after round. ``clock="cpu"``: timed on the decoding
@@ -288,10 +286,9 @@ def inprocess(paths: dict, modes: list[str], clients: int, lengths: list[int], u
     shared a step with, then the goals as the HTTP load does. Returns the figures per (policy, mode)."""
     from efftx.serving.continuous import warm_up
 
-    target, draft = load_models(paths, device, threads)
     warm_up(target, draft)  # as a replica starts (one-time costs: on CUDA its kernels' first launches)
-    print(f"in-process on {device} ({clock} clock, {threads} torch thread{'s' * (threads > 1)}), {clients} clients, {len(lengths)} requests; load average "
-          + " ".join(f"{x:.1f}" for x in os.getloadavg()), flush=True)
+    print(f"in-process on {device} ({clock} clock, {threads} torch thread{'s' * (threads > 1)}), {clients} clients, "
+          f"{len(lengths)} requests; load average " + " ".join(f"{x:.1f}" for x in os.getloadavg()), flush=True)
     runs: dict[tuple[str, str], list[dict]] = {}
     for rnd in range(rounds):
         for mode in modes:
@@ -415,12 +412,11 @@ def main() -> None:
     global ADAPTIVE_CAP
     ADAPTIVE_CAP = 8 if args.adaptive_gamma else None  # the server's cap: its limits' max_gamma (8 by default)
     args.clock = args.clock or ("wall" if args.device == "cuda" or args.threads > 1 else "cpu")
-    bad = [m for m in args.modes.split(",") if m and m not in ("base", "speculative")]
-    if bad or not args.modes.strip(","):
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or not set(modes) <= {"base", "speculative"}:
         p.error(f"--modes takes base and/or speculative, got {args.modes!r}")
     if args.quick:
         args.clients, args.requests, args.max_new, args.unloaded = 8, 24, 48, 3
-    modes = [m for m in args.modes.split(",") if m]
     configs = [(name, cfg) for name, cfg in CONFIGS if name in args.configs.split(",")]
 
     if args.target:
@@ -434,16 +430,15 @@ def main() -> None:
     lengths = [rng.choice([args.min_new, SHORT]) if i % 3 == 0 else rng.randint(args.min_new, args.max_new)
                for i in range(args.requests)]
     counts = sorted({1, 4, 8, args.clients})
+    target, draft = load_models(paths, args.device, args.threads)  # in this process: the step costs (and --inprocess)
+    floors = step_costs(target, draft, counts, modes)
     if args.inprocess:
         print(note)
-        floors = step_costs(paths, counts, modes, device=args.device, threads=args.threads)
         print_step_costs(floors)
-        runs = inprocess(paths, modes, args.clients, lengths, args.unloaded, args.device, args.clock, args.rounds,
-                         args.timeout, args.threads)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({f"{n}/{m}": rs for (n, m), rs in runs.items()}, f, indent=2)
+        write_json(args.json, inprocess(target, draft, modes, args.clients, lengths, args.unloaded, args.device,
+                                        args.clock, args.rounds, args.timeout, args.threads))
         return
+    del target, draft  # the replicas load their own
     import ray
     from ray import serve
 
@@ -451,7 +446,6 @@ def main() -> None:
     from efftx.serving.schemas import Limits
     from efftx.serving.text import build
 
-    floors = step_costs(paths, counts, modes, device=args.device, threads=args.threads)
     cuda = args.device == "cuda"
     ray.init(num_cpus=4, num_gpus=1 if cuda else 0, include_dashboard=False, log_to_driver=False)
     port = free_port()
@@ -513,8 +507,13 @@ def main() -> None:
                    f"of 1 row (in-process)" for mode in modes}
     for line in goals(runs, modes, steps):
         print("  " + line)
-    if args.json:
-        with open(args.json, "w") as f:
+    write_json(args.json, runs)
+
+
+def write_json(path: str | None, runs: dict[tuple[str, str], list[dict]]) -> None:
+    """``--json``: the figures per "configuration/mode", one entry per round."""
+    if path:
+        with open(path, "w") as f:
             json.dump({f"{n}/{m}": rs for (n, m), rs in runs.items()}, f, indent=2)
 
 

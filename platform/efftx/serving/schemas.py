@@ -79,6 +79,11 @@ class GenerateRequest(BaseModel):
         "(the context must then hold prompt + max_new_tokens + limits.max_gamma + 1); the tokens are the same "
         "distribution, only the passes differ"))
 
+    def adaptive(self, max_gamma: int) -> dict:
+        """The library's speculative-decoding arguments for this request's gamma schedule (capped at ``max_gamma``):
+        none for a fixed gamma."""
+        return {"adaptive_gamma": True, "max_gamma": max_gamma} if self.adaptive_gamma else {}
+
 
 class ModeResult(BaseModel):
     text: str

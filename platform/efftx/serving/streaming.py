@@ -86,7 +86,7 @@ def stream_events(target, draft, prompt: list[int], req: StreamRequest, codec=No
     model's (bytes by default); ``max_gamma``: the cap of ``req.adaptive_gamma`` (default ``req.gamma``)."""
     sampling = {"temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p, "seed": req.seed}
     speculative = req.mode == "speculative"
-    adaptive = {"adaptive_gamma": True, "max_gamma": max_gamma or req.gamma} if req.adaptive_gamma else {}
+    adaptive = req.adaptive(max_gamma or req.gamma)
     stats = SpecStats(gamma=adaptive.get("max_gamma", req.gamma))
     marks = StepMarks(req.mode, codec=codec, prompt=prompt)
     if speculative:

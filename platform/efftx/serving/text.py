@@ -329,7 +329,7 @@ class TextGenerator:
 
     def _speculative_rows(self, reqs: list[GenerateRequest]) -> list[ModeResult]:
         first = reqs[0]
-        adaptive = {"adaptive_gamma": True, "max_gamma": self.limits.max_gamma} if first.adaptive_gamma else {}
+        adaptive = first.adaptive(self.limits.max_gamma)
         row_stats = [SpecStats(gamma=adaptive.get("max_gamma", first.gamma)) for _ in reqs]
         out: list[list[int]] = [[] for _ in reqs]
         t0 = time.perf_counter()
