@@ -3,7 +3,7 @@ import torch
 
 from efftx import recipes
 from efftx.generation.decode import generate
-from efftx.generation.sampling import filter_logits, probabilities, sample
+from efftx.generation.sampling import draw, filter_logits, probabilities, sample
 from efftx.models import build as build_model
 
 
@@ -38,6 +38,51 @@ def test_sampled_tokens_follow_the_filtered_distribution():
     expected = torch.softmax(torch.tensor([0.0, 1.0, 2.0]), 0)
     assert freq[3] == 0
     torch.testing.assert_close(freq[:3], expected, atol=0.015, rtol=0)
+
+
+def _multinomial_rows(probs, generators):
+    """The reference: torch.multinomial, one call per row with the row's generator."""
+    return torch.cat([torch.multinomial(p[None], 1, generator=g)[0] for p, g in zip(probs, generators)])
+
+
+def _gens(seeds):
+    return [torch.Generator().manual_seed(s) for s in seeds]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rows,vocab", [(1, 2), (5, 6), (3, 256), (16, 256), (2, 1000)])
+def test_draw_is_multinomial_row_by_row_with_each_rows_generator(rows, vocab, dtype):
+    """``draw`` (one noise row per generator, one batched race) picks exactly the tokens torch.multinomial draws
+    with each row's generator, step after step (the generators stay in step), zeros (filtered tokens) never drawn."""
+    probs = torch.softmax(torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab)) * 3, -1).to(dtype)
+    if vocab > 2:
+        probs[0, : vocab // 2] = 0
+        probs = probs / probs.sum(-1, keepdim=True)
+    seeds = [100 + r for r in range(rows)]
+    mine, theirs = _gens(seeds), _gens(seeds)
+    for _ in range(25):
+        got = draw(probs, mine)
+        assert torch.equal(got, _multinomial_rows(probs, theirs))
+        if vocab > 2:
+            assert int(got[0]) >= vocab // 2
+    # a generator-less batch draws what one multinomial call over the batch draws from the global generator
+    torch.manual_seed(7)
+    ref = torch.multinomial(probs, 1).squeeze(-1)
+    torch.manual_seed(7)
+    assert torch.equal(draw(probs, [None] * rows), ref)
+
+
+def test_draw_leaves_the_generators_of_rows_that_need_no_draw_alone():
+    probs = torch.softmax(torch.randn(5, 64, generator=torch.Generator().manual_seed(1)) * 2, -1)
+    mine, theirs = _gens(range(5)), _gens(range(5))
+    need = [True, False, True, False, True]
+    got = draw(probs, mine, need)
+    ref = _multinomial_rows(probs, theirs)
+    assert [int(got[b]) for b in (0, 2, 4)] == [int(ref[b]) for b in (0, 2, 4)]
+    assert [int(got[b]) for b in (1, 3)] == [int(probs[b].argmax()) for b in (1, 3)]
+    # rows 1 and 3 drew nothing: their next draw is the one the reference (which drew) made before
+    nxt = draw(probs, mine)
+    assert [int(nxt[b]) for b in (1, 3)] == [int(ref[b]) for b in (1, 3)]
 
 
 def test_greedy_generation_with_cache_matches_uncached_argmax():

@@ -467,31 +467,6 @@ def test_adaptive_gamma_arguments():
 
 
 # ------------------------------------------------------------------------------ batched step = row by row
-def test_sample_rows_draws_what_multinomial_draws_with_each_rows_generator():
-    """The batched exponential race draws, row by row, exactly torch.multinomial's token from the same generator
-    (so continuous batching's per-row draws and these agree), and leaves the generators of rows that need no
-    draw alone."""
-    from efftx.generation.sampling import draw
-
-    for vocab in (6, 256):
-        probs = torch.softmax(torch.randn(5, vocab, generator=torch.Generator().manual_seed(vocab)) * 3, -1)
-        probs[1, : vocab // 2] = 0  # zeros (top-k/top-p filtered tokens) are never drawn
-        probs = probs / probs.sum(-1, keepdim=True)
-        seeds = list(range(5))
-        mine = speculative.generators(seeds, 5, torch.device("cpu"))
-        theirs = speculative.generators(seeds, 5, torch.device("cpu"))
-        for _ in range(20):
-            assert torch.equal(speculative.sample_rows(probs, mine), draw(probs, theirs))
-        need = [True, False, True, False, True]
-        got = speculative.sample_rows(probs, mine, need)
-        ref = draw(probs, theirs)
-        assert [int(got[b]) for b in (0, 2, 4)] == [int(ref[b]) for b in (0, 2, 4)]
-        assert [int(got[b]) for b in (1, 3)] == [int(probs[b].argmax()) for b in (1, 3)]
-        # rows 1 and 3 drew nothing: their next draw is the one the reference (which drew) made before
-        nxt = speculative.sample_rows(probs, mine)
-        assert [int(nxt[b]) for b in (1, 3)] == [int(ref[b]) for b in (1, 3)]
-
-
 def test_one_row_decoded_by_hand_is_the_batched_step_of_that_row():
     """One row on its own (drafts drawn with ``sampling.draw``, then its acceptance draws and
     :func:`accept_sampled`, as continuous batching does for rows that join and leave) makes the same draws and

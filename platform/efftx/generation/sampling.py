@@ -9,6 +9,8 @@ token, so even a ``top_p`` that rounds to 0 in float32 (``1e-300``) leaves one t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 MIN_TEMPERATURE = 1e-4  # temperatures below this (0 included) sample greedily
@@ -50,8 +52,35 @@ def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """(B, V) probabilities -> (B,) tokens, row b drawn with ``generators[b]`` (None = the global RNG)."""
-    if all(g is None for g in generators):
-        return torch.multinomial(probs, 1).squeeze(-1)
-    return torch.cat([torch.multinomial(p[None], 1, generator=g)[0] for p, g in zip(probs, generators)])
+def race_noise(generators: list[torch.Generator | None], width: int, need: Sequence[bool] | None = None,
+               device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """(B, width) Exp(1) noise for one draw per row (:func:`race`): row b filled by one ``exponential_`` call with
+    ``generators[b]`` (None = the global RNG), the noise ``torch.multinomial`` draws with that generator for one
+    sample; rows with ``need[b]`` False hold 1 and leave their generator alone. Drawing does not depend on the
+    distribution, so a step may draw its noise before the passes that use it."""
+    noise = torch.ones(len(generators), width, device=device, dtype=dtype)
+    for b, g in enumerate(generators):
+        if need is None or need[b]:
+            noise[b].exponential_(generator=g)
+    return noise
+
+
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """(B, V) probabilities, (B, V) :func:`race_noise` -> (B,) tokens: the exponential race argmax(p / E)."""
+    return (probs / noise).argmax(-1)
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None],
+         need: Sequence[bool] | None = None) -> torch.Tensor:
+    """(B, V) probabilities -> (B,) tokens, row b drawn with ``generators[b]`` (None = the global RNG): exactly the
+    token of ``torch.multinomial(probs[b][None], 1, generator=generators[b])``, which draws one sample as the
+    exponential race argmax(p / E), E ~ Exp(1) i.i.d. per token (with every generator None, of
+    ``torch.multinomial(probs, 1)``). Each row fills its own row of one noise tensor from its generator and one
+    batched divide and argmax pick every row's token: no per-row call of ``multinomial``, whose input checks read
+    two values back to the host per call (on a GPU, two synchronisations per row and step). Rows with ``need[b]``
+    False draw nothing (their generator is left alone) and get their argmax, a placeholder for the caller to
+    ignore. Unlike ``multinomial``, invalid probabilities (NaN, negative) are not checked: they come from
+    :func:`probabilities`, a softmax."""
+    if need is None and all(g is None for g in generators):
+        return race(probs, torch.empty_like(probs).exponential_())  # multinomial's one noise draw for the batch
+    return race(probs, race_noise(generators, probs.shape[-1], need, probs.device, probs.dtype))

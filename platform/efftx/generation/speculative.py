@@ -21,17 +21,18 @@ acceptance: one more after a step that accepted all its drafts, one fewer after 
 acceptance rule is exact for any gamma), only how many target passes it takes.
 
 **The batched step** keeps the per-token work on the device: draft tokens are drawn on the device
-(:func:`sample_rows`; greedy decoding takes argmaxes and skips the distributions altogether), every row's acceptance
+(:func:`~efftx.generation.sampling.draw`; greedy decoding takes argmaxes and skips the distributions altogether), every row's acceptance
 comes from one comparison of its uniforms with its ratios p/q (:func:`accepted_counts`), its last token (residual or
 bonus, :func:`correction`) is drawn for all rows at once, and the host reads one small tensor per step (accepted
 counts, last tokens, drafts) to yield the tokens and size the per-row rewinds. Row r's randomness comes only from
 its own generator, in a fixed order per step: one draw per drafted token, ``gamma`` acceptance uniforms at once, one
 draw for the last token (continuous batching makes the same draws per row, with :func:`accept_sampled`), so a row
 gets the tokens it gets decoded alone, whatever its batch. Since no draw depends on the passes, a step draws all of
-them first (:func:`race_noise`, :func:`row_uniforms`), and the passes take them as tensors. ``compile="on"`` runs
-the draft steps with their draws (with a fixed gamma all of a step's drafts in one graph, :func:`draft_steps`) and
-the target's verify pass with the acceptance (:func:`verify_step`) compiled over preallocated caches with
-device-side lengths (:mod:`efftx.generation.compiled`), with the eager path as the fallback.
+them first (:func:`~efftx.generation.sampling.race_noise`, :func:`row_uniforms`), and the passes take them as
+tensors. ``compile="on"`` runs the draft steps with their draws (with a fixed gamma all of a step's drafts in one
+graph, :func:`draft_steps`) and the target's verify pass with the acceptance (:func:`verify_step`) compiled over
+preallocated caches with device-side lengths (:mod:`efftx.generation.compiled`), with the eager path as the
+fallback.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import torch
 
 from efftx.generation import compiled
 from efftx.generation.decode import Rows, as_rows, generators, splittable
-from efftx.generation.sampling import is_greedy, probabilities
+from efftx.generation.sampling import is_greedy, probabilities, race, race_noise
 
 
 @dataclass
@@ -89,36 +90,6 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     r = (p - q).clamp_min(0)
     total = r.sum(-1, keepdim=True)
     return torch.where(total > 0, r / total.clamp_min(1e-30), p)
-
-
-def race_noise(generators: list[torch.Generator | None], width: int, need: Sequence[bool] | None = None,
-               device: torch.device | str | None = None) -> torch.Tensor:
-    """(B, width) Exp(1) noise for one draw per row (:func:`sample_rows`): row b filled by one
-    ``exponential_`` call with ``generators[b]`` (None = the global RNG), the draw ``torch.multinomial`` makes
-    with that generator; rows with ``need[b]`` False hold 1 and leave their generator alone. Drawing does not
-    depend on the distribution, so a step draws its noise before the passes that use it."""
-    noise = torch.ones(len(generators), width, device=device)
-    for b, g in enumerate(generators):
-        if need is None or need[b]:
-            noise[b].exponential_(generator=g)
-    return noise
-
-
-def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """(B, V) probabilities, (B, V) :func:`race_noise` -> (B,) tokens: the exponential race argmax(p / E)."""
-    return (probs / noise).argmax(-1)
-
-
-def sample_rows(probs: torch.Tensor, generators: list[torch.Generator | None],
-                need: Sequence[bool] | None = None) -> torch.Tensor:
-    """(B, V) probabilities -> (B,) tokens, row b drawn with ``generators[b]``: exactly the token of
-    ``torch.multinomial(probs[b][None], 1, generator=generators[b])`` (:func:`~efftx.generation.sampling.draw`),
-    which draws one sample as the exponential race argmax(p / E), E ~ Exp(1) i.i.d. per token. Here each row fills
-    its own row of one noise tensor from its generator and a single batched divide and argmax picks every row's
-    token: no per-row validation passes and no value read back to the host (torch's multinomial checks its input
-    with two host reads per call). Rows with ``need[b]`` False draw nothing (their generator is left alone) and get
-    their argmax, a placeholder that is never verified."""
-    return race(probs, race_noise(generators, probs.shape[-1], need, probs.device))
 
 
 def row_uniforms(generators: list[torch.Generator | None], counts: Sequence[int], width: int,

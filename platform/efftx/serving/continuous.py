@@ -69,9 +69,8 @@ import torch
 
 from efftx.attention.cache import KVCache
 from efftx.generation.decode import Rows, Slots, splittable
-from efftx.generation.sampling import draw, is_greedy, probabilities
-from efftx.generation.speculative import (SpecStats, accept_sampled, kept_tokens, next_gamma, race, race_noise,
-                                          row_uniforms)
+from efftx.generation.sampling import draw, is_greedy, probabilities, race, race_noise
+from efftx.generation.speculative import SpecStats, accept_sampled, kept_tokens, next_gamma, row_uniforms
 
 if TYPE_CHECKING:  # the scheduler runs with torch alone (bench/serve_load.py --inprocess on a bare GPU image)
     from efftx.serving.isolation import RowFailure
