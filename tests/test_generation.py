@@ -72,6 +72,15 @@ def test_draw_is_multinomial_row_by_row_with_each_rows_generator(rows, vocab, dt
     assert torch.equal(draw(probs, [None] * rows), ref)
 
 
+@pytest.mark.parametrize("rows,vocab", [(1, 3), (4, 256), (16, 100)])
+def test_sample_is_multinomial_with_one_generator(rows, vocab):
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows)) * 2
+    mine, theirs = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    for _ in range(10):
+        ref = torch.multinomial(probabilities(logits, 0.8, 20, 0.9), 1, generator=theirs).squeeze(-1)
+        assert torch.equal(sample(logits, 0.8, 20, 0.9, mine), ref)
+
+
 def test_draw_leaves_the_generators_of_rows_that_need_no_draw_alone():
     probs = torch.softmax(torch.randn(5, 64, generator=torch.Generator().manual_seed(1)) * 2, -1)
     mine, theirs = _gens(range(5)), _gens(range(5))

@@ -45,11 +45,12 @@ def probabilities(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0
 
 def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
            generator: torch.Generator | None = None) -> torch.Tensor:
-    """(B, V) logits -> (B,) tokens."""
+    """(B, V) logits -> (B,) tokens, every row from ``generator``: ``torch.multinomial(probs, 1, generator=...)``'s
+    tokens (its exponential race, :func:`race`) without its input checks' host reads."""
     if is_greedy(temperature):
         return logits.argmax(-1)
     probs = probabilities(logits, temperature, top_k, top_p)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return race(probs, torch.empty_like(probs).exponential_(generator=generator))
 
 
 def race_noise(generators: list[torch.Generator | None], width: int, need: Sequence[bool] | None = None,
