@@ -99,6 +99,37 @@ def test_adaptive_gamma_is_the_librarys_adaptive_speculative_decoding(server, de
     assert len(fixed["acceptance_histogram"]) == 3
 
 
+def test_completions_take_gamma_and_adaptive_gamma(server, debug_exports):
+    """efftx's ``gamma`` / ``adaptive_gamma`` on the speculative completion model (sent as the OpenAI client's
+    ``extra_body``): plain and streamed completions are the library's speculative decoding with that schedule; a
+    gamma past the limits is a 422 naming it."""
+    from openai import OpenAI
+
+    from efftx.export import load_export
+    from efftx.generation.decode import decode_bytes
+    from efftx.generation.speculative import speculative_generate
+
+    target, draft = load_export(debug_exports["target"])[0], load_export(debug_exports["draft"])[0]
+    client = OpenAI(base_url=f"{server}/v1", api_key="unused")
+    prompt, n = "x = ", 20
+
+    def library(**schedule):
+        return decode_bytes(speculative_generate(target, draft, [list(prompt.encode())], n, temperature=1.0, seed=5,
+                                                 **schedule)[0][0])
+
+    for extra, expected in (({"gamma": 2, "adaptive_gamma": True}, library(gamma=2, adaptive_gamma=True, max_gamma=8)),
+                            ({"gamma": 3}, library(gamma=3))):
+        done = client.completions.create(model="tiny-speculative", prompt=prompt, max_tokens=n, temperature=1.0,
+                                         seed=5, extra_body=extra)
+        assert done.choices[0].text == expected, extra
+        chunks = client.completions.create(model="tiny-speculative", prompt=prompt, max_tokens=n, temperature=1.0,
+                                           seed=5, stream=True, extra_body=extra)
+        assert "".join(c.choices[0].text for c in chunks) == expected, extra
+    assert library(gamma=2, adaptive_gamma=True, max_gamma=8) != library(gamma=3)  # the schedule shows in the text
+    r = post(f"{server}/v1/completions", json={"model": "tiny-speculative", "prompt": "hi", "gamma": 99})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "gamma", r.text
+
+
 def test_openai_client_plain_and_streaming(server):
     from openai import OpenAI
 

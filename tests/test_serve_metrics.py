@@ -186,3 +186,10 @@ def test_static_batching_serves_an_adaptive_gamma_as_the_library_decodes_it(apps
     assert json.loads(stream[-1].split("data: ", 1)[1])["acceptance_histogram"] == \
         speculative_generate(target, draft, [list(b"x = ")], 16, gamma=2, temperature=1.0, top_k=20, seed=3,
                              adaptive_gamma=True, max_gamma=8)[1].histogram
+    # a streamed completion (the static path decodes it alone) with the same schedule
+    completion = sse_blocks(post(f"{apps}/static/v1/completions", json={
+        "model": "tiny-speculative", "prompt": "x = ", "max_tokens": 16, "temperature": 1.0, "seed": 3, "gamma": 2,
+        "adaptive_gamma": True, "stream": True}))
+    text = "".join(json.loads(b.split("data: ", 1)[1])["choices"][0]["text"] for b in completion[:-1])
+    assert text == decode_bytes(speculative_generate(target, draft, [list(b"x = ")], 16, gamma=2, temperature=1.0,
+                                                     seed=3, adaptive_gamma=True, max_gamma=8)[0][0])

@@ -180,6 +180,14 @@ class CompletionRequest(BaseModel):
     seed: Seed | None = None
     stream: bool = False
     n: int = Field(default=1, ge=1, le=1)
+    # efftx's own fields (the OpenAI API has none such; its clients send them with ``extra_body``): the speculative
+    # model's draft length, checked against the limits in every mode as /generate's is
+    gamma: int | None = Field(default=None, ge=1, description=(
+        "the speculative model's draft tokens per step, in [limits.min_gamma, limits.max_gamma]; null = 5 (within "
+        "the limits)"))
+    adaptive_gamma: bool = Field(default=False, description=(
+        "the speculative model: each step's draft length follows this request's acceptance, as /generate's "
+        "adaptive_gamma"))
 
 
 # ---------------------------------------------------------------------------------------------- the schema
@@ -199,7 +207,8 @@ def text_field_limits(lim: Limits, context: int, models: list[str], speculative:
                 "gamma": {"minimum": lim.min_gamma, "maximum": lim.max_gamma}}
     out = {"GenerateRequest": dict(generate), "StreamRequest": dict(generate),
            "CompletionRequest": {**common, "max_tokens": {"maximum": min(lim.max_new_tokens, context - 1)},
-                                 "model": {"enum": list(models)}}}
+                                 "model": {"enum": list(models)},
+                                 "gamma": {"minimum": lim.min_gamma, "maximum": lim.max_gamma}}}
     if not speculative:  # no draft: base decoding only
         out["GenerateRequest"]["mode"] = {"enum": ["base"]}
         out["StreamRequest"]["mode"] = {"enum": ["base"]}

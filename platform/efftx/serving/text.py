@@ -13,7 +13,8 @@ Endpoints (FastAPI; OpenAPI docs at /docs and /openapi.json):
   with ``mode`` = ``base`` | ``speculative`` | ``both``; per mode the text, latency, tokens/s and, for
   speculative decoding, the acceptance statistics.
 * ``POST /v1/completions``: the OpenAI completions API (``stream: true`` answers server-sent events); the
-  model name chooses base (``<name>``) or speculative (``<name>-speculative``) decoding.
+  model name chooses base (``<name>``) or speculative (``<name>-speculative``) decoding; efftx's own ``gamma`` and
+  ``adaptive_gamma`` fields set the speculative model's draft schedule.
 * ``POST /generate/stream``: one mode's decoding as server-sent events, step by step, the draft-accepted
   tokens told apart from the target's (:mod:`efftx.serving.streaming`).
 * ``GET /v1/models``, ``GET /models/info`` (sources, MLflow versions, recipes, parameter counts, limits),
@@ -552,8 +553,9 @@ class TextGenerator:
         response is iterated, in Starlette's thread pool); ``stats``: speculative decoding's acceptance."""
         sampling = {"temperature": req.temperature, "top_p": req.top_p, "seed": req.seed}
         if speculative:
+            adaptive = {"adaptive_gamma": True, "max_gamma": self.limits.max_gamma} if req.adaptive_gamma else {}
             return iter_speculative(self.target, self.draft, tokens, req.max_tokens, gamma=gamma, stats=stats,
-                                    **sampling)
+                                    **sampling, **adaptive)
         return ([int(t[0])] for t in iter_generate(self.target, [tokens], req.max_tokens, **sampling))
 
     @app.post("/v1/completions")
@@ -561,9 +563,9 @@ class TextGenerator:
         speculative = req.model == f"{self.name}-speculative"
         if req.model != self.name and not speculative:
             raise _field_error("model", f"unknown model {req.model!r}; GET /v1/models lists them")
-        gamma = max(self.limits.min_gamma, min(5, self.limits.max_gamma))
+        gamma = max(self.limits.min_gamma, min(5, self.limits.max_gamma)) if req.gamma is None else req.gamma
         tokens = self._check(req.prompt, req.max_tokens, req.temperature, gamma, speculative,
-                             {"prompt": "prompt", "max_new_tokens": "max_tokens"})
+                             {"prompt": "prompt", "max_new_tokens": "max_tokens"}, req.adaptive_gamma)
         cid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
         def body(text: str, finish: str | None, usage: dict | None = None) -> dict:
@@ -577,7 +579,8 @@ class TextGenerator:
                  "total_tokens": len(tokens) + req.max_tokens}
         mode = "speculative" if speculative else "base"
         gen = GenerateRequest(prompt=req.prompt, max_new_tokens=req.max_tokens, temperature=req.temperature,
-                              top_p=req.top_p, seed=req.seed, mode=mode, gamma=gamma)
+                              top_p=req.top_p, seed=req.seed, mode=mode, gamma=gamma,
+                              adaptive_gamma=req.adaptive_gamma)
         if not req.stream:  # joins the batch of /generate requests
             return body((await self._decode(gen)).results[mode].text, "length", usage)
 
@@ -597,7 +600,7 @@ class TextGenerator:
 
             return StreamingResponse(chunks(), media_type="text/event-stream")
 
-        stats = SpecStats(gamma=gamma)
+        stats = SpecStats(gamma=self.limits.max_gamma if req.adaptive_gamma else gamma)
         steps = with_threads(self._completion_steps(tokens, req, speculative, gamma, stats), self.threads)
 
         def events():  # a sync generator: Starlette runs it in its thread pool, off the event loop
