@@ -136,6 +136,16 @@ class DeviceCache:
     def tensors(self) -> list[torch.Tensor]:
         return [self.lengths] + [t for layer in self.layers for t in (layer.k, layer.v)]
 
+    def view(self, start: int, stop: int) -> "DeviceCache":
+        """Rows ``start .. stop - 1`` as a cache of their own whose buffers and lengths are views of these (a pass
+        over it writes these in place): continuous batching's steps over a range of slots
+        (:mod:`efftx.generation.device_slots`)."""
+        out = DeviceCache.__new__(DeviceCache)
+        out.capacity = self.capacity
+        out.lengths = self.lengths[start:stop]
+        out.layers = [DeviceKV(layer.k[start:stop], layer.v[start:stop], out.lengths) for layer in self.layers]
+        return out
+
     def offset(self) -> torch.Tensor:
         return self.lengths[:, None]
 
@@ -149,6 +159,13 @@ class DeviceCache:
             mine.k[:, :n].copy_(theirs.k[:, :n])
             mine.v[:, :n].copy_(theirs.v[:, :n])
         self.lengths.copy_(torch.tensor(lengths, dtype=torch.long))
+
+
+def new_cache(model, batch: int, capacity: int) -> DeviceCache:
+    """A zeroed :class:`DeviceCache` of ``batch`` rows for ``model`` (its parameters' device and dtype)."""
+    p = next(model.parameters())
+    shapes = [(blk.attention.spec.kv_heads, blk.attention.spec.head_dim) for blk in model.blocks]
+    return DeviceCache(batch, capacity, shapes, p.device, p.dtype)
 
 
 def decode_step(model, token: torch.Tensor, cache: DeviceCache) -> torch.Tensor:
@@ -235,27 +252,76 @@ def compiled_function(fn: Callable, device_type: str) -> Callable:
     return _COMPILED[key]
 
 
-class StaticDecoder:
-    """Decode steps over a :class:`DeviceCache`, compiled or eager (same math). Use through :func:`plan`."""
+def mark_static(cache: DeviceCache) -> None:
+    """CUDA graphs read and write ``cache``'s tensors in place: their addresses are part of the graph."""
+    for t in cache.tensors():
+        torch._dynamo.mark_static_address(t, guard=False)
 
-    def __init__(self, model, batch: int, capacity: int, compiled: bool, mode: str):
-        self.model, self.batch, self.capacity, self.mode = model, batch, capacity, mode
-        p = model.embed.weight
-        self.device_type = p.device.type
+
+class CompiledRunner:
+    """Calls ``fn(model, tokens, cache, *args)`` over one :class:`DeviceCache`: compiled (:func:`compiled_function`)
+    when ``compiled``, else eagerly (same math). Under ``mode="auto"`` a compile failure switches the runner to eager
+    for good (and logs why); under ``"on"`` it raises :class:`CompileUnavailable`."""
+
+    def __init__(self, model, cache: DeviceCache, compiled: bool, mode: str):
+        self.model, self.cache, self.mode = model, cache, mode
+        self.device_type = next(model.parameters()).device.type
         self.compiled = compiled
         if compiled and self.device_type == "cpu":  # its graphs call the few-row linear kernel where it builds
             linear_cpu.kernel()
+        self._guarded: set[tuple] = set()  # calls (:func:`_signature`) this runner has run with every guard checked
+
+    def _run(self, fn: Callable, tokens: torch.Tensor, *args):
+        """``compiled_function(fn, device_type)(model, tokens, cache, *args)``, or ``fn`` itself when not compiled;
+        a compile failure under ``auto`` switches this runner to eager for good (and says why)."""
+        if not self.compiled:
+            return fn(self.model, tokens, self.cache, *args)
+        tokens, args = _standard(tokens), tuple(_standard(a) for a in args)
+        if self.device_type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs may be overwritten now
+        try:
+            step = compiled_function(fn, self.device_type)
+            key = _signature(fn, tokens, args)
+            if key in self._guarded and _default_stance():
+                # this runner ran ``fn`` on arguments of these shapes, dtypes and values once with every guard
+                # checked, over the same model and cache: only the guards telling dynamo's cached graphs apart are
+                # run (the full check costs ~85 us a call on CPU, measured: a sixth of a speculative step of the
+                # small pair). Should dynamo still want to compile, it refuses before running anything: retry guarded.
+                try:
+                    with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                        return step(self.model, tokens, self.cache, *args)
+                except RuntimeError as e:
+                    if "skip_guard_eval_unsafe" not in str(e):
+                        raise
+            out = step(self.model, tokens, self.cache, *args)
+            self._guarded.add(key)
+            return out
+        except Exception as e:  # compilation fails before the graph runs: nothing was written yet
+            if self.mode != "auto":
+                raise CompileUnavailable(f"compile='on': torch.compile of the decode step failed: "
+                                         f"{type(e).__name__}: {e}") from e
+            _BROKEN[self.device_type] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            log.warning("compiled decoding unavailable, decoding eagerly: torch.compile failed (%s)",
+                        _BROKEN[self.device_type])
+            self.compiled = False
+            return fn(self.model, tokens, self.cache, *args)
+
+
+class StaticDecoder(CompiledRunner):
+    """Decode steps over a :class:`DeviceCache`, compiled or eager (same math). Use through :func:`plan`."""
+
+    def __init__(self, model, batch: int, capacity: int, compiled: bool, mode: str):
+        self.batch, self.capacity = batch, capacity
+        p = model.embed.weight
         pool = _POOLS.setdefault(model, {}).setdefault((batch, capacity, p.dtype, p.device), [])
         if pool:
-            self.cache = pool.pop()
+            cache = pool.pop()
         else:
-            shapes = [(blk.attention.spec.kv_heads, blk.attention.spec.head_dim) for blk in model.blocks]
-            self.cache = DeviceCache(batch, capacity, shapes, p.device, p.dtype)
-            if compiled and self.device_type == "cuda":  # CUDA graphs read and write these in place
-                for t in self.cache.tensors():
-                    torch._dynamo.mark_static_address(t, guard=False)
+            cache = new_cache(model, batch, capacity)
+            if compiled and p.device.type == "cuda":
+                mark_static(cache)
+        super().__init__(model, cache, compiled, mode)
         self._pool = pool
-        self._guarded: set[tuple] = set()  # calls (:func:`_signature`) this decoder has run with every guard checked
         self.used = 0  # the longest row, counted on the host
         self.row_lengths = [0] * batch
 
@@ -315,41 +381,6 @@ class StaticDecoder:
         self.used += 1
         self.row_lengths = [n + 1 for n in self.row_lengths]
         return self._run(decode_step, token)
-
-    def _run(self, fn: Callable, tokens: torch.Tensor, *args):
-        """``compiled_function(fn, device_type)(model, tokens, cache, *args)``, or ``fn`` itself when not compiled;
-        a compile failure under ``auto`` switches this decoder to eager for good (and says why)."""
-        if not self.compiled:
-            return fn(self.model, tokens, self.cache, *args)
-        tokens, args = _standard(tokens), tuple(_standard(a) for a in args)
-        if self.device_type == "cuda":
-            torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs may be overwritten now
-        try:
-            step = compiled_function(fn, self.device_type)
-            key = _signature(fn, tokens, args)
-            if key in self._guarded and _default_stance():
-                # this decoder ran ``fn`` on arguments of these shapes, dtypes and values once with every guard
-                # checked, over the same model and cache: only the guards telling dynamo's cached graphs apart are
-                # run (the full check costs ~85 us a call on CPU, measured: a sixth of a speculative step of the
-                # small pair). Should dynamo still want to compile, it refuses before running anything: retry guarded.
-                try:
-                    with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                        return step(self.model, tokens, self.cache, *args)
-                except RuntimeError as e:
-                    if "skip_guard_eval_unsafe" not in str(e):
-                        raise
-            out = step(self.model, tokens, self.cache, *args)
-            self._guarded.add(key)
-            return out
-        except Exception as e:  # compilation fails before the graph runs: nothing was written yet
-            if self.mode != "auto":
-                raise CompileUnavailable(f"compile='on': torch.compile of the decode step failed: "
-                                         f"{type(e).__name__}: {e}") from e
-            _BROKEN[self.device_type] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            log.warning("compiled decoding unavailable, decoding eagerly: torch.compile failed (%s)",
-                        _BROKEN[self.device_type])
-            self.compiled = False
-            return fn(self.model, tokens, self.cache, *args)
 
 
 def plan(model, compile: str, batch: int, needed: int) -> tuple[StaticDecoder | None, str]:

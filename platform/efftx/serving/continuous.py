@@ -49,6 +49,11 @@ loop) that repeats rounds: admit the requests that may start, then run one decod
   Every backend's cache is ragged and splittable (:func:`~efftx.generation.decode.splittable`); a model whose cache
   is not falls back to **row by row**: each row keeps its own batch-1 cache and a step runs the rows one after
   another; rows still join and leave at every step, so a short request is not held up by a long one.
+* **Compiled passes** (``compile="on"|"auto"``, dense models: :mod:`efftx.generation.device_slots`): a pass over the
+  first ``n`` slots (every step starts at slot 0) runs as a compiled step (CUDA graphs on a GPU) over a bucket of
+  ``n`` rounded up to a power of two rows, the rest of the bucket padding that never changes what a row sees;
+  passes over more than ``compile_rows`` rows run eagerly over the same buffers (on a CPU a compiled pass pays for
+  one or two rows only). Tokens are the eager path's.
 * **Containment.** If a batched step (or a prefill) raises, the caches are rewound to where they were and every
   generator restored, then the step is run for each row alone: only the row at fault fails (a
   :class:`~efftx.serving.isolation.RowFailure`: 422 for a ``ValueError``, else 500), the others go on with
@@ -68,7 +73,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from efftx.attention.cache import KVCache
-from efftx.generation.decode import Rows, Slots, splittable
+from efftx.generation.compiled import CompileOptions, CompileUnavailable
+from efftx.generation.decode import Rows, splittable
+from efftx.generation.device_slots import eager_reason, slots_for
 from efftx.generation.sampling import draw, is_greedy, probabilities, race, race_noise
 from efftx.generation.speculative import SpecStats, accept_sampled, kept_tokens, next_gamma, row_uniforms
 
@@ -264,10 +271,11 @@ class _Engine:
 
     kind = "?"
 
-    def __init__(self, hook: Callable[[str, list[Job]], None] | None, models: list, batched: bool):
+    def __init__(self, hook: Callable[[str, list[Job]], None] | None, models: list, batched: bool,
+                 compile: str = "off", compile_rows: int | None = None):
         self.hook = hook
         self.batched = batched
-        self.slots = [Slots(m, m.max_seq_len, batched=batched) for m in models]
+        self.slots = [slots_for(m, compile, batched, max_rows=compile_rows) for m in models]
         # models whose every layer keeps a key/value cache: a prefill's cache needs only its prompts' room (its rows
         # fill a slot's first positions, Slots.put); others' caches are laid out by capacity (full size)
         self._kv_only = {id(m): all(type(layer) is KVCache for layer in m.new_cache(1, 1).layers) for m in models}
@@ -460,8 +468,8 @@ class BaseEngine(_Engine):
 
     kind = "base"
 
-    def __init__(self, model, hook=None):
-        super().__init__(hook, [model], splittable(model))
+    def __init__(self, model, hook=None, compile: str = "off", compile_rows: int | None = None):
+        super().__init__(hook, [model], splittable(model), compile, compile_rows)
         self.model = model
 
     def _capacity(self, job: Job) -> int:
@@ -502,12 +510,13 @@ class SpeculativeEngine(_Engine):
 
     kind = "speculative"
 
-    def __init__(self, target, draft, gamma: int, hook=None, max_gamma: int | None = None):
+    def __init__(self, target, draft, gamma: int, hook=None, max_gamma: int | None = None, compile: str = "off",
+                 compile_rows: int | None = None):
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
         if max_gamma is not None and max_gamma < gamma:
             raise ValueError(f"max_gamma ({max_gamma}) must be >= gamma ({gamma}), the starting value")
-        super().__init__(hook, [target, draft], splittable(target) and splittable(draft))
+        super().__init__(hook, [target, draft], splittable(target) and splittable(draft), compile, compile_rows)
         self.target, self.draft, self.gamma = target, draft, gamma
         self.max_gamma = max_gamma  # adaptive rows (:func:`~efftx.generation.speculative.next_gamma`), or None
         self.cap = max_gamma or gamma  # the most tokens a row drafts in one step
@@ -615,7 +624,8 @@ class SpeculativeEngine(_Engine):
 
 
 # ---------------------------------------------------------------------------------------------- warm-up
-def warm_up(target, draft=None, *, rows: int = 16, gamma: int | None = None, tokens: int = 4) -> dict[str, Any]:
+def warm_up(target, draft=None, *, rows: int = 16, gamma: int | None = None, tokens: int = 4,
+            compile: str = "off", compile_rows: int | None = None) -> dict[str, Any]:
     """Decode throwaway requests at a replica's start, so that its first real burst does not pay one-time costs.
 
     A freshly loaded model's first batched steps are slower than later ones of the same size (first use of each
@@ -633,7 +643,8 @@ def warm_up(target, draft=None, *, rows: int = 16, gamma: int | None = None, tok
     if rows == 0:
         return {"rows": 0, "seconds": 0.0}
     started, done = time.perf_counter(), 0
-    scheduler = Scheduler(target, draft, max_rows=rows, short_tokens=0, prefill_rows=0)
+    scheduler = Scheduler(target, draft, max_rows=rows, short_tokens=0, prefill_rows=0, compile=compile,
+                          compile_rows=compile_rows)
     batches = [rows >> k for k in range(rows.bit_length())]  # rows, rows // 2, ..., 1
     for gam in [None] + ([gamma] if draft is not None and gamma else []):
         # a prompt and its new tokens (speculative: and gamma) must fit the context: fewer new tokens in a short
@@ -688,7 +699,8 @@ class Scheduler:
     def __init__(self, target, draft=None, *, max_rows: int = 32, admit_wait_s: float = 0.0,
                  short_tokens: int = 16, fast_rows: int = 4, long_every: int = 16, max_wait_rounds: int = 64,
                  prefill_rows: int = 2, hook: Callable[[str, list[Job]], None] | None = None,
-                 observe: Callable[[str, int], None] | None = None):
+                 observe: Callable[[str, int], None] | None = None, compile: str = "off",
+                 compile_rows: int | None = None):
         for name, value, least in (("max_rows", max_rows, 1), ("short_tokens", short_tokens, 0),
                                    ("fast_rows", fast_rows, 1), ("long_every", long_every, 1),
                                    ("max_wait_rounds", max_wait_rounds, 0), ("prefill_rows", prefill_rows, 0)):
@@ -704,7 +716,15 @@ class Scheduler:
         # torch's intra-op threads as the creating thread has them: a new thread does not inherit
         # torch.set_num_threads (its OpenMP pool starts at the process default, e.g. every core outside Ray)
         self.threads = torch.get_num_threads()
-        self.base = BaseEngine(target, hook)
+        self.compile = CompileOptions(compile).compile
+        if compile_rows is not None and (isinstance(compile_rows, bool) or not isinstance(compile_rows, int)
+                                         or compile_rows < 1):
+            raise ValueError(f"compile_rows must be an integer >= 1 or None, got {compile_rows!r}")
+        self.compile_rows = compile_rows
+        self.base = BaseEngine(target, hook, self.compile, compile_rows)
+        if draft is not None and self.compile == "on" and eager_reason(draft):  # now, not at the first request
+            raise CompileUnavailable(f"compile='on' but compiled continuous batching cannot run the draft: "
+                                     f"{eager_reason(draft)}")
         self.spec: dict[tuple[int, int | None], SpeculativeEngine] = {}  # per (gamma, max_gamma)
         self._queue: deque[Job] = deque()
         self._cv = threading.Condition()
@@ -754,7 +774,8 @@ class Scheduler:
             return self.base
         key = (job.gamma, job.max_gamma)  # a batch per fixed gamma, and per starting gamma and cap when adaptive
         if key not in self.spec:
-            self.spec[key] = SpeculativeEngine(self.target, self.draft, job.gamma, self.hook, job.max_gamma)
+            self.spec[key] = SpeculativeEngine(self.target, self.draft, job.gamma, self.hook, job.max_gamma,
+                                               self.compile, self.compile_rows)
         return self.spec[key]
 
     def _engines(self) -> list[_Engine]:

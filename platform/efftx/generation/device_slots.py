@@ -1,0 +1,157 @@
+"""Continuous batching's slots with compiled passes (CUDA graphs on a GPU) for the batch sizes they pay for.
+
+:class:`~efftx.generation.decode.Slots` keeps a running batch's rows in an eager model cache and steps a range of
+them with an eager forward pass: hundreds of small kernels launched from Python. :class:`CompiledSlots` keeps the
+same buffers (one (slots, capacity, Hkv, D) key and value tensor per layer, the row lengths on the host) and runs a
+pass over rows ``0 .. n - 1`` (the scheduler's steps always start at slot 0: the fast lane, or every row) as a
+compiled step (:mod:`efftx.generation.compiled`) for models that compiled decoding runs
+(:func:`~efftx.generation.compiled.unsupported_reason`: dense attention in every layer):
+
+* The pass runs over a **bucket** of rows, ``n`` rounded up to a power of two, so a handful of graphs (per
+  bucket and tokens per row) serve every batch size. The bucket's view of the buffers is a
+  :class:`~efftx.generation.compiled.DeviceCache` whose row lengths are a device tensor filled from the host's
+  before each pass. The rows past ``n`` are padding: a row of the slow lane or a free slot (length 0), fed token
+  0 at its own position, past its length: it writes only where its next real token will write before anything
+  reads it (every position at or past a row's length is masked), and its host length does not move.
+* Passes over more rows than ``max_rows`` (and ranges that do not start at slot 0: a containment retry of one
+  row, a slow lane stepped alone) run eagerly, as :class:`~efftx.generation.decode.Slots` runs them, over the
+  same buffers: on a CPU a compiled pass attends over the whole capacity and loses to the eager path's
+  decoding-attention kernel past a few rows (``bench/serve_load.py --compile`` prints both), on a GPU the graphs
+  pay at every size.
+* The slots grow and shrink as :class:`~efftx.generation.decode.Slots`' do (by powers of two here); the shapes of a
+  bucket's views do not depend on how many slots are allocated, so no graph is compiled again (on a GPU a CUDA
+  graph is recorded again for the new buffers).
+
+``mode`` is :class:`~efftx.generation.compiled.CompileOptions`'s ``on`` or ``auto``: under ``auto`` a compile
+failure switches to eager passes (and logs why), under ``on`` it raises
+:class:`~efftx.generation.compiled.CompileUnavailable`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from efftx.generation import compiled as _compiled
+from efftx.generation.compiled import CompiledRunner, DeviceCache, DeviceKV, forward_step, mark_static
+from efftx.generation.decode import Slots, _SlotRows, splittable
+
+
+def bucket(n: int) -> int:
+    """The rows a compiled pass over ``n`` rows runs: ``n`` rounded up to a power of two."""
+    b = 1
+    while b < n:
+        b *= 2
+    return b
+
+
+class CompiledSlots(Slots):
+    """:class:`~efftx.generation.decode.Slots` whose passes over rows ``0 .. n - 1`` run compiled for buckets of at
+    most ``max_rows`` rows (None: every bucket)."""
+
+    def __init__(self, model, rows: int = 4, mode: str = "on", max_rows: int | None = None):
+        reason = eager_reason(model)
+        if reason is not None:
+            raise _compiled.CompileUnavailable(f"compiled continuous batching cannot run this model: {reason}")
+        self.mode = _compiled.CompileOptions(mode).compile
+        self.compiled = self.mode != "off"
+        self.max_rows = max_rows
+        self.device = next(model.parameters()).device
+        super().__init__(model, model.max_seq_len, bucket(max(int(rows), 1)), batched=True)
+        self._fresh()
+
+    def _fresh(self) -> None:
+        """New buffers: new bucket views (and device lengths) at the next passes."""
+        self._runners: dict[int, CompiledRunner] = {}
+        self._lengths = torch.zeros(self.slots, dtype=torch.long, device=self.device)
+        self._cuda_graphs = self.compiled and self.device.type == "cuda"
+
+    def _reallocate(self, slots: int) -> None:
+        super()._reallocate(bucket(slots))
+        self._fresh()
+
+    def wants(self, start: int, rows: int) -> bool:
+        """Whether a pass over rows ``start .. start + rows - 1`` runs compiled."""
+        size = bucket(rows)
+        return (self.compiled and start == 0 and size <= self.slots
+                and (self.max_rows is None or size <= self.max_rows))
+
+    def runner(self, size: int) -> CompiledRunner:
+        """The compiled step over the first ``size`` slots (built once per bucket and set of buffers)."""
+        if size not in self._runners:
+            cache = DeviceCache.__new__(DeviceCache)
+            cache.capacity, cache.lengths = self.capacity, self._lengths[:size]
+            cache.layers = [DeviceKV(layer.k[:size], layer.v[:size], cache.lengths) for layer in self._cache.layers]
+            if self._cuda_graphs:
+                mark_static(cache)
+            compiled = self.compiled and self.device.type not in _compiled._BROKEN
+            self._runners[size] = CompiledRunner(self.model, cache, compiled, self.mode)
+        return self._runners[size]
+
+    def rows(self, start: int, stop: int) -> _SlotRows:
+        if not 0 <= start <= stop <= self.n:
+            raise IndexError(f"rows {start}..{stop} of {self.n}")
+        return _CompiledRows(self, start, stop)
+
+
+class _CompiledRows(_SlotRows):
+    """A range of :class:`CompiledSlots`: ``forward`` runs compiled where the slots want it (see the module
+    docstring), else as :class:`~efftx.generation.decode.Slots`' rows do."""
+
+    def __init__(self, slots: CompiledSlots, start: int, stop: int):
+        super().__init__(slots, start, stop)
+        self._slots = slots
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        slots, (n, t) = self._slots, tokens.shape
+        if not slots.wants(self._start, n):
+            return super().forward(tokens)
+        mine = self.caches[0].layers[0].lengths
+        if max(mine) + t > slots.capacity:
+            raise ValueError(f"KV cache overflow: {max(mine) + t} positions > capacity {slots.capacity}")
+        size = bucket(n)
+        live = self._parents[0].lengths[n:min(size, slots.n)]  # rows of the slow lane padding the bucket
+        if any(h + t > slots.capacity for h in live):
+            return super().forward(tokens)  # one of them has no room past its length: this pass eagerly
+        lengths = list(mine) + list(live) + [0] * (size - n - len(live))
+        runner = slots.runner(size)
+        runner.cache.lengths.copy_(torch.tensor(lengths, dtype=torch.long), non_blocking=True)
+        if size > n:
+            tokens = torch.cat([tokens, tokens.new_zeros(size - n, t)])
+        self.forward_calls += 1
+        out = runner._run(forward_step, tokens)
+        if runner.compiled and slots._cuda_graphs:  # a CUDA graph's next replay overwrites its outputs
+            out = out.clone()
+        for layer in self.caches[0].layers:
+            layer.lengths = [h + t for h in layer.lengths]
+        self._sync()
+        return out[:n]
+
+
+def eager_reason(model, batched: bool | None = None) -> str | None:
+    """Why compiled continuous batching cannot run ``model`` (None when it can)."""
+    if not (splittable(model) if batched is None else batched):
+        return "its cache cannot be split into rows"
+    reason = _compiled.unsupported_reason(model)
+    device_type = next(model.parameters()).device.type
+    if reason is None and device_type in _compiled._BROKEN:
+        reason = f"torch.compile failed earlier on {device_type}: {_compiled._BROKEN[device_type]}"
+    return reason
+
+
+def slots_for(model, compile: str = "off", batched: bool | None = None, rows: int = 4,
+              max_rows: int | None = None):
+    """The slots of a running batch over ``model``: :class:`CompiledSlots` (compiled passes up to ``max_rows``
+    rows) where ``compile`` is ``on`` or ``auto`` and compiled decoding runs the model, else
+    :class:`~efftx.generation.decode.Slots` (eager). ``on`` where it cannot run raises
+    :class:`~efftx.generation.compiled.CompileUnavailable` naming why; ``auto`` logs why."""
+    mode = _compiled.CompileOptions(compile).compile
+    batched = splittable(model) if batched is None else bool(batched)
+    if mode != "off":
+        reason = eager_reason(model, batched)
+        if reason is None:
+            return CompiledSlots(model, rows, mode, max_rows)
+        if mode == "on":
+            raise _compiled.CompileUnavailable(f"compile='on' but compiled continuous batching cannot run: {reason}")
+        _compiled.log.info("compiled continuous batching not used, decoding eagerly: %s", reason)
+    return Slots(model, model.max_seq_len, rows, batched=batched)

@@ -1,0 +1,151 @@
+"""Continuous batching with compiled passes (``Scheduler(compile=...)``, :mod:`efftx.generation.device_slots`).
+
+Every request must still get exactly the tokens (and acceptance) it gets decoded alone by the library's eager entry
+points, whichever passes ran compiled: buckets of rows padded with slow-lane rows and free slots, passes past
+``compile_rows`` run eagerly over the same buffers, containment retries. Compiling takes seconds per graph on a
+CPU, so the plans here keep to a few buckets (``compile_rows`` 4, gammas 2 and 3).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from efftx.generation import compiled, device_slots
+from efftx.generation.compiled import CompileUnavailable
+from efftx.generation.decode import Slots
+from efftx.generation.device_slots import CompiledSlots, bucket
+from efftx.serving import continuous
+from efftx.serving.continuous import Job, Scheduler
+
+from test_serve_continuous import GREEDY, HOT, MIXED, assert_alone, lm, run_rounds
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+
+
+@pytest.fixture(scope="module")
+def models():
+    return lm(0), lm(1, 1)
+
+
+@pytest.fixture
+def passes(monkeypatch):
+    """Counts the passes that ran compiled, per bucket, and the padding rows that were live rows."""
+    seen = {"compiled": {}, "live_padding": 0}
+    real = device_slots.CompiledSlots.runner
+
+    def runner(self, size):
+        out = real(self, size)
+        seen["compiled"][size] = seen["compiled"].get(size, 0) + 1
+        return out
+
+    real_forward = device_slots._CompiledRows.forward
+
+    def forward(self, tokens):
+        n = tokens.shape[0]
+        if self._slots.wants(self._start, n):
+            seen["live_padding"] += max(0, min(bucket(n), self._slots.n) - n)
+        return real_forward(self, tokens)
+
+    monkeypatch.setattr(device_slots.CompiledSlots, "runner", runner)
+    monkeypatch.setattr(device_slots._CompiledRows, "forward", forward)
+    return seen
+
+
+def test_the_bucket_of_a_pass_is_its_rows_rounded_up_to_a_power_of_two():
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 17)] == [1, 2, 4, 4, 8, 8, 16, 32]
+
+
+@pytest.mark.parametrize("policy", ["every_row", "priority_base", "priority_speculative"])
+def test_compiled_passes_give_every_request_its_solo_output(models, passes, policy):
+    """The mixed plan (base and speculative rows, gammas 2 and 3, every sampling, arrivals over ten rounds) with
+    compiled passes up to 4 rows and eager ones beyond, on the same buffers. With priority the fast lane (3 rows)
+    runs in a bucket of 4 whose last row is a live slow-lane row (in base decoding, and in speculative decoding's
+    draft and verify passes)."""
+    target, draft = models
+    knobs = {"short_tokens": 0} if policy == "every_row" else {"short_tokens": 12, "fast_rows": 3, "long_every": 2}
+    scheduler = Scheduler(target, draft, max_rows=8, compile="on", compile_rows=4, **knobs)
+    assert isinstance(scheduler.base.slots[0], CompiledSlots)
+    if policy == "every_row":  # more base rows than compile_rows at once
+        plan = MIXED + [(1, [3, 3], 16, HOT, 21, None), (1, [4], 16, GREEDY, 22, None), (2, [5, 6], 14, HOT, 23, None)]
+    else:  # four long rows of one mode (three in the fast lane, one in the slow one), then short ones arrive
+        gamma = 2 if policy == "priority_speculative" else None
+        plan = [(0, [5, 6, 7], 30, HOT, 31, gamma), (0, [9] * 5, 30, GREEDY, 32, gamma), (0, [1, 2], 30, HOT, 33, gamma),
+                (0, [4, 4], 30, HOT, 34, gamma), (3, [7], 6, HOT, 35, gamma), (4, [8, 9], 8, HOT, 36, gamma)]
+    jobs = run_rounds(scheduler, plan)
+    assert_alone(target, draft, jobs)
+    assert set(passes["compiled"]) <= {1, 2, 4} and passes["compiled"].get(4)  # 5..8 rows: eager
+    if policy == "every_row":
+        assert max(j.batch_size for j in jobs) > 4  # some passes were past compile_rows
+    else:
+        assert passes["live_padding"] > 0
+
+
+def test_a_failing_row_fails_alone_in_compiled_passes(models, monkeypatch):
+    """A fault raised before the passes (the step hook) and one raised after a compiled pass wrote the caches (in
+    base decoding's draw): the culprits fail alone (their rows retried one by one: slot 0 compiled, the others
+    eagerly), the other rows get their solo output."""
+    target, draft = models
+    culprits: dict[str, Job] = {}
+
+    def hook(kind, jobs):
+        if any(j.tag[0] == "hook" for j in jobs):
+            raise RuntimeError("injected fault")
+
+    real_draw = continuous.draw
+
+    def faulty_draw(probs, gens):
+        late = culprits.get("draw")
+        if late is not None and late.generator in gens and late.steps == 3:
+            raise RuntimeError("late fault in base decoding")
+        return real_draw(probs, gens)
+
+    monkeypatch.setattr(continuous, "draw", faulty_draw)
+    scheduler = Scheduler(target, draft, max_rows=4, short_tokens=0, compile="on", hook=hook)
+    valid = [p for p in MIXED if p[0] <= 2]
+    bad = [(1, [4, 5], 9, HOT, 1, 3, "hook"), (1, [6, 6, 6], 12, HOT, 11, None, "draw")]
+
+    def make(p):
+        if len(p) == 7:
+            culprits[p[6]] = Job(p[1], p[2], p[3], p[4], p[5], tag=(p[6],))
+            return culprits[p[6]]
+        return Job(p[1], p[2], p[3], p[4], p[5], tag=p)
+
+    jobs = run_rounds(scheduler, valid + bad, make)
+    assert culprits["hook"].error is not None and culprits["draw"].error is not None
+    assert culprits["draw"].steps == 3
+    monkeypatch.setattr(continuous, "draw", real_draw)
+    assert_alone(target, draft, [j for j in jobs if len(j.tag) != 1])
+
+
+def test_compile_on_refuses_a_model_it_cannot_compile_and_auto_decodes_it_eagerly(models, caplog):
+    target, draft = models
+    performer = lm(2, 1, "performer")
+    with pytest.raises(CompileUnavailable, match="attention.kind='performer'"):
+        Scheduler(performer, compile="on")
+    with pytest.raises(CompileUnavailable, match="the draft.*performer"):  # at once, not at the first request
+        Scheduler(target, performer, compile="on")
+    with caplog.at_level(logging.INFO, logger="efftx.generation.compiled"):
+        scheduler = Scheduler(performer, compile="auto")
+    assert type(scheduler.base.slots[0]) is Slots and "performer" in caplog.text
+    with pytest.raises(ValueError, match="compile_rows"):
+        Scheduler(target, compile="on", compile_rows=0)
+    with pytest.raises(Exception, match="compile='fast'"):
+        Scheduler(target, compile="fast")
+
+
+def test_auto_decodes_eagerly_over_the_same_buffers_when_compiling_fails(models, monkeypatch, caplog):
+    target, draft = models
+    monkeypatch.setattr(compiled, "_BROKEN", {})
+
+    def broken(fn, device_type):
+        raise RuntimeError("no compiler today")
+
+    monkeypatch.setattr(compiled, "compiled_function", broken)
+    scheduler = Scheduler(target, draft, max_rows=8, short_tokens=0, compile="auto")
+    with caplog.at_level(logging.WARNING, logger="efftx.generation.compiled"):
+        jobs = run_rounds(scheduler, MIXED[:6])
+    assert_alone(target, draft, jobs)
+    assert "no compiler today" in caplog.text and compiled._BROKEN
