@@ -215,3 +215,20 @@ def test_generate_cli_takes_compile_and_names_why_it_cannot(monkeypatch, capsys)
     with pytest.raises(SystemExit) as exit_info:
         cli.main([*base, "--compile", "yes"])
     assert exit_info.value.code == 2 and "invalid choice: 'yes'" in capsys.readouterr().err
+
+
+def test_every_thread_that_compiles_raises_dynamos_recompile_limit_for_itself():
+    """dynamo's settings are per thread: a Serve replica warms up (and compiles) in its main thread and decodes in
+    another, where the default limit (8 graphs per function) would fail new shapes with fullgraph=True."""
+    import threading
+
+    seen = []
+
+    def decoding_thread():
+        compiled.compiled_function(compiled.forward_step, "cpu")  # no compilation yet: only the function
+        seen.append(torch._dynamo.config.recompile_limit)
+
+    thread = threading.Thread(target=decoding_thread)
+    thread.start()
+    thread.join()
+    assert len(seen) == 1 and seen[0] >= compiled.RECOMPILE_LIMIT

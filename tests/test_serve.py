@@ -52,7 +52,8 @@ def test_models_info_names_the_device_and_the_batching(server):
     assert [(m["role"], m["device"]) for m in info["models"]] == [("target", "cpu"), ("draft", "cpu"), ("image", "cpu")]
     warmed = info["batching"].pop("warm_up_s")
     assert info["batching"] == {"mode": "continuous", "max_batch_size": 32, "batch_wait_timeout_s": 0.25,
-                                "warm_up_rows": 2 * (16 + 8 + 4 + 2 + 1)}  # base and speculative: 16, 8, ..., 1
+                                "warm_up_rows": 2 * (16 + 8 + 4 + 2 + 1),  # base and speculative: 16, 8, ..., 1
+                                "compile": "off"}
     assert warmed > 0
     assert info["threads"] == 1  # the replica's torch threads (the default)
 

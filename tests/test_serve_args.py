@@ -158,6 +158,27 @@ def test_threads_and_cpus_reach_the_replica():
             build({"target": "/nowhere/target", argument: value})
 
 
+def test_compile_settings_reach_the_replica_and_need_continuous_batching():
+    """``compile`` / ``compile_rows``: the scheduler's compiled passes (constructor arguments); the CPU's default
+    row limit is filled in by the replica (``text.compile_settings``)."""
+    _, kwargs, _ = bound(serve_run("target=/nowhere/target", "compile=AUTO", "compile_rows=8"))["TextGenerator"]
+    assert (kwargs["compile"], kwargs["compile_rows"]) == ("auto", 8) and type(kwargs["compile_rows"]) is int
+    _, kwargs, _ = bound(build({"target": "/nowhere/target"}))["TextGenerator"]
+    assert "compile" not in kwargs and "compile_rows" not in kwargs
+    for bad, message in (({"compile": "fast"}, "compile"), ({"compile_rows": 0, "compile": "on"}, "compile_rows"),
+                         ({"compile_rows": 4}, "compile_rows: only with compile=on or compile=auto"),
+                         ({"compile": "on", "batching": "static"}, "compile: only with batching=continuous")):
+        with pytest.raises(ValidationError, match=message):
+            build({"target": "/nowhere/target", **bad})
+    import torch
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert text.compile_settings("off", None, cpu) == {"compile": "off"}
+    assert text.compile_settings("auto", None, cpu) == {"compile": "auto", "compile_rows": text.CPU_COMPILE_ROWS}
+    assert text.compile_settings("on", None, gpu) == {"compile": "on"}  # every pass compiled
+    assert text.compile_settings("on", 4, gpu) == {"compile": "on", "compile_rows": 4}
+
+
 def test_an_empty_value_means_not_given():
     """``draft: ""`` or ``batching:`` with no value in YAML: the default, as before."""
     app = build({"target": "/nowhere/target", "draft": "", "dalle": " ", "batching": None, "max_batch_size": "",
@@ -198,7 +219,8 @@ def test_the_yaml_configs_commented_out_arguments_are_valid_too():
             depth += line.count("{") - line.count("}")
         out.append(line)
     args = yaml.safe_load("\n".join(out))["applications"][0]["args"]
-    uncommented = {"num_gpus", "image_num_gpus", "device", "threads", "num_cpus", "limits", "image_limits"}
+    uncommented = {"num_gpus", "image_num_gpus", "device", "threads", "num_cpus", "compile", "compile_rows", "limits",
+                   "image_limits"}
     assert uncommented <= set(args)
     checked = TextAppArgs.model_validate(args)
     assert checked.limits == Limits() and checked.image_limits == ImageLimits()  # "these are the defaults"

@@ -149,3 +149,52 @@ def test_auto_decodes_eagerly_over_the_same_buffers_when_compiling_fails(models,
         jobs = run_rounds(scheduler, MIXED[:6])
     assert_alone(target, draft, jobs)
     assert "no compiler today" in caplog.text and compiled._BROKEN
+
+
+# ---------------------------------------------------------------------------------------------- over HTTP
+def test_a_compiled_app_answers_as_the_library_decodes(ray_cluster, debug_exports):
+    """``compile=on``: the replica compiles as it warms up, /models/info says so, and requests of both modes
+    (plain, streamed and concurrent: passes of one to three rows, compiled up to ``compile_rows`` 2) get the
+    library's eager tokens and acceptance."""
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    import requests
+    from ray import serve
+
+    from efftx.export import load_export
+    from efftx.generation.decode import decode_bytes, generate
+    from efftx.generation.speculative import speculative_generate
+    from efftx.serving.text import build
+    from netutil import free_port
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(build({"target": debug_exports["target"], "draft": debug_exports["draft"], "name": "tiny",
+                         "compile": "on", "compile_rows": 2, "warm_up_rows": 2}), name="compiled", route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        info = requests.get(f"{url}/models/info", timeout=30).json()["batching"]
+        assert (info["compile"], info["compile_rows"], info["warm_up_rows"]) == ("on", 2, 2 * (2 + 1))
+        target, draft = load_export(debug_exports["target"])[0], load_export(debug_exports["draft"])[0]
+        bodies = [{"prompt": p, "max_new_tokens": 12, "temperature": 1.0, "top_k": 20, "seed": i, "mode": "both",
+                   "gamma": 3} for i, p in enumerate(["x = ", "def f(", "import os"])]
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda b: requests.post(f"{url}/generate", json=b, timeout=120), bodies))
+        for body, res in zip(bodies, answers):
+            assert res.status_code == 200, res.text
+            got = res.json()["results"]
+            prompt = [list(body["prompt"].encode())]
+            base = generate(target, prompt, 12, temperature=1.0, top_k=20, seed=body["seed"])[0].tolist()
+            spec, stats = speculative_generate(target, draft, prompt, 12, gamma=3, temperature=1.0, top_k=20,
+                                               seed=body["seed"])
+            assert got["base"]["text"] == decode_bytes(base)
+            assert got["speculative"]["text"] == decode_bytes(spec[0])
+            assert got["speculative"]["acceptance_histogram"] == stats.histogram
+        with requests.post(f"{url}/generate/stream", json={**bodies[0], "mode": "speculative"}, stream=True,
+                           timeout=120) as r:
+            blocks = [b for b in "\n".join(r.iter_lines(decode_unicode=True)).split("\n\n") if b.strip()]
+        done = json.loads(blocks[-1].split("data: ", 1)[1])
+        assert done["text"] == answers[0].json()["results"]["speculative"]["text"]
+    finally:
+        serve.shutdown()

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import weakref
 from typing import Callable
 
@@ -188,6 +189,7 @@ def forward_step(model, tokens: torch.Tensor, cache: DeviceCache) -> torch.Tenso
 # model, batch size and token count (draft and target, batches 1/4/8, ...), more than that in one process
 RECOMPILE_LIMIT = 64
 _COMPILED: dict[tuple[Callable, str], Callable] = {}  # (function, device type) -> compiled (graphs cached per shape)
+_THREAD = threading.local()  # .limits: this thread raised dynamo's recompile limit
 _BROKEN: dict[str, str] = {}  # device type -> why compiling failed there ("auto" does not retry)
 # model -> {(batch, capacity, dtype, device): [free DeviceCaches]}: CUDA graphs replay on the same buffers
 _POOLS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -245,9 +247,13 @@ def _standard(x):
 def compiled_function(fn: Callable, device_type: str) -> Callable:
     """``fn(model, tokens, cache, *args)`` compiled for ``device_type`` (fullgraph, static shapes; one compiled
     function per ``fn``, whose graphs dynamo caches per model, shape and constant argument)."""
+    if not getattr(_THREAD, "limits", False):
+        # dynamo's settings are per thread (one set in a replica's main thread, e.g. while it warms up, is not seen
+        # by its decoding thread): every thread that compiles raises the limit for itself
+        _raise_recompile_limit()
+        _THREAD.limits = True
     key = (fn, device_type)
     if key not in _COMPILED:
-        _raise_recompile_limit()
         _COMPILED[key] = torch.compile(fn, fullgraph=True, dynamic=False, **compile_settings(device_type))
     return _COMPILED[key]
 

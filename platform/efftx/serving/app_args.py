@@ -35,7 +35,8 @@ Device = Literal["auto", "cpu", "cuda"]
 assert get_args(Device) == DEVICES, "Device and efftx.serving.devices.DEVICES disagree"
 
 PRIORITY = ("short_tokens", "fast_rows", "long_every", "prefill_rows")  # efftx.serving.continuous.Scheduler's knobs, as given
-CONTINUOUS_ONLY = (*PRIORITY, "warm_up_rows")  # settings of continuous batching alone
+CONTINUOUS_ONLY = (*PRIORITY, "warm_up_rows", "compile", "compile_rows")  # settings of continuous batching alone
+Compile = Literal["off", "on", "auto"]
 
 _PATH = ("an export folder or an MLflow registered-model URI (models:/NAME@champion, models:/NAME/VERSION or "
          "models:/NAME/latest)")
@@ -79,6 +80,15 @@ class TextAppArgs(BaseModel):
         "continuous: at start, each replica decodes throwaway batches of this many requests, half as many, ..., 1 "
         "(default 16, at most max_batch_size; 0: none), so that its first burst of real requests does not pay a "
         "fresh model's one-time costs. GET /models/info reports the rows and seconds."))
+    compile: Compile | None = Field(None, description=(
+        "continuous: decoding passes of up to ``compile_rows`` rows run compiled (``torch.compile``; CUDA graphs on "
+        "a GPU) for models with dense attention in every layer (:mod:`efftx.generation.device_slots`): ``on`` (an "
+        "error naming why where it cannot), ``auto`` (compiled where it can, else eagerly, the reason logged), "
+        "``off`` (the default). The tokens are the eager path's. Each replica compiles its graphs as it warms up "
+        "(seconds per graph: one per power-of-two row count and tokens per row)."))
+    compile_rows: int | None = Field(None, gt=0, description=(
+        "continuous, with ``compile``: passes over more rows than this run eagerly (default: none on a GPU; 2 on a "
+        "CPU, where a compiled pass attends over the whole context and pays for a row or two only)."))
     limits: Limits | None = Field(None, description=(
         "Request limits of the text endpoints (:class:`efftx.serving.schemas.Limits`; unset fields keep their "
         "defaults): a mapping, or its JSON text. GET /openapi.json states them as the bounds of the fields."))
@@ -124,13 +134,15 @@ class TextAppArgs(BaseModel):
         given = [k for k in CONTINUOUS_ONLY if getattr(self, k) is not None]
         if given and self.batching != "continuous":
             raise ValueError(f"{', '.join(given)}: only with batching=continuous (got batching={self.batching})")
+        if self.compile_rows is not None and self.compile in (None, "off"):
+            raise ValueError(f"compile_rows: only with compile=on or compile=auto (got compile={self.compile})")
         return self
 
     def priority(self) -> dict[str, int]:
         """The continuous-batching priority settings given (the scheduler's defaults for the others)."""
         return {k: getattr(self, k) for k in PRIORITY if getattr(self, k) is not None}
 
-    @field_validator("batching", "device", mode="before")
+    @field_validator("batching", "device", "compile", mode="before")
     @classmethod
     def _normalized(cls, value: Any) -> Any:
         return value.strip().lower() if isinstance(value, str) else value

@@ -34,6 +34,8 @@ Endpoints (FastAPI; OpenAPI docs at /docs and /openapi.json):
   (``short_tokens``, ``fast_rows``, ``long_every``, ``prefill_rows``: the scheduler's knobs). A replica warms up
   before it takes requests: throwaway batches of ``warm_up_rows`` (default 16), half as many, ..., 1 requests
   (:func:`efftx.serving.continuous.warm_up`), so its first burst does not pay a fresh model's one-time costs.
+  ``compile=on|auto`` runs decoding passes of up to ``compile_rows`` rows compiled (CUDA graphs on a GPU; dense
+  models; :mod:`efftx.generation.device_slots`), the graphs compiled as the replica warms up.
 * ``static``: ``@serve.batch`` groups requests (``max_batch_size`` default 8, ``batch_wait_timeout_s`` default
   0.02) and a batch is answered when its longest request is done; streams decode alone.
 
@@ -85,6 +87,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from efftx.data.lm_tokenizer import export_codec, same_tokenizer
+from efftx.generation.compiled import CompileOptions
 from efftx.generation.decode import iter_generate
 from efftx.generation.speculative import SpecStats, iter_speculative, iter_speculative_rows
 from efftx.serving import metrics
@@ -212,6 +215,21 @@ def _completion_error(exc: BaseException) -> str:
 
 
 # A replica being replaced (a redeploy onto a new model version, a scale-down) stops taking requests and waits for
+def compile_settings(compile: str, compile_rows: int | None, device: torch.device) -> dict[str, Any]:
+    """The scheduler's ``compile`` / ``compile_rows`` for a replica on ``device``: by default every pass compiled on
+    a GPU, passes of up to 2 rows on a CPU (where a compiled pass loses past a few rows: see
+    :mod:`efftx.generation.device_slots`); ``compile_rows`` only where something is compiled."""
+    mode = CompileOptions(compile).compile
+    if mode == "off":
+        return {"compile": mode}
+    if compile_rows is None and device.type != "cuda":
+        compile_rows = CPU_COMPILE_ROWS
+    return {"compile": mode, **({"compile_rows": compile_rows} if compile_rows is not None else {})}
+
+
+CPU_COMPILE_ROWS = 2
+
+
 # its running ones to finish for up to graceful_shutdown_timeout_s: long CPU generations must not be cut off.
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=32, graceful_shutdown_timeout_s=120,
                   graceful_shutdown_wait_loop_s=0.5)
@@ -221,7 +239,7 @@ class TextGenerator:
                  limits: dict[str, Any] | None = None, max_batch_size: int | None = None,
                  batch_wait_timeout_s: float | None = None, images=None, image_limits: dict[str, Any] | None = None,
                  device: str = "auto", batching: str = "continuous", priority: dict[str, int] | None = None,
-                 warm_up_rows: int = 16, threads: int = 1):
+                 warm_up_rows: int = 16, threads: int = 1, compile: str = "off", compile_rows: int | None = None):
         from efftx.export import load_export, resolve_export
 
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
@@ -268,10 +286,12 @@ class TextGenerator:
             # the one-time costs of a fresh model; speculative with the requests' default gamma, within the limits
             gamma = min(max(GenerateRequest.model_fields["gamma"].default, self.limits.min_gamma),
                         self.limits.max_gamma)
-            warmed = warm_up(self.target, self.draft, rows=min(int(warm_up_rows), int(max_batch_size)), gamma=gamma)
-            self.batching.update(warm_up_rows=warmed["rows"], warm_up_s=warmed["seconds"])
+            compiled = compile_settings(compile, compile_rows, self.device)
+            warmed = warm_up(self.target, self.draft, rows=min(int(warm_up_rows), int(max_batch_size)), gamma=gamma,
+                             **compiled)
+            self.batching.update(warm_up_rows=warmed["rows"], warm_up_s=warmed["seconds"], **compiled)
             self.scheduler = Scheduler(self.target, self.draft, max_rows=max_batch_size,
-                                       admit_wait_s=batch_wait_timeout_s, **(priority or {}),
+                                       admit_wait_s=batch_wait_timeout_s, **(priority or {}), **compiled,
                                        hook=lambda kind, jobs: self._step_hook(kind, [j.tag for j in jobs]),
                                        observe=lambda kind, rows: metrics.batch("continuous", kind, rows)).start()
         else:
@@ -659,4 +679,5 @@ def build_with(args: TextAppArgs | dict[str, Any], *, text_deployment=TextGenera
         args.target, args.draft, args.name, limits, max_batch_size, batch_wait_timeout_s, images, image_limits,
         device=device, batching=args.batching, **({"priority": args.priority()} if args.priority() else {}),
         **({"warm_up_rows": args.warm_up_rows} if args.warm_up_rows is not None else {}),
-        **({"threads": args.threads} if args.threads is not None else {}))
+        **({"threads": args.threads} if args.threads is not None else {}),
+        **{k: getattr(args, k) for k in ("compile", "compile_rows") if getattr(args, k) is not None})
