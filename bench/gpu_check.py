@@ -33,7 +33,9 @@ Sections (each row: pass / FAIL / skip with the reason, and its figures):
 * ``serveload``: ``bench/serve_load.py --inprocess --device cuda --rounds 2``: the continuous-batching scheduler
   under the load of 16 clients (8..128 new tokens), one row at a time vs without priority vs continuous batching,
   on the wall clock, its goals (requests/s >= 3x unbatched, short requests' p99 <= 2x unloaded, no errors) marked
-  met or not: torch alone (no Ray, no HTTP), so it runs on a bare GPU image.
+  met or not: torch alone (no Ray, no HTTP), so it runs on a bare GPU image. Then the same with compiled passes
+  (``--compile on --quick``: CUDA graphs per power-of-two row count, 8 clients), the compiled step costs beside
+  the eager ones (``OUT/serveload-compiled.log``).
 * ``serve``: the Serve app on the device: ``/generate`` in both modes and ``/images/generate`` answered, and
   ``/models/info`` naming the device.
 
@@ -348,22 +350,23 @@ def compiled_decode_rows(target, prompts, new: int, batch: int, base_s: float, b
 
 
 # ------------------------------------------------------------------------------------------------ benches
-def bench_section(section: str, name: str, cmd: list[str], args, out: Path) -> list[Row]:
-    """A bench of bench/ on CUDA, its tables passed through (printed and kept in OUT/<section>.log): pass when it
-    ran to the end, FAIL when it crashed or ran past --timeout."""
+def bench_section(section: str, name: str, cmd: list[str], args, out: Path, log: str | None = None) -> list[Row]:
+    """A bench of bench/ on CUDA, its tables passed through (printed and kept in OUT/<log or section>.log): pass when
+    it ran to the end, FAIL when it crashed or ran past --timeout."""
+    log = log or section
     if args.device != "cuda":
         return [Row(section, name, "skip", "no CUDA device")]
     try:
         proc = subprocess.run([PY, *cmd], cwd=REPO, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired as exc:  # what it printed so far is kept
         partial = exc.stdout or b""
-        (out / f"{section}.log").write_text(partial.decode() if isinstance(partial, bytes) else partial)
+        (out / f"{log}.log").write_text(partial.decode() if isinstance(partial, bytes) else partial)
         return [Row(section, name, "FAIL", f"no result within {args.timeout} s")]
-    (out / f"{section}.log").write_text(proc.stdout + proc.stderr)
+    (out / f"{log}.log").write_text(proc.stdout + proc.stderr)
     print(proc.stdout)
     if proc.returncode != 0:
         return [Row(section, name, "FAIL", (proc.stderr.strip().splitlines() or ["?"])[-1][:200])]
-    return [Row(section, name, "pass", f"tables in {out / (section + '.log')}")]
+    return [Row(section, name, "pass", f"tables in {out / (log + '.log')}")]
 
 
 def check_nsa(args, out: Path) -> list[Row]:
@@ -392,8 +395,14 @@ def check_serveload(args, out: Path) -> list[Row]:
     """bench/serve_load.py --inprocess on CUDA: the continuous-batching scheduler's load and its goals (torch
     alone: no Ray, no HTTP)."""
     cmd = ["bench/serve_load.py", "--inprocess", "--device", "cuda", "--rounds", "1" if args.quick else "2"]
-    return bench_section("serveload", "bench/serve_load.py --inprocess --device cuda",
+    if args.device != "cuda":
+        return [Row("serveload", "bench/serve_load.py --inprocess", "skip", "no CUDA device")]
+    rows = bench_section("serveload", "bench/serve_load.py --inprocess --device cuda",
                          cmd + (["--quick"] if args.quick else []), args, out)
+    # then with compiled passes (CUDA graphs per power-of-two row count; 8 clients keep the graphs to 1..8 rows)
+    return rows + bench_section("serveload", "bench/serve_load.py --inprocess --device cuda --compile on --quick",
+                                ["bench/serve_load.py", "--inprocess", "--device", "cuda", "--compile", "on",
+                                 "--quick", "--rounds", "1"], args, out, log="serveload-compiled")
 
 
 # ------------------------------------------------------------------------------------------------ serve

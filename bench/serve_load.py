@@ -3,7 +3,7 @@
     python bench/serve_load.py [--clients 16] [--requests 64] [--modes base,speculative] [--rounds 1]
                                [--target PATH --draft PATH | --size small|debug] [--quick] [--device cpu|cuda]
     python bench/serve_load.py --inprocess [--device cpu|cuda] [--clock cpu|wall] [--threads N] [--adaptive-gamma]
-                               [the load options]
+                               [--compile off|on|auto] [--compile-rows N] [the load options]
 
 Starts a local Ray cluster and Serve on 127.0.0.1 and deploys the text app several ways, one after another, in
 one run: ``unbatched`` (``batching=static``, ``max_batch_size=1``), ``static`` (``@serve.batch``, 8 per batch),
@@ -34,6 +34,10 @@ goal's median over the rounds (the throughput ratio paired within a round): one 
 on this machine. ``--device cuda``: the models decode on the GPU (each replica is given one); ``--threads N``: each
 replica's torch threads (the app's ``threads``); ``--adaptive-gamma``: the speculative requests ask for
 ``adaptive_gamma`` (from gamma 5 up to the limits' max_gamma, 8).
+
+``--compile on|auto`` (``--compile-rows N``): continuous batching's compiled passes (the app's ``compile``, for the
+``fifo`` and ``continuous`` configurations; in-process for every policy, unbatched included), and the step costs
+compiled at every row count beside the eager ones (eager over compiled, per row count).
 
 ``--inprocess``: the same load on the scheduler itself, no HTTP and no Ray (torch alone: the GPU check's
 ``serveload`` section runs it on a bare GPU image), for three policies of :class:`efftx.serving.continuous.Scheduler`:
@@ -166,12 +170,13 @@ def short_ratios(shorts: list[tuple[int, float]], alone: dict[int, float]) -> li
     return [secs * 1e3 / (la + (lb - la) * (n - a) / (b - a)) for n, secs in shorts]
 
 
-def step_costs(target, draft, counts: list[int], modes: list[str], repeats: int = 3) -> dict[str, dict[int, float]]:
+def step_costs(target, draft, counts: list[int], modes: list[str], repeats: int = 3,
+               compiled: dict | None = None) -> dict[str, dict[int, float]]:
     """In-process, no HTTP: ms per decoding step of the continuous-batching scheduler (no priority: every row in
     every step) for each row count in ``counts`` (what a short request's latency scales with when it shares a
     step), after a warm-up; the counts are interleaved and each takes its best of ``repeats`` (the machine's
     other load inflates single timings). Every step reads its tokens back to the host, so on CUDA the wall clock
-    waits for the device."""
+    waits for the device. ``compiled``: the scheduler's ``compile`` / ``compile_rows`` (default: eager)."""
     from efftx.serving.continuous import Job, Sampling, Scheduler
 
     out = {}
@@ -179,7 +184,8 @@ def step_costs(target, draft, counts: list[int], modes: list[str], repeats: int 
         best: dict[int, float] = {}
         for rep in range(repeats + 1):  # the first round warms up
             for n in counts:
-                scheduler = Scheduler(target, draft, max_rows=max(counts), short_tokens=0, prefill_rows=0)
+                scheduler = Scheduler(target, draft, max_rows=max(counts), short_tokens=0, prefill_rows=0,
+                                      **(compiled or {}))
                 for i in range(n):
                     scheduler.submit(Job(list(PROMPTS[i % len(PROMPTS)].encode()), 32, Sampling(0.8, 32), i,
                                          5 if mode == "speculative" else None))
@@ -194,10 +200,15 @@ def step_costs(target, draft, counts: list[int], modes: list[str], repeats: int 
     return out
 
 
-def print_step_costs(floors: dict[str, dict[int, float]]) -> None:
+def print_step_costs(floors: dict[str, dict[int, float]], eager: dict[str, dict[int, float]] | None = None,
+                     what: str = "") -> None:
+    """Each mode's step cost per row count (and its ratio to one row); with ``eager``, also each cost's ratio to
+    the eager step's of the same rows (measured in the same run)."""
     for mode, costs in floors.items():
-        print(f"in-process decoding step, {mode}, best of 3: " + ", ".join(
-            f"{n} rows {ms:.1f} ms ({ms / costs[1]:.2f}x)" for n, ms in sorted(costs.items())), flush=True)
+        print(f"in-process decoding step{what}, {mode}, best of 3: " + ", ".join(
+            f"{n} rows {ms:.2f} ms ({ms / costs[1]:.2f}x"
+            + (f"; eager / this: {eager[mode][n] / ms:.2f}x" if eager else "") + ")"
+            for n, ms in sorted(costs.items())), flush=True)
 
 
 def load_models(paths: dict, device: str, threads: int = 1):
@@ -276,24 +287,31 @@ def inprocess_load(target, draft, mode: str, knobs: dict, clients: int, lengths:
 
 
 def inprocess(target, draft, modes: list[str], clients: int, lengths: list[int], unloaded: int, device: str = "cpu",
-              clock: str = "cpu", rounds: int = 1, timeout: float = 300.0, threads: int = 1) -> dict:
+              clock: str = "cpu", rounds: int = 1, timeout: float = 300.0, threads: int = 1,
+              compiled: dict | None = None) -> dict:
     """``--inprocess``: the same closed-loop load on the scheduler itself (no HTTP, no Ray: torch alone), for each
     of :data:`POLICIES`, the policies alternated round after round. ``clock="cpu"``: timed on the decoding
     thread's CPU clock (a request's "latency" is the CPU time the decoding thread spent from its submission to
     its last token), so the figures measure the scheduling and hardly the machine's other load; ``"wall"``: the
     wall clock (on CUDA, where the device's time is not the thread's). Prints per mode and policy the load's
     seconds (the throughput), the short requests' latency over their unloaded latency, the most rows a request
-    shared a step with, then the goals as the HTTP load does. Returns the figures per (policy, mode)."""
+    shared a step with, then the goals as the HTTP load does. ``compiled``: every policy's ``compile`` /
+    ``compile_rows`` (default: eager). Returns the figures per (policy, mode)."""
     from efftx.serving.continuous import warm_up
 
-    warm_up(target, draft)  # as a replica starts (one-time costs: on CUDA its kernels' first launches)
-    print(f"in-process on {device} ({clock} clock, {threads} torch thread{'s' * (threads > 1)}), {clients} clients, "
+    compiled = compiled or {}
+    # as a replica starts (one-time costs: on CUDA its kernels' first launches; the compiled passes' graphs)
+    warm_up(target, draft, gamma=5, **compiled)
+    print(f"in-process on {device} ({clock} clock, {threads} torch thread{'s' * (threads > 1)}"
+          + (f", compile={compiled['compile']} up to {compiled.get('compile_rows') or 'any number of'} rows"
+             if compiled.get("compile", "off") != "off" else "") + f"), {clients} clients, "
           f"{len(lengths)} requests; load average " + " ".join(f"{x:.1f}" for x in os.getloadavg()), flush=True)
     runs: dict[tuple[str, str], list[dict]] = {}
     for rnd in range(rounds):
         for mode in modes:
             for name, knobs in POLICIES:
-                r = inprocess_load(target, draft, mode, knobs, clients, lengths, unloaded, clock, timeout)
+                r = inprocess_load(target, draft, mode, {**knobs, **compiled}, clients, lengths, unloaded, clock,
+                                   timeout)
                 runs.setdefault((name, mode), []).append(r)
                 print(f"  {f'round {rnd + 1}: ' if rounds > 1 else ''}{mode:<12}{name:<11} {clock} seconds "
                       f"{r['seconds']:6.2f} ({r['rps']:6.2f} req/s), errors {r['errors']}, up to {r['rows']} rows a "
@@ -394,6 +412,10 @@ def main() -> None:
                                                                  "at most the limits' max_gamma, 8)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the replica (its ``threads``) or of the "
                                                           "in-process decoding thread")
+    p.add_argument("--compile", default="off", choices=["off", "on", "auto"],
+                   help="continuous batching's compiled passes (the app's compile; in-process: every policy)")
+    p.add_argument("--compile-rows", type=int, default=None,
+                   help="with --compile: passes over more rows run eagerly (default: 2 on a CPU, none on a GPU)")
     p.add_argument("--clock", default=None, choices=["cpu", "wall"], help="--inprocess: the decoding thread's CPU "
                                                                           "clock (default on cpu) or the wall clock "
                                                                           "(default on cuda)")
@@ -406,6 +428,9 @@ def main() -> None:
         p.error("--clock cpu measures the decoding thread, not the GPU: use --clock wall with --device cuda")
     if args.threads < 1:
         p.error(f"--threads must be at least 1, got {args.threads}")
+    if args.compile_rows is not None and (args.compile == "off" or args.compile_rows < 1):
+        p.error(f"--compile-rows takes a count >= 1 with --compile on|auto, got {args.compile_rows} with --compile "
+                f"{args.compile}")
     if args.clock == "cpu" and args.threads > 1:
         p.error("--clock cpu counts the decoding thread alone, not the threads it spreads a product over: use "
                 "--clock wall with --threads above 1")
@@ -432,11 +457,20 @@ def main() -> None:
     counts = sorted({1, 4, 8, args.clients})
     target, draft = load_models(paths, args.device, args.threads)  # in this process: the step costs (and --inprocess)
     floors = step_costs(target, draft, counts, modes)
+    compiled = {}
+    if args.compile != "off":  # the app's default rows: every pass on a GPU, 2 rows on a CPU
+        from efftx.generation.device_slots import compile_knobs
+
+        compiled = compile_knobs(args.compile, args.compile_rows, args.device)
+        # side by side: every pass compiled (the row limit aside), and the passes the limit leaves eager
+        every = step_costs(target, draft, counts, modes, compiled={"compile": args.compile})
     if args.inprocess:
         print(note)
         print_step_costs(floors)
+        if compiled:
+            print_step_costs(every, floors, f" compiled ({args.compile}) at every row count")
         write_json(args.json, inprocess(target, draft, modes, args.clients, lengths, args.unloaded, args.device,
-                                        args.clock, args.rounds, args.timeout, args.threads))
+                                        args.clock, args.rounds, args.timeout, args.threads, compiled))
         return
     del target, draft  # the replicas load their own
     import ray
@@ -457,7 +491,9 @@ def main() -> None:
         for rnd in range(args.rounds):
             for name, cfg in configs:
                 devices = {"device": "cuda", "num_gpus": 1} if cuda else {"threads": args.threads}
-                serve.run(build(TextAppArgs(**paths, name="load", limits=limits, **devices, **cfg)),
+                app_compile = ({"compile": args.compile, "compile_rows": args.compile_rows}
+                               if args.compile != "off" and cfg["batching"] == "continuous" else {})
+                serve.run(build(TextAppArgs(**paths, name="load", limits=limits, **devices, **cfg, **app_compile)),
                           name="load", route_prefix="/")
                 for mode in modes:
                     one(url, body_for(0, 16, mode), False, args.timeout)  # warm-up
@@ -499,6 +535,8 @@ def main() -> None:
           "interpolated between the 8- and 16-token medians; fifo: continuous batching without priority, "
           "short_tokens=0)")
     print_step_costs(floors)
+    if compiled:
+        print_step_costs(every, floors, f" compiled ({args.compile}) at every row count")
     print(f"load average: {load_before} before, {' '.join(f'{x:.1f}' for x in os.getloadavg())} after")
     print("\ngoals (continuous batching" + (f"; the median over {args.rounds} rounds, each round's configurations "
                                           "measured one after another, the rounds listed" if args.rounds > 1 else "")

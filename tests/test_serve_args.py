@@ -160,7 +160,7 @@ def test_threads_and_cpus_reach_the_replica():
 
 def test_compile_settings_reach_the_replica_and_need_continuous_batching():
     """``compile`` / ``compile_rows``: the scheduler's compiled passes (constructor arguments); the CPU's default
-    row limit is filled in by the replica (``text.compile_settings``)."""
+    row limit is filled in by the replica (``device_slots.compile_knobs``)."""
     _, kwargs, _ = bound(serve_run("target=/nowhere/target", "compile=AUTO", "compile_rows=8"))["TextGenerator"]
     assert (kwargs["compile"], kwargs["compile_rows"]) == ("auto", 8) and type(kwargs["compile_rows"]) is int
     _, kwargs, _ = bound(build({"target": "/nowhere/target"}))["TextGenerator"]
@@ -172,11 +172,13 @@ def test_compile_settings_reach_the_replica_and_need_continuous_batching():
             build({"target": "/nowhere/target", **bad})
     import torch
 
+    from efftx.generation.device_slots import CPU_COMPILE_ROWS, compile_knobs
+
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
-    assert text.compile_settings("off", None, cpu) == {"compile": "off"}
-    assert text.compile_settings("auto", None, cpu) == {"compile": "auto", "compile_rows": text.CPU_COMPILE_ROWS}
-    assert text.compile_settings("on", None, gpu) == {"compile": "on"}  # every pass compiled
-    assert text.compile_settings("on", 4, gpu) == {"compile": "on", "compile_rows": 4}
+    assert compile_knobs("off", None, cpu) == {"compile": "off"}
+    assert compile_knobs("auto", None, cpu) == {"compile": "auto", "compile_rows": CPU_COMPILE_ROWS}
+    assert compile_knobs("on", None, gpu) == {"compile": "on"}  # every pass compiled
+    assert compile_knobs("on", 4, gpu) == {"compile": "on", "compile_rows": 4}
 
 
 def test_an_empty_value_means_not_given():

@@ -60,6 +60,19 @@ def test_the_inprocess_load_runs_with_torch_alone_and_marks_the_goals(tmp_path):
     assert "in-process on cpu (cpu clock, 1 torch thread)" in proc.stdout and "in-process decoding step, speculative" in proc.stdout
 
 
+def test_the_inprocess_load_runs_compiled_passes_with_torch_alone(tmp_path):
+    """``--compile on``: every policy's scheduler compiles its passes (here up to 1 row), and the step costs compiled
+    at every row count are printed beside the eager ones."""
+    out = tmp_path / "figures.json"
+    proc = bench("--inprocess", "--size", "debug", "--modes", "base", "--requests", "6", "--clients", "2",
+                 "--max-new", "16", "--unloaded", "1", "--compile", "on", "--compile-rows", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert all((r["ok"], r["errors"]) == (6, 0) for (r,) in json.loads(out.read_text()).values())
+    assert "compile=on up to 1 rows" in proc.stdout
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("in-process decoding step compiled (on)"))
+    assert line.count("eager / this: ") == 4  # rows 1, 2, 4, 8
+
+
 def run(rps: float, p99: float, errors: int = 0) -> dict:
     return {"rps": rps, "short_ratio_p99": p99, "later_ratio_p99": p99, "errors": errors, "unloaded": {8: 10, 16: 20},
             "ttft_p50": 1.0, "ttft_p99": 2.0}
@@ -84,6 +97,8 @@ def test_goals_are_marked_at_their_thresholds(rps, p99, errors, marks):
     (["--modes", "base,fast"], "--modes takes base and/or speculative"),
     (["--rounds", "0"], "--rounds must be at least 1"),
     (["--threads", "2", "--clock", "cpu"], "use --clock wall with --threads above 1"),
+    (["--compile-rows", "2"], "--compile-rows takes a count >= 1 with --compile on|auto"),
+    (["--compile", "on", "--compile-rows", "0"], "--compile-rows takes a count >= 1"),
 ])
 def test_bad_arguments_are_refused_by_name(args, says):
     proc = bench("--inprocess", *args)

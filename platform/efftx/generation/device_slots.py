@@ -155,3 +155,18 @@ def slots_for(model, compile: str = "off", batched: bool | None = None, rows: in
             raise _compiled.CompileUnavailable(f"compile='on' but compiled continuous batching cannot run: {reason}")
         _compiled.log.info("compiled continuous batching not used, decoding eagerly: %s", reason)
     return Slots(model, model.max_seq_len, rows, batched=batched)
+
+
+CPU_COMPILE_ROWS = 2  # on a CPU a compiled pass pays for a row or two (see the module docstring)
+
+
+def compile_knobs(compile: str, compile_rows: int | None, device) -> dict:
+    """A scheduler's ``compile`` / ``compile_rows`` on ``device`` (the text app's and the bench's defaults): every
+    pass compiled on a GPU, passes of up to :data:`CPU_COMPILE_ROWS` rows on a CPU; ``compile_rows`` only where
+    something is compiled."""
+    mode = _compiled.CompileOptions(compile).compile
+    if mode == "off":
+        return {"compile": mode}
+    if compile_rows is None and torch.device(device).type != "cuda":
+        compile_rows = CPU_COMPILE_ROWS
+    return {"compile": mode, **({"compile_rows": compile_rows} if compile_rows is not None else {})}

@@ -87,8 +87,8 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from efftx.data.lm_tokenizer import export_codec, same_tokenizer
-from efftx.generation.compiled import CompileOptions
 from efftx.generation.decode import iter_generate
+from efftx.generation.device_slots import compile_knobs
 from efftx.generation.speculative import SpecStats, iter_speculative, iter_speculative_rows
 from efftx.serving import metrics
 from efftx.serving.app_args import TextAppArgs
@@ -215,21 +215,6 @@ def _completion_error(exc: BaseException) -> str:
 
 
 # A replica being replaced (a redeploy onto a new model version, a scale-down) stops taking requests and waits for
-def compile_settings(compile: str, compile_rows: int | None, device: torch.device) -> dict[str, Any]:
-    """The scheduler's ``compile`` / ``compile_rows`` for a replica on ``device``: by default every pass compiled on
-    a GPU, passes of up to 2 rows on a CPU (where a compiled pass loses past a few rows: see
-    :mod:`efftx.generation.device_slots`); ``compile_rows`` only where something is compiled."""
-    mode = CompileOptions(compile).compile
-    if mode == "off":
-        return {"compile": mode}
-    if compile_rows is None and device.type != "cuda":
-        compile_rows = CPU_COMPILE_ROWS
-    return {"compile": mode, **({"compile_rows": compile_rows} if compile_rows is not None else {})}
-
-
-CPU_COMPILE_ROWS = 2
-
-
 # its running ones to finish for up to graceful_shutdown_timeout_s: long CPU generations must not be cut off.
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=32, graceful_shutdown_timeout_s=120,
                   graceful_shutdown_wait_loop_s=0.5)
@@ -286,7 +271,7 @@ class TextGenerator:
             # the one-time costs of a fresh model; speculative with the requests' default gamma, within the limits
             gamma = min(max(GenerateRequest.model_fields["gamma"].default, self.limits.min_gamma),
                         self.limits.max_gamma)
-            compiled = compile_settings(compile, compile_rows, self.device)
+            compiled = compile_knobs(compile, compile_rows, self.device)
             warmed = warm_up(self.target, self.draft, rows=min(int(warm_up_rows), int(max_batch_size)), gamma=gamma,
                              **compiled)
             self.batching.update(warm_up_rows=warmed["rows"], warm_up_s=warmed["seconds"], **compiled)
