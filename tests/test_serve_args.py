@@ -181,6 +181,15 @@ def test_compile_settings_reach_the_replica_and_need_continuous_batching():
     assert compile_knobs("on", 4, gpu) == {"compile": "on", "compile_rows": 4}
 
 
+def test_a_compiled_replica_warms_up_every_bucket_it_compiles():
+    size = text.warm_up_size
+    assert size(16, 32, {"compile": "off"}) == 16 and size(16, 8, {"compile": "off"}) == 8
+    assert size(16, 32, {"compile": "on"}) == 32  # a GPU: every pass compiled, up to the batch's rows
+    assert size(16, 32, {"compile": "auto", "compile_rows": 2}) == 16 and size(1, 32, {"compile": "on",
+                                                                                       "compile_rows": 4}) == 4
+    assert size(0, 32, {"compile": "on"}) == 0  # no warm-up asked for: none
+
+
 def test_an_empty_value_means_not_given():
     """``draft: ""`` or ``batching:`` with no value in YAML: the default, as before."""
     app = build({"target": "/nowhere/target", "draft": "", "dalle": " ", "batching": None, "max_batch_size": "",

@@ -85,7 +85,8 @@ class TextAppArgs(BaseModel):
         "a GPU) for models with dense attention in every layer (:mod:`efftx.generation.device_slots`): ``on`` (an "
         "error naming why where it cannot), ``auto`` (compiled where it can, else eagerly, the reason logged), "
         "``off`` (the default). The tokens are the eager path's. Each replica compiles its graphs as it warms up "
-        "(seconds per graph: one per power-of-two row count and tokens per row)."))
+        "(seconds per graph: one per power-of-two row count and tokens per row; the warm-up then covers every row "
+        "count a compiled pass may take, unless warm_up_rows=0)."))
     compile_rows: int | None = Field(None, gt=0, description=(
         "continuous, with ``compile``: passes over more rows than this run eagerly (default: none on a GPU; 2 on a "
         "CPU, where a compiled pass attends over the whole context and pays for a row or two only)."))

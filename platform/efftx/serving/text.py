@@ -215,6 +215,17 @@ def _completion_error(exc: BaseException) -> str:
 
 
 # A replica being replaced (a redeploy onto a new model version, a scale-down) stops taking requests and waits for
+def warm_up_size(warm_up_rows: int, max_batch_size: int, compiled: dict[str, Any]) -> int:
+    """The rows of a replica's largest warm-up batch: ``warm_up_rows``, at most ``max_batch_size``; with compiled
+    passes at least the most rows a compiled pass may take (``compile_rows``, else ``max_batch_size``), so that
+    every bucket's graph is compiled before requests come (a graph compiled at a request's step would hold every
+    running row for seconds). ``warm_up_rows=0`` warms up nothing."""
+    rows = min(int(warm_up_rows), int(max_batch_size))
+    if rows and compiled.get("compile", "off") != "off":
+        rows = max(rows, min(int(compiled.get("compile_rows") or max_batch_size), int(max_batch_size)))
+    return rows
+
+
 # its running ones to finish for up to graceful_shutdown_timeout_s: long CPU generations must not be cut off.
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=32, graceful_shutdown_timeout_s=120,
                   graceful_shutdown_wait_loop_s=0.5)
@@ -272,8 +283,8 @@ class TextGenerator:
             gamma = min(max(GenerateRequest.model_fields["gamma"].default, self.limits.min_gamma),
                         self.limits.max_gamma)
             compiled = compile_knobs(compile, compile_rows, self.device)
-            warmed = warm_up(self.target, self.draft, rows=min(int(warm_up_rows), int(max_batch_size)), gamma=gamma,
-                             **compiled)
+            warmed = warm_up(self.target, self.draft, rows=warm_up_size(warm_up_rows, max_batch_size, compiled),
+                             gamma=gamma, **compiled)
             self.batching.update(warm_up_rows=warmed["rows"], warm_up_s=warmed["seconds"], **compiled)
             self.scheduler = Scheduler(self.target, self.draft, max_rows=max_batch_size,
                                        admit_wait_s=batch_wait_timeout_s, **(priority or {}), **compiled,
