@@ -137,10 +137,15 @@ def test_compile_on_refuses_a_model_it_cannot_compile_and_auto_decodes_it_eagerl
 
 
 def test_auto_decodes_eagerly_over_the_same_buffers_when_compiling_fails(models, monkeypatch, caplog):
+    """The first pass's compile fails: that pass runs eagerly over the bucket's view, every later one through the
+    eager path of :class:`~efftx.generation.decode.Slots` (its attention kernel), the tokens unchanged."""
     target, draft = models
     monkeypatch.setattr(compiled, "_BROKEN", {})
 
+    tries = []
+
     def broken(fn, device_type):
+        tries.append(fn)
         raise RuntimeError("no compiler today")
 
     monkeypatch.setattr(compiled, "compiled_function", broken)
@@ -149,13 +154,14 @@ def test_auto_decodes_eagerly_over_the_same_buffers_when_compiling_fails(models,
         jobs = run_rounds(scheduler, MIXED[:6])
     assert_alone(target, draft, jobs)
     assert "no compiler today" in caplog.text and compiled._BROKEN
+    assert len(tries) == 1  # after the first failure every pass takes the eager path, no bucket tries again
 
 
 # ---------------------------------------------------------------------------------------------- over HTTP
 def test_a_compiled_app_answers_as_the_library_decodes(ray_cluster, debug_exports):
     """``compile=on``: the replica compiles as it warms up, /models/info says so, and requests of both modes
-    (plain, streamed and concurrent: passes of one to three rows, compiled up to ``compile_rows`` 2) get the
-    library's eager tokens and acceptance."""
+    (plain, streamed and concurrent: passes of one to three rows, compiled up to ``compile_rows`` 2; the default
+    gamma) get the library's eager tokens and acceptance."""
     import json
     from concurrent.futures import ThreadPoolExecutor
 
@@ -177,8 +183,8 @@ def test_a_compiled_app_answers_as_the_library_decodes(ray_cluster, debug_export
         info = requests.get(f"{url}/models/info", timeout=30).json()["batching"]
         assert (info["compile"], info["compile_rows"], info["warm_up_rows"]) == ("on", 2, 2 * (2 + 1))
         target, draft = load_export(debug_exports["target"])[0], load_export(debug_exports["draft"])[0]
-        bodies = [{"prompt": p, "max_new_tokens": 12, "temperature": 1.0, "top_k": 20, "seed": i, "mode": "both",
-                   "gamma": 3} for i, p in enumerate(["x = ", "def f(", "import os"])]
+        bodies = [{"prompt": p, "max_new_tokens": 12, "temperature": 1.0, "top_k": 20, "seed": i, "mode": "both"}
+                  for i, p in enumerate(["x = ", "def f(", "import os"])]  # gamma 5, as the warm-up: no new graph
         with ThreadPoolExecutor(3) as pool:
             answers = list(pool.map(lambda b: requests.post(f"{url}/generate", json=b, timeout=120), bodies))
         for body, res in zip(bodies, answers):
@@ -186,7 +192,7 @@ def test_a_compiled_app_answers_as_the_library_decodes(ray_cluster, debug_export
             got = res.json()["results"]
             prompt = [list(body["prompt"].encode())]
             base = generate(target, prompt, 12, temperature=1.0, top_k=20, seed=body["seed"])[0].tolist()
-            spec, stats = speculative_generate(target, draft, prompt, 12, gamma=3, temperature=1.0, top_k=20,
+            spec, stats = speculative_generate(target, draft, prompt, 12, gamma=5, temperature=1.0, top_k=20,
                                                seed=body["seed"])
             assert got["base"]["text"] == decode_bytes(base)
             assert got["speculative"]["text"] == decode_bytes(spec[0])

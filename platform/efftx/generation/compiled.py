@@ -134,18 +134,17 @@ class DeviceCache:
                                 torch.zeros(batch, capacity, hkv, d, device=device, dtype=dtype), self.lengths)
                        for hkv, d in shapes]
 
+    @classmethod
+    def over(cls, buffers: list[tuple[torch.Tensor, torch.Tensor]], lengths: torch.Tensor) -> "DeviceCache":
+        """A cache over given per-layer (keys, values) buffers (B, capacity, Hkv, D) and (B,) device lengths (views
+        of continuous batching's slots, :mod:`efftx.generation.device_slots`): passes write them in place."""
+        out = cls.__new__(cls)
+        out.capacity, out.lengths = int(buffers[0][0].shape[1]), lengths
+        out.layers = [DeviceKV(k, v, lengths) for k, v in buffers]
+        return out
+
     def tensors(self) -> list[torch.Tensor]:
         return [self.lengths] + [t for layer in self.layers for t in (layer.k, layer.v)]
-
-    def view(self, start: int, stop: int) -> "DeviceCache":
-        """Rows ``start .. stop - 1`` as a cache of their own whose buffers and lengths are views of these (a pass
-        over it writes these in place): continuous batching's steps over a range of slots
-        (:mod:`efftx.generation.device_slots`)."""
-        out = DeviceCache.__new__(DeviceCache)
-        out.capacity = self.capacity
-        out.lengths = self.lengths[start:stop]
-        out.layers = [DeviceKV(layer.k[start:stop], layer.v[start:stop], out.lengths) for layer in self.layers]
-        return out
 
     def offset(self) -> torch.Tensor:
         return self.lengths[:, None]

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from efftx.generation import compiled as _compiled
-from efftx.generation.compiled import CompiledRunner, DeviceCache, DeviceKV, forward_step, mark_static
+from efftx.generation.compiled import CompiledRunner, DeviceCache, forward_step, mark_static
 from efftx.generation.decode import Slots, _SlotRows, splittable
 
 
@@ -73,18 +73,17 @@ class CompiledSlots(Slots):
         """Whether a pass over rows ``start .. start + rows - 1`` runs compiled."""
         size = bucket(rows)
         return (self.compiled and start == 0 and size <= self.slots
-                and (self.max_rows is None or size <= self.max_rows))
+                and (self.max_rows is None or size <= self.max_rows)
+                and self.device.type not in _compiled._BROKEN)  # "auto" after a compile failure: the eager path
 
     def runner(self, size: int) -> CompiledRunner:
         """The compiled step over the first ``size`` slots (built once per bucket and set of buffers)."""
         if size not in self._runners:
-            cache = DeviceCache.__new__(DeviceCache)
-            cache.capacity, cache.lengths = self.capacity, self._lengths[:size]
-            cache.layers = [DeviceKV(layer.k[:size], layer.v[:size], cache.lengths) for layer in self._cache.layers]
+            cache = DeviceCache.over([(layer.k[:size], layer.v[:size]) for layer in self._cache.layers],
+                                     self._lengths[:size])
             if self._cuda_graphs:
                 mark_static(cache)
-            compiled = self.compiled and self.device.type not in _compiled._BROKEN
-            self._runners[size] = CompiledRunner(self.model, cache, compiled, self.mode)
+            self._runners[size] = CompiledRunner(self.model, cache, self.compiled, self.mode)
         return self._runners[size]
 
     def rows(self, start: int, stop: int) -> _SlotRows:
