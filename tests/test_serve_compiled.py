@@ -20,7 +20,7 @@ from efftx.generation.device_slots import CompiledSlots, bucket
 from efftx.serving import continuous
 from efftx.serving.continuous import Job, Scheduler
 
-from test_serve_continuous import GREEDY, HOT, MIXED, assert_alone, lm, run_rounds
+from test_serve_continuous import ADAPTIVE, GREEDY, HOT, MIXED, assert_alone, lm, run_rounds
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
@@ -81,6 +81,44 @@ def test_compiled_passes_give_every_request_its_solo_output(models, passes, poli
         assert max(j.batch_size for j in jobs) > 4  # some passes were past compile_rows
     else:
         assert passes["live_padding"] > 0
+
+
+def test_adaptive_rows_verify_in_one_compiled_shape_and_get_their_solo_output(models, monkeypatch):
+    """Rows with an adaptive gamma draft 1..cap tokens a step: a compiled verify pass feeds cap + 1 tokens whatever
+    the step's longest draft (padding after the drafts, rewound), so an engine has one verify graph per bucket, not
+    one per draft length; tokens, acceptance and per-step draft lengths stay the solo ones."""
+    target, draft = models
+    shapes: dict[int, set[int]] = {}  # target passes: tokens per row
+    real = device_slots._CompiledRows.forward
+
+    def forward(self, tokens):
+        if self.model is target and self.compiles(tokens.shape[0]):
+            shapes.setdefault(tokens.shape[0], set()).add(tokens.shape[1])
+        return real(self, tokens)
+
+    monkeypatch.setattr(device_slots._CompiledRows, "forward", forward)
+    scheduler = Scheduler(target, draft, max_rows=8, short_tokens=0, compile="on", compile_rows=2)
+    jobs = run_rounds(scheduler, ADAPTIVE)
+    assert_alone(target, draft, jobs)
+    assert any(len(set(j.stats.drafted)) > 1 for j in jobs)  # the draft lengths moved
+    caps = {p[6] + 1 for p in ADAPTIVE if p[6]} | {p[5] + 1 for p in ADAPTIVE if not p[6]}
+    assert shapes and all(ts <= caps for ts in shapes.values()), shapes  # per engine its cap + 1 only
+
+
+def test_a_compiled_warm_up_runs_adaptive_requests_through_their_verify_shape(models, monkeypatch):
+    target, draft = models
+    seen = []
+    real = device_slots._CompiledRows.forward
+
+    def forward(self, tokens):
+        if self.model is target:
+            seen.append(tokens.shape[1])
+        return real(self, tokens)
+
+    monkeypatch.setattr(device_slots._CompiledRows, "forward", forward)
+    out = continuous.warm_up(target, draft, rows=2, gamma=3, max_gamma=5, compile="on", compile_rows=2)
+    assert out["rows"] == 3 * (2 + 1)  # base, gamma 3, gamma 3 adaptive up to 5
+    assert {1, 4, 6} <= set(seen)  # base steps, gamma 3's verify, the adaptive verify (cap + 1)
 
 
 def test_a_failing_row_fails_alone_in_compiled_passes(models, monkeypatch):
@@ -181,7 +219,8 @@ def test_a_compiled_app_answers_as_the_library_decodes(ray_cluster, debug_export
                          "compile": "on", "compile_rows": 2, "warm_up_rows": 2}), name="compiled", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         info = requests.get(f"{url}/models/info", timeout=30).json()["batching"]
-        assert (info["compile"], info["compile_rows"], info["warm_up_rows"]) == ("on", 2, 2 * (2 + 1))
+        # base, speculative (gamma 5) and adaptive speculative (cap: the limits' max_gamma): 2 + 1 rows each
+        assert (info["compile"], info["compile_rows"], info["warm_up_rows"]) == ("on", 2, 3 * (2 + 1))
         target, draft = load_export(debug_exports["target"])[0], load_export(debug_exports["draft"])[0]
         bodies = [{"prompt": p, "max_new_tokens": 12, "temperature": 1.0, "top_k": 20, "seed": i, "mode": "both"}
                   for i, p in enumerate(["x = ", "def f(", "import os"])]  # gamma 5, as the warm-up: no new graph

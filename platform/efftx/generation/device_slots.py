@@ -100,6 +100,10 @@ class _CompiledRows(_SlotRows):
         super().__init__(slots, start, stop)
         self._slots = slots
 
+    def compiles(self, rows: int) -> bool:
+        """Whether a pass over the first ``rows`` of this range runs compiled (then its shapes matter)."""
+        return self._slots.wants(self._start, rows)
+
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         slots, (n, t) = self._slots, tokens.shape

@@ -583,7 +583,13 @@ class SpeculativeEngine(_Engine):
             tokens.append(token)
             q.append(dist)
         drafted, q = torch.stack(tokens, 1), torch.stack(q, 1)  # (B, gamma), (B, gamma, V)
-        p = row_probabilities(t_rows.forward(torch.cat([pending[:, None], drafted], 1)), samplings)
+        verify = torch.cat([pending[:, None], drafted], 1)
+        # a compiled verify pass always feeds cap + 1 tokens (padding after the drafts, rewound below: causal
+        # attention keeps them from every real position), so that an adaptive gamma has one graph, not one per length
+        pad = self.cap - gamma if getattr(t_rows, "compiles", lambda n: False)(len(jobs)) else 0
+        if pad:
+            verify = torch.cat([verify, verify.new_zeros(len(jobs), pad)], 1)
+        p = row_probabilities(t_rows.forward(verify)[:, :gamma + 1], samplings)
         # every row's acceptance and last token at once; the host reads one (B, gamma + 2) tensor
         packed = accept_sampled(p, q, drafted, u, last_noise, torch.tensor(own, device=device)).tolist()
         emitted, accepted, keep, tails = [], [], [], []
@@ -594,7 +600,7 @@ class SpeculativeEngine(_Engine):
             keep.append(kept_tokens(n_r, len(out), g))  # tokens the caches keep after pending
             # the draft saw pending + gamma - 1 drafted; a row that keeps all lacks the last one: its next tail
             tails.append(drafts[-1] if keep[-1] == gamma else None)
-        t_rows.rewind([gamma - k for k in keep])  # the target saw pending + gamma drafted tokens
+        t_rows.rewind([gamma + pad - k for k in keep])  # the target saw pending + gamma drafted tokens (+ padding)
         d_rows.rewind([max(gamma - 1 - k, 0) for k in keep])
         return emitted, accepted, keep, tails, own
 
@@ -625,7 +631,7 @@ class SpeculativeEngine(_Engine):
 
 # ---------------------------------------------------------------------------------------------- warm-up
 def warm_up(target, draft=None, *, rows: int = 16, gamma: int | None = None, tokens: int = 4,
-            compile: str = "off", compile_rows: int | None = None) -> dict[str, Any]:
+            compile: str = "off", compile_rows: int | None = None, max_gamma: int | None = None) -> dict[str, Any]:
     """Decode throwaway requests at a replica's start, so that its first real burst does not pay one-time costs.
 
     A freshly loaded model's first batched steps are slower than later ones of the same size (first use of each
@@ -646,16 +652,19 @@ def warm_up(target, draft=None, *, rows: int = 16, gamma: int | None = None, tok
     scheduler = Scheduler(target, draft, max_rows=rows, short_tokens=0, prefill_rows=0, compile=compile,
                           compile_rows=compile_rows)
     batches = [rows >> k for k in range(rows.bit_length())]  # rows, rows // 2, ..., 1
-    for gam in [None] + ([gamma] if draft is not None and gamma else []):
+    kinds = [(None, None)] + ([(gamma, None)] if draft is not None and gamma else [])
+    if draft is not None and gamma and max_gamma:
+        kinds.append((gamma, max_gamma))  # adaptive requests: a batch of their own (with compiled passes: its graphs)
+    for gam, cap in kinds:
         # a prompt and its new tokens (speculative: and gamma) must fit the context: fewer new tokens in a short
         # one, and no warm-up of a mode whose requests cannot fit at all
-        room = target.max_seq_len if gam is None else min(target.max_seq_len, draft.max_seq_len) - gam
+        room = target.max_seq_len if gam is None else min(target.max_seq_len, draft.max_seq_len) - (cap or gam)
         new = min(tokens, room - 1)
         if new < 1:
             continue
         longest = max(1, min(16, room - new))
         for n in batches:
-            jobs = [scheduler.submit(Job([1] * (1 + i % longest), new, Sampling(1.0, 8), i, gam))
+            jobs = [scheduler.submit(Job([1] * (1 + i % longest), new, Sampling(1.0, 8), i, gam, max_gamma=cap))
                     for i in range(n)]
             scheduler.drain()
             for job in jobs:

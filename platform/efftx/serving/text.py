@@ -283,8 +283,10 @@ class TextGenerator:
             gamma = min(max(GenerateRequest.model_fields["gamma"].default, self.limits.min_gamma),
                         self.limits.max_gamma)
             compiled = compile_knobs(compile, compile_rows, self.device)
+            # compiled: adaptive-gamma requests too (their verify pass feeds max_gamma + 1 tokens: a graph of its own)
+            adaptive = self.limits.max_gamma if compiled["compile"] != "off" else None
             warmed = warm_up(self.target, self.draft, rows=warm_up_size(warm_up_rows, max_batch_size, compiled),
-                             gamma=gamma, **compiled)
+                             gamma=gamma, max_gamma=adaptive, **compiled)
             self.batching.update(warm_up_rows=warmed["rows"], warm_up_s=warmed["seconds"], **compiled)
             self.scheduler = Scheduler(self.target, self.draft, max_rows=max_batch_size,
                                        admit_wait_s=batch_wait_timeout_s, **(priority or {}), **compiled,
