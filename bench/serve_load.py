@@ -301,7 +301,7 @@ def inprocess(target, draft, modes: list[str], clients: int, lengths: list[int],
 
     compiled = compiled or {}
     # as a replica starts (one-time costs: on CUDA its kernels' first launches; the compiled passes' graphs)
-    warm_up(target, draft, gamma=5, **compiled)
+    warm_up(target, draft, gamma=5, max_gamma=ADAPTIVE_CAP, **compiled)
     print(f"in-process on {device} ({clock} clock, {threads} torch thread{'s' * (threads > 1)}"
           + (f", compile={compiled['compile']} up to {compiled.get('compile_rows') or 'any number of'} rows"
              if compiled.get("compile", "off") != "off" else "") + f"), {clients} clients, "

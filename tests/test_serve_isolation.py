@@ -82,8 +82,8 @@ def poisoned_deployments(gate: str):
             fault(reqs)
             return super()._speculative_rows([poison(r) for r in reqs])
 
-        def _completion_steps(self, tokens, req, speculative, gamma, stats=None):
-            return super()._completion_steps(tokens, poison(req), speculative, gamma, stats)
+        def _completion_steps(self, tokens, req, stats=None):
+            return super()._completion_steps(tokens, poison(req), stats)
 
     class PoisonedImages(ImageGenerator.func_or_class):
         def _draw(self, reqs):

@@ -388,6 +388,16 @@ class StaticDecoder(CompiledRunner):
         return self._run(decode_step, token)
 
 
+def blocked_reason(model) -> str | None:
+    """Why compiled decoding cannot run ``model`` here: :func:`unsupported_reason`, or an earlier compile failure on
+    its device type (``auto`` does not retry). None when it can."""
+    reason = unsupported_reason(model)
+    device_type = next(model.parameters()).device.type
+    if reason is None and device_type in _BROKEN:
+        reason = f"torch.compile failed earlier on {device_type}: {_BROKEN[device_type]}"
+    return reason
+
+
 def plan(model, compile: str, batch: int, needed: int) -> tuple[StaticDecoder | None, str]:
     """Whether to decode through :class:`StaticDecoder`: (decoder, why) or (None, why eager).
 
@@ -396,10 +406,7 @@ def plan(model, compile: str, batch: int, needed: int) -> tuple[StaticDecoder | 
     mode = CompileOptions(compile).compile
     if mode == "off":
         return None, "compile='off'"
-    reason = unsupported_reason(model)
-    device_type = next(model.parameters()).device.type
-    if reason is None and device_type in _BROKEN:
-        reason = f"torch.compile failed earlier on {device_type}: {_BROKEN[device_type]}"
+    reason = blocked_reason(model)
     if reason is not None:
         if mode == "on":
             raise CompileUnavailable(f"compile='on' but compiled decoding cannot run: {reason}")

@@ -153,6 +153,11 @@ class Rows:
     def lengths(self) -> list[int]:
         return self.caches[0].lengths if self.batched else [c.length for c in self.caches]
 
+    def compiles(self, rows: int) -> bool:
+        """Whether a pass over the first ``rows`` of these rows runs a compiled graph (whose shapes then matter:
+        :mod:`efftx.generation.device_slots`); eager rows never do."""
+        return False
+
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """(B, T) new tokens -> (B, T, V) logits."""

@@ -101,7 +101,6 @@ class _CompiledRows(_SlotRows):
         self._slots = slots
 
     def compiles(self, rows: int) -> bool:
-        """Whether a pass over the first ``rows`` of this range runs compiled (then its shapes matter)."""
         return self._slots.wants(self._start, rows)
 
     @torch.no_grad()
@@ -135,11 +134,7 @@ def eager_reason(model, batched: bool | None = None) -> str | None:
     """Why compiled continuous batching cannot run ``model`` (None when it can)."""
     if not (splittable(model) if batched is None else batched):
         return "its cache cannot be split into rows"
-    reason = _compiled.unsupported_reason(model)
-    device_type = next(model.parameters()).device.type
-    if reason is None and device_type in _compiled._BROKEN:
-        reason = f"torch.compile failed earlier on {device_type}: {_compiled._BROKEN[device_type]}"
-    return reason
+    return _compiled.blocked_reason(model)
 
 
 def slots_for(model, compile: str = "off", batched: bool | None = None, rows: int = 4,

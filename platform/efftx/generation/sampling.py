@@ -50,6 +50,11 @@ def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p
     if is_greedy(temperature):
         return logits.argmax(-1)
     probs = probabilities(logits, temperature, top_k, top_p)
+    return _batch_race(probs, generator)
+
+
+def _batch_race(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """``torch.multinomial(probs, 1, generator=generator)``'s tokens: one noise draw for the whole batch."""
     return race(probs, torch.empty_like(probs).exponential_(generator=generator))
 
 
@@ -83,5 +88,5 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator | None],
     ignore. Unlike ``multinomial``, invalid probabilities (NaN, negative) are not checked: they come from
     :func:`probabilities`, a softmax."""
     if need is None and all(g is None for g in generators):
-        return race(probs, torch.empty_like(probs).exponential_())  # multinomial's one noise draw for the batch
+        return _batch_race(probs, None)
     return race(probs, race_noise(generators, probs.shape[-1], need, probs.device, probs.dtype))

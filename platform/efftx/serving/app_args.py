@@ -26,6 +26,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from efftx.generation.compiled import COMPILE_CHOICES
 from efftx.serving.devices import DEVICES
 from efftx.serving.images import ImageLimits
 from efftx.serving.schemas import Limits
@@ -36,7 +37,8 @@ assert get_args(Device) == DEVICES, "Device and efftx.serving.devices.DEVICES di
 
 PRIORITY = ("short_tokens", "fast_rows", "long_every", "prefill_rows")  # efftx.serving.continuous.Scheduler's knobs, as given
 CONTINUOUS_ONLY = (*PRIORITY, "warm_up_rows", "compile", "compile_rows")  # settings of continuous batching alone
-Compile = Literal["off", "on", "auto"]
+Compile = Literal["auto", "on", "off"]
+assert get_args(Compile) == COMPILE_CHOICES, "Compile and efftx.generation.compiled.COMPILE_CHOICES disagree"
 
 _PATH = ("an export folder or an MLflow registered-model URI (models:/NAME@champion, models:/NAME/VERSION or "
          "models:/NAME/latest)")

@@ -586,7 +586,7 @@ class SpeculativeEngine(_Engine):
         verify = torch.cat([pending[:, None], drafted], 1)
         # a compiled verify pass always feeds cap + 1 tokens (padding after the drafts, rewound below: causal
         # attention keeps them from every real position), so that an adaptive gamma has one graph, not one per length
-        pad = self.cap - gamma if getattr(t_rows, "compiles", lambda n: False)(len(jobs)) else 0
+        pad = self.cap - gamma if t_rows.compiles(len(jobs)) else 0
         if pad:
             verify = torch.cat([verify, verify.new_zeros(len(jobs), pad)], 1)
         p = row_probabilities(t_rows.forward(verify)[:, :gamma + 1], samplings)
@@ -712,7 +712,8 @@ class Scheduler:
                  compile_rows: int | None = None):
         for name, value, least in (("max_rows", max_rows, 1), ("short_tokens", short_tokens, 0),
                                    ("fast_rows", fast_rows, 1), ("long_every", long_every, 1),
-                                   ("max_wait_rounds", max_wait_rounds, 0), ("prefill_rows", prefill_rows, 0)):
+                                   ("max_wait_rounds", max_wait_rounds, 0), ("prefill_rows", prefill_rows, 0),
+                                   *((("compile_rows", compile_rows, 1),) if compile_rows is not None else ())):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         if not admit_wait_s >= 0:
@@ -726,9 +727,6 @@ class Scheduler:
         # torch.set_num_threads (its OpenMP pool starts at the process default, e.g. every core outside Ray)
         self.threads = torch.get_num_threads()
         self.compile = CompileOptions(compile).compile
-        if compile_rows is not None and (isinstance(compile_rows, bool) or not isinstance(compile_rows, int)
-                                         or compile_rows < 1):
-            raise ValueError(f"compile_rows must be an integer >= 1 or None, got {compile_rows!r}")
         self.compile_rows = compile_rows
         self.base = BaseEngine(target, hook, self.compile, compile_rows)
         if draft is not None and self.compile == "on" and eager_reason(draft):  # now, not at the first request

@@ -84,6 +84,10 @@ class GenerateRequest(BaseModel):
         none for a fixed gamma."""
         return {"adaptive_gamma": True, "max_gamma": max_gamma} if self.adaptive_gamma else {}
 
+    def draft_cap(self, max_gamma: int) -> int:
+        """The most tokens a speculative step of this request drafts (its acceptance histogram's last bin)."""
+        return max_gamma if self.adaptive_gamma else self.gamma
+
 
 class ModeResult(BaseModel):
     text: str

@@ -87,7 +87,7 @@ def stream_events(target, draft, prompt: list[int], req: StreamRequest, codec=No
     sampling = {"temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p, "seed": req.seed}
     speculative = req.mode == "speculative"
     adaptive = req.adaptive(max_gamma or req.gamma)
-    stats = SpecStats(gamma=adaptive.get("max_gamma", req.gamma))
+    stats = SpecStats(gamma=req.draft_cap(max_gamma or req.gamma))
     marks = StepMarks(req.mode, codec=codec, prompt=prompt)
     if speculative:
         steps: Iterable[list[int]] = iter_speculative(target, draft, prompt, req.max_new_tokens, gamma=req.gamma,

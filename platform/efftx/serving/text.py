@@ -349,7 +349,7 @@ class TextGenerator:
     def _speculative_rows(self, reqs: list[GenerateRequest]) -> list[ModeResult]:
         first = reqs[0]
         adaptive = first.adaptive(self.limits.max_gamma)
-        row_stats = [SpecStats(gamma=adaptive.get("max_gamma", first.gamma)) for _ in reqs]
+        row_stats = [SpecStats(gamma=first.draft_cap(self.limits.max_gamma)) for _ in reqs]
         out: list[list[int]] = [[] for _ in reqs]
         t0 = time.perf_counter()
         prompts = [self.codec.encode(r.prompt) for r in reqs]
@@ -565,16 +565,15 @@ class TextGenerator:
                     {"prompt": "prompt", "max_new_tokens": "max_new_tokens"}, req.adaptive_gamma)
         return await self._decode(req)
 
-    def _completion_steps(self, tokens: list[int], req: CompletionRequest, speculative: bool, gamma: int,
-                          stats: SpecStats | None = None):
-        """The tokens of each decoding step of a streamed completion (a lazy generator: decoding happens as the
-        response is iterated, in Starlette's thread pool); ``stats``: speculative decoding's acceptance."""
+    def _completion_steps(self, tokens: list[int], req: GenerateRequest, stats: SpecStats | None = None):
+        """The tokens of each decoding step of a streamed completion (``req``: its /generate form; a lazy generator:
+        decoding happens as the response is iterated, in Starlette's thread pool); ``stats``: speculative
+        decoding's acceptance."""
         sampling = {"temperature": req.temperature, "top_p": req.top_p, "seed": req.seed}
-        if speculative:
-            adaptive = {"adaptive_gamma": True, "max_gamma": self.limits.max_gamma} if req.adaptive_gamma else {}
-            return iter_speculative(self.target, self.draft, tokens, req.max_tokens, gamma=gamma, stats=stats,
-                                    **sampling, **adaptive)
-        return ([int(t[0])] for t in iter_generate(self.target, [tokens], req.max_tokens, **sampling))
+        if req.mode == "speculative":
+            return iter_speculative(self.target, self.draft, tokens, req.max_new_tokens, gamma=req.gamma, stats=stats,
+                                    **sampling, **req.adaptive(self.limits.max_gamma))
+        return ([int(t[0])] for t in iter_generate(self.target, [tokens], req.max_new_tokens, **sampling))
 
     @app.post("/v1/completions")
     async def completions(self, req: CompletionRequest):
@@ -618,8 +617,8 @@ class TextGenerator:
 
             return StreamingResponse(chunks(), media_type="text/event-stream")
 
-        stats = SpecStats(gamma=self.limits.max_gamma if req.adaptive_gamma else gamma)
-        steps = with_threads(self._completion_steps(tokens, req, speculative, gamma, stats), self.threads)
+        stats = SpecStats(gamma=gen.draft_cap(self.limits.max_gamma))
+        steps = with_threads(self._completion_steps(tokens, gen, stats), self.threads)
 
         def events():  # a sync generator: Starlette runs it in its thread pool, off the event loop
             decoder = self.codec.decoder(tokens)  # a character may span tokens and steps
