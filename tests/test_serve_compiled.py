@@ -65,7 +65,8 @@ def test_compiled_passes_give_every_request_its_solo_output(models, passes, poli
     runs in a bucket of 4 whose last row is a live slow-lane row (in base decoding, and in speculative decoding's
     draft and verify passes)."""
     target, draft = models
-    knobs = {"short_tokens": 0} if policy == "every_row" else {"short_tokens": 12, "fast_rows": 3, "long_every": 2}
+    knobs = {"short_tokens": 0} if policy == "every_row" else {"short_tokens": 12, "fast_rows": 3, "long_every": 2,
+                                                                  "short_slowdown": 0}
     scheduler = Scheduler(target, draft, max_rows=8, compile="on", compile_rows=4, **knobs)
     assert isinstance(scheduler.base.slots[0], CompiledSlots)
     if policy == "every_row":  # more base rows than compile_rows at once

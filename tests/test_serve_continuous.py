@@ -22,7 +22,7 @@ from efftx.generation.speculative import speculative_generate
 from efftx.models import build as build_model
 from efftx.models.lm import LM
 from efftx.serving import continuous
-from efftx.serving.continuous import Job, Sampling, Scheduler, warm_up
+from efftx.serving.continuous import Job, Sampling, Scheduler, StepCosts, warm_up
 
 from cores import cores_used, needs_two_cores
 
@@ -462,7 +462,7 @@ def test_short_requests_step_every_round_and_long_ones_every_long_every_rounds()
     row and the long row left in the fast lane step every round. Once the short row is gone, every row steps every
     round again. Every row gets exactly its solo tokens and acceptance."""
     target, draft = lm(0), lm(1, 1)
-    scheduler = Scheduler(target, draft, short_tokens=8, fast_rows=2, long_every=3, prefill_rows=0)
+    scheduler = Scheduler(target, draft, short_tokens=8, fast_rows=2, long_every=3, prefill_rows=0, short_slowdown=0)
     plan = [(0, [5, 6, 7], 30, HOT, 1, None, "long"), (0, [9, 9], 60, GREEDY, 2, 3, "spec"),
             (0, [2, 7], 24, NUCLEUS, 5, None, "third"),
             (4, [1, 2, 3], 8, HOT, 3, None, "short"), (5, [4, 4], 20, HOT, 4, None, "late")]
@@ -485,7 +485,7 @@ def test_short_requests_beyond_the_fast_rows_join_it_and_long_arrivals_wait_for_
     for a short row to finish: all three step together. The long arrival, though the round's prefills had room
     for it, waits for the first round in which the slow lane steps (one in three while short requests run)."""
     target, draft = lm(0), lm(1, 1)
-    scheduler = Scheduler(target, draft, short_tokens=8, fast_rows=1, long_every=3, prefill_rows=2)
+    scheduler = Scheduler(target, draft, short_tokens=8, fast_rows=1, long_every=3, prefill_rows=2, short_slowdown=0)
     plan = [(0, [1, 2], 8, HOT, 1, None, "eight"), (0, [3, 4], 6, HOT, 2, None, "six"),
             (0, [5], 7, GREEDY, 3, 2, "seven"), (0, [6, 7], 12, HOT, 4, None, "long")]
     jobs, got, finished = rounds_of(scheduler, plan)
@@ -503,7 +503,8 @@ def test_long_rows_do_not_starve_under_a_stream_of_short_requests():
     ``long_every`` rounds, and a long request queued behind full batches (``max_rows``) is admitted after
     ``max_wait_rounds``; both get their solo tokens."""
     target, draft = lm(0), lm(1, 1)
-    scheduler = Scheduler(target, draft, max_rows=3, short_tokens=4, fast_rows=2, long_every=4, max_wait_rounds=10)
+    scheduler = Scheduler(target, draft, max_rows=3, short_tokens=4, fast_rows=2, long_every=4, max_wait_rounds=10,
+                          short_slowdown=0)
     plan = [(0, [5, 6], 20, HOT, 1, None, "long"), (1, [7], 10, HOT, 2, None, "queued")]
     plan += [(r, [r % 50 + 1, 3], 4, HOT, 100 + r, None, f"s{r}") for r in range(1, 121)]
     jobs, got, finished = rounds_of(scheduler, plan)
@@ -521,7 +522,7 @@ def test_a_burst_of_arrivals_is_prefilled_a_few_rows_per_round_short_ones_first(
     ``prefill_rows=2`` two of them then, in arrival order, and the third in the next such round; with 0, all three
     at once. The short rows step every round meanwhile, and each request gets its solo tokens."""
     target, draft = lm(0), lm(1, 1)
-    scheduler = Scheduler(target, draft, short_tokens=8, long_every=4, prefill_rows=limit)
+    scheduler = Scheduler(target, draft, short_tokens=8, long_every=4, prefill_rows=limit, short_slowdown=0)
     plan = [(0, [5, 6, 7], 20, HOT, 1, None, "long1"), (0, [9, 9], 18, GREEDY, 2, 3, "long2"),
             (0, [1, 2, 3], 8, HOT, 3, None, "short8"), (0, [2, 7], 24, NUCLEUS, 5, None, "long3"),
             (0, [4, 4], 5, HOT, 4, 2, "short5")]
@@ -534,6 +535,109 @@ def test_a_burst_of_arrivals_is_prefilled_a_few_rows_per_round_short_ones_first(
     assert got["short8"][:4] == [0, 0, 1, 2]  # the prefill's token and the step's, then one a round: the later
     # prefills hold no row back
     assert_alone(target, draft, list(jobs.values()))
+
+
+class FakeCosts:
+    """A clock for the scheduler that its hook moves: a step of n rows takes ``step(n)``, a prefill of t prompt
+    tokens ``prefill(t)`` (a GPU's flat costs or a CPU's steep ones, without timing anything)."""
+
+    def __init__(self, step, prefill):
+        self.now, self.step, self.prefill = 0.0, step, prefill
+
+    def clock(self) -> float:
+        return self.now
+
+    def hook(self, kind, jobs) -> None:
+        if all(j.generator is None for j in jobs):  # a prefill: its rows have no generator yet
+            self.now += self.prefill(sum(len(j.prompt) for j in jobs))
+        else:
+            self.now += self.step(len(jobs))
+
+
+def measured_rounds(costs: FakeCosts, slowdown: float, long_every: int = 6):
+    """Three long requests decode; a short one arrives in round 3, a long one in round 4. Returns (the rounds in
+    which each got tokens, the short request's latency on the fake clock, the scheduler)."""
+    target = lm(0)
+    scheduler = Scheduler(target, short_tokens=8, fast_rows=1, long_every=long_every, prefill_rows=2,
+                          short_slowdown=slowdown, clock=costs.clock, hook=costs.hook)
+    plan = {0: [("long1", [5, 6, 7], 30, 1), ("long2", [9, 9], 30, 2), ("long3", [2, 7], 30, 3)],
+            3: [("short", [1, 2, 3], 8, 4)], 4: [("late", [4, 4], 20, 5)]}
+    got: dict[str, list[int]] = {}
+    jobs, done_at = {}, {}
+    with torch.no_grad():
+        for rnd in range(200):
+            for name, prompt, new, seed in plan.get(rnd, []):
+                jobs[name] = scheduler.submit(Job(prompt, new, HOT, seed, tag=(0, prompt, new, HOT, seed, None),
+                                                  on_step=lambda t, a, name=name, rnd=rnd: got.setdefault(name, [])))
+                jobs[name].on_step = lambda t, a, name=name: got.setdefault(name, []).append(scheduler.rounds)
+                jobs[name].on_done = lambda j, name=name: done_at.setdefault(name, costs.now)
+            scheduler.run_once()
+            if rnd > 4 and not scheduler.running and not scheduler._queue:
+                break
+    assert_alone(target, None, list(jobs.values()))
+    return got, done_at["short"] - jobs["short"].clocked, scheduler
+
+
+def test_long_rows_step_beside_short_ones_where_a_step_costs_the_same_at_any_size():
+    """Flat costs (a GPU: a step of any rows, and a prefill, take 1): the short request can afford the long work,
+    so the slow lane steps with the fast one every round and the long arrival is prefilled as it comes, with every
+    row's solo output. Power: with ``short_slowdown=0`` the slow lane waits for ``long_every``."""
+    flat = FakeCosts(lambda rows: 1.0, lambda tokens: 1.0)
+    got, latency, scheduler = measured_rounds(flat, 1.5)
+    short = got["short"]
+    gaps = [b - a for a, b in zip(got["long3"], got["long3"][1:]) if short[0] <= a <= short[-1]]
+    assert gaps and max(gaps) == 1  # the slow-lane row: every round while the short one ran
+    assert got["late"][0] <= 6  # arrived in round 5 (rounds count from 1): prefilled at once or in the next
+    assert scheduler.long_rounds >= len(short) - 2
+    assert latency <= 1.5 * (1 + 7)  # its latency alone: a prefill (its first token) and 7 one-row steps
+    off, _, _ = measured_rounds(FakeCosts(lambda rows: 1.0, lambda tokens: 1.0), 0)
+    assert max(b - a for a, b in zip(off["long3"], off["long3"][1:])) >= 5
+
+
+def test_long_work_waits_while_it_would_make_a_short_request_too_slow():
+    """Steep costs (a CPU: a step costs 1 + rows, a prefill 1 + its tokens): the rounds with long work cost a
+    short request more than its slack, so it gets few of them and finishes within ``short_slowdown`` times its
+    latency alone (by the fake clock); the slow lane still steps every ``long_every`` rounds. Power: with a slack
+    that never binds every round steps every row, and the bound fails."""
+    def steep():
+        return FakeCosts(lambda rows: 1.0 + rows, lambda tokens: 1.0 + tokens)
+
+    alone = (1 + 3) + 7 * 2  # its prefill of 3 tokens (its first token), then 7 steps of one row
+    got, latency, scheduler = measured_rounds(steep(), 1.5, long_every=8)
+    short = got["short"]
+    assert latency <= 1.5 * alone
+    during = [r for r in got["long3"] if short[0] < r <= short[-1]]
+    assert 1 <= len(during) < len(set(short)) - 1  # some long rounds, far from all
+    gaps = [b - a for a, b in zip(got["long3"], got["long3"][1:])]
+    assert max(gaps) <= 8
+    # a slack that never binds (a latency alone taken as unbounded): long work every round, the short one too slow
+    real = StepCosts.unloaded
+    StepCosts.unloaded = lambda self, job: 1e9
+    try:
+        _, wrong, _ = measured_rounds(steep(), 1.5, long_every=8)
+    finally:
+        StepCosts.unloaded = real
+    assert wrong > 1.5 * alone
+
+
+def test_step_costs_estimate_between_and_beyond_what_was_measured():
+    costs = StepCosts(weight=0.5)
+    assert costs.steps.estimate(1) is None and costs.unloaded(Job([1, 2], 4)) is None
+    costs.add_step(4, 3.0, 4)
+    assert costs.steps.estimate(4) == 3.0
+    assert costs.steps.estimate(2) == 1.5  # one size measured: at least proportional below it
+    assert costs.steps.estimate(8) == 6.0  # ... and above it
+    costs.add_step(8, 5.0, 8)
+    assert costs.steps.estimate(6) == 4.0  # between two sizes: on their line
+    assert costs.steps.estimate(1) == 1.5  # below: their line (3 - 0.5 * 3), at least 3 * 1 / 4 = 0.75
+    assert costs.steps.estimate(16) == 9.0  # above: their line
+    costs.add_step(4, 1.0, 4)  # a moving average: 3 + 0.5 * (1 - 3)
+    assert costs.steps.estimate(4) == 2.0
+    costs.prefills.add(10, 2.0)
+    assert costs.unloaded(Job([1] * 10, 4)) == pytest.approx(2.0 + 3 * costs.steps.estimate(1))  # base: the
+    # prefill gives the first token
+    costs.add_step(2, 1.0, 6)  # speculative steps giving 3 tokens a row: a third of the steps
+    assert costs.tokens_per_step == 2.0 and costs.steps_left(5) == 3
 
 
 @pytest.mark.parametrize("kind", ["full", "nsa"])
@@ -594,26 +698,34 @@ def test_warm_up_fits_its_requests_in_a_short_context():
 def test_priority_settings_are_checked_and_reach_the_scheduler(debug_exports):
     target = lm(0)
     for bad in ({"short_tokens": -1}, {"fast_rows": 0}, {"long_every": 0}, {"max_wait_rounds": -2},
-                {"long_every": 2.5}, {"fast_rows": True}, {"prefill_rows": -1}):
+                {"long_every": 2.5}, {"fast_rows": True}, {"prefill_rows": -1}, {"short_slowdown": 0.5},
+                {"short_slowdown": True}, {"short_slowdown": float("nan")}, {"short_slowdown": float("inf")},
+                {"short_slowdown": "2"}):
         name = next(iter(bad))
         with pytest.raises(ValueError, match=name):
             Scheduler(target, **bad)
     from efftx.serving.app_args import TextAppArgs
     from efftx.serving.text import build
 
-    args = TextAppArgs(target="/nowhere/target", short_tokens="4", long_every=2, prefill_rows=0)
-    assert args.priority() == {"short_tokens": 4, "long_every": 2, "prefill_rows": 0}
+    args = TextAppArgs(target="/nowhere/target", short_tokens="4", long_every=2, prefill_rows=0, short_slowdown="2.5")
+    assert args.priority() == {"short_tokens": 4, "long_every": 2, "prefill_rows": 0, "short_slowdown": 2.5}
+    for bad in ("0.5", "-1", "fast"):
+        with pytest.raises(ValueError, match="short_slowdown"):
+            TextAppArgs(target="/nowhere/target", short_slowdown=bad)
+    assert TextAppArgs(target="/nowhere/target", short_slowdown=0).priority() == {"short_slowdown": 0}
     assert build(args)._bound_deployment.init_kwargs["priority"] == args.priority()
     assert "priority" not in build(TextAppArgs(target="/nowhere/target"))._bound_deployment.init_kwargs
     from efftx.serving.text import TextGenerator
 
     cls = TextGenerator.func_or_class
     replica = cls.__new__(cls)
-    init = cls.__init__(replica, debug_exports["target"], priority={"short_tokens": 4, "long_every": 2})
+    init = cls.__init__(replica, debug_exports["target"], priority={"short_tokens": 4, "long_every": 2,
+                                                                   "short_slowdown": 2.5})
     if asyncio.iscoroutine(init):  # @serve.ingress makes the constructor a coroutine
         asyncio.run(init)
     try:  # the replica's scheduler (built outside Serve here) has the settings, the defaults for the others
         assert (replica.scheduler.short_tokens, replica.scheduler.long_every) == (4, 2)
+        assert replica.scheduler.short_slowdown == 2.5
         assert replica.scheduler.fast_rows == Scheduler(target).fast_rows
     finally:
         replica.scheduler.close()

@@ -35,7 +35,7 @@ Batching = Literal["continuous", "static"]
 Device = Literal["auto", "cpu", "cuda"]
 assert get_args(Device) == DEVICES, "Device and efftx.serving.devices.DEVICES disagree"
 
-PRIORITY = ("short_tokens", "fast_rows", "long_every", "prefill_rows")  # efftx.serving.continuous.Scheduler's knobs, as given
+PRIORITY = ("short_tokens", "fast_rows", "long_every", "prefill_rows", "short_slowdown")  # efftx.serving.continuous.Scheduler's knobs, as given
 CONTINUOUS_ONLY = (*PRIORITY, "warm_up_rows", "compile", "compile_rows")  # settings of continuous batching alone
 Compile = Literal["auto", "on", "off"]
 assert get_args(Compile) == COMPILE_CHOICES, "Compile and efftx.generation.compiled.COMPILE_CHOICES disagree"
@@ -75,6 +75,11 @@ class TextAppArgs(BaseModel):
     long_every: int | None = Field(None, gt=0, description=(
         "continuous: while short requests decode or wait, the long ones step, and long arrivals are prefilled, once "
         "every this many rounds (default 16)."))
+    short_slowdown: float | None = Field(None, description=(
+        "continuous: while short requests decode or wait, the long ones also step, and long arrivals are prefilled, "
+        "in the rounds every short request can afford: by the replica's measured step and prefill times it still "
+        "finishes within this many times its latency alone (default 1.5; 0: only every long_every rounds). On a GPU, "
+        "where a step costs about the same at any row count, that is nearly every round."))
     prefill_rows: int | None = Field(None, ge=0, description=(
         "continuous: at most this many waiting requests are prefilled per decoding round, short ones first "
         "(default 2; 0: no limit), so that a burst of arrivals does not stall the running rows for one long round."))
@@ -141,7 +146,14 @@ class TextAppArgs(BaseModel):
             raise ValueError(f"compile_rows: only with compile=on or compile=auto (got compile={self.compile})")
         return self
 
-    def priority(self) -> dict[str, int]:
+    @field_validator("short_slowdown")
+    @classmethod
+    def _slowdown(cls, value: float | None) -> float | None:
+        if value is not None and not (value == 0 or value >= 1):
+            raise ValueError(f"must be 0 (off) or a number >= 1, got {value}")
+        return value
+
+    def priority(self) -> dict[str, int | float]:
         """The continuous-batching priority settings given (the scheduler's defaults for the others)."""
         return {k: getattr(self, k) for k in PRIORITY if getattr(self, k) is not None}
 

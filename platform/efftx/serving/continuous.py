@@ -165,6 +165,7 @@ class Job:
         self.batch_size = 0  # the most rows it shared a step with (itself included)
         self.submitted = time.perf_counter()
         self.queued_round: int | None = None  # the scheduling round that first saw it queued
+        self.clocked: float | None = None  # when it was submitted, on its scheduler's clock
         self.first_token: float | None = None
         self.finished: float | None = None
         self.failure: "RowFailure | None" = None
@@ -459,6 +460,14 @@ class _Engine:
         raise NotImplementedError
 
 
+def _engine_name(of) -> str:
+    """The running batch a job (or an engine) belongs to: ``base``, or speculative with its gamma (and cap)."""
+    gamma, cap = getattr(of, "gamma", None), getattr(of, "max_gamma", None)
+    if gamma is None:
+        return "base"
+    return f"speculative gamma={gamma}" + (f" max_gamma={cap}" if cap is not None else "")
+
+
 def _device(model) -> torch.device:
     return next(model.parameters()).device
 
@@ -471,6 +480,7 @@ class BaseEngine(_Engine):
     def __init__(self, model, hook=None, compile: str = "off", compile_rows: int | None = None):
         super().__init__(hook, [model], splittable(model), compile, compile_rows)
         self.model = model
+        self.name = _engine_name(self)
 
     def _capacity(self, job: Job) -> int:
         return self.model.max_seq_len if self.batched else len(job.prompt) + job.max_new
@@ -519,6 +529,7 @@ class SpeculativeEngine(_Engine):
         super().__init__(hook, [target, draft], splittable(target) and splittable(draft), compile, compile_rows)
         self.target, self.draft, self.gamma = target, draft, gamma
         self.max_gamma = max_gamma  # adaptive rows (:func:`~efftx.generation.speculative.next_gamma`), or None
+        self.name = _engine_name(self)
         self.cap = max_gamma or gamma  # the most tokens a row drafts in one step
 
     def prefill(self, jobs):
@@ -675,6 +686,66 @@ def warm_up(target, draft=None, *, rows: int = 16, gamma: int | None = None, tok
 
 
 # ---------------------------------------------------------------------------------------------- scheduler
+class _Table:
+    """Measured seconds per size (a moving average each, the newest weighing ``weight``) and estimates between and
+    beyond them, a cost growing about linearly in the size (rows of a step, prompt tokens of a prefill)."""
+
+    def __init__(self, weight: float):
+        self.weight = weight
+        self.seconds: dict[int, float] = {}
+
+    def add(self, size: int, seconds: float) -> None:
+        seconds = max(float(seconds), 0.0)
+        old = self.seconds.get(size)
+        self.seconds[size] = seconds if old is None else old + self.weight * (seconds - old)
+
+    def estimate(self, size: int) -> float | None:
+        """The seconds at ``size``: measured, else interpolated between the nearest sizes measured, else
+        extrapolated from the two nearest (never below their line's floor: at least the nearest cost scaled by the
+        sizes' ratio below it, at least the largest cost above it). None before anything was measured."""
+        if not self.seconds:
+            return None
+        if size in self.seconds:
+            return self.seconds[size]
+        points = sorted(self.seconds.items())
+        below = [p for p in points if p[0] < size]
+        above = [p for p in points if p[0] > size]
+        if below and above:
+            (n1, c1), (n2, c2) = below[-1], above[0]
+            return c1 + (c2 - c1) * (size - n1) / (n2 - n1)
+        near = above[:2] if above else below[-2:]
+        (n1, c1) = near[0] if above else near[-1]
+        slope = (near[1][1] - near[0][1]) / (near[1][0] - near[0][0]) if len(near) == 2 else c1 / n1
+        line = c1 + max(slope, 0.0) * (size - n1)
+        return max(line, c1 * size / n1) if above else max(line, c1)
+
+
+class StepCosts:
+    """One engine's measured costs (see :class:`Scheduler`'s *Measured costs*): its steps' seconds per row count,
+    its prefills' per prompt tokens, and the tokens a step gives a row (speculative decoding: its acceptance)."""
+
+    def __init__(self, weight: float = 0.25):
+        self.steps, self.prefills = _Table(weight), _Table(weight)
+        self.weight = weight
+        self.tokens_per_step = 1.0
+
+    def add_step(self, rows: int, seconds: float, tokens: int) -> None:
+        self.steps.add(rows, seconds)
+        if rows:
+            self.tokens_per_step += self.weight * (max(tokens / rows, 1.0) - self.tokens_per_step)
+
+    def unloaded(self, job: "Job") -> float | None:
+        """``job``'s latency alone (its prefill and its steps of one row), None before both were measured. Base
+        decoding's prefill gives the first token."""
+        step, prefill = self.steps.estimate(1), self.prefills.estimate(len(job.prompt))
+        if step is None or prefill is None:
+            return None
+        return prefill + self.steps_left(job.max_new - (not job.speculative)) * step
+
+    def steps_left(self, tokens: int) -> int:
+        return -(-max(tokens, 0) // max(1, int(self.tokens_per_step)))
+
+
 class Scheduler:
     """Continuous batching over a target (and a draft) for one replica; see the module docstring.
 
@@ -694,22 +765,36 @@ class Scheduler:
       (short rows always step there: a short arrival takes a long row's place, or joins beyond). Set it where a
       decoding step's cost stops being nearly flat in its rows (``bench/serve_load.py`` prints the step cost per
       row count);
-    * ``long_every``: while short requests run or wait, the slow lanes step, and long arrivals are prefilled, once
-      every this many rounds (1: every round): a long row in the slow lane is at most about this many times slower
-      than it would be stepped every round, so it cannot starve;
+    * ``short_slowdown``: while short requests run or wait, the slow lanes step with the fast ones, and long
+      arrivals are prefilled, in the rounds where every short request can afford it: where, by the measured costs
+      (below), it still finishes within this many times its latency alone (0: no such rounds, only
+      ``long_every``'s). Where a step's cost hardly grows with its rows (a GPU) that is nearly every round; on a
+      CPU a many-row step costs several one-row steps and the long work mostly waits for ``long_every``;
+    * ``long_every``: and at least once every this many rounds (1: every round): a long row in the slow lane is at
+      most about this many times slower than it would be stepped every round, so it cannot starve;
     * ``max_wait_rounds``: a queued request waits at most this many rounds before it goes ahead of every other;
     * ``prefill_rows``: at most this many queued requests are prefilled in one round (in the order above; 0: no
       limit). A prefill costs several decoding steps' time (its prompt's tokens go through every weight), and
       requests that finish in the same step come back as arrivals together: without a limit, one round could
       prefill a whole burst while every running row waits. Prefilling two rows costs about twice one, so the limit
       spreads bursts at no cost in throughput.
+
+    *Measured costs.* The time of every step and prefill on ``clock`` (default :func:`time.perf_counter`; a pass
+    ends with its tokens read back to the host, so on a GPU this is the device's time) is kept per engine
+    (:class:`StepCosts`: moving averages per row count and per prompt tokens, and a step's tokens per row). A short
+    request's latency alone is estimated as its prefill plus one-row steps; its *slack* is ``short_slowdown`` times
+    that, less the time it has had so far and what its remaining steps (at this round's cost without the long
+    work) and, queued, its prefill will take. The long work of a round (the slow lanes' extra cost over the fast
+    lanes' step, the long arrivals' prefills) runs when it fits in the smallest slack; nothing runs on estimates
+    before the costs it needs were measured.
     """
 
     def __init__(self, target, draft=None, *, max_rows: int = 32, admit_wait_s: float = 0.0,
                  short_tokens: int = 16, fast_rows: int = 4, long_every: int = 16, max_wait_rounds: int = 64,
-                 prefill_rows: int = 2, hook: Callable[[str, list[Job]], None] | None = None,
+                 prefill_rows: int = 2, short_slowdown: float = 1.5,
+                 hook: Callable[[str, list[Job]], None] | None = None,
                  observe: Callable[[str, int], None] | None = None, compile: str = "off",
-                 compile_rows: int | None = None):
+                 compile_rows: int | None = None, clock: Callable[[], float] = time.perf_counter):
         for name, value, least in (("max_rows", max_rows, 1), ("short_tokens", short_tokens, 0),
                                    ("fast_rows", fast_rows, 1), ("long_every", long_every, 1),
                                    ("max_wait_rounds", max_wait_rounds, 0), ("prefill_rows", prefill_rows, 0),
@@ -718,10 +803,14 @@ class Scheduler:
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         if not admit_wait_s >= 0:
             raise ValueError(f"admit_wait_s must be >= 0, got {admit_wait_s!r}")
+        if (isinstance(short_slowdown, bool) or not isinstance(short_slowdown, (int, float))
+                or not (short_slowdown == 0 or 1 <= short_slowdown < float("inf"))):
+            raise ValueError(f"short_slowdown must be 0 (off) or a number >= 1, got {short_slowdown!r}")
         self.target, self.draft = target, draft
         self.max_rows, self.admit_wait_s, self.hook = int(max_rows), float(admit_wait_s), hook
         self.short_tokens, self.fast_rows, self.long_every = short_tokens, fast_rows, long_every
         self.max_wait_rounds, self.prefill_rows = max_wait_rounds, prefill_rows
+        self.short_slowdown, self.clock = float(short_slowdown), clock
         self.observe = observe
         # torch's intra-op threads as the creating thread has them: a new thread does not inherit
         # torch.set_num_threads (its OpenMP pool starts at the process default, e.g. every core outside Ray)
@@ -741,12 +830,15 @@ class Scheduler:
         self.rounds = 0  # scheduling rounds run
         self.moves = 0  # long rows moved from a fast lane to a slow one to make room for short ones
         self._long_round = 0  # the round the slow lanes last stepped
+        self.costs: dict[str, StepCosts] = {}  # per engine (:func:`_engine_name`): measured costs
+        self.long_rounds = 0  # rounds in which the slow lanes stepped beside short rows before long_every said so
 
     # -- the outside (any thread)
     def submit(self, job: Job) -> Job:
         if job.speculative and self.draft is None:
             raise ValueError("speculative decoding needs a draft model")
         job.submitted = time.perf_counter()
+        job.clocked = self.clock()  # the same moment on the scheduler's clock (see *Measured costs*)
         with self._cv:
             self._queue.append(job)
             self._cv.notify()
@@ -868,7 +960,8 @@ class Scheduler:
         with self._cv:
             short_soon = any(self.short(j) for j in self._queue)
         short_soon = short_soon or any(self.short(j) for e in self._engines() for j in e.jobs())
-        long_due = not short_soon or self.rounds - self._long_round >= self.long_every
+        lanes_room, arrivals_room = self._room() if short_soon else (False, False)
+        long_due = not short_soon or arrivals_room or self.rounds - self._long_round >= self.long_every
         taken, moves = self._take(long_due)
         for engine, job in moves:
             self._guarded(engine, engine.move, job, "slow", jobs=[job])
@@ -876,12 +969,16 @@ class Scheduler:
         for engine, lanes in taken.items():
             for lane, jobs in lanes.items():
                 if jobs:
+                    t0 = self.clock()
                     self._guarded(engine, engine.admit, jobs, lane, jobs=jobs)
+                    self._costs(engine.name).prefills.add(sum(len(j.prompt) for j in jobs), self.clock() - t0)
         engines = [e for e in self._engines() if len(e)]
         # the slow lanes step when due, or when no short row runs after all (e.g. the short arrivals failed): then
         # with the fast lane, in one pass of all the rows
-        if long_due or not any(self.short(j) for e in engines for j in e.jobs()):
+        if long_due or lanes_room or not any(self.short(j) for e in engines for j in e.jobs()):
             lanes = ("all",)
+            if short_soon and self.rounds - self._long_round < self.long_every:
+                self.long_rounds += 1
             self._long_round = self.rounds
         else:
             lanes = ("fast",)
@@ -889,13 +986,65 @@ class Scheduler:
             for engine in engines:
                 rows = engine.rows(lane)
                 if rows:
+                    jobs = engine.jobs(lane)
+                    before = sum(len(j.out) for j in jobs)
+                    t0 = self.clock()
                     self._guarded(engine, engine.step, lane)
+                    self._costs(engine.name).add_step(rows, self.clock() - t0, sum(len(j.out) for j in jobs) - before)
                     self.steps += 1
                     if self.observe is not None:
                         _call(self.observe, engine.kind, rows)
         for key in [k for k, e in self.spec.items() if not len(e)]:
             del self.spec[key]
         return self.running
+
+    def _costs(self, name: str) -> StepCosts:
+        return self.costs.setdefault(name, StepCosts())
+
+    def _room(self) -> tuple[bool, bool]:
+        """While short requests run or wait: whether this round has room (``short_slowdown``, see *Measured costs*)
+        for the slow lanes to step with the fast ones, and also for long arrivals' prefills."""
+        if self.short_slowdown == 0:
+            return False, False
+        with self._cv:
+            queued = list(self._queue)
+        # the short arrivals this round prefills join the fast lanes (at most prefill_rows of them)
+        joining: dict[str, int] = {}
+        for job in [j for j in queued if self.short(j) and not j.done][:self.prefill_rows or None]:
+            joining[_engine_name(job)] = joining.get(_engine_name(job), 0) + 1
+        fast_round = extra = 0.0  # this round's steps without the long work, and what stepping every row adds
+        engines = [e for e in self._engines() if len(e)]
+        for name in {e.name for e in engines} | set(joining):
+            engine = next((e for e in engines if e.name == name), None)
+            fast_rows, rows = (engine.rows("fast"), len(engine)) if engine is not None else (0, 0)
+            steps = self._costs(name).steps
+            fast, every = (steps.estimate(n + joining.get(name, 0)) for n in (fast_rows, rows))
+            if fast is None or every is None:
+                return False, False
+            fast_round += fast
+            extra += max(every - fast, 0.0)
+        now, slack = self.clock(), float("inf")
+        for job, waiting in [(j, False) for e in engines for j in e.jobs()] + [(j, True) for j in queued]:
+            if not self.short(job) or job.done:
+                continue
+            costs = self._costs(_engine_name(job))
+            unloaded = costs.unloaded(job)
+            if unloaded is None:
+                return False, False
+            left = costs.steps_left(job.max_new - len(job.out)) * fast_round
+            if waiting:
+                left += costs.prefills.estimate(len(job.prompt))
+            slack = min(slack, self.short_slowdown * unloaded - (now - job.clocked) - left)
+        if extra > slack:
+            return False, False
+        longs = [j for j in queued if not self.short(j) and not j.done][:self.prefill_rows or None]
+        prefill = 0.0
+        for job in longs:
+            one = self._costs(_engine_name(job)).prefills.estimate(len(job.prompt))
+            if one is None:
+                return True, False
+            prefill += one
+        return True, extra + prefill <= slack
 
     @staticmethod
     def _guarded(engine: _Engine, fn, *args, jobs: Sequence[Job] = ()) -> None:

@@ -31,8 +31,9 @@ Endpoints (FastAPI; OpenAPI docs at /docs and /openapi.json):
   stream included, joins at the next decoding step and leaves the moment it has its tokens.
   ``max_batch_size`` (default 32) bounds the rows of a running batch; ``batch_wait_timeout_s`` (default 0) is
   how long the first request of an idle replica waits for others to start with it. Short requests get priority
-  (``short_tokens``, ``fast_rows``, ``long_every``, ``prefill_rows``: the scheduler's knobs). A replica warms up
-  before it takes requests: throwaway batches of ``warm_up_rows`` (default 16), half as many, ..., 1 requests
+  (``short_tokens``, ``fast_rows``, ``long_every``, ``prefill_rows``, ``short_slowdown``: the scheduler's
+  knobs). A replica warms up before it takes requests: throwaway batches of ``warm_up_rows`` (default 16), half
+  as many, ..., 1 requests
   (:func:`efftx.serving.continuous.warm_up`), so its first burst does not pay a fresh model's one-time costs.
   ``compile=on|auto`` runs decoding passes of up to ``compile_rows`` rows compiled (CUDA graphs on a GPU; dense
   models; :mod:`efftx.generation.device_slots`), the graphs compiled as the replica warms up.
@@ -234,7 +235,7 @@ class TextGenerator:
     def __init__(self, target: str, draft: str | None = None, name: str | None = None,
                  limits: dict[str, Any] | None = None, max_batch_size: int | None = None,
                  batch_wait_timeout_s: float | None = None, images=None, image_limits: dict[str, Any] | None = None,
-                 device: str = "auto", batching: str = "continuous", priority: dict[str, int] | None = None,
+                 device: str = "auto", batching: str = "continuous", priority: dict[str, int | float] | None = None,
                  warm_up_rows: int = 16, threads: int = 1, compile: str = "off", compile_rows: int | None = None):
         from efftx.export import load_export, resolve_export
 
