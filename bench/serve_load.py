@@ -415,7 +415,8 @@ def main() -> None:
     p.add_argument("--compile", default="off", choices=["off", "on", "auto"],
                    help="continuous batching's compiled passes (the app's compile; in-process: every policy)")
     p.add_argument("--compile-rows", type=int, default=None,
-                   help="with --compile: passes over more rows run eagerly (default: 2 on a CPU, none on a GPU)")
+                   help="with --compile: passes over more rows run eagerly (default: none; 2 on a CPU without "
+                        "the decode attention kernel)")
     p.add_argument("--clock", default=None, choices=["cpu", "wall"], help="--inprocess: the decoding thread's CPU "
                                                                           "clock (default on cpu) or the wall clock "
                                                                           "(default on cuda)")
@@ -458,7 +459,7 @@ def main() -> None:
     target, draft = load_models(paths, args.device, args.threads)  # in this process: the step costs (and --inprocess)
     floors = step_costs(target, draft, counts, modes)
     compiled = {}
-    if args.compile != "off":  # the app's default rows: every pass on a GPU, 2 rows on a CPU
+    if args.compile != "off":  # the app's default rows: every pass (2 rows on a CPU without the attention kernel)
         from efftx.generation.device_slots import compile_knobs
 
         compiled = compile_knobs(args.compile, args.compile_rows, args.device)

@@ -246,3 +246,108 @@ def test_the_model_hands_rotation_to_the_kernel_and_decodes_as_without_it(monkey
             torch.testing.assert_close(first, theirs.prefill(prompts), rtol=0, atol=1e-5 * first.abs().max().item())
             torch.testing.assert_close(steps[0], theirs.forward(torch.tensor([[1], [2], [3]])), rtol=0,
                                        atol=1e-5 * steps[0].abs().max().item())
+
+
+# ---------------------------------------------------------------------------------------------- compiled decoding
+def device_case(shape, seed: int):
+    """A compiled-decoding cache (DeviceKV: the buffers and a device lengths tensor) with the same content as
+    :func:`case`'s KVCache."""
+    from efftx.generation.compiled import DeviceKV
+
+    q, k_new, v_new, cache = case(seed, *shape)
+    device = DeviceKV(cache.k.clone(), cache.v.clone(), torch.tensor(cache.lengths, dtype=torch.long))
+    return q, k_new, v_new, cache, device
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:6])) + ("c" if s[6] else "n"))
+def test_the_operator_on_a_device_cache_matches_a_float64_softmax(shape):
+    """Compiled decoding's call (``efftx::cpu_decode_attention`` over a DeviceKV, lengths a tensor): the float64
+    reference's output and cache writes, its lengths left for the caller to advance, and the same output as the
+    torch path compiled decoding takes without it (the keys written, attention over the whole capacity)."""
+    from efftx.attention.full import few_query_attention
+
+    q, k_new, v_new, cache, device = device_case(shape, 7 + SHAPES.index(shape))
+    before = list(cache.lengths)
+    want, keys, values = reference(q, k_new, v_new, cache, shape[-1])
+    torch_path = DeviceKVcopy(device)
+    with torch.no_grad():
+        got = dac.attend_device(q, k_new, v_new, device, shape[-1])
+        k, v, mask = torch_path.append_rows(k_new, v_new, shape[-1])
+        plain = few_query_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None])
+    assert got is not None and got.shape == q.shape
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(got, plain.transpose(1, 2), rtol=1e-5, atol=2e-6)
+    assert torch.equal(device.k.double(), keys) and torch.equal(device.v.double(), values)
+    assert device.lengths.tolist() == before  # DeviceCache.advance moves them, once per pass
+
+
+def DeviceKVcopy(device):
+    from efftx.generation.compiled import DeviceKV
+
+    return DeviceKV(device.k.clone(), device.v.clone(), device.lengths.clone())
+
+
+def test_a_compiled_pass_calls_the_operator_and_attends_over_each_rows_own_keys():
+    """Under torch.compile the device cache's pass is the operator (a graph node, no Python), with the eager
+    call's output and writes; keys past a row's length (garbage here) never reach it. With the kernel switched
+    off no operator is traced (the caller's torch path runs instead)."""
+    shape = (5, 3, 2, 3, 16, 40, True)
+    q, k_new, v_new, _, device = device_case(shape, 3)
+    lengths = device.lengths.clone()
+    for r, n in enumerate(lengths.tolist()):  # what lies past each row's keys must not matter
+        device.k[r, n + 3:] = float("nan")
+        device.v[r, n + 3:] = 1e6
+    eager = DeviceKVcopy(device)
+    with torch.no_grad():
+        want = dac.attend_device(q, k_new, v_new, eager, True)
+    assert torch.isfinite(want).all()
+    seen = []
+
+    def backend(gm, inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    def attend(q, k_new, v_new, cache):
+        return dac.attend_device(q, k_new, v_new, cache, True)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(attend, backend=backend, fullgraph=True, dynamic=False)(q, k_new, v_new, device)
+    assert any("cpu_decode_attention" in s for s in seen), seen
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert torch.equal(device.k.nan_to_num(), eager.k.nan_to_num()) and torch.equal(device.v, eager.v)
+    seen.clear()
+    torch._dynamo.reset()
+    with dac.disabled(), torch.no_grad():
+        assert torch.compile(attend, backend=backend, fullgraph=True, dynamic=False)(
+            q, k_new, v_new, DeviceKVcopy(eager)) is None
+    assert not any("cpu_decode_attention" in s for s in seen)
+    torch._dynamo.reset()
+
+
+def test_the_model_over_a_device_cache_attends_through_the_operator(monkeypatch):
+    """Full attention hands a pass over compiled decoding's cache to :func:`attend_device` (every layer, the
+    rotated queries and keys), with the logits of the same pass over an eager KVCache."""
+    from efftx.generation.compiled import new_cache
+
+    model = lm(depth=3)
+    prompt = torch.randint(0, 256, (2, 6))
+    calls = []
+    real = dac.attend_device
+
+    def spy(q, *args):
+        out = real(q, *args)
+        calls.append((tuple(q.shape), out is not None))
+        return out
+
+    monkeypatch.setattr(dac, "attend_device", spy)
+    with torch.no_grad():
+        eager = model.new_cache(2, 64)
+        model(prompt, cache=eager)
+        device = new_cache(model, 2, 64)
+        device.load(eager, [6, 6])
+        step = torch.tensor([[3], [4]])
+        want = model(step, cache=eager)
+        got = model.logits(step, device)
+    assert calls == [((2, 1, model.blocks[0].attention.spec.heads, model.blocks[0].attention.spec.head_dim), True)] * 3
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

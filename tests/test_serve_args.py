@@ -159,8 +159,9 @@ def test_threads_and_cpus_reach_the_replica():
 
 
 def test_compile_settings_reach_the_replica_and_need_continuous_batching():
-    """``compile`` / ``compile_rows``: the scheduler's compiled passes (constructor arguments); the CPU's default
-    row limit is filled in by the replica (``device_slots.compile_knobs``)."""
+    """``compile`` / ``compile_rows``: the scheduler's compiled passes (constructor arguments); the default row
+    limit is filled in by the replica (``device_slots.compile_knobs``): none, or a few rows on a CPU without the
+    decode attention kernel."""
     _, kwargs, _ = bound(serve_run("target=/nowhere/target", "compile=AUTO", "compile_rows=8"))["TextGenerator"]
     assert (kwargs["compile"], kwargs["compile_rows"]) == ("auto", 8) and type(kwargs["compile_rows"]) is int
     _, kwargs, _ = bound(build({"target": "/nowhere/target"}))["TextGenerator"]
@@ -172,11 +173,20 @@ def test_compile_settings_reach_the_replica_and_need_continuous_batching():
             build({"target": "/nowhere/target", **bad})
     import torch
 
+    from efftx.generation import device_slots
     from efftx.generation.device_slots import CPU_COMPILE_ROWS, compile_knobs
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     assert compile_knobs("off", None, cpu) == {"compile": "off"}
-    assert compile_knobs("auto", None, cpu) == {"compile": "auto", "compile_rows": CPU_COMPILE_ROWS}
+    # a CPU with the decode attention kernel (built here): every pass compiled; without it, a few rows
+    assert device_slots.decode_attention_cpu.kernel() is not None
+    assert compile_knobs("auto", None, cpu) == {"compile": "auto"}
+    real = device_slots.decode_attention_cpu.kernel
+    device_slots.decode_attention_cpu.kernel = lambda: None
+    try:
+        assert compile_knobs("auto", None, cpu) == {"compile": "auto", "compile_rows": CPU_COMPILE_ROWS}
+    finally:
+        device_slots.decode_attention_cpu.kernel = real
     assert compile_knobs("on", None, gpu) == {"compile": "on"}  # every pass compiled
     assert compile_knobs("on", 4, gpu) == {"compile": "on", "compile_rows": 4}
 

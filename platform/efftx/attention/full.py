@@ -78,6 +78,11 @@ class FullAttention(AttentionBackend):
             out = decode_attention_cpu.attend(q, k, v, cache, self.spec.causal)  # CPU float32, few tokens per row
             if out is not None:
                 return out
+        if cache is not None and type(cache) is not KVCache and not (self.training and self.spec.dropout):
+            # compiled decoding's cache (DeviceKV): on a CPU the kernel attends over each row's own keys
+            out = decode_attention_cpu.attend_device(q, k, v, cache, self.spec.causal)
+            if out is not None:
+                return out
         if cache is not None:
             k, v, rows = cache.append_rows(k, v, self.spec.causal)  # (B, L, Hkv, D), L = longest row so far
         t_k = k.shape[1]

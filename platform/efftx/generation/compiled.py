@@ -6,8 +6,10 @@ builds position tensors on the host and attends over a key range whose size grow
 * the cache has a fixed capacity (:class:`DeviceCache`): per layer one (B, capacity, Hkv, D) key and value
   buffer, and one (B,) long tensor of row lengths on the device, shared by every layer;
 * a step writes each row's new key/value at its own device position, attends over the whole capacity with a
-  mask built from the device lengths, and adds 1 to the lengths in place: static shapes, and no value read
-  back to the host (capacity is checked on the host from the step count, which the host knows anyway);
+  mask built from the device lengths (on a CPU in float32: the C++ decode attention kernel as an operator, over
+  each row's own keys, :func:`~efftx.kernels.decode_attention_cpu.attend_device`), and adds 1 to the lengths in
+  place: static shapes, and no value read back to the host (capacity is checked on the host from the step count,
+  which the host knows anyway);
 * the step runs the model's own modules (``LM.logits``: embedding, blocks, rotary, norms, head); only the
   layer cache type differs, through the ``append_rows`` / ``offset`` contract that dense attention already
   uses for ragged caches;
@@ -43,7 +45,7 @@ from typing import Callable
 import torch
 
 from efftx.errors import ConfigError, EfftxError
-from efftx.kernels import linear_cpu
+from efftx.kernels import decode_attention_cpu, linear_cpu
 
 log = logging.getLogger(__name__)
 
@@ -272,8 +274,9 @@ class CompiledRunner:
         self.model, self.cache, self.mode = model, cache, mode
         self.device_type = next(model.parameters()).device.type
         self.compiled = compiled
-        if compiled and self.device_type == "cpu":  # its graphs call the few-row linear kernel where it builds
-            linear_cpu.kernel()
+        if compiled and self.device_type == "cpu":  # its graphs call the few-row linear kernel and the decode
+            linear_cpu.kernel()  # attention kernel where they build (loaded before tracing: their operators exist)
+            decode_attention_cpu.kernel()
         self._guarded: set[tuple] = set()  # calls (:func:`_signature`) this runner has run with every guard checked
 
     def _run(self, fn: Callable, tokens: torch.Tensor, *args):

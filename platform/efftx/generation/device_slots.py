@@ -15,9 +15,10 @@ compiled step (:mod:`efftx.generation.compiled`) for models that compiled decodi
   reads it (every position at or past a row's length is masked), and its host length does not move.
 * Passes over more rows than ``max_rows`` (and ranges that do not start at slot 0: a containment retry of one
   row, a slow lane stepped alone) run eagerly, as :class:`~efftx.generation.decode.Slots` runs them, over the
-  same buffers: on a CPU a compiled pass attends over the whole capacity and loses to the eager path's
-  decoding-attention kernel past a few rows (``bench/serve_load.py --compile`` prints both), on a GPU the graphs
-  pay at every size.
+  same buffers. On a CPU a compiled pass calls the C++ decode attention kernel as an operator (each row's own
+  keys, :func:`~efftx.kernels.decode_attention_cpu.attend_device`) and pays at every size (``bench/serve_load.py
+  --compile`` prints both); without the kernel it would attend over the whole capacity and lose past a few rows
+  (:func:`compile_knobs` then keeps to :data:`CPU_COMPILE_ROWS`). On a GPU the graphs pay at every size.
 * The slots grow and shrink as :class:`~efftx.generation.decode.Slots`' do (by powers of two here); the shapes of a
   bucket's views do not depend on how many slots are allocated, so no graph is compiled again (on a GPU a CUDA
   graph is recorded again for the new buffers).
@@ -34,6 +35,7 @@ import torch
 from efftx.generation import compiled as _compiled
 from efftx.generation.compiled import CompiledRunner, DeviceCache, forward_step, mark_static
 from efftx.generation.decode import Slots, _SlotRows, splittable
+from efftx.kernels import decode_attention_cpu
 
 
 def bucket(n: int) -> int:
@@ -155,16 +157,18 @@ def slots_for(model, compile: str = "off", batched: bool | None = None, rows: in
     return Slots(model, model.max_seq_len, rows, batched=batched)
 
 
-CPU_COMPILE_ROWS = 2  # on a CPU a compiled pass pays for a row or two (see the module docstring)
+CPU_COMPILE_ROWS = 2  # on a CPU without the decode attention kernel a compiled pass pays for a row or two only
 
 
 def compile_knobs(compile: str, compile_rows: int | None, device) -> dict:
     """A scheduler's ``compile`` / ``compile_rows`` on ``device`` (the text app's and the bench's defaults): every
-    pass compiled on a GPU, passes of up to :data:`CPU_COMPILE_ROWS` rows on a CPU; ``compile_rows`` only where
-    something is compiled."""
+    pass compiled on a GPU, and on a CPU where the C++ decode attention kernel is built
+    (:func:`~efftx.kernels.decode_attention_cpu.attend_device`: a compiled pass attends over each row's own keys);
+    without it, passes of up to :data:`CPU_COMPILE_ROWS` rows (a compiled pass would attend over the whole
+    capacity). ``compile_rows`` only where something is compiled."""
     mode = _compiled.CompileOptions(compile).compile
     if mode == "off":
         return {"compile": mode}
-    if compile_rows is None and torch.device(device).type != "cuda":
+    if compile_rows is None and torch.device(device).type != "cuda" and decode_attention_cpu.kernel() is None:
         compile_rows = CPU_COMPILE_ROWS
     return {"compile": mode, **({"compile_rows": compile_rows} if compile_rows is not None else {})}

@@ -218,7 +218,27 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new, 
   return out;
 }
 
+// Compiled decoding's call (efftx.generation.compiled: a DeviceKV cache): the rows' lengths before the pass as a
+// (B,) long tensor, q and the new keys already rotated. Registered below as the operator
+// efftx::cpu_decode_attention, which writes the caches k and v in place, so that a graph torch.compile makes calls
+// it and attends over each row's own keys rather than over the cache's whole capacity.
+torch::Tensor attend_lengths(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new, torch::Tensor k,
+                             torch::Tensor v, torch::Tensor lengths, bool causal, double scale) {
+  TORCH_CHECK(lengths.device().is_cpu() && lengths.scalar_type() == at::kLong && lengths.dim() == 1,
+              "decode attention: the row lengths must be a 1-d int64 CPU tensor");
+  const auto l = lengths.contiguous();
+  const int64_t* p = l.data_ptr<int64_t>();
+  return attend(q.contiguous(), k_new.contiguous(), v_new.contiguous(), k, v, std::vector<int64_t>(p, p + l.numel()),
+                causal, scale, c10::nullopt, c10::nullopt);
+}
+
 }  // namespace
+
+TORCH_LIBRARY_FRAGMENT(efftx, m) {
+  m.def("cpu_decode_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) k, Tensor(b!) v, Tensor lengths, "
+        "bool causal, float scale) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(efftx, CPU, m) { m.impl("cpu_decode_attention", &attend_lengths); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend, "write a few new keys/values per row into a cache and attend over it, float32",

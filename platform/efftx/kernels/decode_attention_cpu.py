@@ -47,8 +47,20 @@ def build_name() -> str:
 
 @functools.cache
 def _load():
-    """(module, None) or (None, why it is unavailable); built or loaded once per process."""
-    return load_extension(PREFIX, SOURCE)
+    """(module, None) or (None, why it is unavailable); built or loaded once per process. Loading it also
+    registers the operator ``efftx::cpu_decode_attention`` (and here its shape function) for compiled graphs."""
+    module, why = load_extension(PREFIX, SOURCE)
+    if module is not None:
+        torch.library.register_fake("efftx::cpu_decode_attention")(_shape)
+        _op["ready"] = True
+    return module, why
+
+
+def _shape(q, k_new, v_new, k, v, lengths, causal, scale):
+    return torch.empty_like(q)
+
+
+_op = {"ready": False}  # efftx::cpu_decode_attention is registered (read while torch.compile traces: a constant)
 
 
 @functools.cache
@@ -103,6 +115,27 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, causal: boo
     except Exception:
         cache.lengths = before
         raise
+
+
+def attend_device(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, causal: bool) -> torch.Tensor | None:
+    """:func:`attend` for compiled decoding's cache (:class:`~efftx.generation.compiled.DeviceKV`: the buffers of
+    its capacity, the row lengths a device tensor the pass does not advance): ``q`` / ``k`` already rotated. In a
+    graph torch.compile traces, the operator ``efftx::cpu_decode_attention`` (when the kernel was loaded before
+    tracing), so that the compiled step attends over each row's own keys, not the whole capacity, as the eager
+    path does. None where the kernel does not take the pass: the caller then writes the keys and attends itself."""
+    if not (_state["enabled"] and isinstance(getattr(cache, "lengths", None), torch.Tensor)
+            and q.device.type == "cpu" and q.dtype == torch.float32 and k.dtype == torch.float32
+            and cache.k.dtype == torch.float32 and q.shape[1] <= MAX_QUERIES and cache.k.is_contiguous()
+            and cache.v.is_contiguous() and cache.lengths.device.type == "cpu"
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))):
+        return None
+    if torch.compiler.is_compiling():
+        if not _op["ready"]:
+            return None
+    elif kernel() is None:
+        return None
+    return torch.ops.efftx.cpu_decode_attention(q, k, v, cache.k, cache.v, cache.lengths, causal,
+                                                q.shape[-1] ** -0.5)
 
 
 def build(log_line=print) -> float:

@@ -35,7 +35,8 @@ Batching = Literal["continuous", "static"]
 Device = Literal["auto", "cpu", "cuda"]
 assert get_args(Device) == DEVICES, "Device and efftx.serving.devices.DEVICES disagree"
 
-PRIORITY = ("short_tokens", "fast_rows", "long_every", "prefill_rows", "short_slowdown")  # efftx.serving.continuous.Scheduler's knobs, as given
+# efftx.serving.continuous.Scheduler's knobs, as given
+PRIORITY = ("short_tokens", "fast_rows", "long_every", "prefill_rows", "short_slowdown")
 CONTINUOUS_ONLY = (*PRIORITY, "warm_up_rows", "compile", "compile_rows")  # settings of continuous batching alone
 Compile = Literal["auto", "on", "off"]
 assert get_args(Compile) == COMPILE_CHOICES, "Compile and efftx.generation.compiled.COMPILE_CHOICES disagree"
@@ -95,8 +96,9 @@ class TextAppArgs(BaseModel):
         "(seconds per graph: one per power-of-two row count and tokens per row; the warm-up then covers every row "
         "count a compiled pass may take, unless warm_up_rows=0)."))
     compile_rows: int | None = Field(None, gt=0, description=(
-        "continuous, with ``compile``: passes over more rows than this run eagerly (default: none on a GPU; 2 on a "
-        "CPU, where a compiled pass attends over the whole context and pays for a row or two only)."))
+        "continuous, with ``compile``: passes over more rows than this run eagerly (default: none; 2 on a CPU where "
+        "efftx's C++ decode attention kernel cannot be built, as a compiled pass then attends over the whole context "
+        "and pays for a row or two only)."))
     limits: Limits | None = Field(None, description=(
         "Request limits of the text endpoints (:class:`efftx.serving.schemas.Limits`; unset fields keep their "
         "defaults): a mapping, or its JSON text. GET /openapi.json states them as the bounds of the fields."))
