@@ -283,7 +283,8 @@ def inprocess_load(target, draft, mode: str, knobs: dict, clients: int, lengths:
     return {"ok": len(ok), "errors": len(lengths) - len(ok), "seconds": total, "rps": len(ok) / total,
             "short_ratio_p50": pct(ratios, 0.5) / 1e3, "short_ratio_p99": pct(ratios, 0.99) / 1e3,
             "later_ratio_p99": pct(later, 0.99) / 1e3, "unloaded": alone, "ttft_p50": pct(ttft, 0.5),
-            "ttft_p99": pct(ttft, 0.99), "rows": max((r[4].batch_size for r in ok), default=0)}
+            "ttft_p99": pct(ttft, 0.99), "rows": max((r[4].batch_size for r in ok), default=0),
+            "long_rounds": scheduler.long_rounds, "rounds": scheduler.rounds}
 
 
 def inprocess(target, draft, modes: list[str], clients: int, lengths: list[int], unloaded: int, device: str = "cpu",
@@ -318,7 +319,9 @@ def inprocess(target, draft, modes: list[str], clients: int, lengths: list[int],
                       f"step; short requests' latency / unloaded: p50 {r['short_ratio_p50']:.2f}x, p99 "
                       f"{r['short_ratio_p99']:.2f}x (without the opening burst {r['later_ratio_p99']:.2f}x) "
                       f"(unloaded 8/{SHORT} tokens {r['unloaded'][8]:.0f}/{r['unloaded'][SHORT]:.0f} ms)"
-                      + (f"; first token p50 {r['ttft_p50']:.0f} ms" if clock == "wall" else ""), flush=True)
+                      + (f"; first token p50 {r['ttft_p50']:.0f} ms" if clock == "wall" else "")
+                      + (f"; the slow lanes stepped beside short rows by their slack in {r['long_rounds']} of "
+                         f"{r['rounds']} rounds" if r["long_rounds"] else ""), flush=True)
     print(f"\ngoals (in-process, {clock} clock, continuous batching"
           + (f"; the median over {rounds} rounds" if rounds > 1 else "") + "):")
     for line in goals(runs, modes):
