@@ -283,6 +283,41 @@ def test_the_slots_grow_for_a_burst_and_give_memory_back_when_it_is_gone():
     assert_alone(target, draft, jobs)
 
 
+def test_a_burst_takes_the_slot_caches_an_earlier_one_gave_back_zeroed():
+    """The slots of a burst's batch grow into the caches an earlier batch gave back as it shrank (no new memory),
+    zeroed and empty; a speculative batch dropped when its rows are done gives its target's and draft's caches
+    back too, and the next one decodes in them with every row's solo output. Power: a reused cache not zeroed
+    (its stale NaNs left in place) fails the checks."""
+    from efftx.generation import decode
+
+    target, draft = lm(0), lm(1, 1)
+    scheduler = Scheduler(target, draft, max_rows=16, short_tokens=0, prefill_rows=0)
+    burst = [(0, [i + 1, 7], 3 + i, HOT, 60 + i, None) for i in range(12)]
+    for p in burst:
+        scheduler.submit(Job(p[1], p[2], p[3], p[4], p[5], tag=p))
+    slots = scheduler.base.slots[0]
+    with torch.no_grad():
+        scheduler.drain()
+    kept = decode._FREE_CACHES[target]
+    assert (16, slots.capacity) in kept  # the 16-slot cache the burst grew into, given back as the rows left
+    stale = kept[(16, slots.capacity)]
+    for layer in stale.layers:
+        layer.k.fill_(float("nan"))  # what a reused cache must not show
+    reused = decode.slots_cache(target, 16, slots.capacity)
+    assert reused is stale and all(torch.count_nonzero(t) == 0 for layer in reused.layers for t in (layer.k, layer.v))
+    assert all(layer.lengths == [0] * 16 for layer in reused.layers)
+    decode.give_back(target, reused, slots.capacity)
+    plan = [(0, [i + 2, 5], 4 + i, HOT, 80 + i, 2) for i in range(10)]
+    jobs = [scheduler.submit(Job(p[1], p[2], p[3], p[4], p[5], tag=p)) for p in plan]
+    with torch.no_grad():
+        scheduler.run_once()
+        engine = next(iter(scheduler.spec.values()))
+        assert engine.slots[0]._cache is stale  # the target's slots grew into the kept cache
+        scheduler.drain()
+    assert not scheduler.spec and (16, slots.capacity) in decode._FREE_CACHES[draft]  # dropped: given back
+    assert_alone(target, draft, jobs)
+
+
 # ---------------------------------------------------------------------------------------------- containment
 def test_a_failing_row_fails_alone_and_the_others_keep_their_tokens(monkeypatch):
     """Three culprits share the running batches with valid rows: a seed the generator refuses (422, at its

@@ -995,7 +995,8 @@ class Scheduler:
                     if self.observe is not None:
                         _call(self.observe, engine.kind, rows)
         for key in [k for k, e in self.spec.items() if not len(e)]:
-            del self.spec[key]
+            for slots in self.spec.pop(key).slots:
+                slots.release()
         return self.running
 
     def _costs(self, name: str) -> StepCosts:
