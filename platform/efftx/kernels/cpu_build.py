@@ -65,6 +65,17 @@ def load_extension(prefix: str, source: Path):
         return None, f"{type(exc).__name__}: {(errors or lines)[0] if errors else lines[-1]}"
 
 
+def load_operator(prefix: str, source: Path, op: str, shape, ready: dict):
+    """:func:`load_extension` for a kernel that also registers the operator ``op`` (``"efftx::name"``) as it loads:
+    where it loads, ``shape`` (the operator's fake function, for torch.compile's tracing) is registered and
+    ``ready["ready"]`` set, which a module reads while a graph is traced (a constant there)."""
+    module, why = load_extension(prefix, source)
+    if module is not None:
+        torch.library.register_fake(op)(shape)
+        ready["ready"] = True
+    return module, why
+
+
 def resolve(load, warn_once, unavailable=None):
     """The module ``load()`` gives; where it cannot be built: None, said once through ``warn_once(why)``, or, with
     ``unavailable`` (why -> an exception), that exception raised."""

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from efftx.kernels.cpu_build import build_ahead, load_extension, resolve, switch, switched_off
+from efftx.kernels.cpu_build import build_ahead, load_operator, resolve, switch, switched_off
 from efftx.kernels.cpu_build import build_name as _build_name
 
 SOURCE = Path(__file__).with_name("decode_attention_cpu.cpp")
@@ -49,11 +49,7 @@ def build_name() -> str:
 def _load():
     """(module, None) or (None, why it is unavailable); built or loaded once per process. Loading it also
     registers the operator ``efftx::cpu_decode_attention`` (and here its shape function) for compiled graphs."""
-    module, why = load_extension(PREFIX, SOURCE)
-    if module is not None:
-        torch.library.register_fake("efftx::cpu_decode_attention")(_shape)
-        _op["ready"] = True
-    return module, why
+    return load_operator(PREFIX, SOURCE, "efftx::cpu_decode_attention", _shape, _op)
 
 
 def _shape(q, k_new, v_new, k, v, lengths, causal, scale):

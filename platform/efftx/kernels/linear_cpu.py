@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from efftx.kernels.cpu_build import build_name as _build_name
-from efftx.kernels.cpu_build import build_ahead, load_extension, resolve, switch, switched_off
+from efftx.kernels.cpu_build import build_ahead, load_operator, resolve, switch, switched_off
 
 SOURCE = Path(__file__).with_name("linear_cpu.cpp")
 PREFIX = "efftx_linear_cpu"
@@ -51,11 +51,7 @@ def build_name() -> str:
 def _load():
     """(module, None) or (None, why it is unavailable); built or loaded once per process. Loading it also
     registers the operator ``efftx::cpu_linear`` (and here its shape function) for compiled graphs."""
-    module, why = load_extension(PREFIX, SOURCE)
-    if module is not None:
-        torch.library.register_fake("efftx::cpu_linear")(_shape)
-        _op["ready"] = True
-    return module, why
+    return load_operator(PREFIX, SOURCE, "efftx::cpu_linear", _shape, _op)
 
 
 def _shape(x, w, b):
