@@ -666,13 +666,19 @@ def test_step_costs_estimate_between_and_beyond_what_was_measured():
     assert costs.steps.estimate(6) == 4.0  # between two sizes: on their line
     assert costs.steps.estimate(1) == 1.5  # below: their line (3 - 0.5 * 3), at least 3 * 1 / 4 = 0.75
     assert costs.steps.estimate(16) == 9.0  # above: their line
-    costs.add_step(4, 1.0, 4)  # a moving average: 3 + 0.5 * (1 - 3)
-    assert costs.steps.estimate(4) == 2.0
+    costs.add_step(4, 2.0, 4)  # a moving average: 3 + 0.5 * (2 - 3)
+    assert costs.steps.estimate(4) == 2.5
     costs.prefills.add(10, 2.0)
     assert costs.unloaded(Job([1] * 10, 4)) == pytest.approx(2.0 + 3 * costs.steps.estimate(1))  # base: the
     # prefill gives the first token
     costs.add_step(2, 1.0, 6)  # speculative steps giving 3 tokens a row: a third of the steps
     assert costs.tokens_per_step == 2.0 and costs.steps_left(5) == 3
+    # outliers: a first step that compiled its graph, then ordinary ones; a spike after them
+    costs.add_step(16, 5.0, 16)
+    costs.add_step(16, 0.002, 16)
+    assert costs.steps.estimate(16) == 0.002  # under half the average: the average was the outlier
+    costs.add_step(16, 1.0, 16)
+    assert costs.steps.estimate(16) == pytest.approx(0.002 + 0.5 * 0.002)  # counted as twice the average
 
 
 @pytest.mark.parametrize("kind", ["full", "nsa"])

@@ -688,7 +688,11 @@ def warm_up(target, draft=None, *, rows: int = 16, gamma: int | None = None, tok
 # ---------------------------------------------------------------------------------------------- scheduler
 class _Table:
     """Measured seconds per size (a moving average each, the newest weighing ``weight``) and estimates between and
-    beyond them, a cost growing about linearly in the size (rows of a step, prompt tokens of a prefill)."""
+    beyond them, a cost growing about linearly in the size (rows of a step, prompt tokens of a prefill).
+
+    A pass's time has outliers (a graph compiled at its first call, the machine's other work), which would make
+    every round look unaffordable for many rounds: a sample under half the average replaces it (the average was
+    the outlier), and one over twice the average counts as twice the average."""
 
     def __init__(self, weight: float):
         self.weight = weight
@@ -697,7 +701,10 @@ class _Table:
     def add(self, size: int, seconds: float) -> None:
         seconds = max(float(seconds), 0.0)
         old = self.seconds.get(size)
-        self.seconds[size] = seconds if old is None else old + self.weight * (seconds - old)
+        if old is None or seconds < old / 2:
+            self.seconds[size] = seconds
+        else:
+            self.seconds[size] = old + self.weight * (min(seconds, 2 * old) - old)
 
     def estimate(self, size: int) -> float | None:
         """The seconds at ``size``: measured, else interpolated between the nearest sizes measured, else
