@@ -629,6 +629,45 @@ def test_long_rows_step_beside_short_ones_where_a_step_costs_the_same_at_any_siz
     assert max(b - a for a, b in zip(off["long3"], off["long3"][1:])) >= 5
 
 
+def test_late_short_requests_do_not_hold_back_long_rows_when_stepping_every_row_costs_nothing_more():
+    """Flat steps but prefills of ten steps' time, four short arrivals, one prefilled a round: the last ones are
+    late from the start (no slack), yet stepping every row costs no more than the fast lane alone, so the slow
+    lane still steps every round (the long arrival, whose prefill would cost them, waits). Power: without that
+    exception the slow lane waits for ``long_every``."""
+    target = lm(0)
+
+    def run(negligible):
+        costs = FakeCosts(lambda rows: 1.0, lambda tokens: 10.0)
+        scheduler = Scheduler(target, short_tokens=8, fast_rows=1, long_every=8, prefill_rows=1,
+                              short_slowdown=1.5, clock=costs.clock, hook=costs.hook)
+        plan = {0: [("long1", [5, 6, 7], 30), ("long2", [9, 9], 30)], 2: [("long3", [2, 7], 30)],
+                4: [(f"short{i}", [1, 2, i + 3], 8) for i in range(4)] + [("late", [4, 4], 20)]}
+        got, jobs = {}, {}
+        real = continuous.NEGLIGIBLE
+        continuous.NEGLIGIBLE = negligible
+        try:
+            with torch.no_grad():
+                for rnd in range(300):
+                    for name, prompt, new in plan.get(rnd, []):
+                        job = Job(prompt, new, HOT, len(jobs), tag=(0, prompt, new, HOT, len(jobs), None),
+                                  on_step=lambda t, a, name=name: got.setdefault(name, []).append(scheduler.rounds))
+                        jobs[name] = scheduler.submit(job)
+                    scheduler.run_once()
+                    if rnd > 4 and not scheduler.running and not scheduler._queue:
+                        break
+        finally:
+            continuous.NEGLIGIBLE = real
+        assert_alone(target, None, list(jobs.values()))
+        shorts = [r for i in range(4) for r in got[f"short{i}"]]
+        return [r for r in got["long3"] if min(shorts) <= r <= max(shorts)], got, (min(shorts), max(shorts))
+
+    during, got, (first, last) = run(continuous.NEGLIGIBLE)
+    assert len(during) >= last - first - 1  # the slow-lane row stepped (about) every round of the short ones
+    assert got["late"][0] > first + 2  # the long arrival waited: its prefill would cost the late short ones
+    held, _, (first, last) = run(-1.0)  # no extra cost negligible: the rule without the exception
+    assert len(held) < (last - first) / 2
+
+
 def test_long_work_waits_while_it_would_make_a_short_request_too_slow():
     """Steep costs (a CPU: a step costs 1 + rows, a prefill 1 + its tokens): the rounds with long work cost a
     short request more than its slack, so it gets few of them and finishes within ``short_slowdown`` times its

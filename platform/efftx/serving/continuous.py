@@ -686,6 +686,11 @@ def warm_up(target, draft=None, *, rows: int = 16, gamma: int | None = None, tok
 
 
 # ---------------------------------------------------------------------------------------------- scheduler
+# Stepping every row costs at most this share of the fast lanes' step more (a GPU's flat costs): the lanes step
+# together even when a short request is already late (holding long rows back would hardly help it)
+NEGLIGIBLE = 0.1
+
+
 class _Table:
     """Measured seconds per size (a moving average each, the newest weighing ``weight``) and estimates between and
     beyond them, a cost growing about linearly in the size (rows of a step, prompt tokens of a prefill).
@@ -792,8 +797,10 @@ class Scheduler:
     request's latency alone is estimated as its prefill plus one-row steps; its *slack* is ``short_slowdown`` times
     that, less the time it has had so far and what its remaining steps (at this round's cost without the long
     work) and, queued, its prefill will take. The long work of a round (the slow lanes' extra cost over the fast
-    lanes' step, the long arrivals' prefills) runs when it fits in the smallest slack; nothing runs on estimates
-    before the costs it needs were measured.
+    lanes' step, the long arrivals' prefills) runs when it fits in the smallest slack (the lanes also step together
+    when that costs at most a tenth more than the fast lanes' step, however late a short request is: on a GPU
+    holding the long rows back would not make it faster); nothing runs on estimates before the costs it needs
+    were measured.
     """
 
     def __init__(self, target, draft=None, *, max_rows: int = 32, admit_wait_s: float = 0.0,
@@ -1016,9 +1023,11 @@ class Scheduler:
             return False, False
         with self._cv:
             queued = list(self._queue)
-        # the short arrivals this round prefills join the fast lanes (at most prefill_rows of them)
+        # queued short requests in the order they are prefilled (fewest tokens first); this round's join the fast
+        # lanes (at most prefill_rows of them)
+        shorts = sorted((j for j in queued if self.short(j) and not j.done), key=lambda j: j.max_new)
         joining: dict[str, int] = {}
-        for job in [j for j in queued if self.short(j) and not j.done][:self.prefill_rows or None]:
+        for job in shorts[:self.prefill_rows or None]:
             joining[_engine_name(job)] = joining.get(_engine_name(job), 0) + 1
         fast_round = extra = 0.0  # this round's steps without the long work, and what stepping every row adds
         engines = [e for e in self._engines() if len(e)]
@@ -1031,8 +1040,8 @@ class Scheduler:
                 return False, False
             fast_round += fast
             extra += max(every - fast, 0.0)
-        now, slack = self.clock(), float("inf")
-        for job, waiting in [(j, False) for e in engines for j in e.jobs()] + [(j, True) for j in queued]:
+        now, slack, ahead = self.clock(), float("inf"), 0.0
+        for job, waiting in [(j, False) for e in engines for j in e.jobs()] + [(j, True) for j in shorts]:
             if not self.short(job) or job.done:
                 continue
             costs = self._costs(_engine_name(job))
@@ -1040,10 +1049,11 @@ class Scheduler:
             if unloaded is None:
                 return False, False
             left = costs.steps_left(job.max_new - len(job.out)) * fast_round
-            if waiting:
-                left += costs.prefills.estimate(len(job.prompt))
+            if waiting:  # its prefill, after those of the short requests before it
+                ahead += costs.prefills.estimate(len(job.prompt))
+                left += ahead
             slack = min(slack, self.short_slowdown * unloaded - (now - job.clocked) - left)
-        if extra > slack:
+        if extra > slack and extra > NEGLIGIBLE * fast_round:
             return False, False
         longs = [j for j in queued if not self.short(j) and not j.done][:self.prefill_rows or None]
         prefill = 0.0
