@@ -734,7 +734,8 @@ class _Table:
 
 class StepCosts:
     """One engine's measured costs (see :class:`Scheduler`'s *Measured costs*): its steps' seconds per row count,
-    its prefills' per prompt tokens, and the tokens a step gives a row (speculative decoding: its acceptance)."""
+    its prefills' per prompt tokens (rows times the longest prompt), and the tokens a step gives a row
+    (speculative decoding: its acceptance)."""
 
     def __init__(self, weight: float = 0.25):
         self.steps, self.prefills = _Table(weight), _Table(weight)
@@ -985,7 +986,9 @@ class Scheduler:
                 if jobs:
                     t0 = self.clock()
                     self._guarded(engine, engine.admit, jobs, lane, jobs=jobs)
-                    self._costs(engine.name).prefills.add(sum(len(j.prompt) for j in jobs), self.clock() - t0)
+                    # keyed by the tokens it ran: the rows' prompts right-padded to the longest
+                    self._costs(engine.name).prefills.add(len(jobs) * max(len(j.prompt) for j in jobs),
+                                                          self.clock() - t0)
         engines = [e for e in self._engines() if len(e)]
         # the slow lanes step when due, or when no short row runs after all (e.g. the short arrivals failed): then
         # with the fast lane, in one pass of all the rows
