@@ -11,6 +11,7 @@ row.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 
 import pytest
@@ -692,6 +693,21 @@ def test_long_work_waits_while_it_would_make_a_short_request_too_slow():
     finally:
         StepCosts.unloaded = real
     assert wrong > 1.5 * alone
+
+
+def test_a_failing_cost_estimate_leaves_the_long_rows_to_long_every(monkeypatch, caplog):
+    """The measured-cost rule raising (a bug, a clock gone wrong) costs only its rounds' long work: every request
+    still gets its solo output, the slow lane steps every ``long_every`` rounds, and the log says why."""
+    def broken(self):
+        raise ArithmeticError("no estimate today")
+
+    monkeypatch.setattr(Scheduler, "_room", broken)
+    flat = FakeCosts(lambda rows: 1.0, lambda tokens: 1.0)
+    with caplog.at_level(logging.ERROR, logger="ray.serve"):
+        got, _, scheduler = measured_rounds(flat, 1.5)
+    assert "no estimate today" in caplog.text and scheduler.long_rounds == 0
+    short = got["short"]
+    assert len([r for r in got["long3"] if short[0] < r <= short[-1]]) <= 2
 
 
 def test_step_costs_estimate_between_and_beyond_what_was_measured():

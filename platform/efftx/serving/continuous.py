@@ -975,7 +975,7 @@ class Scheduler:
         with self._cv:
             short_soon = any(self.short(j) for j in self._queue)
         short_soon = short_soon or any(self.short(j) for e in self._engines() for j in e.jobs())
-        lanes_room, arrivals_room = self._room() if short_soon else (False, False)
+        lanes_room, arrivals_room = self._safe_room() if short_soon else (False, False)
         long_due = not short_soon or arrivals_room or self.rounds - self._long_round >= self.long_every
         taken, moves = self._take(long_due)
         for engine, job in moves:
@@ -1018,6 +1018,14 @@ class Scheduler:
 
     def _costs(self, name: str) -> StepCosts:
         return self.costs.setdefault(name, StepCosts())
+
+    def _safe_room(self) -> tuple[bool, bool]:
+        """:meth:`_room`; should it fail, no room (``long_every`` alone): a policy's estimate never stops decoding."""
+        try:
+            return self._room()
+        except Exception:  # noqa: BLE001 - logged; the round goes on without the long work
+            logger.exception("continuous batching: the measured-cost estimate failed; long rows wait for long_every")
+            return False, False
 
     def _room(self) -> tuple[bool, bool]:
         """While short requests run or wait: whether this round has room (``short_slowdown``, see *Measured costs*)
