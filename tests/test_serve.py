@@ -58,6 +58,20 @@ def test_models_info_names_the_device_and_the_batching(server):
     assert info["threads"] == 1  # the replica's torch threads (the default)
 
 
+def test_models_info_reports_the_schedulers_measured_costs(server):
+    """After a request of each mode, the continuous-batching scheduler's measured step and prefill times per running
+    batch: positive milliseconds per row count and per prompt tokens."""
+    r = post(f"{server}/generate", json={"prompt": "abc", "max_new_tokens": 6, "temperature": 0, "mode": "both",
+                                        "gamma": 2})
+    assert r.status_code == 200, r.text
+    costs = requests.get(f"{server}/models/info", timeout=30).json()["costs"]
+    assert {"base", "speculative gamma=2"} <= set(costs)
+    for batch in ("base", "speculative gamma=2"):
+        assert costs[batch]["step_ms"]["1"] > 0 and costs[batch]["prefill_ms"]
+        assert all(ms > 0 for ms in costs[batch]["prefill_ms"].values())
+    assert costs["base"]["tokens_per_step"] == 1.0 and costs["speculative gamma=2"]["tokens_per_step"] >= 1.0
+
+
 def test_generate_both_modes_greedy_agree(server):
     r = post(f"{server}/generate", json={"prompt": "def foo(", "max_new_tokens": 24, "temperature": 0,
                                         "mode": "both", "gamma": 3})

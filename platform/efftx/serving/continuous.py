@@ -1019,6 +1019,18 @@ class Scheduler:
     def _costs(self, name: str) -> StepCosts:
         return self.costs.setdefault(name, StepCosts())
 
+    def measured(self) -> dict[str, dict]:
+        """The measured costs per running batch (any thread: dict copies are atomic): ``step_ms`` per row count,
+        ``prefill_ms`` per prompt tokens, ``tokens_per_step``; batches not measured yet are left out."""
+        out = {}
+        for name, costs in list(self.costs.items()):
+            steps, prefills = dict(costs.steps.seconds), dict(costs.prefills.seconds)
+            if steps or prefills:
+                out[name] = {"step_ms": {str(n): round(s * 1e3, 3) for n, s in sorted(steps.items())},
+                             "prefill_ms": {str(n): round(s * 1e3, 3) for n, s in sorted(prefills.items())},
+                             "tokens_per_step": round(costs.tokens_per_step, 3)}
+        return out
+
     def _safe_room(self) -> tuple[bool, bool]:
         """:meth:`_room`; should it fail, no room (``long_every`` alone): a policy's estimate never stops decoding."""
         try:

@@ -169,6 +169,9 @@ class ModelsInfo(BaseModel):
     batching: dict[str, int | float | str | bool] | None = None  # mode (continuous | static), max_batch_size, ...
     replica: dict[str, str] | None = None  # the replica that answered: its Serve id and its Ray node id
     threads: int | None = None  # torch's intra-op threads in the replica's decoding threads
+    # continuous batching, per running batch (base, speculative gamma=...): its measured step times in ms per row
+    # count, prefill times in ms per prompt tokens, tokens a step gives a row (efftx.serving.continuous.StepCosts)
+    costs: dict[str, dict[str, dict[str, float] | float]] | None = None
 
 
 class CompletionRequest(BaseModel):

@@ -539,13 +539,15 @@ class TextGenerator:
 
     @app.get("/models/info", response_model=ModelsInfo)
     async def models_info(self) -> ModelsInfo:
-        """The loaded models (source, MLflow name and version, recipe, parameter count) and the request limits."""
+        """The loaded models (source, MLflow name and version, recipe, parameter count), the request limits, the
+        batching settings and, with continuous batching, the scheduler's measured step and prefill times."""
         info = await self.image_info()
         return ModelsInfo(name=self.name, speculative=self.draft is not None, images=info is not None,
                           models=self.model_cards + ([image_card(info)] if info else []),
                           limits=dataclasses.asdict(self.limits),
                           image_limits=self.image_limits.model_dump() if info else None, batching=self.batching,
-                          replica=self.replica, threads=self.threads)
+                          replica=self.replica, threads=self.threads,
+                          costs=self.scheduler.measured() if self.scheduler is not None else None)
 
     @app.post("/generate/stream")
     async def generate_stream(self, req: StreamRequest) -> StreamingResponse:
