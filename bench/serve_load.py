@@ -2,13 +2,15 @@
 
     python bench/serve_load.py [--clients 16] [--requests 64] [--modes base,speculative] [--rounds 1]
                                [--target PATH --draft PATH | --size small|debug] [--quick] [--device cpu|cuda]
+                               [--short-slowdown X]
     python bench/serve_load.py --inprocess [--device cpu|cuda] [--clock cpu|wall] [--threads N] [--adaptive-gamma]
                                [--compile off|on|auto] [--compile-rows N] [the load options]
 
 Starts a local Ray cluster and Serve on 127.0.0.1 and deploys the text app several ways, one after another, in
 one run: ``unbatched`` (``batching=static``, ``max_batch_size=1``), ``static`` (``@serve.batch``, 8 per batch),
 ``fifo`` (continuous batching without priority: ``short_tokens=0``, every row in every step) and ``continuous``
-(iteration-level scheduling with its default priority to short requests). Without ``--target``/``--draft`` it
+(iteration-level scheduling with its default priority to short requests; ``--short-slowdown`` sets its
+measured-cost knob). Without ``--target``/``--draft`` it
 exports randomly initialised ``spec_{target,draft}_{size}`` models itself (the load, not the text, is measured;
 ``debug`` models get a 256-token context so that 128 new tokens fit) and says so.
 
@@ -284,12 +286,12 @@ def inprocess_load(target, draft, mode: str, knobs: dict, clients: int, lengths:
             "short_ratio_p50": pct(ratios, 0.5) / 1e3, "short_ratio_p99": pct(ratios, 0.99) / 1e3,
             "later_ratio_p99": pct(later, 0.99) / 1e3, "unloaded": alone, "ttft_p50": pct(ttft, 0.5),
             "ttft_p99": pct(ttft, 0.99), "rows": max((r[4].batch_size for r in ok), default=0),
-            "long_rounds": scheduler.long_rounds, "rounds": scheduler.rounds}
+            "long_rounds": scheduler.long_rounds, "rounds": scheduler.rounds, "knobs": knobs}
 
 
 def inprocess(target, draft, modes: list[str], clients: int, lengths: list[int], unloaded: int, device: str = "cpu",
               clock: str = "cpu", rounds: int = 1, timeout: float = 300.0, threads: int = 1,
-              compiled: dict | None = None) -> dict:
+              compiled: dict | None = None, continuous: dict | None = None) -> dict:
     """``--inprocess``: the same closed-loop load on the scheduler itself (no HTTP, no Ray: torch alone), for each
     of :data:`POLICIES`, the policies alternated round after round. ``clock="cpu"``: timed on the decoding
     thread's CPU clock (a request's "latency" is the CPU time the decoding thread spent from its submission to
@@ -297,7 +299,8 @@ def inprocess(target, draft, modes: list[str], clients: int, lengths: list[int],
     wall clock (on CUDA, where the device's time is not the thread's). Prints per mode and policy the load's
     seconds (the throughput), the short requests' latency over their unloaded latency, the most rows a request
     shared a step with, then the goals as the HTTP load does. ``compiled``: every policy's ``compile`` /
-    ``compile_rows`` (default: eager). Returns the figures per (policy, mode)."""
+    ``compile_rows`` (default: eager); ``continuous``: more knobs of the ``continuous`` policy
+    (``--short-slowdown``). Returns the figures per (policy, mode)."""
     from efftx.serving.continuous import warm_up
 
     compiled = compiled or {}
@@ -311,8 +314,9 @@ def inprocess(target, draft, modes: list[str], clients: int, lengths: list[int],
     for rnd in range(rounds):
         for mode in modes:
             for name, knobs in POLICIES:
-                r = inprocess_load(target, draft, mode, {**knobs, **compiled}, clients, lengths, unloaded, clock,
-                                   timeout)
+                extra = (continuous or {}) if name == "continuous" else {}
+                r = inprocess_load(target, draft, mode, {**knobs, **compiled, **extra}, clients, lengths, unloaded,
+                                   clock, timeout)
                 runs.setdefault((name, mode), []).append(r)
                 print(f"  {f'round {rnd + 1}: ' if rounds > 1 else ''}{mode:<12}{name:<11} {clock} seconds "
                       f"{r['seconds']:6.2f} ({r['rps']:6.2f} req/s), errors {r['errors']}, up to {r['rows']} rows a "
@@ -420,6 +424,9 @@ def main() -> None:
     p.add_argument("--compile-rows", type=int, default=None,
                    help="with --compile: passes over more rows run eagerly (default: none; 2 on a CPU without "
                         "the decode attention kernel)")
+    p.add_argument("--short-slowdown", type=float, default=None,
+                   help="the continuous configuration's short_slowdown (the scheduler's measured-cost priority; "
+                        "default: the scheduler's, 1.5; 0: only long_every)")
     p.add_argument("--clock", default=None, choices=["cpu", "wall"], help="--inprocess: the decoding thread's CPU "
                                                                           "clock (default on cpu) or the wall clock "
                                                                           "(default on cuda)")
@@ -435,6 +442,8 @@ def main() -> None:
     if args.compile_rows is not None and (args.compile == "off" or args.compile_rows < 1):
         p.error(f"--compile-rows takes a count >= 1 with --compile on|auto, got {args.compile_rows} with --compile "
                 f"{args.compile}")
+    if args.short_slowdown is not None and not (args.short_slowdown == 0 or 1 <= args.short_slowdown < float("inf")):
+        p.error(f"--short-slowdown takes 0 (off) or a number >= 1, got {args.short_slowdown}")
     if args.clock == "cpu" and args.threads > 1:
         p.error("--clock cpu counts the decoding thread alone, not the threads it spreads a product over: use "
                 "--clock wall with --threads above 1")
@@ -447,6 +456,8 @@ def main() -> None:
     if args.quick:
         args.clients, args.requests, args.max_new, args.unloaded = 8, 24, 48, 3
     configs = [(name, cfg) for name, cfg in CONFIGS if name in args.configs.split(",")]
+    slowdown = {} if args.short_slowdown is None else {"short_slowdown": args.short_slowdown}
+    configs = [(name, {**cfg, **slowdown} if name == "continuous" else cfg) for name, cfg in configs]
 
     if args.target:
         paths = {"target": args.target, **({"draft": args.draft} if args.draft else {})}
@@ -474,7 +485,7 @@ def main() -> None:
         if compiled:
             print_step_costs(every, floors, f" compiled ({args.compile}) at every row count")
         write_json(args.json, inprocess(target, draft, modes, args.clients, lengths, args.unloaded, args.device,
-                                        args.clock, args.rounds, args.timeout, args.threads, compiled))
+                                        args.clock, args.rounds, args.timeout, args.threads, compiled, slowdown))
         return
     del target, draft  # the replicas load their own
     import ray

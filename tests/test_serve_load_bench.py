@@ -62,12 +62,16 @@ def test_the_inprocess_load_runs_with_torch_alone_and_marks_the_goals(tmp_path):
 
 def test_the_inprocess_load_runs_compiled_passes_with_torch_alone(tmp_path):
     """``--compile on``: every policy's scheduler compiles its passes (here up to 1 row), and the step costs compiled
-    at every row count are printed beside the eager ones."""
+    at every row count are printed beside the eager ones; ``--short-slowdown`` reaches the continuous policy alone."""
     out = tmp_path / "figures.json"
     proc = bench("--inprocess", "--size", "debug", "--modes", "base", "--requests", "6", "--clients", "2",
-                 "--max-new", "16", "--unloaded", "1", "--compile", "on", "--compile-rows", "1", "--json", str(out))
+                 "--max-new", "16", "--unloaded", "1", "--compile", "on", "--compile-rows", "1", "--short-slowdown",
+                 "0", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert all((r["ok"], r["errors"]) == (6, 0) for (r,) in json.loads(out.read_text()).values())
+    runs = json.loads(out.read_text())
+    assert all((r["ok"], r["errors"]) == (6, 0) for (r,) in runs.values())
+    assert runs["continuous/base"][0]["knobs"]["short_slowdown"] == 0 and runs["continuous/base"][0]["long_rounds"] == 0
+    assert all("short_slowdown" not in runs[f"{p}/base"][0]["knobs"] for p in ("unbatched", "fifo"))
     assert "compile=on up to 1 rows" in proc.stdout
     line = next(x for x in proc.stdout.splitlines() if x.startswith("in-process decoding step compiled (on)"))
     assert line.count("eager / this: ") == 4  # rows 1, 2, 4, 8
@@ -99,6 +103,7 @@ def test_goals_are_marked_at_their_thresholds(rps, p99, errors, marks):
     (["--threads", "2", "--clock", "cpu"], "use --clock wall with --threads above 1"),
     (["--compile-rows", "2"], "--compile-rows takes a count >= 1 with --compile on|auto"),
     (["--compile", "on", "--compile-rows", "0"], "--compile-rows takes a count >= 1"),
+    (["--short-slowdown", "0.5"], "--short-slowdown takes 0 (off) or a number >= 1"),
 ])
 def test_bad_arguments_are_refused_by_name(args, says):
     proc = bench("--inprocess", *args)
