@@ -10,8 +10,8 @@ Starts a local Ray cluster and Serve on 127.0.0.1 and deploys the text app sever
 one run: ``unbatched`` (``batching=static``, ``max_batch_size=1``), ``static`` (``@serve.batch``, 8 per batch),
 ``fifo`` (continuous batching without priority: ``short_tokens=0``, every row in every step) and ``continuous``
 (iteration-level scheduling with its default priority to short requests; ``--short-slowdown`` sets its
-measured-cost knob). Without ``--target``/``--draft`` it
-exports randomly initialised ``spec_{target,draft}_{size}`` models itself (the load, not the text, is measured;
+measured-cost knob). Without ``--target``/``--draft`` it exports randomly initialised
+``spec_{target,draft}_{size}`` models itself (the load, not the text, is measured;
 ``debug`` models get a 256-token context so that 128 new tokens fit) and says so.
 
 For each configuration and mode (base, speculative with gamma 5):
