@@ -35,7 +35,9 @@ Sections (each row: pass / FAIL / skip with the reason, and its figures):
   on the wall clock, its goals (requests/s >= 3x unbatched, short requests' p99 <= 2x unloaded, no errors) marked
   met or not: torch alone (no Ray, no HTTP), so it runs on a bare GPU image. Then the same with compiled passes
   (``--compile on --quick``: CUDA graphs per power-of-two row count, 8 clients), the compiled step costs beside
-  the eager ones (``OUT/serveload-compiled.log``).
+  the eager ones (``OUT/serveload-compiled.log``), and base decoding with the fixed priority lanes alone
+  (``--short-slowdown 0 --quick``: what the scheduler's measured costs change on the GPU,
+  ``OUT/serveload-fixed-lanes.log``).
 * ``serve``: the Serve app on the device: ``/generate`` in both modes and ``/images/generate`` answered, and
   ``/models/info`` naming the device.
 
@@ -400,9 +402,14 @@ def check_serveload(args, out: Path) -> list[Row]:
     rows = bench_section("serveload", "bench/serve_load.py --inprocess --device cuda",
                          cmd + (["--quick"] if args.quick else []), args, out)
     # then with compiled passes (CUDA graphs per power-of-two row count; 8 clients keep the graphs to 1..8 rows)
-    return rows + bench_section("serveload", "bench/serve_load.py --inprocess --device cuda --compile on --quick",
-                                ["bench/serve_load.py", "--inprocess", "--device", "cuda", "--compile", "on",
-                                 "--quick", "--rounds", "1"], args, out, log="serveload-compiled")
+    rows += bench_section("serveload", "bench/serve_load.py --inprocess --device cuda --compile on --quick",
+                          ["bench/serve_load.py", "--inprocess", "--device", "cuda", "--compile", "on", "--quick",
+                           "--rounds", "1"], args, out, log="serveload-compiled")
+    # and base decoding with the fixed lanes alone (short_slowdown=0): what the measured costs change on this device
+    return rows + bench_section("serveload", "bench/serve_load.py --inprocess --device cuda --short-slowdown 0",
+                                ["bench/serve_load.py", "--inprocess", "--device", "cuda", "--short-slowdown", "0",
+                                 "--modes", "base", "--quick", "--rounds", "1"], args, out,
+                                log="serveload-fixed-lanes")
 
 
 # ------------------------------------------------------------------------------------------------ serve
