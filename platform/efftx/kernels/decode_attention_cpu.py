@@ -10,8 +10,10 @@ query over exactly the keys it may see, in one call per layer.
 
 :func:`attend` takes the calls it is for (:func:`takes`): float32 tensors on a CPU, a
 :class:`~efftx.attention.cache.KVCache` whose buffers are contiguous, at most :data:`MAX_QUERIES` new tokens per
-row, no autograd graph to record (training never reaches it: it has no cache), outside ``torch.compile`` (compiled
-decoding has its own fixed-shape path). Rows of equal and of different lengths alike go through it, so a row's
+row, no autograd graph to record (training never reaches it: it has no cache), outside ``torch.compile``.
+Compiled decoding's fixed-shape cache (a DeviceKV: the row lengths a tensor) goes through :func:`attend_device`,
+the same kernel as the operator ``efftx::cpu_decode_attention``, which a compiled graph calls. Rows of equal and of
+different lengths alike go through it, so a row's
 output is bit for bit the same alone or in a batch (each sum is taken in one order that depends only on the row's
 own keys). The reference is the torch path it replaces (:class:`~efftx.attention.full.FullAttention` with the
 kernel off), and a float64 softmax in the tests, over many shapes (tests/test_decode_attention_cpu.py).
