@@ -1058,7 +1058,8 @@ class Scheduler:
             engine = next((e for e in engines if e.name == name), None)
             fast_rows, rows = (engine.rows("fast"), len(engine)) if engine is not None else (0, 0)
             steps = self._costs(name).steps
-            fast, every = (steps.estimate(n + joining.get(name, 0)) for n in (fast_rows, rows))
+            fast, every = (steps.estimate(n) if n else 0.0 for n in (fast_rows + joining.get(name, 0),
+                                                                      rows + joining.get(name, 0)))
             if fast is None or every is None:
                 return False, False
             fast_round += fast
