@@ -442,7 +442,9 @@ def main() -> None:
     if args.compile_rows is not None and (args.compile == "off" or args.compile_rows < 1):
         p.error(f"--compile-rows takes a count >= 1 with --compile on|auto, got {args.compile_rows} with --compile "
                 f"{args.compile}")
-    if args.short_slowdown is not None and not (args.short_slowdown == 0 or 1 <= args.short_slowdown < float("inf")):
+    from efftx.serving.continuous import slowdown_ok
+
+    if args.short_slowdown is not None and not slowdown_ok(args.short_slowdown):
         p.error(f"--short-slowdown takes 0 (off) or a number >= 1, got {args.short_slowdown}")
     if args.clock == "cpu" and args.threads > 1:
         p.error("--clock cpu counts the decoding thread alone, not the threads it spreads a product over: use "

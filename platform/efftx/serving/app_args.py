@@ -27,6 +27,7 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from efftx.generation.compiled import COMPILE_CHOICES
+from efftx.serving.continuous import slowdown_ok
 from efftx.serving.devices import DEVICES
 from efftx.serving.images import ImageLimits
 from efftx.serving.schemas import Limits
@@ -151,7 +152,7 @@ class TextAppArgs(BaseModel):
     @field_validator("short_slowdown")
     @classmethod
     def _slowdown(cls, value: float | None) -> float | None:
-        if value is not None and not (value == 0 or value >= 1):
+        if value is not None and not slowdown_ok(value):
             raise ValueError(f"must be 0 (off) or a number >= 1, got {value}")
         return value
 

@@ -686,6 +686,13 @@ def warm_up(target, draft=None, *, rows: int = 16, gamma: int | None = None, tok
 
 
 # ---------------------------------------------------------------------------------------------- scheduler
+def slowdown_ok(value) -> bool:
+    """Whether ``value`` is a valid ``short_slowdown``: 0 (off) or a finite number >= 1 (the scheduler, the text
+    app's arguments and bench/serve_load.py check it alike)."""
+    return (not isinstance(value, bool) and isinstance(value, (int, float))
+            and (value == 0 or 1 <= value < float("inf")))
+
+
 # Stepping every row costs at most this share of the fast lanes' step more (a GPU's flat costs): the lanes step
 # together even when a short request is already late (holding long rows back would hardly help it)
 NEGLIGIBLE = 0.1
@@ -818,8 +825,7 @@ class Scheduler:
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         if not admit_wait_s >= 0:
             raise ValueError(f"admit_wait_s must be >= 0, got {admit_wait_s!r}")
-        if (isinstance(short_slowdown, bool) or not isinstance(short_slowdown, (int, float))
-                or not (short_slowdown == 0 or 1 <= short_slowdown < float("inf"))):
+        if not slowdown_ok(short_slowdown):
             raise ValueError(f"short_slowdown must be 0 (off) or a number >= 1, got {short_slowdown!r}")
         self.target, self.draft = target, draft
         self.max_rows, self.admit_wait_s, self.hook = int(max_rows), float(admit_wait_s), hook
@@ -1053,9 +1059,9 @@ class Scheduler:
         for job in shorts[:self.prefill_rows or None]:
             joining[_engine_name(job)] = joining.get(_engine_name(job), 0) + 1
         fast_round = extra = 0.0  # this round's steps without the long work, and what stepping every row adds
-        engines = [e for e in self._engines() if len(e)]
-        for name in {e.name for e in engines} | set(joining):
-            engine = next((e for e in engines if e.name == name), None)
+        engines = {e.name: e for e in self._engines() if len(e)}
+        for name in set(engines) | set(joining):
+            engine = engines.get(name)
             fast_rows, rows = (engine.rows("fast"), len(engine)) if engine is not None else (0, 0)
             steps = self._costs(name).steps
             fast, every = (steps.estimate(n) if n else 0.0 for n in (fast_rows + joining.get(name, 0),
@@ -1065,7 +1071,7 @@ class Scheduler:
             fast_round += fast
             extra += max(every - fast, 0.0)
         now, slack, ahead = self.clock(), float("inf"), 0.0
-        for job, waiting in [(j, False) for e in engines for j in e.jobs()] + [(j, True) for j in shorts]:
+        for job, waiting in [(j, False) for e in engines.values() for j in e.jobs()] + [(j, True) for j in shorts]:
             if not self.short(job) or job.done:
                 continue
             costs = self._costs(_engine_name(job))
