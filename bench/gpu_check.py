@@ -1,7 +1,8 @@
 """The GPU check: every CUDA path of efftx in one command, one table.
 
     make gpu-check                                    # = python bench/gpu_check.py (one CUDA GPU, < 10 min on an H100)
-    python bench/gpu_check.py [--only kernels,train,decode,nsa,scaling,cost,serveload,serve] [--quick] [--out DIR]
+    python bench/gpu_check.py [--only kernels,train,decode,nsa,scaling,cost,serveload,decodeattn,serve] [--quick]
+                              [--out DIR]
                               [--device cuda|cpu] [--kernel-jobs N] [--nsa-lengths T ...] [--scaling-lengths T ...]
 
 On a GPU machine with only torch and triton (no project venv: no Ray, DeepSpeed or MLflow), from the checkout:
@@ -11,13 +12,15 @@ On a GPU machine with only torch and triton (no project venv: no Ray, DeepSpeed 
 (about 7 minutes on an H100; the train and serve sections need the project installed and are refused, naming
 what is missing, when it is not), and in a second call the serving load, with torch alone too:
 
-    PYTHONPATH=platform:bench python3 bench/gpu_check.py --only serveload --out DIR
+    PYTHONPATH=platform:bench python3 bench/gpu_check.py --only serveload,decodeattn --out DIR
 
 Sections (each row: pass / FAIL / skip with the reason, and its figures):
 
-* ``kernels``: ``tests/test_kernels.py`` compiled for the GPU (``EFFTX_TRITON_GPU=1``): fp32, fp16 and bf16 against
-  the float64 reference with the same-dtype error rule, every accepted block size, GQA 1-8, head dims 64/128,
-  T to 65536, forward and backward. One row per test group.
+* ``kernels``: ``tests/test_kernels.py`` (selected-block attention) and ``tests/test_decode_attention.py`` (decode
+  attention over compiled decoding's caches) compiled for the GPU (``EFFTX_TRITON_GPU=1``): fp32, fp16 and bf16
+  against the float64 reference with the same-dtype error rule, every accepted block size, GQA 1-8, head dims
+  64/128, T to 65536, forward and backward; decode passes of 1-16 tokens per row over ragged rows, every split
+  count, the model's passes and compiled decoding through the kernel (CUDA graphs). One row per test group.
 * ``train``: one short run per model family (LM, Sinkhorn, Performer, NSA with the Triton kernel, the speculative
   pair, dVAE + DALL-E) through the real job scripts (TorchTrainer + DeepSpeed; nccl on CUDA), in bf16 and in fp16
   with loss scaling: the validation loss must fall and no optimizer step may be skipped for overflow after the
@@ -38,6 +41,10 @@ Sections (each row: pass / FAIL / skip with the reason, and its figures):
   the eager ones (``OUT/serveload-compiled.log``), and base decoding with the fixed priority lanes alone
   (``--short-slowdown 0 --quick``: what the scheduler's measured costs change on the GPU,
   ``OUT/serveload-fixed-lanes.log``).
+* ``decodeattn``: ``bench/decode_attention.py --device cuda``: compiled decode steps (CUDA graphs) with the Triton
+  decode attention kernel against attention over the whole capacity, rows of 128 and 1024 keys in a 2048-slot
+  cache, batch 1 and 16, 1 and 6 tokens per row, and the attention alone; its goals marked met or not
+  (``OUT/decodeattn.log``).
 * ``serve``: the Serve app on the device: ``/generate`` in both modes and ``/images/generate`` answered, and
   ``/models/info`` naming the device.
 
@@ -63,7 +70,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
-SECTIONS = ("kernels", "train", "decode", "nsa", "scaling", "cost", "serveload", "serve")
+KERNEL_TESTS = ("tests/test_kernels.py", "tests/test_decode_attention.py")  # Triton kernels vs their references
+SECTIONS = ("kernels", "train", "decode", "nsa", "scaling", "cost", "serveload", "decodeattn", "serve")
 
 # family -> (job script, recipe, extra overrides); the speculative and DALL-E jobs train two models each.
 FAMILIES = {
@@ -155,12 +163,12 @@ def check_kernels(args, out: Path) -> list[Row]:
     env["EFFTX_TRITON_AUTOTUNE_LOG"] = str(autotune_log)
     t0 = time.perf_counter()
     jobs = ["-n", str(args.kernel_jobs)] if args.kernel_jobs > 1 else []  # compiling is CPU work: xdist spreads it
-    proc = subprocess.run([PY, "-m", "pytest", "tests/test_kernels.py", "-q", "-p", "no:cacheprovider", *jobs,
+    proc = subprocess.run([PY, "-m", "pytest", *KERNEL_TESTS, "-q", "-p", "no:cacheprovider", *jobs,
                            f"--junitxml={xml}"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=args.timeout)
     (out / "kernels.log").write_text(proc.stdout + proc.stderr)
     if not xml.is_file():
-        return [Row("kernels", "tests/test_kernels.py", "FAIL", f"pytest did not run: {proc.stderr[-300:]!r}")]
+        return [Row("kernels", " ".join(KERNEL_TESTS), "FAIL", f"pytest did not run: {proc.stderr[-300:]!r}")]
     groups: dict[str, list[int]] = {}
     failures: dict[str, list[str]] = {}
     for case in ET.parse(xml).getroot().iter("testcase"):
@@ -393,6 +401,13 @@ def check_cost(args, out: Path) -> list[Row]:
     return bench_section("cost", "bench/decode_cost.py --device cuda", cmd, args, out)
 
 
+def check_decodeattn(args, out: Path) -> list[Row]:
+    """bench/decode_attention.py on CUDA: compiled decode steps with the Triton decode attention kernel vs attention
+    over the whole capacity."""
+    cmd = ["bench/decode_attention.py", "--device", "cuda"] + (["--tokens", "1", "--repeats", "3"] if args.quick else [])
+    return bench_section("decodeattn", "bench/decode_attention.py --device cuda", cmd, args, out)
+
+
 def check_serveload(args, out: Path) -> list[Row]:
     """bench/serve_load.py --inprocess on CUDA: the continuous-batching scheduler's load and its goals (torch
     alone: no Ray, no HTTP)."""
@@ -532,6 +547,8 @@ def run(argv: list[str] | None = None) -> tuple[int, list[Row]]:
         rows += check_cost(args, out)
     if "serveload" in only:
         rows += check_serveload(args, out)
+    if "decodeattn" in only:
+        rows += check_decodeattn(args, out)
     if "serve" in only:
         rows += check_serve(args, summaries)
     failed = [r for r in rows if r.status == "FAIL" and r.correctness]

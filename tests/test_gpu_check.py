@@ -166,3 +166,21 @@ def test_the_serveload_section_runs_the_inprocess_load_on_cuda(monkeypatch, tmp_
     code, rows = gpu_check.run(["--device", "cpu", "--only", "serveload", "--out", str(tmp_path)])
     assert code == 0 and [(r.section, r.status, r.detail) for r in rows if r.section == "serveload"] == [
         ("serveload", "skip", "no CUDA device")]
+
+
+def test_the_decodeattn_section_runs_the_decode_attention_bench_on_cuda(monkeypatch, tmp_path):
+    """``--only decodeattn`` runs bench/decode_attention.py on the device (fewer shapes with --quick); without CUDA
+    it is skipped, saying so."""
+    ran = []
+    monkeypatch.setattr(gpu_check, "bench_section", lambda section, name, cmd, args, out, log=None: ran.append(
+        (section, cmd)) or [gpu_check.Row(section, name, "pass")])
+    args = type("Args", (), {"device": "cuda", "timeout": 5, "quick": False})()
+    gpu_check.check_decodeattn(args, tmp_path)
+    args.quick = True
+    gpu_check.check_decodeattn(args, tmp_path)
+    assert ran == [("decodeattn", ["bench/decode_attention.py", "--device", "cuda"]),
+                   ("decodeattn", ["bench/decode_attention.py", "--device", "cuda", "--tokens", "1", "--repeats", "3"])]
+    monkeypatch.undo()
+    code, rows = gpu_check.run(["--device", "cpu", "--only", "decodeattn", "--out", str(tmp_path)])
+    assert code == 0 and [(r.section, r.status, r.detail) for r in rows if r.section == "decodeattn"] == [
+        ("decodeattn", "skip", "no CUDA device")]

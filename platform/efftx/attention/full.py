@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from efftx.attention.base import AttentionBackend
 from efftx.attention.cache import KVCache
 from efftx.attention.registry import register
-from efftx.kernels import decode_attention_cpu
+from efftx.kernels import decode_attention, decode_attention_cpu
 
 
 def causal_offset_mask(t_q: int, t_k: int, device: torch.device) -> torch.Tensor:
@@ -79,8 +79,11 @@ class FullAttention(AttentionBackend):
             if out is not None:
                 return out
         if cache is not None and type(cache) is not KVCache and not (self.training and self.spec.dropout):
-            # compiled decoding's cache (DeviceKV): on a CPU the kernel attends over each row's own keys
+            # compiled decoding's cache (DeviceKV): the CPU's C++ kernel or the GPU's Triton kernel attends over
+            # each row's own keys (not the whole capacity)
             out = decode_attention_cpu.attend_device(q, k, v, cache, self.spec.causal)
+            if out is None:
+                out = decode_attention.attend_device(q, k, v, cache, self.spec.causal)
             if out is not None:
                 return out
         if cache is not None:

@@ -114,14 +114,20 @@ class DeviceKV:
     def offset(self) -> torch.Tensor:
         return self.lengths[:, None]  # (B, 1)
 
-    def append_rows(self, k: torch.Tensor, v: torch.Tensor, causal: bool = True):
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Write new keys/values (B, T, Hkv, D) at each row's own positions; -> those positions (B, T)."""
         b, t = k.shape[:2]
         device = self.k.device
         slots = self.lengths[:, None] + torch.arange(t, device=device)  # (B, T)
         rows = torch.arange(b, device=device)[:, None]
         self.k.index_put_((rows, slots), k.to(self.k.dtype))
         self.v.index_put_((rows, slots), v.to(self.v.dtype))
-        j = torch.arange(self.k.shape[1], device=device)[None, None, :]  # (1, 1, C)
+        return slots
+
+    def append_rows(self, k: torch.Tensor, v: torch.Tensor, causal: bool = True):
+        t = k.shape[1]
+        slots = self.write(k, v)
+        j = torch.arange(self.k.shape[1], device=self.k.device)[None, None, :]  # (1, 1, C)
         mask = j <= slots[:, :, None] if causal else j < (self.lengths + t)[:, None, None]
         return self.k, self.v, mask
 
