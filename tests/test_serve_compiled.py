@@ -84,6 +84,41 @@ def test_compiled_passes_give_every_request_its_solo_output(models, passes, poli
         assert passes["live_padding"] > 0
 
 
+def test_short_prompts_prefill_compiled_and_every_request_gets_its_solo_output(models, monkeypatch):
+    """Prefills of prompts up to PREFILL_TOKENS run compiled, rows and tokens padded to buckets (the speculative
+    engines' prompt prefixes in both models; an empty prefix too), over a buffer per shape reused by the next
+    prefill of that shape; a longer prompt prefills eagerly; every request gets its solo tokens and acceptance."""
+    target, draft = models
+    shapes, eager, users = [], [], []
+    real_runner, real_eager = CompiledSlots._prefill_runner, Slots.prefill
+
+    def runner(self, size, length):
+        shapes.append((self.model is target, size, length))
+        users.append((self, size, length))
+        return real_runner(self, size, length)
+
+    def eager_prefill(self, prompts, capacity, compiled=True):
+        eager.append((self.model is target, max(map(len, prompts))))
+        return real_eager(self, prompts, capacity, compiled)
+
+    monkeypatch.setattr(CompiledSlots, "_prefill_runner", runner)
+    monkeypatch.setattr(Slots, "prefill", eager_prefill)
+    long = list(range(1, device_slots.PREFILL_TOKENS + 6))
+    plan = [(0, [5, 6, 7], 9, HOT, 1, None), (0, [9] * 20, 8, GREEDY, 2, None), (0, [1, 2], 9, HOT, 3, 3),
+            (1, [42], 7, HOT, 4, 3), (1, [3] * 17, 6, HOT, 5, 3), (2, long, 5, HOT, 6, None),
+            (3, [8, 8, 1], 6, GREEDY, 7, None), (5, [2, 7], 5, HOT, 8, None)]
+    scheduler = Scheduler(target, draft, max_rows=8, short_tokens=0, prefill_rows=2, compile="on")
+    jobs = run_rounds(scheduler, plan)
+    assert_alone(target, draft, jobs)
+    # base: [5, 6, 7] + 20 tokens (2 rows, 32 tokens), [8, 8, 1] and [2, 7] (1 row, 16); speculative prefixes:
+    # [1] and [] (2 rows, 16), then 16 tokens (1 row, 16), in both models
+    assert (True, 2, 32) in shapes and (True, 1, 16) in shapes and (False, 1, 16) in shapes, shapes
+    # past PREFILL_TOKENS: eager; no other prompt prefilled eagerly, though base decoding's (1, 16) buffer served
+    # two prefills (its lengths start from 0 each time)
+    assert [n for _, n in eager if n] == [len(long)], eager
+    assert users.count((scheduler.base.slots[0], 1, 16)) == 2, users
+
+
 def test_adaptive_rows_verify_in_one_compiled_shape_and_get_their_solo_output(models, monkeypatch):
     """Rows with an adaptive gamma draft 1..cap tokens a step: a compiled verify pass feeds cap + 1 tokens whatever
     the step's longest draft (padding after the drafts, rewound), so an engine has one verify graph per bucket, not

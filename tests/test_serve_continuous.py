@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from efftx import recipes
+from efftx.generation import decode
 from efftx.generation.decode import Rows, generate, splittable
 from efftx.generation.speculative import speculative_generate
 from efftx.models import build as build_model
@@ -251,14 +252,13 @@ def test_a_prefill_caches_only_its_prompts_room_where_every_layer_keeps_keys_and
     Either way each request gets its solo tokens."""
     target, draft = pair(pairs, kind)
     made = []
-    real = continuous.Rows
+    real = decode.Slots.prefill
 
-    class Spy(real):
-        def __init__(self, model, batch_size, capacity, batched=None):
-            made.append((model is target, batch_size, capacity))
-            super().__init__(model, batch_size, capacity, batched)
+    def spy(self, prompts, capacity, compiled=True):
+        made.append((self.model is target, len(prompts), capacity))
+        return real(self, prompts, capacity, compiled)
 
-    monkeypatch.setattr(continuous, "Rows", Spy)
+    monkeypatch.setattr(decode.Slots, "prefill", spy)  # the slots prefill a batch's rows apart
     scheduler = Scheduler(target, draft, prefill_rows=0)
     plan = [(0, [5, 6, 7], 9, HOT, 1, None), (0, [1] * 7, 6, GREEDY, 2, None), (1, [2, 4, 6, 8], 8, HOT, 3, 3)]
     jobs = run_rounds(scheduler, plan)

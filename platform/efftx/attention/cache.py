@@ -94,6 +94,14 @@ class KVCache(RowLengths):
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
 
+    @classmethod
+    def over(cls, k: torch.Tensor, v: torch.Tensor, lengths: Sequence[int]) -> "KVCache":
+        """A cache over given (B, max_len, Hkv, D) buffers (views: nothing copied) whose rows hold ``lengths``."""
+        cache = cls.__new__(cls)
+        RowLengths.__init__(cache, k.shape[0], k.device)
+        cache.k, cache.v, cache.lengths = k, v, [int(n) for n in lengths]
+        return cache
+
     @property
     def max_len(self) -> int:
         return self.k.shape[1]

@@ -310,6 +310,15 @@ class Slots:
             return Rows._of(self.model, False, self._caches[start:stop])
         return _SlotRows(self, start, stop)
 
+    def prefill(self, prompts: list[list[int]], capacity: int, compiled: bool = True
+                ) -> tuple[Rows, torch.Tensor | None]:
+        """Prefill ``prompts`` apart from the slots (their rows then join with :meth:`put`): a :class:`Rows` of
+        ``capacity`` positions and each row's last-position logits (B, V) (None when every prompt is empty).
+        Eager here; :class:`~efftx.generation.device_slots.CompiledSlots` runs short prompts compiled (unless
+        ``compiled`` is False)."""
+        rows = Rows(self.model, len(prompts), capacity, self.batched)
+        return rows, rows.prefill(prompts)
+
     def put(self, source: Rows, index: int, slot: int) -> None:
         """Copy row ``index`` of ``source`` (prefilled apart, same model and capacity) into ``slot`` (at most one past
         the last row: the slots grow by one). Key/value caches (:class:`~efftx.attention.cache.KVCache`) may come

@@ -19,6 +19,12 @@ compiled step (:mod:`efftx.generation.compiled`) for models that compiled decodi
   keys, :func:`~efftx.kernels.decode_attention_cpu.attend_device`) and pays at every size (``bench/serve_load.py
   --compile`` prints both); without the kernel it would attend over the whole capacity and lose past a few rows
   (:func:`compile_knobs` then keeps to :data:`CPU_COMPILE_ROWS`). On a GPU the graphs pay at every size.
+* **Prefill.** A prompt of at most :data:`PREFILL_TOKENS` tokens is prefilled compiled too (:meth:`CompiledSlots.
+  prefill`; on a GPU an eager prefill of a short prompt is mostly kernel launches, several decoding steps' time):
+  the prompts, right-padded to the longest rounded up to a power of two (at least :data:`MIN_PREFILL`), in a
+  bucket of rows, over a buffer of that many positions kept per shape; each row keeps its own length (its
+  padding, after it, is never read) and joins its slot by the usual copy. A containment retry (several prefills
+  before their rows join) prefills eagerly.
 * The slots grow and shrink as :class:`~efftx.generation.decode.Slots`' do (by powers of two here); the shapes of a
   bucket's views do not depend on how many slots are allocated, so no graph is compiled again (on a GPU a CUDA
   graph is recorded again for the new buffers).
@@ -34,8 +40,13 @@ import torch
 
 from efftx.generation import compiled as _compiled
 from efftx.generation.compiled import CompiledRunner, DeviceCache, forward_step, mark_static
-from efftx.generation.decode import Slots, _SlotRows, splittable
+from efftx.attention.cache import KVCache, ModelCache
+from efftx.generation.decode import Rows, Slots, _SlotRows, splittable
 from efftx.kernels import decode_attention_cpu
+
+
+PREFILL_TOKENS = 64  # prompts up to this long prefill compiled (longer ones: compute-bound, eager costs little more)
+MIN_PREFILL = 16  # a compiled prefill's tokens per row: the longest prompt rounded up to a power of two, at least this
 
 
 def bucket(n: int) -> int:
@@ -60,6 +71,7 @@ class CompiledSlots(Slots):
         self.device = next(model.parameters()).device
         super().__init__(model, model.max_seq_len, bucket(max(int(rows), 1)), batched=True)
         self._fresh()
+        self._prefills: dict[tuple[int, int], CompiledRunner] = {}  # (rows, tokens) -> compiled prefill
 
     def _fresh(self) -> None:
         """New buffers: new bucket views (and device lengths) at the next passes."""
@@ -74,9 +86,13 @@ class CompiledSlots(Slots):
     def wants(self, start: int, rows: int) -> bool:
         """Whether a pass over rows ``start .. start + rows - 1`` runs compiled."""
         size = bucket(rows)
-        return (self.compiled and start == 0 and size <= self.slots
-                and (self.max_rows is None or size <= self.max_rows)
-                and self.device.type not in _compiled._BROKEN)  # "auto" after a compile failure: the eager path
+        return start == 0 and size <= self.slots and self._compiles(size)
+
+    def _compiles(self, size: int) -> bool:
+        """Whether a pass over a bucket of ``size`` rows runs compiled (``max_rows``; "auto" after a compile failure
+        runs eagerly)."""
+        return (self.compiled and (self.max_rows is None or size <= self.max_rows)
+                and self.device.type not in _compiled._BROKEN)
 
     def runner(self, size: int) -> CompiledRunner:
         """The compiled step over the first ``size`` slots (built once per bucket and set of buffers)."""
@@ -87,6 +103,36 @@ class CompiledSlots(Slots):
                 mark_static(cache)
             self._runners[size] = CompiledRunner(self.model, cache, self.compiled, self.mode)
         return self._runners[size]
+
+    def prefill(self, prompts: list[list[int]], capacity: int, compiled: bool = True):
+        """Prompts of at most :data:`PREFILL_TOKENS` tokens prefill in one compiled pass (see the module docstring:
+        rows and length padded to buckets, a buffer per bucket kept by these slots); others, or with ``compiled``
+        False (a containment retry: several prefills before their rows join), as :class:`Slots` does."""
+        n, longest = len(prompts), max((len(p) for p in prompts), default=0)
+        size, length = bucket(n), max(MIN_PREFILL, bucket(longest))
+        if not (compiled and 0 < longest <= PREFILL_TOKENS and length <= self.capacity and self._compiles(size)):
+            return super().prefill(prompts, capacity, compiled)
+        runner = self._prefill_runner(size, length)
+        tokens = torch.zeros(size, length, dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            tokens[i, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        runner.cache.lengths.zero_()
+        logits = runner._run(forward_step, tokens.to(self.device, non_blocking=True))  # (size, length, V)
+        last = torch.tensor([max(len(p) - 1, 0) for p in prompts], device=self.device)
+        logits = logits[torch.arange(n, device=self.device), last]  # a copy: the graph's next replay overwrites its own
+        lengths = [len(p) for p in prompts]  # the padding past each row's length is never read, then overwritten
+        layers = [KVCache.over(layer.k[:n], layer.v[:n], lengths) for layer in runner.cache.layers]
+        return Rows._of(self.model, True, [ModelCache(layers)]), logits
+
+    def _prefill_runner(self, size: int, length: int) -> CompiledRunner:
+        """The compiled prefill of ``size`` rows of ``length`` tokens, over a buffer of its own (the rows are copied
+        into slots before the next prefill of this shape runs)."""
+        if (size, length) not in self._prefills:
+            cache = _compiled.new_cache(self.model, size, length)
+            if self._cuda_graphs:
+                mark_static(cache)
+            self._prefills[size, length] = CompiledRunner(self.model, cache, self.compiled, self.mode)
+        return self._prefills[size, length]
 
     def rows(self, start: int, stop: int) -> _SlotRows:
         if not 0 <= start <= stop <= self.n:

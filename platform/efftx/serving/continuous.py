@@ -284,6 +284,7 @@ class _Engine:
         self.order: list[Job] = []  # the job of each slot
         self.last: list[int] = []  # each slot's last token
         self.fast = 0  # slots 0 .. fast - 1: the fast lane; the rest: the slow lane
+        self._apart = False  # prefills of a containment retry: several before their rows join (eager, see Slots.prefill)
 
     def __len__(self) -> int:
         return len(self.order)
@@ -434,7 +435,11 @@ class _Engine:
                 if len(jobs) == 1:
                     raise exc
                 if state is None:
-                    parts.append(self.prefill([job]))
+                    self._apart = True
+                    try:
+                        parts.append(self.prefill([job]))
+                    finally:
+                        self._apart = False
                 else:
                     sub = self._view(state.start + i, state.start + i + 1)
                     parts.append((sub, self.compute(sub)))
@@ -497,10 +502,11 @@ class BaseEngine(_Engine):
                                  f"exceeds the model's max_seq_len={self.model.max_seq_len}")
             job.generator = _generator(job.seed, device)
         if self.batched:
-            rows = Rows(self.model, len(jobs), self._room(self.model, max(len(j.prompt) for j in jobs)), True)
+            room = self._room(self.model, max(len(j.prompt) for j in jobs))
+            rows, logits = self.slots[0].prefill([j.prompt for j in jobs], room, not self._apart)
         else:
             rows = Rows.concat([Rows(self.model, 1, self._capacity(j), False) for j in jobs])
-        logits = rows.prefill([j.prompt for j in jobs])
+            logits = rows.prefill([j.prompt for j in jobs])
         tokens = row_tokens(logits, [j.sampling for j in jobs], [j.generator for j in jobs])
         return _State([rows], tokens, list(jobs)), tokens
 
@@ -544,17 +550,17 @@ class SpeculativeEngine(_Engine):
                 raise ValueError(f"prompt + max_new_tokens ({longest}) + gamma ({self.cap}) "
                                  f"exceeds the models' max_seq_len={limit}")
             job.generator = _generator(job.seed, device)
+        prefixes = [j.prompt[:-1] for j in jobs]  # the caches hold every prompt token but the last: "pending"
         if self.batched:
-            room = max(len(j.prompt) for j in jobs) - 1  # the caches hold every prompt token but the last
-            t = Rows(self.target, len(jobs), self._room(self.target, room), True)
-            d = Rows(self.draft, len(jobs), self._room(self.draft, room), True)
+            room = max(len(j.prompt) for j in jobs) - 1
+            t, _ = self.slots[0].prefill(prefixes, self._room(self.target, room), not self._apart)
+            d, _ = self.slots[1].prefill(prefixes, self._room(self.draft, room), not self._apart)
         else:
             caps = [len(j.prompt) + j.max_new + self.cap + 1 for j in jobs]
             t = Rows.concat([Rows(self.target, 1, c, False) for c in caps])
             d = Rows.concat([Rows(self.draft, 1, c, False) for c in caps])
-        prefixes = [j.prompt[:-1] for j in jobs]  # the caches hold every prompt token but the last: "pending"
-        t.prefill(prefixes)
-        d.prefill(prefixes)
+            t.prefill(prefixes)
+            d.prefill(prefixes)
         pending = torch.tensor([j.prompt[-1] for j in jobs], device=device)
         return _State([t, d], pending, list(jobs)), None
 
