@@ -202,6 +202,44 @@ def step_costs(target, draft, counts: list[int], modes: list[str], repeats: int 
     return out
 
 
+def prefill_costs(target, draft, counts: list[int], modes: list[str], repeats: int = 3,
+                  compiled: dict | None = None) -> dict[str, dict[int, float]]:
+    """In-process: ms to prefill a burst of ``n`` of the load's prompts in one pass (an engine's ``prefill``: the
+    prompts padded to the longest; speculative decoding's prefixes in both models) for each ``n`` in ``counts``,
+    best of ``repeats`` after a warm-up round; ``compiled`` as in :func:`step_costs` (compiled passes prefill short
+    prompts compiled too)."""
+    from efftx.serving.continuous import Job, Sampling, Scheduler
+
+    out = {}
+    for mode in modes:
+        scheduler = Scheduler(target, draft, max_rows=max(counts), short_tokens=0, prefill_rows=0, **(compiled or {}))
+        best: dict[int, float] = {}
+        for rep in range(repeats + 1):
+            for n in counts:
+                jobs = [Job(list(PROMPTS[i % len(PROMPTS)].encode()), 32, Sampling(0.8, 32), i,
+                            5 if mode == "speculative" else None) for i in range(n)]
+                engine = scheduler._engine(jobs[0])
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    _, result = engine.prefill(jobs)
+                    if result is not None:
+                        result.tolist()  # the first tokens reach the host (on CUDA: the device is done)
+                if next(target.parameters()).device.type == "cuda":
+                    torch.cuda.synchronize()
+                ms = (time.perf_counter() - t0) * 1e3
+                if rep:
+                    best[n] = min(best.get(n, float("inf")), ms)
+        out[mode] = best
+    return out
+
+
+def print_prefill_costs(eager: dict[str, dict[int, float]], compiled: dict[str, dict[int, float]]) -> None:
+    for mode, costs in eager.items():
+        print(f"in-process prefill of a burst, {mode}, best of 3: " + ", ".join(
+            f"{n} prompts eager {ms:.2f} ms, compiled {compiled[mode][n]:.2f} ms ({ms / compiled[mode][n]:.2f}x)"
+            for n, ms in sorted(costs.items())), flush=True)
+
+
 def print_step_costs(floors: dict[str, dict[int, float]], eager: dict[str, dict[int, float]] | None = None,
                      what: str = "") -> None:
     """Each mode's step cost per row count (and its ratio to one row); with ``eager``, also each cost's ratio to
@@ -481,11 +519,15 @@ def main() -> None:
         compiled = compile_knobs(args.compile, args.compile_rows, args.device)
         # side by side: every pass compiled (the row limit aside), and the passes the limit leaves eager
         every = step_costs(target, draft, counts, modes, compiled={"compile": args.compile})
+        bursts = [1, 2, 4]  # up to device_slots.PREFILL_ROWS prompts prefill compiled; 4 shows the eager rule
+        prefills = (prefill_costs(target, draft, bursts, modes),
+                    prefill_costs(target, draft, bursts, modes, compiled={"compile": args.compile}))
     if args.inprocess:
         print(note)
         print_step_costs(floors)
         if compiled:
             print_step_costs(every, floors, f" compiled ({args.compile}) at every row count")
+            print_prefill_costs(*prefills)
         write_json(args.json, inprocess(target, draft, modes, args.clients, lengths, args.unloaded, args.device,
                                         args.clock, args.rounds, args.timeout, args.threads, compiled, slowdown))
         return
@@ -554,6 +596,7 @@ def main() -> None:
     print_step_costs(floors)
     if compiled:
         print_step_costs(every, floors, f" compiled ({args.compile}) at every row count")
+        print_prefill_costs(*prefills)
     print(f"load average: {load_before} before, {' '.join(f'{x:.1f}' for x in os.getloadavg())} after")
     print("\ngoals (continuous batching" + (f"; the median over {args.rounds} rounds, each round's configurations "
                                           "measured one after another, the rounds listed" if args.rounds > 1 else "")

@@ -85,9 +85,10 @@ def test_compiled_passes_give_every_request_its_solo_output(models, passes, poli
 
 
 def test_short_prompts_prefill_compiled_and_every_request_gets_its_solo_output(models, monkeypatch):
-    """Prefills of prompts up to PREFILL_TOKENS run compiled, rows and tokens padded to buckets (the speculative
-    engines' prompt prefixes in both models; an empty prefix too), over a buffer per shape reused by the next
-    prefill of that shape; a longer prompt prefills eagerly; every request gets its solo tokens and acceptance."""
+    """Prefills of up to PREFILL_ROWS prompts of up to PREFILL_TOKENS tokens run compiled, rows and tokens padded
+    to buckets (the speculative engines' prompt prefixes in both models; an empty prefix too), over a buffer per
+    shape reused by the next prefill of that shape; a longer prompt, or a burst of three, prefills eagerly; every
+    request gets its solo tokens and acceptance."""
     target, draft = models
     shapes, eager, users = [], [], []
     real_runner, real_eager = CompiledSlots._prefill_runner, Slots.prefill
@@ -98,7 +99,7 @@ def test_short_prompts_prefill_compiled_and_every_request_gets_its_solo_output(m
         return real_runner(self, size, length)
 
     def eager_prefill(self, prompts, capacity, compiled=True):
-        eager.append((self.model is target, max(map(len, prompts))))
+        eager.append((len(prompts), max(map(len, prompts))))
         return real_eager(self, prompts, capacity, compiled)
 
     monkeypatch.setattr(CompiledSlots, "_prefill_runner", runner)
@@ -113,10 +114,30 @@ def test_short_prompts_prefill_compiled_and_every_request_gets_its_solo_output(m
     # base: [5, 6, 7] + 20 tokens (2 rows, 32 tokens), [8, 8, 1] and [2, 7] (1 row, 16); speculative prefixes:
     # [1] and [] (2 rows, 16), then 16 tokens (1 row, 16), in both models
     assert (True, 2, 32) in shapes and (True, 1, 16) in shapes and (False, 1, 16) in shapes, shapes
-    # past PREFILL_TOKENS: eager; no other prompt prefilled eagerly, though base decoding's (1, 16) buffer served
-    # two prefills (its lengths start from 0 each time)
-    assert [n for _, n in eager if n] == [len(long)], eager
+    # past PREFILL_TOKENS, or more than PREFILL_ROWS prompts at once: eager; no other prompt prefilled eagerly,
+    # though base decoding's (1, 16) buffer served two prefills (its lengths start from 0 each time)
+    assert [(n, t) for n, t in eager if t] == [(1, len(long))], eager
     assert users.count((scheduler.base.slots[0], 1, 16)) == 2, users
+    rows, logits = scheduler.base.slots[0].prefill([[1, 1], [2, 2, 2], [3]], 3)
+    assert eager[-1] == (3, 3) and rows.lengths == [2, 3, 1] and logits.shape[0] == 3
+
+
+def test_compiled_prefills_outside_no_grad_leave_no_autograd_state(models):
+    """A caller in grad mode (bench/serve_load.py's cost runs): a compiled prefill must not record an autograd graph
+    in its buffers, which the slots then copy (a slots cache that requires grad makes dynamo refuse the compiled
+    views of it that were made under no_grad: batches then fall back to their rows one by one)."""
+    target, draft = models
+    scheduler = Scheduler(target, draft, max_rows=4, short_tokens=0, prefill_rows=0, compile="on")
+    plan = [(0, [5, 6, 7, i], 5, HOT, i, 2 if i % 2 else None) for i in range(4)]
+    jobs = [scheduler.submit(Job(*p[1:], tag=p)) for p in plan]
+    assert torch.is_grad_enabled()
+    scheduler.run_once()  # the prefills (compiled) and a first step
+    engines = [scheduler.base, *scheduler.spec.values()]
+    assert len(engines) == 2 and all(len(e) == 2 for e in engines)
+    assert not any(layer.k.requires_grad or layer.v.requires_grad
+                   for e in engines for s in e.slots for layer in s._cache.layers)
+    scheduler.drain()
+    assert_alone(target, draft, jobs)
 
 
 def test_adaptive_rows_verify_in_one_compiled_shape_and_get_their_solo_output(models, monkeypatch):
@@ -153,7 +174,7 @@ def test_a_compiled_warm_up_runs_adaptive_requests_through_their_verify_shape(mo
 
     monkeypatch.setattr(device_slots._CompiledRows, "forward", forward)
     out = continuous.warm_up(target, draft, rows=2, gamma=3, max_gamma=5, compile="on", compile_rows=2)
-    assert out["rows"] == 3 * (2 + 1)  # base, gamma 3, gamma 3 adaptive up to 5
+    assert out["rows"] == 3 * 2 * (2 + 1)  # base, gamma 3, gamma 3 adaptive up to 5; prompts to 16 and of 32
     assert {1, 4, 6} <= set(seen)  # base steps, gamma 3's verify, the adaptive verify (cap + 1)
 
 
@@ -255,8 +276,9 @@ def test_a_compiled_app_answers_as_the_library_decodes(ray_cluster, debug_export
                          "compile": "on", "compile_rows": 2, "warm_up_rows": 2}), name="compiled", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         info = requests.get(f"{url}/models/info", timeout=30).json()["batching"]
-        # base, speculative (gamma 5) and adaptive speculative (cap: the limits' max_gamma): 2 + 1 rows each
-        assert (info["compile"], info["compile_rows"], info["warm_up_rows"]) == ("on", 2, 3 * (2 + 1))
+        # base, speculative (gamma 5) and adaptive speculative (cap: the limits' max_gamma): 2 + 1 rows each, with
+        # prompts of up to 16 tokens and of 32 (the compiled prefills' shapes)
+        assert (info["compile"], info["compile_rows"], info["warm_up_rows"]) == ("on", 2, 3 * 2 * (2 + 1))
         target, draft = load_export(debug_exports["target"])[0], load_export(debug_exports["draft"])[0]
         bodies = [{"prompt": p, "max_new_tokens": 12, "temperature": 1.0, "top_k": 20, "seed": i, "mode": "both"}
                   for i, p in enumerate(["x = ", "def f(", "import os"])]  # gamma 5, as the warm-up: no new graph

@@ -19,12 +19,12 @@ compiled step (:mod:`efftx.generation.compiled`) for models that compiled decodi
   keys, :func:`~efftx.kernels.decode_attention_cpu.attend_device`) and pays at every size (``bench/serve_load.py
   --compile`` prints both); without the kernel it would attend over the whole capacity and lose past a few rows
   (:func:`compile_knobs` then keeps to :data:`CPU_COMPILE_ROWS`). On a GPU the graphs pay at every size.
-* **Prefill.** A prompt of at most :data:`PREFILL_TOKENS` tokens is prefilled compiled too (:meth:`CompiledSlots.
-  prefill`; on a GPU an eager prefill of a short prompt is mostly kernel launches, several decoding steps' time):
-  the prompts, right-padded to the longest rounded up to a power of two (at least :data:`MIN_PREFILL`), in a
-  bucket of rows, over a buffer of that many positions kept per shape; each row keeps its own length (its
-  padding, after it, is never read) and joins its slot by the usual copy. A containment retry (several prefills
-  before their rows join) prefills eagerly.
+* **Prefill.** Up to :data:`PREFILL_ROWS` prompts of at most :data:`PREFILL_TOKENS` tokens are prefilled compiled
+  too (:meth:`CompiledSlots.prefill`; on a GPU an eager prefill of a short prompt is mostly kernel launches,
+  several decoding steps' time): right-padded to the longest rounded up to a power of two (at least
+  :data:`MIN_PREFILL`), in a bucket of rows, over a buffer of that many positions kept per shape; each row keeps
+  its own length (its padding, after it, is never read) and joins its slot by the usual copy. The warm-up compiles
+  these few shapes. A containment retry (several prefills before their rows join) prefills eagerly.
 * The slots grow and shrink as :class:`~efftx.generation.decode.Slots`' do (by powers of two here); the shapes of a
   bucket's views do not depend on how many slots are allocated, so no graph is compiled again (on a GPU a CUDA
   graph is recorded again for the new buffers).
@@ -45,8 +45,12 @@ from efftx.generation.decode import Rows, Slots, _SlotRows, splittable
 from efftx.kernels import decode_attention_cpu
 
 
-PREFILL_TOKENS = 64  # prompts up to this long prefill compiled (longer ones: compute-bound, eager costs little more)
-MIN_PREFILL = 16  # a compiled prefill's tokens per row: the longest prompt rounded up to a power of two, at least this
+# Prefills of at most PREFILL_ROWS prompts (the scheduler's default prefill_rows) of at most PREFILL_TOKENS tokens run
+# compiled, padded to MIN_PREFILL or PREFILL_TOKENS tokens: four shapes per model, which the warm-up compiles
+# (continuous.warm_up). Larger prefills run eagerly: their launches are shared by more arithmetic.
+PREFILL_ROWS = 2
+PREFILL_TOKENS = 32
+MIN_PREFILL = 16
 
 
 def bucket(n: int) -> int:
@@ -104,13 +108,16 @@ class CompiledSlots(Slots):
             self._runners[size] = CompiledRunner(self.model, cache, self.compiled, self.mode)
         return self._runners[size]
 
+    @torch.no_grad()
     def prefill(self, prompts: list[list[int]], capacity: int, compiled: bool = True):
-        """Prompts of at most :data:`PREFILL_TOKENS` tokens prefill in one compiled pass (see the module docstring:
+        """At most :data:`PREFILL_ROWS` prompts of at most :data:`PREFILL_TOKENS` tokens prefill in one compiled
+        pass (see the module docstring:
         rows and length padded to buckets, a buffer per bucket kept by these slots); others, or with ``compiled``
         False (a containment retry: several prefills before their rows join), as :class:`Slots` does."""
         n, longest = len(prompts), max((len(p) for p in prompts), default=0)
         size, length = bucket(n), max(MIN_PREFILL, bucket(longest))
-        if not (compiled and 0 < longest <= PREFILL_TOKENS and length <= self.capacity and self._compiles(size)):
+        if not (compiled and 0 < longest <= PREFILL_TOKENS and size <= PREFILL_ROWS and length <= self.capacity
+                and self._compiles(size)):
             return super().prefill(prompts, capacity, compiled)
         runner = self._prefill_runner(size, length)
         tokens = torch.zeros(size, length, dtype=torch.long)

@@ -75,7 +75,7 @@ import torch
 from efftx.attention.cache import KVCache
 from efftx.generation.compiled import CompileOptions, CompileUnavailable
 from efftx.generation.decode import Rows, splittable
-from efftx.generation.device_slots import eager_reason, slots_for
+from efftx.generation.device_slots import MIN_PREFILL, PREFILL_ROWS, PREFILL_TOKENS, eager_reason, slots_for
 from efftx.generation.sampling import draw, is_greedy, probabilities, race, race_noise
 from efftx.generation.speculative import SpecStats, accept_sampled, kept_tokens, next_gamma, row_uniforms
 
@@ -657,7 +657,9 @@ def warm_up(target, draft=None, *, rows: int = 16, gamma: int | None = None, tok
     afterwards; after ``warm_up(rows=16)`` (0.16 s) the first burst took 122-131 ms. Runs batches of ``rows``,
     ``rows // 2``, ..., 1 requests of ``tokens`` new tokens (each batch drained before the next; prompts of 1 to
     16 tokens, sampled at temperature 1, top-k 8), base decoding and, with a draft and ``gamma``, speculative
-    decoding with that gamma, on a scheduler of its own (no hook, no metrics: nothing of it is counted or kept).
+    decoding with that gamma, on a scheduler of its own (no hook, no metrics: nothing of it is counted or kept);
+    with ``compile``, also batches of 2 and 1 prompts of 32 tokens (the compiled prefills' shapes, with those of
+    the batches before).
     In a short context the requests get fewer new tokens, and a mode none of whose requests fits is skipped.
     ``rows=0`` does nothing. Returns ``{"rows": requests decoded, "seconds": wall time}``. A model that cannot
     decode fails here, when the replica starts, with the error it would give the first request."""
@@ -680,14 +682,18 @@ def warm_up(target, draft=None, *, rows: int = 16, gamma: int | None = None, tok
         if new < 1:
             continue
         longest = max(1, min(16, room - new))
-        for n in batches:
-            jobs = [scheduler.submit(Job([1] * (1 + i % longest), new, Sampling(1.0, 8), i, gam, max_gamma=cap))
-                    for i in range(n)]
+        prompts = [[[1] * (1 + i % longest) for i in range(n)] for n in batches]
+        if compile != "off":  # compiled prefills' other length (device_slots.PREFILL_TOKENS), in their row buckets
+            prompts += [[[1] * min(PREFILL_TOKENS, room - new)] * n for n in batches
+                        if n <= PREFILL_ROWS and room - new > MIN_PREFILL]
+        for batch in prompts:
+            jobs = [scheduler.submit(Job(prompt, new, Sampling(1.0, 8), i, gam, max_gamma=cap))
+                    for i, prompt in enumerate(batch)]
             scheduler.drain()
             for job in jobs:
                 if job.error is not None:
                     raise job.error
-            done += n
+            done += len(batch)
     return {"rows": done, "seconds": round(time.perf_counter() - started, 3)}
 
 
