@@ -215,12 +215,13 @@ def test_the_model_over_a_device_cache_attends_through_the_kernel(triton_path):
     spec = model.blocks[0].attention.spec
     prompt = torch.randint(0, 256, (2, 6), device=DEVICE)
     with torch.no_grad():
-        eager = model.new_cache(2, 64)
-        model(prompt, cache=eager)
-        device = compiled.new_cache(model, 2, 64)
-        device.load(eager, [6, 6])
-        step = torch.tensor([[3, 9], [4, 1]], device=DEVICE)
-        want = model(step, cache=eager)
+        with da.disabled():  # the eager path on SDPA: the reference
+            eager = model.new_cache(2, 64)
+            model(prompt, cache=eager)
+            device = compiled.new_cache(model, 2, 64)
+            device.load(eager, [6, 6])
+            step = torch.tensor([[3, 9], [4, 1]], device=DEVICE)
+            want = model(step, cache=eager)
         got = model.logits(step, device)
     assert triton_path == [(2, 2, spec.heads, spec.head_dim)] * 3
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -273,8 +274,59 @@ def test_compiled_decoding_through_the_kernel_gets_the_eager_tokens(triton_path)
     torch._dynamo.reset()
     assert torch.equal(generate(model, prompts, 12, temperature=0.0, compile="on"), eager)
     assert torch.equal(generate(model, prompts, 12, temperature=0.9, top_k=50, seed=3, compile="on"), sampled)
-    assert triton_path and all(shape[:2] == (2, 1) for shape in triton_path)
+    # the compiled steps' passes, beside the eager prefill's (a KVCache of the ragged prompts: 9 tokens per row)
+    assert {shape[:2] for shape in triton_path} == {(2, 1), (2, 9)}, triton_path
     torch._dynamo.reset()
+
+
+def test_eager_decoding_over_kv_caches_takes_the_kernel_and_gets_the_sdpa_paths_tokens(triton_path):
+    """Without compile, decoding keeps a KVCache (the host holds the row lengths): its few-token passes (ragged
+    prompts of up to 16 tokens, one-token steps, speculative verify passes of gamma + 1) go through the kernel,
+    with the tokens the SDPA path gives (greedy, and seeded sampling)."""
+    from efftx.generation.speculative import speculative_generate
+
+    target, draft = lm(), lm(depth=1)
+    prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [42]]
+    with da.disabled():
+        want = generate(target, prompts, 10, temperature=0.0)
+        sampled = generate(target, prompts, 10, temperature=0.9, top_k=50, seed=3)
+        spec, stats = speculative_generate(target, draft, prompts, 10, gamma=3, temperature=0.0)
+    assert not triton_path
+    assert torch.equal(generate(target, prompts, 10, temperature=0.0), want)
+    assert torch.equal(generate(target, prompts, 10, temperature=0.9, top_k=50, seed=3), sampled)
+    got, got_stats = speculative_generate(target, draft, prompts, 10, gamma=3, temperature=0.0)
+    assert got == spec and got_stats.accepted == stats.accepted
+    assert {shape[1] for shape in triton_path} >= {1, 4, 9}  # steps, verify passes, the ragged prompts' prefill
+
+
+def test_continuous_batching_through_the_kernel_gives_every_request_its_solo_output(triton_path):
+    """The scheduler's eager slots (rows joining and leaving, lanes of different lengths, base and speculative
+    rows) attend through the kernel; each request gets the tokens and acceptance the SDPA path gives it alone."""
+    from test_serve_continuous import MIXED, assert_alone, run_rounds
+    from test_serve_continuous import lm as serve_lm
+
+    from efftx.serving.continuous import Scheduler
+
+    target, draft = serve_lm(0), serve_lm(1, 1)
+    jobs = run_rounds(Scheduler(target, draft, max_rows=8, short_tokens=0), MIXED[:4])
+    assert max(j.batch_size for j in jobs) > 1 and {shape[1] for shape in triton_path} >= {1, 4}  # steps, verify
+    with da.disabled():
+        assert_alone(target, draft, jobs)
+
+
+def test_kv_cache_rows_that_do_not_fit_raise_and_leave_the_cache_as_it_was():
+    from efftx.attention.cache import KVCache
+
+    cache = KVCache(3, 20, 2, 16, device=DEVICE)
+    cache.k.normal_()
+    cache.lengths = [3, 17, 0]  # 17 + 4 > 20
+    k0 = cache.k.clone()
+    q, k = torch.randn(3, 4, 4, 16, device=DEVICE), torch.randn(3, 4, 2, 16, device=DEVICE)
+    with da.on_cpu() if not ON_GPU else torch.no_grad(), torch.no_grad():
+        assert da.takes(q, cache, k)
+        with pytest.raises(ValueError, match="overflow"):
+            da.attend(q, k, k, cache, True)
+    assert cache.lengths == [3, 17, 0] and torch.equal(cache.k, k0)
 
 
 # ---------------------------------------------------------------------------------------------- a GPU target
@@ -293,11 +345,11 @@ _COMPILE_FOR_SM90 = textwrap.dedent(
         warps = meta.pop("num_warps")
         ptr = "*" + name
         for kernel, consts in (
-                (_partial_kernel, dict(meta, HKV=2, SPLIT=256, SPLITS=4, CAUSAL=True, DIRECT=False,
+                (_partial_kernel, dict(meta, HKV=2, CAUSAL=True, DIRECT=False,
                                        PRECISION="ieee" if name == "fp32" else "tf32")),
-                (_partial_kernel, dict(meta, HKV=2, SPLIT=256, SPLITS=1, CAUSAL=False, DIRECT=True,
+                (_partial_kernel, dict(meta, HKV=2, CAUSAL=False, DIRECT=True,
                                        PRECISION="ieee" if name == "fp32" else "tf32")),
-                (_merge_kernel, dict(HKV=2, SPLITS=4, **{k: meta[k] for k in ("G", "M_PAD", "D", "D_PAD")}))):
+                (_merge_kernel, dict(HKV=2, **{k: meta[k] for k in ("G", "M_PAD", "D", "D_PAD")}))):
             consts = {n: consts[n] for n in kernel.arg_names if n in consts}
             pointers = dict(Q=ptr, K=ptr, V=ptr, O=ptr, LEN="*i64", M_OUT="*fp32", L_OUT="*fp32", ACC_OUT="*fp32",
                             M_IN="*fp32", L_IN="*fp32", ACC_IN="*fp32")

@@ -76,6 +76,8 @@ class FullAttention(AttentionBackend):
         rows = None
         if cache is not None and not (self.training and self.spec.dropout):
             out = decode_attention_cpu.attend(q, k, v, cache, self.spec.causal)  # CPU float32, few tokens per row
+            if out is None:
+                out = decode_attention.attend(q, k, v, cache, self.spec.causal)  # GPU, few tokens per row
             if out is not None:
                 return out
         if cache is not None and type(cache) is not KVCache and not (self.training and self.spec.dropout):

@@ -26,6 +26,10 @@ many shapes (on a CPU through Triton's interpreter, ``TRITON_INTERPRET=1`` set b
 interpreter's bf16 ``tl.dot`` is wrong; on a GPU, ``EFFTX_TRITON_GPU=1``, bf16 too) and compiles it for an sm_90
 target without a GPU.
 
+Eager passes over a :class:`~efftx.attention.cache.KVCache` (the host keeps the row lengths: decoding without
+``compile``, continuous batching's eager slots) take it too (:func:`attend`): the keys written at each row's
+position, the lengths copied to the device, no (B, T, L) mask built.
+
 Which passes take it (:func:`takes`): CUDA tensors of one floating dtype (fp16, bf16, fp32), at most
 :data:`MAX_QUERIES` tokens per row, head dim at most :data:`MAX_HEAD_DIM`, no autograd graph. ``EFFTX_GPU_ATTENTION=off``
 (or :func:`disabled`, for side-by-side benches) keeps every pass on the matmul path. On a CPU the C++ kernel
@@ -117,10 +121,10 @@ if triton is not None:
     @triton.jit
     def _partial_kernel(Q, K, V, LEN, O, M_OUT, L_OUT, ACC_OUT,
                         sqb, sqt, sqh, sqd, skb, skc, skh, skd, svb, svc, svh, svd, sob, sot, soh, sod,
-                        T, C, scale,
+                        T, C, scale, SPLIT, SPLITS,
                         HKV: tl.constexpr, G: tl.constexpr, M_PAD: tl.constexpr, D: tl.constexpr,
-                        D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, SPLITS: tl.constexpr,
-                        CAUSAL: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr):
+                        D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DIRECT: tl.constexpr,
+                        PRECISION: tl.constexpr):
         pid = tl.program_id(0)  # row x kv head
         s = tl.program_id(1)  # split of the capacity
         b = pid // HKV
@@ -171,9 +175,9 @@ if triton is not None:
             tl.store(ACC_OUT + (part * M_PAD + r[:, None]) * D_PAD + d[None, :], acc)
 
     @triton.jit
-    def _merge_kernel(M_IN, L_IN, ACC_IN, O, sob, sot, soh, sod, T,
+    def _merge_kernel(M_IN, L_IN, ACC_IN, O, sob, sot, soh, sod, T, SPLITS,
                       HKV: tl.constexpr, G: tl.constexpr, M_PAD: tl.constexpr, D: tl.constexpr,
-                      D_PAD: tl.constexpr, SPLITS: tl.constexpr):
+                      D_PAD: tl.constexpr):
         pid = tl.program_id(0)
         b = pid // HKV
         kvh = pid % HKV
@@ -221,7 +225,8 @@ def launch_shape(t: int, h: int, hkv: int, d: int) -> dict:
 def _multiprocessors(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter: a few splits, so that the tests exercise the merge
+    return 1  # the interpreter (tests): one range per row where the grid has two programs or more (the kernel
+    # tests pass their split counts explicitly)
 
 
 def choose_splits(programs: int, capacity: int, block_n: int, device: torch.device) -> int:
@@ -276,11 +281,11 @@ def _launch(q, k_cache, v_cache, lengths, causal: bool, scale: float, splits: in
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _partial_kernel[(b * hkv, splits)](
         q, k_cache, v_cache, lengths, out, m_part, l_part, acc_part, *q.stride(), *k_cache.stride(),
-        *v_cache.stride(), *out.stride(), t, c, scale, HKV=hkv, SPLIT=split, SPLITS=splits, CAUSAL=causal,
-        DIRECT=direct, PRECISION=precision, num_warps=warps, **meta)
+        *v_cache.stride(), *out.stride(), t, c, scale, split, splits, HKV=hkv, CAUSAL=causal, DIRECT=direct,
+        PRECISION=precision, num_warps=warps, **meta)
     if not direct:
-        _merge_kernel[(b * hkv,)](m_part, l_part, acc_part, out, *out.stride(), t, HKV=hkv, SPLITS=splits,
-                                  G=meta["G"], M_PAD=m_pad, D=d, D_PAD=d_pad, num_warps=warps)
+        _merge_kernel[(b * hkv,)](m_part, l_part, acc_part, out, *out.stride(), t, splits, HKV=hkv, G=meta["G"],
+                                  M_PAD=m_pad, D=d, D_PAD=d_pad, num_warps=warps)
     return out
 
 
@@ -320,15 +325,45 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 # ------------------------------------------------------------------------------------------------ model passes
 
 
-def takes(q: torch.Tensor, cache) -> bool:
-    """Whether :func:`attend_device` hands this pass (``q`` (B, T, H, D)) over ``cache`` (a DeviceKV) to the kernel."""
+def takes(q: torch.Tensor, cache, k_new: torch.Tensor | None = None) -> bool:
+    """Whether this pass (``q`` (B, T, H, D); ``k_new`` its new keys) over ``cache`` goes to the kernel:
+    :func:`attend_device` (a DeviceKV: lengths a device tensor) or :func:`attend` (a KVCache: lengths on the host)."""
     k = getattr(cache, "k", None)
     lengths = getattr(cache, "lengths", None)
-    return (_state["enabled"] and triton is not None and isinstance(lengths, torch.Tensor)
+    device_lengths = isinstance(lengths, torch.Tensor)
+    return (_state["enabled"] and triton is not None and (device_lengths or isinstance(lengths, list))
             and isinstance(k, torch.Tensor) and (q.is_cuda or (_cpu["on"] and INTERPRETED))
-            and q.device == k.device == lengths.device and q.dtype in DTYPES and k.dtype == q.dtype
+            and q.device == k.device and (not device_lengths or lengths.device == q.device)
+            and q.dtype in DTYPES and k.dtype == q.dtype
+            and not (k_new is not None and torch.is_grad_enabled() and k_new.requires_grad)
             and 1 <= q.shape[1] <= MAX_QUERIES and q.shape[-1] <= MAX_HEAD_DIM and q.shape[2] % k.shape[2] == 0
             and not (torch.is_grad_enabled() and q.requires_grad))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, causal: bool) -> torch.Tensor | None:
+    """An eager cached pass over a :class:`~efftx.attention.cache.KVCache` (rows of any lengths, kept on the host:
+    decoding steps, speculative verify passes, short prefills, continuous batching's slots) on the GPU: writes
+    ``k`` / ``v`` (B, T, Hkv, D) at each row's position, advances the rows' lengths and attends with the kernel over
+    each row's own keys (no (B, T, L) mask built, no key past a row's end read). None where the kernel does not
+    take the pass (:func:`takes`; outside ``torch.compile``): the caller then runs the SDPA path, the cache
+    untouched. Rows that do not fit raise, nothing written."""
+    from efftx.attention.cache import KVCache
+
+    if type(cache) is not KVCache or torch.compiler.is_compiling() or not takes(q, cache, k):
+        return None
+    b, t = k.shape[:2]
+    before = list(cache.lengths)
+    cache._grow(t, cache.max_len, "KV cache")  # raises (nothing written) when the rows do not fit
+    try:
+        lengths = torch.tensor(before, dtype=torch.long, device=q.device)
+        slots = lengths[:, None] + torch.arange(t, device=q.device)
+        rows = torch.arange(b, device=q.device)[:, None]
+        cache.k[rows, slots] = k.to(cache.k.dtype)
+        cache.v[rows, slots] = v.to(cache.v.dtype)
+        return decode_attention(q, cache.k, cache.v, lengths, causal)
+    except Exception:
+        cache.lengths = before
+        raise
 
 
 def attend_device(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, causal: bool) -> torch.Tensor | None:
