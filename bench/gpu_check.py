@@ -43,8 +43,8 @@ Sections (each row: pass / FAIL / skip with the reason, and its figures):
   ``OUT/serveload-fixed-lanes.log``).
 * ``decodeattn``: ``bench/decode_attention.py --device cuda``: compiled decode steps (CUDA graphs) with the Triton
   decode attention kernel against attention over the whole capacity, rows of 128 and 1024 keys in a 2048-slot
-  cache, batch 1 and 16, 1 and 6 tokens per row, and the attention alone; its goals marked met or not
-  (``OUT/decodeattn.log``).
+  cache, batch 1 and 16, 1 and 6 tokens per row; eager passes over a KVCache with the kernel against SDPA; the
+  attention alone; its goals marked met or not (``OUT/decodeattn.log``).
 * ``serve``: the Serve app on the device: ``/generate`` in both modes and ``/images/generate`` answered, and
   ``/models/info`` naming the device.
 
