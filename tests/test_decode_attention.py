@@ -25,6 +25,7 @@ from efftx.generation.decode import generate
 from efftx.kernels import decode_attention as da
 from efftx.kernels import decode_attention_cpu as dac
 from efftx.models import build as build_model
+from traced import compiled_calls
 
 ON_GPU = os.environ.get("EFFTX_TRITON_GPU") == "1"
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -232,34 +233,23 @@ def test_the_model_over_a_device_cache_attends_through_the_kernel(triton_path):
 def test_a_compiled_pass_calls_the_operator():
     """Under torch.compile(fullgraph=True) the pass is the operator efftx::gpu_decode_attention, a graph node,
     with the eager call's output; switched off, no operator is traced."""
+    from efftx.generation.compiled import DeviceKV
+
     q, k, v, lengths = case((3, 2, 2, 2, 32, 40), 4)
     k, v = k.nan_to_num(), v.nan_to_num()
     k_new, v_new = k[:, :2].clone(), v[:, :2].clone()
-    seen = []
-
-    def backend(gm, inputs):
-        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm
 
     def attend(q, k_new, v_new, cache):
         return da.attend_device(q, k_new, v_new, cache, True)
 
-    from efftx.generation.compiled import DeviceKV
-
     with da.on_cpu() if not ON_GPU else torch.no_grad(), torch.no_grad():
         want = attend(q, k_new, v_new, DeviceKV(k.clone(), v.clone(), lengths))
-        torch._dynamo.reset()
-        got = torch.compile(attend, backend=backend, fullgraph=True, dynamic=False)(
-            q, k_new, v_new, DeviceKV(k.clone(), v.clone(), lengths))
+        got, seen = compiled_calls(attend, q, k_new, v_new, DeviceKV(k.clone(), v.clone(), lengths))
         assert any("gpu_decode_attention" in s for s in seen), seen
         torch.testing.assert_close(got, want, rtol=0, atol=0)
-        seen.clear()
-        torch._dynamo.reset()
         with da.disabled():
-            assert torch.compile(attend, backend=backend, fullgraph=True, dynamic=False)(
-                q, k_new, v_new, DeviceKV(k.clone(), v.clone(), lengths)) is None
-        assert not any("gpu_decode_attention" in s for s in seen)
-    torch._dynamo.reset()
+            got, seen = compiled_calls(attend, q, k_new, v_new, DeviceKV(k.clone(), v.clone(), lengths))
+        assert got is None and not any("gpu_decode_attention" in s for s in seen)
 
 
 @pytest.mark.slow

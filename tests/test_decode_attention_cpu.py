@@ -13,6 +13,7 @@ from efftx.attention.cache import KVCache, visible_keys
 from efftx.generation.decode import Rows, generate
 from efftx.kernels import decode_attention_cpu as dac
 from efftx.models import build as build_model
+from traced import compiled_calls
 
 MODULE = dac.kernel()
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -301,28 +302,18 @@ def test_a_compiled_pass_calls_the_operator_and_attends_over_each_rows_own_keys(
     with torch.no_grad():
         want = dac.attend_device(q, k_new, v_new, eager, True)
     assert torch.isfinite(want).all()
-    seen = []
-
-    def backend(gm, inputs):
-        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm
 
     def attend(q, k_new, v_new, cache):
         return dac.attend_device(q, k_new, v_new, cache, True)
 
-    torch._dynamo.reset()
     with torch.no_grad():
-        got = torch.compile(attend, backend=backend, fullgraph=True, dynamic=False)(q, k_new, v_new, device)
+        got, seen = compiled_calls(attend, q, k_new, v_new, device)
     assert any("cpu_decode_attention" in s for s in seen), seen
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert torch.equal(device.k.nan_to_num(), eager.k.nan_to_num()) and torch.equal(device.v, eager.v)
-    seen.clear()
-    torch._dynamo.reset()
     with dac.disabled(), torch.no_grad():
-        assert torch.compile(attend, backend=backend, fullgraph=True, dynamic=False)(
-            q, k_new, v_new, DeviceKVcopy(eager)) is None
-    assert not any("cpu_decode_attention" in s for s in seen)
-    torch._dynamo.reset()
+        got, seen = compiled_calls(attend, q, k_new, v_new, DeviceKVcopy(eager))
+    assert got is None and not any("cpu_decode_attention" in s for s in seen)
 
 
 def test_the_model_over_a_device_cache_attends_through_the_operator(monkeypatch):
