@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                     cache = model.new_cache(batch, args.capacity)
                     rows = [max(fill - 3 * r, 1) for r in range(batch)]  # ragged, as a running batch's rows are
                     eager = {}
-                    for name, switch in (("sdpa", da.disabled), ("kernel", contextlib.nullcontext)):
+                    for name, switch in (("sdpa", da.disabled), ("kernel", da.everywhere)):
                         with switch():
                             eager[name] = kv_step_seconds(model, cache, rows, tokens, args.steps, args.repeats,
                                                           device)

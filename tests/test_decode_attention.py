@@ -86,12 +86,20 @@ def assert_matches(out, q, k, v, lengths, causal):
     assert err <= budget, (err, budget)
 
 
+@pytest.mark.parametrize("splits", [None, 3], ids=["auto", "3-splits"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t)[6:])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_the_kernel_matches_the_reference(shape, causal, dtype):
+def test_the_kernel_matches_the_reference(shape, causal, dtype, splits):
     q, k, v, lengths = case(shape, hash(shape) % 1000, dtype)
-    assert_matches(da.decode_attention(q, k, v, lengths, causal), q, k, v, lengths, causal)
+    assert_matches(da.decode_attention(q, k, v, lengths, causal, splits=splits), q, k, v, lengths, causal)
+
+
+def test_lengths_may_be_a_strided_view():
+    q, k, v, lengths = case((4, 2, 2, 2, 32, 50), 5)
+    strided = torch.stack([lengths, lengths * 0 + 99], 1)[:, 0]  # stride 2
+    assert strided.stride(0) == 2
+    assert_matches(da.decode_attention(q, k, v, strided, True), q, k, v, lengths, True)
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 5, 64])
@@ -131,6 +139,8 @@ def test_the_checks_tell_a_wrong_kernel_apart():
     (lambda a: {**a, "q": a["q"].repeat(1, 5, 1, 1)}, "the kernel takes 1 to 16"),
     (lambda a: {**a, "q": a["q"].half()}, "must share one of"),
     (lambda a: {**a, "splits": 0}, "splits must be >= 1"),
+    (lambda a: {**a, "k_cache": a["k_cache"][:, :3], "v_cache": a["v_cache"][:, :3]}, "fewer positions than"),
+    (lambda a: {**a, "k_cache": a["k_cache"][:, :, :0], "v_cache": a["v_cache"][:, :, :0]}, "0 kv heads"),
 ])
 def test_bad_arguments_raise_naming_them(change, match):
     q, k, v, lengths = case((2, 4, 2, 2, 16, 32), 0)
@@ -160,7 +170,7 @@ def test_which_passes_take_the_kernel():
     with da.on_cpu() if not ON_GPU else torch.no_grad():
         assert da.takes(q, cache)
         assert da.takes(torch.zeros(2, 16, 4, 16, device=DEVICE), cache)
-        assert not da.takes(torch.zeros(2, 17, 4, 16, device=DEVICE), cache)  # a prefill: SDPA
+        assert not da.takes(torch.zeros(2, 17, 4, 16, device=DEVICE), cache)  # 17 tokens: SDPA
         assert not da.takes(q.half(), cache)  # dtypes differ
         assert not da.takes(q, object())  # not a device cache
         assert not da.takes(torch.zeros(2, 1, 3, 16, device=DEVICE), cache)  # heads not a multiple
@@ -192,8 +202,8 @@ def lm(depth: int = 2):
 
 @pytest.fixture
 def triton_path():
-    """The passes over compiled decoding's caches take the Triton kernel (on a CPU: interpreted, the C++ kernel
-    off); -> the shapes of the passes it attended."""
+    """Cached passes take the Triton kernel, eager ones over a KVCache included (everywhere(); on a CPU:
+    interpreted, the C++ kernel off); -> the shapes of the passes it attended."""
     calls = []
     real = da._launch
 
@@ -203,7 +213,7 @@ def triton_path():
 
     da._launch, before = spy, da._launch
     try:
-        with dac.disabled(), (da.on_cpu() if not ON_GPU else torch.no_grad()):
+        with dac.disabled(), da.everywhere(), (da.on_cpu() if not ON_GPU else torch.no_grad()):
             yield calls
     finally:
         da._launch = before
@@ -289,6 +299,8 @@ def test_eager_decoding_over_kv_caches_takes_the_kernel_and_gets_the_sdpa_paths_
     assert {shape[1] for shape in triton_path} >= {1, 4, 9}  # steps, verify passes, the ragged prompts' prefill
 
 
+@pytest.mark.skipif(ON_GPU, reason="the scheduler's test models live on the CPU; on a GPU the eager decoding test "
+                    "and bench/gpu_check.py's serveload section run these passes")
 def test_continuous_batching_through_the_kernel_gives_every_request_its_solo_output(triton_path):
     """The scheduler's eager slots (rows joining and leaving, lanes of different lengths, base and speculative
     rows) attend through the kernel; each request gets the tokens and acceptance the SDPA path gives it alone."""
@@ -313,8 +325,8 @@ def test_kv_cache_rows_that_do_not_fit_raise_and_leave_the_cache_as_it_was():
     k0 = cache.k.clone()
     q, k = torch.randn(3, 4, 4, 16, device=DEVICE), torch.randn(3, 4, 2, 16, device=DEVICE)
     with da.on_cpu() if not ON_GPU else torch.no_grad(), torch.no_grad():
-        assert da.takes(q, cache, k)
-        with pytest.raises(ValueError, match="overflow"):
+        assert da.takes(q, cache, k) and da.attend(q, k, k, cache, True) is None  # eager passes: opt-in
+        with da.everywhere(), pytest.raises(ValueError, match="overflow"):
             da.attend(q, k, k, cache, True)
     assert cache.lengths == [3, 17, 0] and torch.equal(cache.k, k0)
 
@@ -322,23 +334,24 @@ def test_kv_cache_rows_that_do_not_fit_raise_and_leave_the_cache_as_it_was():
 # ---------------------------------------------------------------------------------------------- a GPU target
 _COMPILE_FOR_SM90 = textwrap.dedent(
     """
-    import sys
-    import triton
+    import os, subprocess, sys, tempfile
+    import torch, triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from efftx.kernels.decode_attention import INTERPRETED, _merge_kernel, _partial_kernel, launch_shape
 
     assert not INTERPRETED
+    ptxas = sys.argv[2]
+    dtypes = dict(fp16=torch.float16, bf16=torch.bfloat16, fp32=torch.float32)
     for case in sys.argv[1].split(","):
         name, t, g, d = case.split(":")
-        meta = launch_shape(int(t), int(g), 1, int(d))
+        meta = launch_shape(int(t), int(g), 1, int(d), dtypes[name])
         warps = meta.pop("num_warps")
         ptr = "*" + name
+        precision = "ieee" if name == "fp32" else "tf32"
         for kernel, consts in (
-                (_partial_kernel, dict(meta, HKV=2, CAUSAL=True, DIRECT=False,
-                                       PRECISION="ieee" if name == "fp32" else "tf32")),
-                (_partial_kernel, dict(meta, HKV=2, CAUSAL=False, DIRECT=True,
-                                       PRECISION="ieee" if name == "fp32" else "tf32")),
+                (_partial_kernel, dict(meta, HKV=2, CAUSAL=True, DIRECT=False, PRECISION=precision)),
+                (_partial_kernel, dict(meta, HKV=2, CAUSAL=False, DIRECT=True, PRECISION=precision)),
                 (_merge_kernel, dict(HKV=2, **{k: meta[k] for k in ("G", "M_PAD", "D", "D_PAD")}))):
             consts = {n: consts[n] for n in kernel.arg_names if n in consts}
             pointers = dict(Q=ptr, K=ptr, V=ptr, O=ptr, LEN="*i64", M_OUT="*fp32", L_OUT="*fp32", ACC_OUT="*fp32",
@@ -348,24 +361,57 @@ _COMPILE_FOR_SM90 = textwrap.dedent(
             compiled = triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                                       options=dict(num_warps=warps))
             assert compiled.asm["cubin"], kernel
-            print("compiled", kernel.__name__, case, flush=True)
+            with tempfile.TemporaryDirectory() as tmp:  # registers and spills, as ptxas reports them
+                path = os.path.join(tmp, "k.ptx")
+                open(path, "w").write(compiled.asm["ptx"])
+                info = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".cubin"],
+                                      capture_output=True, text=True).stderr
+            spills = int(info.split(" bytes spill stores")[0].rsplit(None, 1)[-1])
+            assert spills <= 64, (kernel.__name__, case, info)  # at most a few values in local memory
+            print("compiled", kernel.__name__, case, "shared", compiled.metadata.shared, "spilled", spills, flush=True)
     """
 )
 
 
+def newest_ptxas() -> str | None:
+    """The newest ptxas this triton ships (its PTX may be newer than the older one's)."""
+    root = os.path.join(os.path.dirname(sys.modules["triton"].__file__), "backends", "nvidia", "bin")
+    found = [os.path.join(root, name) for name in ("ptxas-blackwell", "ptxas") if os.path.isfile(os.path.join(root, name))]
+    return found[0] if found else None
+
+
 @pytest.mark.slow
-def test_the_kernels_compile_for_an_h100_without_a_gpu(tmp_path):
-    ptxas = os.path.join(os.path.dirname(sys.modules["triton"].__file__), "backends", "nvidia", "bin")
-    if not os.path.isdir(ptxas):
+def test_the_kernels_compile_for_an_h100_without_a_gpu_and_spill_next_to_no_registers(tmp_path):
+    ptxas = newest_ptxas()
+    if ptxas is None:
         pytest.skip("this triton build ships no NVIDIA backend tools (ptxas)")
-    # (dtype, tokens per row, query heads per kv head, head dim): decoding and verify passes, each head dim bucket
-    cases = ["fp16:1:1:64", "bf16:6:4:128", "fp32:1:8:32", "bf16:16:1:16", "fp16:6:1:128", "bf16:1:2:80"]
+    # (dtype, tokens per row, query heads per kv head, head dim): decoding and verify passes, each head dim bucket,
+    # and the largest tile each dtype takes (tile_rows)
+    cases = ["fp16:1:1:64", "bf16:6:4:128", "fp32:1:8:32", "bf16:16:1:16", "fp16:6:1:128", "bf16:1:2:80",
+             "bf16:16:4:128", "fp16:8:8:64", "fp32:16:2:128", "fp32:16:4:64"]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # really compile, no cache hit from an earlier run
-    run = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90, ",".join(cases)], env=env, capture_output=True,
-                         text=True, timeout=900)
+    run = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90, ",".join(cases), ptxas], env=env,
+                         capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert run.stdout.count("compiled") == 3 * len(cases), run.stdout
+
+
+def test_tiles_past_what_the_kernel_takes_go_to_sdpa():
+    """A pass whose tokens x query heads per kv head exceed tile_rows (64; 32 in float32 past head dim 64) is refused
+    by decode_attention, naming the sizes, and not taken by the model's passes."""
+    q = torch.zeros(1, 16, 8, 64, dtype=torch.float16, device=DEVICE)  # 16 tokens x 8 heads of one kv head: 128
+    k = torch.zeros(1, 32, 1, 64, dtype=torch.float16, device=DEVICE)
+    lengths = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="128 tile rows exceed the kernel's 64"):
+        da.decode_attention(q, k, k, lengths)
+    wide = torch.zeros(1, 16, 4, 128, device=DEVICE)  # float32, head dim 128: 64 rows > 32
+    with pytest.raises(ValueError, match="64 tile rows exceed the kernel's 32 for float32 at head dim 128"):
+        da.decode_attention(wide, torch.zeros(1, 32, 1, 128, device=DEVICE), torch.zeros(1, 32, 1, 128, device=DEVICE),
+                            lengths)
+    with da.on_cpu() if not ON_GPU else torch.no_grad():
+        assert not da.takes(q, device_cache(1, 32, 1, 64, torch.float16))
+        assert da.takes(q[:, :8], device_cache(1, 32, 1, 64, torch.float16))  # 64 rows
 
 
 # ---------------------------------------------------------------------------------------------- the bench

@@ -122,6 +122,44 @@ def test_short_prompts_prefill_compiled_and_every_request_gets_its_solo_output(m
     assert eager[-1] == (3, 3) and rows.lengths == [2, 3, 1] and logits.shape[0] == 3
 
 
+def test_a_failed_batch_prefill_retries_its_rows_eagerly(models, monkeypatch):
+    """A batch's prefill raises (once): its rows are prefilled one by one before any joins its slot, eagerly (one
+    compiled buffer per shape would hold only the last of them), and each gets its solo tokens."""
+    target, draft = models
+    failed, eager = [], []
+    real_eager = Slots.prefill
+
+    def eager_prefill(self, prompts, capacity, compiled=True):
+        eager.append((len(prompts), compiled))
+        return real_eager(self, prompts, capacity, compiled)
+
+    def hook(kind, jobs):
+        if len(jobs) == 2 and not failed and not any(j.out for j in jobs):
+            failed.append(kind)
+            raise RuntimeError("injected prefill fault")
+
+    monkeypatch.setattr(Slots, "prefill", eager_prefill)
+    scheduler = Scheduler(target, draft, max_rows=4, short_tokens=0, prefill_rows=2, compile="on", hook=hook)
+    jobs = run_rounds(scheduler, [(0, [5, 6, 7], 6, HOT, 1, None), (0, [9, 1, 4, 4], 6, HOT, 2, None)])
+    assert_alone(target, draft, jobs)
+    assert failed == ["base"] and eager == [(1, False), (1, False)]
+
+
+def test_the_compiled_warm_up_compiles_every_compiled_prefill_shape(models, monkeypatch):
+    """Base decoding's target and speculative decoding's target and draft: 1 and 2 prompts of 16 and of 32 tokens."""
+    target, draft = models
+    shapes: dict[bool, set] = {}
+    real = CompiledSlots._prefill_runner
+
+    def runner(self, size, length):
+        shapes.setdefault((self.model is target), set()).add((size, length))
+        return real(self, size, length)
+
+    monkeypatch.setattr(CompiledSlots, "_prefill_runner", runner)
+    continuous.warm_up(target, draft, rows=2, gamma=3, compile="on", compile_rows=2)
+    assert shapes == {True: {(1, 16), (2, 16), (1, 32), (2, 32)}, False: {(1, 16), (2, 16), (1, 32), (2, 32)}}
+
+
 def test_compiled_prefills_outside_no_grad_leave_no_autograd_state(models):
     """A caller in grad mode (bench/serve_load.py's cost runs): a compiled prefill must not record an autograd graph
     in its buffers, which the slots then copy (a slots cache that requires grad makes dynamo refuse the compiled

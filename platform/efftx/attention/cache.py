@@ -97,6 +97,9 @@ class KVCache(RowLengths):
     @classmethod
     def over(cls, k: torch.Tensor, v: torch.Tensor, lengths: Sequence[int]) -> "KVCache":
         """A cache over given (B, max_len, Hkv, D) buffers (views: nothing copied) whose rows hold ``lengths``."""
+        if k.shape != v.shape or len(lengths) != k.shape[0] or not all(0 <= int(n) <= k.shape[1] for n in lengths):
+            raise ValueError(f"a cache over keys {tuple(k.shape)} and values {tuple(v.shape)} cannot hold rows of "
+                             f"lengths {list(lengths)}")
         cache = cls.__new__(cls)
         RowLengths.__init__(cache, k.shape[0], k.device)
         cache.k, cache.v, cache.lengths = k, v, [int(n) for n in lengths]

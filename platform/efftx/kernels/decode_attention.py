@@ -8,8 +8,8 @@ tokens in a 4096-slot cache pays for 4096. Here each program reads only the keys
 what its rows hold, yet the launch (grid, shapes) stays fixed and graph-capturable:
 
 * **split-K ("flash decoding")**: the capacity is cut into ``splits`` equal ranges; program (row x kv head, split)
-  runs an online softmax over the part of its range below the row's end (a range past it costs one length load and
-  an early exit), and a second kernel merges the splits' partial maxima, sums and weighted values. ``splits`` is
+  runs an online softmax over the part of its range below the row's end (a range past it reads no key: it writes an
+  empty partial result), and a second kernel merges the splits' partial maxima, sums and weighted values. ``splits`` is
   chosen from the grid and the device's multiprocessor count (:func:`choose_splits`), so a batch of one row still
   spreads its keys over the GPU; one split writes the output directly (no merge);
 * the query heads of a kv head (GQA) and the pass's tokens are stacked as the rows of one tile, so each key is read
@@ -27,8 +27,10 @@ interpreter's bf16 ``tl.dot`` is wrong; on a GPU, ``EFFTX_TRITON_GPU=1``, bf16 t
 target without a GPU.
 
 Eager passes over a :class:`~efftx.attention.cache.KVCache` (the host keeps the row lengths: decoding without
-``compile``, continuous batching's eager slots) take it too (:func:`attend`): the keys written at each row's
-position, the lengths copied to the device, no (B, T, L) mask built.
+``compile``, continuous batching's eager slots) can take it too (:func:`attend`): the keys written at each row's
+position, the lengths copied to the device, no (B, T, L) mask built. They do with ``EFFTX_GPU_ATTENTION=on`` (or
+inside :func:`everywhere`) only: that path replaces SDPA for every GPU user who does not compile, and no GPU has
+measured it yet.
 
 Which passes take it (:func:`takes`): CUDA tensors of one floating dtype (fp16, bf16, fp32), at most
 :data:`MAX_QUERIES` tokens per row, head dim at most :data:`MAX_HEAD_DIM`, no autograd graph. ``EFFTX_GPU_ATTENTION=off``
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 
 import torch
 
@@ -53,22 +56,43 @@ except ImportError:  # pragma: no cover - exercised only on machines without tri
     triton = None
     tl = None
 
-__all__ = ["decode_attention", "decode_attention_reference", "attend_device", "takes", "choose_splits",
-           "disabled", "on_cpu", "MAX_QUERIES", "MAX_HEAD_DIM"]
+__all__ = ["decode_attention", "decode_attention_reference", "attend", "attend_device", "takes", "choose_splits",
+           "disabled", "everywhere", "on_cpu", "MAX_QUERIES", "MAX_HEAD_DIM"]
 
-MAX_QUERIES = 16  # tokens per row in one pass: decoding (1), speculative verify (gamma + 1); prefills take SDPA
+MAX_QUERIES = 16  # tokens per row in one pass: decoding (1), speculative verify (gamma + 1), short prefills
 MAX_HEAD_DIM = 128
+# A program's tile stacks a pass's tokens x the query heads of one kv head. Its launch per dtype and head dim, checked
+# with ptxas for sm_90 (tests/test_decode_attention.py): fp16/bf16 tiles of up to 64 rows on 4 warps, 64-key tiles
+# (32 past head dim 64); float32 (its dot products in full precision: more registers) on 8 warps with 32-key tiles
+# (16 past head dim 64), at most 32 rows past head dim 64. Larger passes take SDPA. (Before: 4 warps for every
+# dtype spilled float32 tiles at every size; 128 float32 rows of head dim 128 needed 395 KB of shared memory.)
+MAX_TILE_ROWS = 64
 MAX_SPLITS = 64
 ENV = "EFFTX_GPU_ATTENTION"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 _state = switch(ENV)
+# Eager passes over a KVCache take the kernel only with EFFTX_GPU_ATTENTION=on (or inside everywhere()) until a GPU
+# has measured them against SDPA (bench/decode_attention.py, the GPU check's decodeattn section); compiled passes
+# take it unless it is off.
+_state["eager"] = os.environ.get(ENV, "auto").strip().lower() in ("on", "1", "true", "yes")
 _cpu = {"on": False}  # on_cpu(): the interpreted kernel takes CPU tensors too (tests)
 
 
 def disabled():
     """Inside, no pass takes the kernel (benches time it side by side with the matmul path)."""
     return switched_off(_state)
+
+
+@contextlib.contextmanager
+def everywhere():
+    """Inside, eager passes over a KVCache take the kernel too (as with ``EFFTX_GPU_ATTENTION=on``)."""
+    before = _state["eager"]
+    _state["eager"] = True
+    try:
+        yield
+    finally:
+        _state["eager"] = before
 
 
 @contextlib.contextmanager
@@ -120,12 +144,12 @@ if triton is not None:
 
     @triton.jit
     def _partial_kernel(Q, K, V, LEN, O, M_OUT, L_OUT, ACC_OUT,
-                        sqb, sqt, sqh, sqd, skb, skc, skh, skd, svb, svc, svh, svd, sob, sot, soh, sod,
+                        sqb, sqt, sqh, sqd, skb, skc, skh, skd, svb, svc, svh, svd, sob, sot, soh, sod, sl,
                         T, C, scale, SPLIT, SPLITS,
                         HKV: tl.constexpr, G: tl.constexpr, M_PAD: tl.constexpr, D: tl.constexpr,
                         D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DIRECT: tl.constexpr,
                         PRECISION: tl.constexpr):
-        pid = tl.program_id(0)  # row x kv head
+        pid = tl.program_id(0).to(tl.int64)  # row x kv head (64-bit offsets: caches past 2**31 elements)
         s = tl.program_id(1)  # split of the capacity
         b = pid // HKV
         kvh = pid % HKV
@@ -135,7 +159,7 @@ if triton is not None:
         row_ok = r < T * G
         d = tl.arange(0, D_PAD)
         d_ok = d < D
-        length = tl.load(LEN + b).to(tl.int32)
+        length = tl.load(LEN + b * sl).to(tl.int32)
         if CAUSAL:
             q_end = length + t + 1
         else:
@@ -178,7 +202,7 @@ if triton is not None:
     def _merge_kernel(M_IN, L_IN, ACC_IN, O, sob, sot, soh, sod, T, SPLITS,
                       HKV: tl.constexpr, G: tl.constexpr, M_PAD: tl.constexpr, D: tl.constexpr,
                       D_PAD: tl.constexpr):
-        pid = tl.program_id(0)
+        pid = tl.program_id(0).to(tl.int64)
         b = pid // HKV
         kvh = pid % HKV
         r = tl.arange(0, M_PAD)
@@ -214,12 +238,19 @@ def _pow2(n: int, floor: int) -> int:
     return max(floor, 1 << (max(n, 1) - 1).bit_length())
 
 
-def launch_shape(t: int, h: int, hkv: int, d: int) -> dict:
-    """The kernels' compile-time shape: tile rows (tokens x query heads of a kv head), padded head dim, key tile,
-    warps."""
+def tile_rows(dtype: torch.dtype, d: int) -> int:
+    """The most tile rows (tokens x query heads of a kv head) the kernel takes for ``dtype`` and head dim ``d``."""
+    return MAX_TILE_ROWS // 2 if dtype == torch.float32 and _pow2(d, 16) > 64 else MAX_TILE_ROWS
+
+
+def launch_shape(t: int, h: int, hkv: int, d: int, dtype: torch.dtype) -> dict:
+    """The kernels' compile-time shape and warps: tile rows (tokens x query heads of a kv head), padded head dim,
+    key tile (see :data:`MAX_TILE_ROWS`)."""
     d_pad = _pow2(d, 16)
-    return {"G": h // hkv, "M_PAD": _pow2(t * (h // hkv), 16), "D": d, "D_PAD": d_pad,
-            "BLOCK_N": 64 if d_pad <= 64 else 32, "num_warps": 4}
+    wide = dtype == torch.float32
+    block_n = (32 if wide else 64) if d_pad <= 64 else (16 if wide else 32)
+    return {"G": h // hkv, "M_PAD": _pow2(t * (h // hkv), 16), "D": d, "D_PAD": d_pad, "BLOCK_N": block_n,
+            "num_warps": 8 if wide else 4}
 
 
 def _multiprocessors(device: torch.device) -> int:
@@ -247,12 +278,18 @@ def check_args(q, k_cache, v_cache, lengths) -> None:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape")
     if k_cache.shape[0] != b or k_cache.shape[3] != d:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} does not match q {tuple(q.shape)} (batch, head dim)")
-    if h % k_cache.shape[2]:
+    if k_cache.shape[2] == 0 or h % k_cache.shape[2]:
         raise ValueError(f"q's {h} heads are not a multiple of the cache's {k_cache.shape[2]} kv heads")
     if lengths.shape[0] != b or lengths.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"lengths must be ({b},) int32 or int64, got {tuple(lengths.shape)} {lengths.dtype}")
     if not 1 <= t <= MAX_QUERIES:
         raise ValueError(f"q holds {t} tokens per row; the kernel takes 1 to {MAX_QUERIES}")
+    if k_cache.shape[1] < t:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} holds fewer positions than the pass's {t} tokens")
+    if t * (h // k_cache.shape[2]) > tile_rows(q.dtype, d):
+        raise ValueError(f"{t} tokens x {h // k_cache.shape[2]} query heads per kv head = "
+                         f"{t * (h // k_cache.shape[2])} tile rows exceed the kernel's {tile_rows(q.dtype, d)} "
+                         f"for {str(q.dtype)[6:]} at head dim {d}")
     if d > MAX_HEAD_DIM:
         raise ValueError(f"head dim {d} exceeds the kernel's {MAX_HEAD_DIM}")
     if q.dtype not in DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
@@ -266,7 +303,7 @@ def check_args(q, k_cache, v_cache, lengths) -> None:
 def _launch(q, k_cache, v_cache, lengths, causal: bool, scale: float, splits: int) -> torch.Tensor:
     b, t, h, d = q.shape
     c, hkv = k_cache.shape[1], k_cache.shape[2]
-    meta = launch_shape(t, h, hkv, d)
+    meta = launch_shape(t, h, hkv, d, q.dtype)
     warps = meta.pop("num_warps")
     splits = max(1, min(splits, math.ceil(c / meta["BLOCK_N"])))
     split = math.ceil(math.ceil(c / splits) / meta["BLOCK_N"]) * meta["BLOCK_N"]  # keys per range, whole tiles
@@ -281,7 +318,7 @@ def _launch(q, k_cache, v_cache, lengths, causal: bool, scale: float, splits: in
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _partial_kernel[(b * hkv, splits)](
         q, k_cache, v_cache, lengths, out, m_part, l_part, acc_part, *q.stride(), *k_cache.stride(),
-        *v_cache.stride(), *out.stride(), t, c, scale, split, splits, HKV=hkv, CAUSAL=causal, DIRECT=direct,
+        *v_cache.stride(), *out.stride(), lengths.stride(0), t, c, scale, split, splits, HKV=hkv, CAUSAL=causal, DIRECT=direct,
         PRECISION=precision, num_warps=warps, **meta)
     if not direct:
         _merge_kernel[(b * hkv,)](m_part, l_part, acc_part, out, *out.stride(), t, splits, HKV=hkv, G=meta["G"],
@@ -317,7 +354,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"splits must be >= 1, got {splits}")
     b, t, h, d = q.shape
     if splits is None:
-        block_n = launch_shape(t, h, k_cache.shape[2], d)["BLOCK_N"]
+        block_n = launch_shape(t, h, k_cache.shape[2], d, q.dtype)["BLOCK_N"]
         splits = choose_splits(b * k_cache.shape[2], k_cache.shape[1], block_n, q.device)
     return _op(q, k_cache, v_cache, lengths, bool(causal), float(d ** -0.5 if scale is None else scale), int(splits))
 
@@ -336,7 +373,9 @@ def takes(q: torch.Tensor, cache, k_new: torch.Tensor | None = None) -> bool:
             and q.device == k.device and (not device_lengths or lengths.device == q.device)
             and q.dtype in DTYPES and k.dtype == q.dtype
             and not (k_new is not None and torch.is_grad_enabled() and k_new.requires_grad)
-            and 1 <= q.shape[1] <= MAX_QUERIES and q.shape[-1] <= MAX_HEAD_DIM and q.shape[2] % k.shape[2] == 0
+            and 1 <= q.shape[1] <= MAX_QUERIES and q.shape[-1] <= MAX_HEAD_DIM and k.shape[2] > 0
+            and q.shape[2] % k.shape[2] == 0
+            and q.shape[1] * (q.shape[2] // k.shape[2]) <= tile_rows(q.dtype, q.shape[-1])
             and not (torch.is_grad_enabled() and q.requires_grad))
 
 
@@ -349,7 +388,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, causal: boo
     untouched. Rows that do not fit raise, nothing written."""
     from efftx.attention.cache import KVCache
 
-    if type(cache) is not KVCache or torch.compiler.is_compiling() or not takes(q, cache, k):
+    if not _state["eager"] or type(cache) is not KVCache or torch.compiler.is_compiling() or not takes(q, cache, k):
         return None
     b, t = k.shape[:2]
     before = list(cache.lengths)

@@ -682,7 +682,9 @@ def warm_up(target, draft=None, *, rows: int = 16, gamma: int | None = None, tok
         if new < 1:
             continue
         longest = max(1, min(16, room - new))
-        prompts = [[[1] * (1 + i % longest) for i in range(n)] for n in batches]
+        # speculative prompts of 2 tokens or more: a prefix to prefill (a 1-token prompt has none) in every batch
+        first = min(longest, 1 if gam is None else 2)
+        prompts = [[[1] * max(first, 1 + i % longest) for i in range(n)] for n in batches]
         if compile != "off":  # compiled prefills' other length (device_slots.PREFILL_TOKENS), in their row buckets
             prompts += [[[1] * min(PREFILL_TOKENS, room - new)] * n for n in batches
                         if n <= PREFILL_ROWS and room - new > MIN_PREFILL]
