@@ -40,7 +40,7 @@ FILE_SECONDS = {"test_train_ray.py": 490, "test_multinode.py": 420, "test_resume
                 "test_job_submit.py": 145, "test_distill.py": 125, "test_resume_exact.py": 120,
                 "test_tune_search.py": 95, "test_serve_redeploy.py": 95, "test_serve_isolation.py": 95,
                 "test_dalle_train.py": 85, "test_tune.py": 85, "test_storage_uri.py": 80, "test_tokenizer_lm.py": 80,
-                "test_kernels.py": 65, "test_serve_ready.py": 60, "test_serve.py": 55, "test_tracking_server.py": 55,
+                "test_decode_attention.py": 75, "test_kernels.py": 65, "test_serve_ready.py": 60, "test_serve.py": 55, "test_tracking_server.py": 55,
                 "test_gpu_check.py": 45, "test_image_streaming.py": 45}
 
 
