@@ -33,8 +33,9 @@ inside :func:`everywhere`) only: that path replaces SDPA for every GPU user who 
 measured it yet.
 
 Which passes take it (:func:`takes`): CUDA tensors of one floating dtype (fp16, bf16, fp32), at most
-:data:`MAX_QUERIES` tokens per row, head dim at most :data:`MAX_HEAD_DIM`, no autograd graph. ``EFFTX_GPU_ATTENTION=off``
-(or :func:`disabled`, for side-by-side benches) keeps every pass on the matmul path. On a CPU the C++ kernel
+:data:`MAX_QUERIES` tokens per row, head dim at most :data:`MAX_HEAD_DIM`, tiles of at most :func:`tile_rows`
+rows, no autograd graph. ``EFFTX_GPU_ATTENTION=off`` (or :func:`disabled`, for side-by-side benches) keeps every
+pass on the matmul path. On a CPU the C++ kernel
 (:mod:`efftx.kernels.decode_attention_cpu`) takes these passes; :func:`on_cpu` lets the interpreted Triton kernel
 take CPU tensors (the tests run the model's compiled step through it that way).
 """
