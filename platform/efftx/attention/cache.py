@@ -127,15 +127,22 @@ class KVCache(RowLengths):
         """
         if not self.ragged:
             return (*self.append(k, v), None)
-        t = k.shape[1]
         before = list(self.lengths)
+        self.write_rows(k, v)
+        end = self.end
+        return self.k[:, :end], self.v[:, :end], visible_keys(before, k.shape[1], causal, self.k.device)
+
+    def write_rows(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Write new keys/values (B, T, Hkv, D) at each row's own position and advance the rows; -> the rows'
+        lengths before, a (B,) long tensor on the cache's device. Raises, nothing written, when they do not fit."""
+        t = k.shape[1]
+        before = torch.tensor(self.lengths, device=self.k.device)
         self._grow(t, self.max_len, "KV cache")
-        slots = torch.tensor(before, device=self.k.device)[:, None] + torch.arange(t, device=self.k.device)
+        slots = before[:, None] + torch.arange(t, device=self.k.device)
         rows = torch.arange(k.shape[0], device=self.k.device)[:, None]
         self.k[rows, slots] = k.to(self.k.dtype)
         self.v[rows, slots] = v.to(self.v.dtype)
-        end = self.end
-        return self.k[:, :end], self.v[:, :end], visible_keys(before, t, causal, self.k.device)
+        return before
 
 
 def cache_offset(cache: Any) -> int | torch.Tensor:

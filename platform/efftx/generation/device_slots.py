@@ -111,20 +111,18 @@ class CompiledSlots(Slots):
     @torch.no_grad()
     def prefill(self, prompts: list[list[int]], capacity: int, compiled: bool = True):
         """At most :data:`PREFILL_ROWS` prompts of at most :data:`PREFILL_TOKENS` tokens prefill in one compiled
-        pass (see the module docstring:
-        rows and length padded to buckets, a buffer per bucket kept by these slots); others, or with ``compiled``
-        False (a containment retry: several prefills before their rows join), as :class:`Slots` does."""
+        pass (see the module docstring: rows and length padded to buckets, a buffer per bucket kept by these
+        slots); others, or with ``compiled`` False (a containment retry: several prefills before their rows join),
+        as :class:`Slots` does."""
         n, longest = len(prompts), max((len(p) for p in prompts), default=0)
         size, length = bucket(n), max(MIN_PREFILL, bucket(longest))
         if not (compiled and 0 < longest <= PREFILL_TOKENS and size <= PREFILL_ROWS and length <= self.capacity
                 and self._compiles(size)):
             return super().prefill(prompts, capacity, compiled)
         runner = self._prefill_runner(size, length)
-        tokens = torch.zeros(size, length, dtype=torch.long)
-        for i, prompt in enumerate(prompts):
-            tokens[i, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        padded = [list(p) + [0] * (length - len(p)) for p in prompts] + [[0] * length] * (size - n)
         runner.cache.lengths.zero_()
-        logits = runner._run(forward_step, tokens.to(self.device, non_blocking=True))  # (size, length, V)
+        logits = runner._run(forward_step, torch.tensor(padded, device=self.device))  # (size, length, V)
         last = torch.tensor([max(len(p) - 1, 0) for p in prompts], device=self.device)
         logits = logits[torch.arange(n, device=self.device), last]  # a copy: the graph's next replay overwrites its own
         lengths = [len(p) for p in prompts]  # the padding past each row's length is never read, then overwritten

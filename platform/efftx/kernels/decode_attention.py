@@ -391,16 +391,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, causal: boo
 
     if not _state["eager"] or type(cache) is not KVCache or torch.compiler.is_compiling() or not takes(q, cache, k):
         return None
-    b, t = k.shape[:2]
     before = list(cache.lengths)
-    cache._grow(t, cache.max_len, "KV cache")  # raises (nothing written) when the rows do not fit
+    lengths = cache.write_rows(k, v)  # raises (nothing written) when the rows do not fit
     try:
-        lengths = torch.tensor(before, dtype=torch.long, device=q.device)
-        slots = lengths[:, None] + torch.arange(t, device=q.device)
-        rows = torch.arange(b, device=q.device)[:, None]
-        cache.k[rows, slots] = k.to(cache.k.dtype)
-        cache.v[rows, slots] = v.to(cache.v.dtype)
-        end = max(before) + t  # the host knows where the longest row ends: no range past it is launched
+        end = cache.end  # the host knows where the longest row ends: no range past it is launched
         return decode_attention(q, cache.k[:, :end], cache.v[:, :end], lengths, causal)
     except Exception:
         cache.lengths = before
