@@ -590,11 +590,11 @@ class FakeCosts:
             self.now += self.step(len(jobs))
 
 
-def measured_rounds(costs: FakeCosts, slowdown: float, long_every: int = 6):
+def measured_rounds(costs: FakeCosts, slowdown: float, long_every: int = 6, fast_rows: int = 1):
     """Three long requests decode; a short one arrives in round 3, a long one in round 4. Returns (the rounds in
     which each got tokens, the short request's latency on the fake clock, the scheduler)."""
     target = lm(0)
-    scheduler = Scheduler(target, short_tokens=8, fast_rows=1, long_every=long_every, prefill_rows=2,
+    scheduler = Scheduler(target, short_tokens=8, fast_rows=fast_rows, long_every=long_every, prefill_rows=2,
                           short_slowdown=slowdown, clock=costs.clock, hook=costs.hook)
     plan = {0: [("long1", [5, 6, 7], 30, 1), ("long2", [9, 9], 30, 2), ("long3", [2, 7], 30, 3)],
             3: [("short", [1, 2, 3], 8, 4)], 4: [("late", [4, 4], 20, 5)]}
@@ -693,6 +693,31 @@ def test_long_work_waits_while_it_would_make_a_short_request_too_slow():
     finally:
         StepCosts.unloaded = real
     assert wrong > 1.5 * alone
+
+
+def test_long_rows_leave_the_fast_lane_while_stepping_beside_a_short_request_would_make_it_too_slow(monkeypatch):
+    """Steep costs and room for four rows in the fast lane: the three long rows are there when the short request
+    arrives and joins them. Stepping them beside it costs it more than its slack, so they leave for the slow lane
+    (which steps every ``long_every`` rounds or by the slack) and the short request finishes within
+    ``short_slowdown`` times its latency alone, every row with its solo output. With flat costs they stay. Power:
+    long rows kept in the fast lane make the short request too slow."""
+    def steep():
+        return FakeCosts(lambda rows: 1.0 + rows, lambda tokens: 1.0 + tokens)
+
+    alone = (1 + 3) + 7 * 2
+    got, latency, scheduler = measured_rounds(steep(), 1.5, long_every=8, fast_rows=4)
+    assert latency <= 1.5 * alone
+    assert scheduler.moves >= 3  # the fast lane's long rows left for the short one
+    short = got["short"]
+    gaps = [b - a for a, b in zip(got["long1"], got["long1"][1:])]
+    assert max(gaps) <= 8 and len([r for r in got["long1"] if short[0] < r <= short[-1]]) < len(set(short)) - 1
+    _, flat_latency, flat = measured_rounds(FakeCosts(lambda rows: 1.0, lambda tokens: 1.0), 1.5, fast_rows=4)
+    assert flat.moves == 0 and flat_latency <= 1.5 * (1 + 7)
+    # the same load with the long rows kept in the fast lane: the short request pays for them every round
+    real = Scheduler._room
+    monkeypatch.setattr(Scheduler, "_room", lambda self: real(self)._replace(fast_longs=True))
+    _, kept, _ = measured_rounds(steep(), 1.5, long_every=8, fast_rows=4)
+    assert kept > 1.5 * alone
 
 
 def test_a_failing_cost_estimate_leaves_the_long_rows_to_long_every(monkeypatch, caplog):

@@ -73,7 +73,7 @@ class TextAppArgs(BaseModel):
         "priority). See :mod:`efftx.serving.continuous`."))
     fast_rows: int | None = Field(None, gt=0, description=(
         "continuous: while short requests decode, the rows stepped every round: every short one, and long ones while "
-        "there are fewer than this (default 4)."))
+        "there are fewer than this (default 4) and, with short_slowdown, while the short ones can afford them."))
     long_every: int | None = Field(None, gt=0, description=(
         "continuous: while short requests decode or wait, the long ones step, and long arrivals are prefilled, once "
         "every this many rounds (default 16)."))

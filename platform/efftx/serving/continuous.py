@@ -26,7 +26,8 @@ loop) that repeats rounds: admit the requests that may start, then run one decod
   every running row would take several times its unloaded latency. Requests declare ``max_new_tokens``: those
   asking for at most ``short_tokens`` are *short*. Each batch keeps its rows in two lanes, stepped as separate
   passes. The **fast lane** steps every round: every short row, and long ones while it has fewer than ``fast_rows``
-  rows. The **slow lane** holds the other long rows: it steps every round while no short request runs or waits,
+  rows (while short rows run, only while the measured costs say they can afford them: see :class:`Scheduler`).
+  The **slow lane** holds the other long rows: it steps every round while no short request runs or waits,
   and otherwise once every ``long_every`` rounds (with the fast lane, in one pass); so a short request's rounds are
   mostly one small step, and a long request is at most about ``long_every`` times slower while short ones run (it
   cannot starve). A short arrival takes a free fast row, or the one of the fast long row with the most tokens left
@@ -68,7 +69,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -712,6 +713,14 @@ def slowdown_ok(value) -> bool:
 NEGLIGIBLE = 0.1
 
 
+class _Room(NamedTuple):
+    """A round's long work that fits the short requests' slack (:meth:`Scheduler._room`)."""
+
+    lanes: bool  # the slow lanes step with the fast ones
+    arrivals: bool  # and long arrivals are prefilled
+    fast_longs: bool  # the fast lanes' long rows keep stepping beside the short ones (else they leave for the slow)
+
+
 class _Table:
     """Measured seconds per size (a moving average each, the newest weighing ``weight``) and estimates between and
     beyond them, a cost growing about linearly in the size (rows of a step, prompt tokens of a prefill).
@@ -798,7 +807,8 @@ class Scheduler:
     * ``fast_rows``: the fast lanes, stepped every round, take long rows in while they have fewer rows than this
       (short rows always step there: a short arrival takes a long row's place, or joins beyond). Set it where a
       decoding step's cost stops being nearly flat in its rows (``bench/serve_load.py`` prints the step cost per
-      row count);
+      row count). With ``short_slowdown``, long rows stay in a fast lane beside short ones only while the short
+      requests can afford them (below): else they leave for the slow lane;
     * ``short_slowdown``: while short requests run or wait, the slow lanes step with the fast ones, and long
       arrivals are prefilled, in the rounds where every short request can afford it: where, by the measured costs
       (below), it still finishes within this many times its latency alone (0: no such rounds, only
@@ -818,11 +828,12 @@ class Scheduler:
     (:class:`StepCosts`: moving averages per row count and per prompt tokens, and a step's tokens per row). A short
     request's latency alone is estimated as its prefill plus one-row steps; its *slack* is ``short_slowdown`` times
     that, less the time it has had so far and what its remaining steps (at this round's cost without the long
-    work) and, queued, its prefill will take. The long work of a round (the slow lanes' extra cost over the fast
-    lanes' step, the long arrivals' prefills) runs when it fits in the smallest slack (the lanes also step together
-    when that costs at most a tenth more than the fast lanes' step, however late a short request is: on a GPU
-    holding the long rows back would not make it faster); nothing runs on estimates before the costs it needs
-    were measured.
+    work: the short rows' step alone) and, queued, its prefill will take. The long work of a round runs when it
+    fits in the smallest slack: every row's step (its extra cost over the short rows' step), and with it the long
+    arrivals' prefills (and their rows in that step); else the fast lanes' long rows' step (its extra cost), or
+    else they leave for the slow lanes and the short rows step alone. Work that costs at most a tenth more than
+    the short rows' step runs however late a short request is (on a GPU holding the long rows back would not make
+    it faster); nothing runs on estimates before the costs it needs were measured.
     """
 
     def __init__(self, target, draft=None, *, max_rows: int = 32, admit_wait_s: float = 0.0,
@@ -919,7 +930,8 @@ class Scheduler:
         """Whether ``job`` asks for at most ``short_tokens`` new tokens (then it has priority)."""
         return 0 < job.max_new <= self.short_tokens
 
-    def _take(self, long_due: bool) -> tuple[dict[_Engine, dict[str, list[Job]]], list[tuple[_Engine, Job]]]:
+    def _take(self, long_due: bool, fast_longs: bool = True
+              ) -> tuple[dict[_Engine, dict[str, list[Job]]], list[tuple[_Engine, Job]]]:
         """The queued jobs to prefill now, per engine and lane (the others stay queued, in arrival order), and the
         long rows to move from the fast lane to the slow one to make room for short arrivals.
 
@@ -928,7 +940,8 @@ class Scheduler:
         has prefills left (``prefill_rows``). A short job takes a fast row: a free one, else one a long row leaves
         for the slow lane (the one with the most tokens left), else a new one beyond ``fast_rows``. A long job waits
         unless the slow lanes step this round (``long_due``: no short request runs or waits, or it is their turn) or
-        it has waited too long; then it takes a free fast row, else a slow one."""
+        it has waited too long; then it takes a free fast row (unless long rows may not step beside short ones this
+        round: ``fast_longs`` false), else a slow one."""
         taken: dict[_Engine, dict[str, list[Job]]] = {}
         with self._cv:
             pending: list[Job] = []
@@ -967,7 +980,7 @@ class Scheduler:
                 waiting.append((i, job))
             elif not (self.short(job) or long_due or id(job) in aged):
                 waiting.append((i, job))  # a long arrival, while short requests run or wait
-            elif fast < self.fast_rows:
+            elif fast < self.fast_rows and (fast_longs or self.short(job)):
                 lanes["fast"].append(job)
                 fast += 1
                 admitted += 1
@@ -995,9 +1008,12 @@ class Scheduler:
         with self._cv:
             short_soon = any(self.short(j) for j in self._queue)
         short_soon = short_soon or any(self.short(j) for e in self._engines() for j in e.jobs())
-        lanes_room, arrivals_room = self._safe_room() if short_soon else (False, False)
-        long_due = not short_soon or arrivals_room or self.rounds - self._long_round >= self.long_every
-        taken, moves = self._take(long_due)
+        room = self._safe_room() if short_soon else _Room(False, False, True)
+        long_due = not short_soon or room.arrivals or self.rounds - self._long_round >= self.long_every
+        taken, moves = self._take(long_due, room.fast_longs)
+        if not room.fast_longs:  # the short rows step alone: the fast lanes' long rows leave for the slow ones
+            moves += [(e, j) for e in self._engines() for j in e.jobs("fast")
+                      if not self.short(j) and (e, j) not in moves]
         for engine, job in moves:
             self._guarded(engine, engine.move, job, "slow", jobs=[job])
             self.moves += 1
@@ -1012,7 +1028,7 @@ class Scheduler:
         engines = [e for e in self._engines() if len(e)]
         # the slow lanes step when due, or when no short row runs after all (e.g. the short arrivals failed): then
         # with the fast lane, in one pass of all the rows
-        if long_due or lanes_room or not any(self.short(j) for e in engines for j in e.jobs()):
+        if long_due or room.lanes or not any(self.short(j) for e in engines for j in e.jobs()):
             lanes = ("all",)
             if short_soon and self.rounds - self._long_round < self.long_every:
                 self.long_rounds += 1
@@ -1051,19 +1067,21 @@ class Scheduler:
                              "tokens_per_step": round(costs.tokens_per_step, 3)}
         return out
 
-    def _safe_room(self) -> tuple[bool, bool]:
-        """:meth:`_room`; should it fail, no room (``long_every`` alone): a policy's estimate never stops decoding."""
+    def _safe_room(self) -> "_Room":
+        """:meth:`_room`; should it fail, the fixed lanes (``long_every`` alone, long rows keep their fast rows): a
+        policy's estimate never stops decoding."""
         try:
             return self._room()
         except Exception:  # noqa: BLE001 - logged; the round goes on without the long work
             logger.exception("continuous batching: the measured-cost estimate failed; long rows wait for long_every")
-            return False, False
+            return _Room(False, False, True)
 
-    def _room(self) -> tuple[bool, bool]:
+    def _room(self) -> "_Room":
         """While short requests run or wait: whether this round has room (``short_slowdown``, see *Measured costs*)
-        for the slow lanes to step with the fast ones, and also for long arrivals' prefills."""
+        for the slow lanes to step with the fast ones, for long arrivals' prefills, and for the fast lanes' long
+        rows to step beside the short ones."""
         if self.short_slowdown == 0:
-            return False, False
+            return _Room(False, False, True)
         with self._cv:
             queued = list(self._queue)
         # queued short requests in the order they are prefilled (fewest tokens first); this round's join the fast
@@ -1072,18 +1090,28 @@ class Scheduler:
         joining: dict[str, int] = {}
         for job in shorts[:self.prefill_rows or None]:
             joining[_engine_name(job)] = joining.get(_engine_name(job), 0) + 1
-        fast_round = extra = 0.0  # this round's steps without the long work, and what stepping every row adds
+        longs = [j for j in queued if not self.short(j) and not j.done][:self.prefill_rows or None]
+        arriving: dict[str, int] = {}  # long arrivals prefilled this round, if it has room for them: they step too
+        for job in longs:
+            arriving[_engine_name(job)] = arriving.get(_engine_name(job), 0) + 1
+        # this round's steps of the short rows alone, and what the fast lanes' long rows, every row, and every row
+        # with the long arrivals add
+        short_round = fast_extra = extra = grown = 0.0
         engines = {e.name: e for e in self._engines() if len(e)}
-        for name in set(engines) | set(joining):
+        for name in set(engines) | set(joining) | set(arriving):
             engine = engines.get(name)
-            fast_rows, rows = (engine.rows("fast"), len(engine)) if engine is not None else (0, 0)
-            steps = self._costs(name).steps
-            fast, every = (steps.estimate(n) if n else 0.0 for n in (fast_rows + joining.get(name, 0),
-                                                                      rows + joining.get(name, 0)))
-            if fast is None or every is None:
-                return False, False
-            fast_round += fast
-            extra += max(every - fast, 0.0)
+            n_short, n_fast, n_all = ((sum(self.short(j) for j in engine.jobs("fast")), engine.rows("fast"),
+                                       len(engine)) if engine is not None else (0, 0, 0))
+            steps, more = self._costs(name).steps, joining.get(name, 0)
+            costs = [steps.estimate(n + more) if n + more else 0.0
+                     for n in (n_short, n_fast, n_all, n_all + arriving.get(name, 0))]
+            if None in costs:
+                return _Room(False, False, True)
+            alone, fast, every, bigger = costs
+            short_round += alone
+            fast_extra += max(fast - alone, 0.0)
+            extra += max(every - alone, 0.0)
+            grown += max(bigger - alone, 0.0)
         now, slack, ahead = self.clock(), float("inf"), 0.0
         for job, waiting in [(j, False) for e in engines.values() for j in e.jobs()] + [(j, True) for j in shorts]:
             if not self.short(job) or job.done:
@@ -1091,22 +1119,25 @@ class Scheduler:
             costs = self._costs(_engine_name(job))
             unloaded = costs.unloaded(job)
             if unloaded is None:
-                return False, False
-            left = costs.steps_left(job.max_new - len(job.out)) * fast_round
+                return _Room(False, False, True)
+            left = costs.steps_left(job.max_new - len(job.out)) * short_round
             if waiting:  # its prefill, after those of the short requests before it
                 ahead += costs.prefills.estimate(len(job.prompt))
                 left += ahead
             slack = min(slack, self.short_slowdown * unloaded - (now - job.clocked) - left)
-        if extra > slack and extra > NEGLIGIBLE * fast_round:
-            return False, False
-        longs = [j for j in queued if not self.short(j) and not j.done][:self.prefill_rows or None]
+
+        def fits(cost: float) -> bool:
+            return cost <= slack or cost <= NEGLIGIBLE * short_round
+
+        if not fits(extra):
+            return _Room(False, False, fits(fast_extra))
         prefill = 0.0
         for job in longs:
             one = self._costs(_engine_name(job)).prefills.estimate(len(job.prompt))
             if one is None:
-                return True, False
+                return _Room(True, False, True)
             prefill += one
-        return True, extra + prefill <= slack
+        return _Room(True, grown + prefill <= slack, True)
 
     @staticmethod
     def _guarded(engine: _Engine, fn, *args, jobs: Sequence[Job] = ()) -> None:
