@@ -468,15 +468,15 @@ def test_adaptive_gamma_arguments():
 
 # ------------------------------------------------------------------------------ batched step = row by row
 def test_one_row_decoded_by_hand_is_the_batched_step_of_that_row():
-    """One row on its own (drafts drawn with ``sampling.draw``, then its acceptance draws and
-    :func:`accept_sampled`, as continuous batching does for rows that join and leave) makes the same draws and
+    """One row on its own (its step's one draw, :func:`step_noise`, its drafts raced with it one pass at a time,
+    then :func:`accept_sampled`, as continuous batching does for rows that join and leave) makes the same draws and
     decisions as the batched step: every row of a sampled speculative batch is reproduced that way."""
     target, draft = noisy_pair("full", noise=0.5)
     prompts = [[5, 6, 7], [9, 8, 7, 6, 5, 4, 3], [42], [1, 2]]
     batch, stats = speculative_generate(target, draft, prompts, 20, gamma=3, temperature=1.0, seed=11)
     for r, prompt in enumerate(prompts):  # one row by hand: draft with sampling.draw, then accept
         from efftx.generation.decode import Rows, generators
-        from efftx.generation.sampling import draw, probabilities
+        from efftx.generation.sampling import probabilities, race
 
         gen = generators([11 + r], 1, torch.device("cpu"))
         t, d = Rows(target, 1, 64), Rows(draft, 1, 64)
@@ -486,14 +486,14 @@ def test_one_row_decoded_by_hand_is_the_batched_step_of_that_row():
         out, pending = [], prompt[-1]
         while len(out) < 20:
             tokens, q, tok = [], [], torch.tensor([pending])
-            for _ in range(3):
+            # the row's one draw of the step, as it makes it alone, then its drafts, one pass each
+            noises, u, noise = speculative.step_noise(gen, [3], 3, target.vocab_size, "cpu")
+            for i in range(3):
                 dist = probabilities(d.forward(tok[:, None])[:, -1], 1.0)
-                tok = draw(dist, gen)
+                tok = race(dist, noises[i])
                 tokens.append(int(tok))
                 q.append(dist[0])
             p = probabilities(t.forward(torch.tensor([[pending] + tokens])), 1.0)
-            u = speculative.row_uniforms(gen, [3], 3, p.device)  # then the row's acceptance draws, as it alone
-            noise = speculative.race_noise(gen, p.shape[-1])
             n, last, *_ = speculative.accept_sampled(p, torch.stack(q)[None], torch.tensor([tokens]), u, noise,
                                                      torch.tensor([3]))[0].tolist()
             emitted = (tokens[:n] + [last])[: 20 - len(out)]

@@ -25,14 +25,14 @@ acceptance rule is exact for any gamma), only how many target passes it takes.
 comes from one comparison of its uniforms with its ratios p/q (:func:`accepted_counts`), its last token (residual or
 bonus, :func:`correction`) is drawn for all rows at once, and the host reads one small tensor per step (accepted
 counts, last tokens, drafts) to yield the tokens and size the per-row rewinds. Row r's randomness comes only from
-its own generator, in a fixed order per step: one draw per drafted token, ``gamma`` acceptance uniforms at once, one
-draw for the last token (continuous batching makes the same draws per row, with :func:`accept_sampled`), so a row
-gets the tokens it gets decoded alone, whatever its batch. Since no draw depends on the passes, a step draws all of
-them first (:func:`~efftx.generation.sampling.race_noise`, :func:`row_uniforms`), and the passes take them as
-tensors. ``compile="on"`` runs the draft steps with their draws (with a fixed gamma all of a step's drafts in one
-graph, :func:`draft_steps`) and the target's verify pass with the acceptance (:func:`verify_step`) compiled over
-preallocated caches with device-side lengths (:mod:`efftx.generation.compiled`), with the eager path as the
-fallback.
+its own generator, one draw per step (:func:`step_noise`: the races of its drafts and of its last token, and its
+acceptance uniforms, in one block; continuous batching makes the same draw per row, with :func:`accept_sampled`),
+so a row gets the tokens it gets decoded alone, whatever its batch. Since no draw depends on the passes, a step
+draws first, and the passes take the noise as tensors (one call per row and step, where a draw per drafted token
+took ``gamma + 2``: on a GPU each is a kernel launch). ``compile="on"`` runs the draft steps with their draws
+(with a fixed gamma all of a step's drafts in one graph, :func:`draft_steps`) and the target's verify pass with
+the acceptance (:func:`verify_step`) compiled over preallocated caches with device-side lengths
+(:mod:`efftx.generation.compiled`), with the eager path as the fallback.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import torch
 
 from efftx.generation import compiled
 from efftx.generation.decode import Rows, as_rows, generators, splittable
-from efftx.generation.sampling import is_greedy, probabilities, race, race_noise
+from efftx.generation.sampling import is_greedy, probabilities, race
 
 
 @dataclass
@@ -92,17 +92,28 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, r / total.clamp_min(1e-30), p)
 
 
-def row_uniforms(generators: list[torch.Generator | None], counts: Sequence[int], width: int,
-                 device: torch.device) -> torch.Tensor:
-    """(B, width) acceptance uniforms: row b's first ``counts[b]`` from its own generator in one draw (the same
-    values as ``counts[b]`` scalar draws), the rest 1 (never read: masked by the caller)."""
+def step_noise(generators: list[torch.Generator | None], own: Sequence[int], width: int, vocab: int,
+               device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every random number of a sampled speculative step, in one draw per row: row b, which verifies ``own[b]``
+    drafts (0: a finished row, which draws nothing), fills the first ``own[b] + 1`` rows of its
+    (``width`` + 1, ``vocab`` + 1) block of Exp(1) noise with one ``exponential_`` call from ``generators[b]``
+    (None: the global RNG). Its row i < ``own[b]`` holds the race noise of its draft i (the first ``vocab``
+    columns, :func:`~efftx.generation.sampling.race`) and, as exp(-E) (uniform on (0, 1]), the acceptance uniform
+    of that draft (the last column); its row ``own[b]`` the race noise of its last token. What a row draws depends
+    only on its generator and its own count, never on the batch around it. Returns (draft noise (width, B, V),
+    uniforms (B, width), last-token noise (B, V)); the values past a row's own drafts are never read (1, or
+    another draw of the row's block)."""
+    rows = len(generators)
+    block = torch.ones(rows, width + 1, vocab + 1, device=device)
     if all(g is None for g in generators):
-        return torch.rand(len(generators), width, device=device)
-    u = torch.ones(len(generators), width, device=device)
-    for b, (g, n) in enumerate(zip(generators, counts)):
-        if n:
-            u[b, :n].uniform_(generator=g)
-    return u
+        block.exponential_()
+    else:
+        for b, (g, n) in enumerate(zip(generators, own)):
+            if n:
+                block[b, :n + 1].exponential_(generator=g)
+    at = torch.tensor(list(own), device=device)
+    return (block[:, :width, :vocab].transpose(0, 1).contiguous(), torch.exp(-block[:, :width, vocab]),
+            block[torch.arange(rows, device=device), at, :vocab])
 
 
 def accepted_counts(accept: torch.Tensor) -> torch.Tensor:
@@ -124,7 +135,7 @@ def correction(p: torch.Tensor, q: torch.Tensor, n: torch.Tensor, full: torch.Te
 def draft_pick(logits: torch.Tensor, noise: torch.Tensor | None, temperature: float, top_k: int,
                top_p: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A draft step's (B, V) logits -> (tokens (B,), distributions q (B, V)): drawn with the step's
-    :func:`race_noise`, or greedy (``noise`` None: the argmax, no distribution)."""
+    noise (:func:`step_noise`), or greedy (``noise`` None: the argmax, no distribution)."""
     if noise is None:
         return logits.argmax(-1), None
     q = probabilities(logits, temperature, top_k, top_p)
@@ -363,12 +374,10 @@ def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy,
         width = cap if static else gamma_step  # compiled: one verify shape for every gamma_step
         noises, u, last_noise = [None] * gamma_step, None, None
         if not greedy:
-            noises = [race_noise(row_gens, vocab, [i < g for g in gammas], device) for i in range(gamma_step)]
-            u = row_uniforms(row_gens, own, width, device)
-            last_noise = race_noise(row_gens, vocab, active, device)
+            noises, u, last_noise = step_noise(row_gens, own, width, vocab, device)
         first = torch.stack([prev, pending], 1) if catch_up else pending[:, None]
         if static and not adaptive_gamma:  # every step drafts gamma tokens: all of them in one graph
-            drafted, q = d_rows.run(draft_steps, first, None if greedy else torch.stack(noises),
+            drafted, q = d_rows.run(draft_steps, first, None if greedy else noises[:gamma_step],
                                     gamma_step, *knobs, positions=gamma_step + catch_up)
         else:
             tokens, q = [], []

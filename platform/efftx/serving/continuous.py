@@ -77,8 +77,8 @@ from efftx.attention.cache import KVCache
 from efftx.generation.compiled import CompileOptions, CompileUnavailable
 from efftx.generation.decode import Rows, splittable
 from efftx.generation.device_slots import MIN_PREFILL, PREFILL_ROWS, PREFILL_TOKENS, eager_reason, slots_for
-from efftx.generation.sampling import draw, is_greedy, probabilities, race, race_noise
-from efftx.generation.speculative import SpecStats, accept_sampled, kept_tokens, next_gamma, row_uniforms
+from efftx.generation.sampling import draw, is_greedy, probabilities, race
+from efftx.generation.speculative import SpecStats, accept_sampled, kept_tokens, next_gamma, step_noise
 
 if TYPE_CHECKING:  # the scheduler runs with torch alone (bench/serve_load.py --inprocess on a bare GPU image)
     from efftx.serving.isolation import RowFailure
@@ -575,11 +575,9 @@ class SpeculativeEngine(_Engine):
         # as its longest-drafting row, and a row verifies only its own (its extra drafts are never looked at)
         own = [j.draft_gamma for j in jobs]
         gamma = max(own)
-        # every random number of the step first, each row's in the order it draws them alone
-        # (speculative.iter_speculative_rows): one race per own drafted token, its acceptance uniforms, the last race
-        noises = [race_noise(gens, vocab, [i < g for g in own], device) for i in range(gamma)]
-        u = row_uniforms(gens, own, gamma, device)
-        last_noise = race_noise(gens, vocab, device=device)
+        # every random number of the step first, each row's one draw as it makes it alone
+        # (speculative.iter_speculative_rows): the races of its own drafts and of its last token, its uniforms
+        noises, u, last_noise = step_noise(gens, own, gamma, vocab, device)
         # A row that kept every draft of its previous step has not fed the last one to the draft model (its "tail"):
         # the first draft pass feeds [tail, pending] to such rows and [pending, padding] to the others (their
         # logits at pending, the padding rewound): one pass instead of a separate pass for the tails.
