@@ -320,6 +320,77 @@ def test_a_burst_takes_the_slot_caches_an_earlier_one_gave_back_zeroed():
 
 
 # ---------------------------------------------------------------------------------------------- containment
+def device_rows(monkeypatch, limit: int, models=None) -> list[int]:
+    """A device with memory for ``limit`` slots of a cache (per model, or only for ``models``): a larger slot cache
+    raises torch's out-of-memory error. Returns the sizes refused."""
+    real, refused = decode.slots_cache, []
+
+    def slots_cache(model, slots, capacity):
+        if slots > limit and (models is None or model in models):
+            refused.append(slots)
+            raise torch.OutOfMemoryError(f"CUDA out of memory (simulated): {slots} slots")
+        return real(model, slots, capacity)
+
+    monkeypatch.setattr(decode, "slots_cache", slots_cache)
+    return refused
+
+
+def test_a_burst_the_device_has_no_memory_for_waits_and_the_running_rows_go_on(monkeypatch, pairs):
+    """Three rows decode in slots for four; four more arrive at once and the device has no memory for more slots:
+    one joins in the free slot, the others wait until rows leave. Every request gets its solo tokens, none shares
+    a step with more than four rows, and the batch may grow again once it drained. Power: before, the failed
+    growth failed the whole batch, running rows included (each with a 500)."""
+    target, draft = pair(pairs, "full")
+    refused = device_rows(monkeypatch, 4)
+    scheduler = Scheduler(target, draft, short_tokens=0, prefill_rows=0)
+    plan = [(0, [5, 6, 7], 10, HOT, 1, None), (0, [9, 9], 12, GREEDY, 2, None), (0, [1, 2, 3, 4], 8, HOT, 3, None)]
+    plan += [(2, [7, i + 2], 9, HOT, 10 + i, None) for i in range(4)]
+    jobs = run_rounds(scheduler, plan)
+    assert refused  # the growth was tried, and refused
+    assert_alone(target, draft, jobs)
+    assert max(j.batch_size for j in jobs) == 4
+    assert scheduler.base.row_limit is None  # drained: the next burst may try again
+    monkeypatch.undo()
+    later = run_rounds(scheduler, [(0, [3, i], 4, HOT, 20 + i, None) for i in range(6)])
+    assert_alone(target, draft, later) and max(j.batch_size for j in later) == 6
+
+
+def test_no_memory_for_twice_the_slots_grows_them_to_what_is_needed(monkeypatch, pairs):
+    """Doubling four slots to eight finds no memory, five fit: the five requests decode together."""
+    target, draft = pair(pairs, "full")
+    refused = device_rows(monkeypatch, 5)
+    scheduler = Scheduler(target, draft, short_tokens=0, prefill_rows=0)
+    jobs = run_rounds(scheduler, [(0, [4, i + 1], 6, HOT, 30 + i, None) for i in range(5)])
+    assert refused == [8]
+    assert_alone(target, draft, jobs)
+    assert all(j.batch_size == 5 for j in jobs)
+
+
+def test_a_new_batch_without_device_memory_waits_for_running_rows_or_fails_with_503(monkeypatch, pairs):
+    """The draft's slots for a new speculative batch find no memory: while base rows run, the speculative
+    request waits for them (and then decodes as alone); with nothing running, it fails with a 503 that names the
+    problem, and a base request still decodes."""
+    target, draft = pair(pairs, "full")
+    device_rows(monkeypatch, 0, models=[draft])
+    scheduler = Scheduler(target, draft, short_tokens=0)
+    lonely = scheduler.submit(Job([1, 2, 3], 5, HOT, 4, 3))
+    base = scheduler.submit(Job([1, 2, 3], 5, HOT, 4, tag=(0, [1, 2, 3], 5, HOT, 4, None)))
+    scheduler.drain()
+    assert lonely.failure is not None and lonely.failure.status == 503, lonely.failure
+    assert "no memory for this request's cache" in lonely.failure.detail
+    assert_alone(target, draft, [base])
+    # rows running: the speculative request waits for them, then finds memory (here: once the device has it)
+    base = scheduler.submit(Job([2, 2], 6, HOT, 8, tag=(0, [2, 2], 6, HOT, 8, None)))
+    with torch.no_grad():
+        scheduler.run_once()
+        spec = scheduler.submit(Job([5, 6], 6, HOT, 7, 3, tag=(0, [5, 6], 6, HOT, 7, 3)))
+        scheduler.run_once()
+    assert not spec.done and list(scheduler._queue) == [spec]  # waiting, not failed
+    monkeypatch.undo()
+    scheduler.drain()
+    assert_alone(target, draft, [spec, base])
+
+
 def test_a_failing_row_fails_alone_and_the_others_keep_their_tokens(monkeypatch):
     """Three culprits share the running batches with valid rows: a seed the generator refuses (422, at its
     prefill), a fault raised by the step hook (500), and faults raised *after* the batched forward passes wrote

@@ -230,6 +230,14 @@ def slots_cache(model, slots: int, capacity: int):
     return cache
 
 
+def free_memory() -> None:
+    """Drop every pooled cache (:func:`give_back`) and return the CUDA allocator's cached blocks to the device
+    (after an out-of-memory error: the memory a retry needs may sit there)."""
+    _FREE_CACHES.clear()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def give_back(model, cache, capacity: int) -> None:
     """Keep ``cache`` (no longer used) for the next :func:`slots_cache` of its size."""
     if cache is not None and _pooled(cache):
@@ -266,9 +274,23 @@ class Slots:
     def slots(self) -> int:
         return len(self._cache.layers[0].lengths) if self.batched else len(self._caches)
 
-    def _reserve(self, rows: int) -> None:
-        if self.batched and rows > self.slots:
-            self._reallocate(max(rows, 2 * self.slots))
+    def reserve(self, rows: int) -> None:
+        """Room for ``rows`` rows: the slots grow, doubling until they hold them (sizes a later batch finds given
+        back, :func:`slots_cache`), or, where the device has no memory for that (pooled caches dropped first), to
+        just ``rows``. Raises ``torch.OutOfMemoryError`` with the slots unchanged (rows, caches) when not even that
+        fits."""
+        if not self.batched or rows <= self.slots:
+            return
+        size = self.slots
+        while size < rows:
+            size *= 2
+        try:
+            self._reallocate(size)
+        except torch.OutOfMemoryError:
+            free_memory()
+            if size == rows:
+                raise
+            self._reallocate(rows)
 
     def shrink(self) -> None:
         """Give back memory after rows left: when at most a quarter of the slots hold rows, keep twice the rows
@@ -297,7 +319,7 @@ class Slots:
         if not 0 <= slot <= self.n:
             raise IndexError(f"slot {slot} of {self.n} rows")
         if slot == self.n:
-            self._reserve(self.n + 1)
+            self.reserve(self.n + 1)
             self.n += 1
             if not self.batched:
                 self._caches.append(None)

@@ -57,8 +57,13 @@ loop) that repeats rounds: admit the requests that may start, then run one decod
   one or two rows only). Tokens are the eager path's.
 * **Containment.** If a batched step (or a prefill) raises, the caches are rewound to where they were and every
   generator restored, then the step is run for each row alone: only the row at fault fails (a
-  :class:`~efftx.serving.isolation.RowFailure`: 422 for a ``ValueError``, else 500), the others go on with
-  exactly the tokens they would have had.
+  :class:`~efftx.serving.isolation.RowFailure`: 422 for a ``ValueError``, 503 for running out of memory, else
+  500), the others go on with exactly the tokens they would have had.
+* **Device memory.** Arrivals reserve their slots before they are prefilled. Where the device has no memory for
+  the slots to grow (doubling, else to just the rows needed), as many arrivals join as the slots already hold and
+  the others wait in the queue; the batch takes no more rows until it drains (or a speculative batch gives its
+  caches back): the running rows never notice. A request whose new batch finds no memory waits while rows run
+  elsewhere, and with nothing running fails alone with a 503 (retry later).
 """
 
 from __future__ import annotations
@@ -75,7 +80,7 @@ import torch
 
 from efftx.attention.cache import KVCache
 from efftx.generation.compiled import CompileOptions, CompileUnavailable
-from efftx.generation.decode import Rows, splittable
+from efftx.generation.decode import Rows, free_memory, splittable
 from efftx.generation.device_slots import MIN_PREFILL, PREFILL_ROWS, PREFILL_TOKENS, eager_reason, slots_for
 from efftx.generation.sampling import draw, is_greedy, probabilities, race
 from efftx.generation.speculative import SpecStats, accept_sampled, kept_tokens, next_gamma, step_noise
@@ -84,6 +89,10 @@ if TYPE_CHECKING:  # the scheduler runs with torch alone (bench/serve_load.py --
     from efftx.serving.isolation import RowFailure
 
 logger = logging.getLogger("ray.serve")
+
+
+class DeviceMemoryFull(MemoryError):
+    """A request's cache does not fit the device's memory, and no running row will free any: 503 (retry later)."""
 
 
 # ---------------------------------------------------------------------------------------------- sampling
@@ -286,6 +295,7 @@ class _Engine:
         self.last: list[int] = []  # each slot's last token
         self.fast = 0  # slots 0 .. fast - 1: the fast lane; the rest: the slow lane
         self._apart = False  # prefills of a containment retry: several before their rows join (eager, see Slots.prefill)
+        self.row_limit: int | None = None  # rows whose caches the device had memory for, when more had none
 
     def __len__(self) -> int:
         return len(self.order)
@@ -373,6 +383,8 @@ class _Engine:
                 s.truncate(last)
         for s in self.slots:
             s.shrink()  # after a burst: the slots a quarter full or less give memory back
+        if not self.order:
+            self.row_limit = None  # drained: the next burst may try to grow the slots again
 
     # -- what the scheduler calls
     def move(self, job: Job, lane: str) -> None:
@@ -385,8 +397,17 @@ class _Engine:
             self._swap(i, self.fast)
             self.fast += 1
 
+    def reserve(self, rows: int) -> None:
+        """Room in every model's slots for ``rows`` rows (:meth:`~efftx.generation.decode.Slots.reserve`: raises
+        ``torch.OutOfMemoryError``, the rows unchanged, where the device has no memory for them)."""
+        for s in self.slots:
+            s.reserve(rows)
+
     def admit(self, jobs: list[Job], lane: str = "fast") -> None:
-        """Prefill ``jobs`` and add them to a lane (a failing prefill is retried job by job)."""
+        """Prefill ``jobs`` and add them to a lane (a failing prefill is retried job by job). Their slots are
+        reserved first: where the device has no memory for them, ``torch.OutOfMemoryError`` is raised before
+        anything changed."""
+        self.reserve(len(self) + len(jobs))
         batch = len(self) + len(jobs)
         try:
             parts = [self.prefill(jobs)]
@@ -451,7 +472,7 @@ class _Engine:
     def fail_all(self, exc: BaseException) -> None:
         for job in self.jobs():
             job._fail(exc, f"{self.kind} decoding")
-        self.order, self.last, self.fast = [], [], 0
+        self.order, self.last, self.fast, self.row_limit = [], [], 0, None
         for s in self.slots:
             s.truncate(0)
 
@@ -971,9 +992,16 @@ class Scheduler:
         waiting = []
         admitted = 0
         for i, job in sorted(enumerate(pending), key=order):
-            engine = self._engine(job)
+            try:
+                engine = self._engine(job)
+            except torch.OutOfMemoryError as exc:  # no memory for a new batch's slots
+                free_memory()
+                if self._memory_full(job, exc):
+                    waiting.append((i, job))
+                continue
             lanes = taken.setdefault(engine, {"fast": [], "slow": []})
-            if len(engine) + len(lanes["fast"]) + len(lanes["slow"]) >= self.max_rows or (
+            if len(engine) + len(lanes["fast"]) + len(lanes["slow"]) >= min(self.max_rows, engine.row_limit or
+                                                                             self.max_rows) or (
                     self.prefill_rows and admitted >= self.prefill_rows):
                 waiting.append((i, job))
             elif not (self.short(job) or long_due or id(job) in aged):
@@ -1019,7 +1047,7 @@ class Scheduler:
             for lane, jobs in lanes.items():
                 if jobs:
                     t0 = self.clock()
-                    self._guarded(engine, engine.admit, jobs, lane, jobs=jobs)
+                    self._guarded(engine, self._admit, engine, jobs, lane, jobs=jobs)
                     # keyed by the tokens it ran: the rows' prompts right-padded to the longest
                     self._costs(engine.name).prefills.add(len(jobs) * max(len(j.prompt) for j in jobs),
                                                           self.clock() - t0)
@@ -1045,9 +1073,13 @@ class Scheduler:
                     self.steps += 1
                     if self.observe is not None:
                         _call(self.observe, engine.kind, rows)
-        for key in [k for k, e in self.spec.items() if not len(e)]:
+        released = [k for k, e in self.spec.items() if not len(e)]
+        for key in released:
             for slots in self.spec.pop(key).slots:
                 slots.release()
+        if released:  # their caches are pooled, and dropped where a growth finds no memory: it may try again
+            for engine in self._engines():
+                engine.row_limit = None
         return self.running
 
     def _costs(self, name: str) -> StepCosts:
@@ -1136,6 +1168,31 @@ class Scheduler:
                 return _Room(True, False, True)
             prefill += one
         return _Room(True, grown + prefill <= slack, True)
+
+    def _admit(self, engine: _Engine, jobs: list[Job], lane: str) -> None:
+        """``engine.admit``. Where the device has no memory for the arrivals' slots, the batch takes no more rows
+        than its slots hold until it drains (``row_limit``): as many arrivals as they hold join, the others wait in
+        the queue (ahead of later arrivals); the running rows go on untouched."""
+        try:
+            engine.admit(jobs, lane)
+        except torch.OutOfMemoryError as exc:
+            engine.row_limit = max(min(s.slots for s in engine.slots), len(engine), 1)
+            fit = max(engine.row_limit - len(engine), 0)
+            logger.warning("continuous batching: no device memory for %d more %s rows beside %d (%s); %d join, the "
+                           "others wait for rows to leave", len(jobs), engine.kind, len(engine), exc, fit)
+            with self._cv:
+                self._queue.extendleft(reversed(jobs[fit:]))
+            if fit:
+                engine.admit(jobs[:fit], lane)  # in the slots it has: no memory to allocate
+
+    def _memory_full(self, job: Job, exc: BaseException) -> bool:
+        """A new running batch for ``job`` found no device memory: it waits (True) while rows run elsewhere (they
+        will free some), else it fails with a 503."""
+        if self.running:
+            return True
+        job._fail(DeviceMemoryFull(f"the device has no memory for this request's cache ({job.mode} decoding): "
+                                   f"{exc}"), f"{job.mode} decoding")
+        return False
 
     @staticmethod
     def _guarded(engine: _Engine, fn, *args, jobs: Sequence[Job] = ()) -> None:

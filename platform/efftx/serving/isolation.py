@@ -8,8 +8,9 @@ time: a step that raises is undone, caches and generators restored, and run row 
 token). If that batch raises, :func:`contained` decodes each of its requests alone, so only the request that
 caused the failure fails; its batch-mates get exactly the output they get alone (every row has its own seed,
 so a row's tokens do not depend on its batch). The culprit gets a :class:`RowFailure`: a 422 when decoding
-refused its input (a ``ValueError``: input the schema let through but the decoder cannot take), else a 500
-(a genuine server fault, logged with its traceback in the replica's log).
+refused its input (a ``ValueError``: input the schema let through but the decoder cannot take), a 503 when the
+device ran out of memory for it (the server's capacity: retry later), else a 500 (a genuine server fault, logged
+with its traceback in the replica's log).
 
 **Body limit.** :class:`BodyLimit` answers 413 to a request body over ``max_body_bytes`` before the body is
 parsed: at once when ``Content-Length`` says so, else as soon as the streamed body passes the limit.
@@ -21,6 +22,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
 from fastapi import HTTPException
 from pydantic import BaseModel
 from starlette.responses import JSONResponse
@@ -45,6 +47,9 @@ class RowFailure(BaseModel):
 def row_failure(exc: BaseException, what: str) -> RowFailure:
     if isinstance(exc, HTTPException):
         return RowFailure(status=exc.status_code, detail=exc.detail)
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):  # the server's capacity, not the request: retry
+        logger.warning("%s ran out of memory on one request: %s", what, exc)
+        return RowFailure(status=503, detail=f"{what} ran out of memory for this request; retry later: {exc}")
     if isinstance(exc, ValueError):
         return RowFailure(status=422, detail=[{"loc": ["body"], "msg": f"{what} refused this request: {exc}",
                                                "type": "value_error"}])
