@@ -391,6 +391,76 @@ def test_a_new_batch_without_device_memory_waits_for_running_rows_or_fails_with_
     assert_alone(target, draft, [spec, base])
 
 
+def test_passes_that_run_out_of_device_memory_are_split_and_every_row_keeps_its_tokens(monkeypatch, pairs):
+    """Six rows step together until a pass of more than two rows runs out of device memory: that step runs row by
+    row and the batch's later passes take at most half as many rows (three, then, after another failure, one
+    and two at a time), so the error is met twice, not every step; every request gets its solo tokens and
+    acceptance. Power: without the split every step of the batch runs out of memory again."""
+    target, draft = pair(pairs, "full")
+    real, failed = decode._SlotRows.forward, []
+
+    def forward(self, tokens):
+        if tokens.shape[0] > 2:
+            failed.append(tokens.shape[0])
+            raise torch.OutOfMemoryError(f"CUDA out of memory (simulated): a pass of {tokens.shape[0]} rows")
+        return real(self, tokens)
+
+    monkeypatch.setattr(decode._SlotRows, "forward", forward)
+    plan = [(0, [i + 1, 5, 9], 12, HOT, 40 + i, None if i % 2 else 2) for i in range(6)]
+    scheduler = Scheduler(target, draft, short_tokens=0, prefill_rows=0)
+    assert_alone(target, draft, run_rounds(scheduler, plan))
+    assert 1 <= len(failed) <= 4  # once per batch and size (base 3 rows -> 1; speculative 3 rows -> 1)
+    assert scheduler.base.step_rows is None  # drained: passes of any size again
+    monkeypatch.setattr(continuous._Engine, "step_rows", property(lambda self: None, lambda self, value: None),
+                        raising=False)
+    failed.clear()
+    assert_alone(target, draft, run_rounds(Scheduler(target, draft, short_tokens=0, prefill_rows=0), plan))
+    assert len(failed) > 8
+
+
+def test_a_move_or_a_shrink_without_device_memory_changes_nothing(monkeypatch, pairs):
+    """A long row moving to the slow lane for a short arrival finds no memory for its swap halfway through the
+    tensors (the third row copy): it stays where it was and every row decodes on; the slots shrinking after a
+    burst find no memory for their smaller cache: they keep the larger one. Every request gets its solo tokens.
+    Power: the swap that copied as it went left half-swapped rows: a request got tokens it does not get alone."""
+    target, draft = pair(pairs, "full")
+    copies, real_swap = [0], decode.Slots.swap
+
+    def clone(self, *args, **kwargs):
+        copies[0] += 1
+        if copies[0] == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated): a row copy")
+        return real_clone(self, *args, **kwargs)
+
+    real_clone = torch.Tensor.clone
+
+    def swap(self, a, b):
+        monkeypatch.setattr(torch.Tensor, "clone", clone)
+        try:
+            real_swap(self, a, b)
+        finally:
+            monkeypatch.setattr(torch.Tensor, "clone", real_clone)
+
+    monkeypatch.setattr(decode.Slots, "swap", swap)
+    scheduler = Scheduler(target, draft, short_tokens=8, fast_rows=2, long_every=3, prefill_rows=0,
+                          short_slowdown=0)
+    plan = [(0, [5, 6, 7], 20, HOT, 1, None), (0, [9, 9], 20, HOT, 2, None), (2, [1, 2], 6, HOT, 3, None)]
+    jobs = run_rounds(scheduler, plan)
+    assert copies[0] >= 3 and scheduler.moves == 0  # the move was tried and did not happen
+    assert_alone(target, draft, jobs)
+    # a burst grows the slots to 16; then the device refuses every new cache as the rows leave
+    scheduler = Scheduler(target, draft, short_tokens=0, prefill_rows=0)
+    burst = [(0, [i + 1, 3], 2 + i, HOT, 50 + i, None) for i in range(12)]
+    with torch.no_grad():
+        jobs = [scheduler.submit(Job(p[1], p[2], p[3], p[4], p[5], tag=p)) for p in burst]
+        scheduler.run_once()
+        assert scheduler.base.slots[0].slots == 16
+        refused = device_rows(monkeypatch, 0)
+        scheduler.drain()
+    assert refused and scheduler.base.slots[0].slots == 16  # it tried to shrink; its smaller cache found no memory
+    assert_alone(target, draft, jobs)
+
+
 def test_a_failing_row_fails_alone_and_the_others_keep_their_tokens(monkeypatch):
     """Three culprits share the running batches with valid rows: a seed the generator refuses (422, at its
     prefill), a fault raised by the step hook (500), and faults raised *after* the batched forward passes wrote

@@ -296,7 +296,10 @@ class Slots:
         """Give back memory after rows left: when at most a quarter of the slots hold rows, keep twice the rows
         (at least the first allocation's slots)."""
         if self.batched and self.slots > self._least and 4 * self.n <= self.slots:
-            self._reallocate(max(self._least, 2 * self.n))
+            try:
+                self._reallocate(max(self._least, 2 * self.n))
+            except torch.OutOfMemoryError:  # no memory for the smaller cache: keep the one it has
+                free_memory()
 
     def _reallocate(self, slots: int) -> None:
         old, n = self._cache, self.n
@@ -377,17 +380,21 @@ class Slots:
             layer.lengths[slot] = layer.lengths[source]
 
     def swap(self, a: int, b: int) -> None:
+        """Rows ``a`` and ``b`` change places. Raises ``torch.OutOfMemoryError``, the rows unchanged, where the
+        device has no memory for one row's copy."""
         if a == b:
             return
         if not self.batched:
             self._caches[a], self._caches[b] = self._caches[b], self._caches[a]
             return
-        for layer, names in zip(self._cache.layers, self._names):
-            for name in names:
+        # row a of every tensor first: where the device has no memory for that, nothing has changed yet
+        held = [[getattr(layer, name)[a].clone() for name in names]
+                for layer, names in zip(self._cache.layers, self._names)]
+        for layer, names, kept in zip(self._cache.layers, self._names, held):
+            for name, row in zip(names, kept):
                 t = getattr(layer, name)
-                held = t[a].clone()
                 t[a].copy_(t[b])
-                t[b].copy_(held)
+                t[b].copy_(row)
             layer.lengths[a], layer.lengths[b] = layer.lengths[b], layer.lengths[a]
 
     def truncate(self, n: int) -> None:

@@ -63,7 +63,9 @@ loop) that repeats rounds: admit the requests that may start, then run one decod
   the slots to grow (doubling, else to just the rows needed), as many arrivals join as the slots already hold and
   the others wait in the queue; the batch takes no more rows until it drains (or a speculative batch gives its
   caches back): the running rows never notice. A request whose new batch finds no memory waits while rows run
-  elsewhere, and with nothing running fails alone with a 503 (retry later).
+  elsewhere, and with nothing running fails alone with a 503 (retry later). A pass that runs out of memory is
+  undone and run row by row (containment), and the batch's later passes take half as many rows at a time (until
+  it drains); a move between lanes or a shrink that finds no memory does not happen, and nothing has changed.
 """
 
 from __future__ import annotations
@@ -296,6 +298,7 @@ class _Engine:
         self.fast = 0  # slots 0 .. fast - 1: the fast lane; the rest: the slow lane
         self._apart = False  # prefills of a containment retry: several before their rows join (eager, see Slots.prefill)
         self.row_limit: int | None = None  # rows whose caches the device had memory for, when more had none
+        self.step_rows: int | None = None  # the most rows of a pass, after a larger one ran out of device memory
 
     def __len__(self) -> int:
         return len(self.order)
@@ -383,8 +386,8 @@ class _Engine:
                 s.truncate(last)
         for s in self.slots:
             s.shrink()  # after a burst: the slots a quarter full or less give memory back
-        if not self.order:
-            self.row_limit = None  # drained: the next burst may try to grow the slots again
+        if not self.order:  # drained: the next burst may try to grow the slots again, in passes of any size
+            self.row_limit = self.step_rows = None
 
     # -- what the scheduler calls
     def move(self, job: Job, lane: str) -> None:
@@ -429,8 +432,14 @@ class _Engine:
         rows leave."""
         self.drop_cancelled()
         a, b = self._bounds(lane)
-        if a == b:
-            return
+        size = min(b - a, self.step_rows or b - a)  # after a pass ran out of device memory: passes of fewer rows
+        for start in range(a, b, max(size, 1)):
+            self._step_range(start, min(start + size, b))
+        self._leave()
+
+    def _step_range(self, a: int, b: int) -> None:
+        """One batched pass over rows ``a .. b - 1``; if it raises, it is undone and run row by row (one that ran
+        out of device memory also halves the rows of this batch's later passes, :attr:`step_rows`)."""
         state = self._view(a, b)
         snapshot, gens = state.snapshot(), _gen_states(state.jobs)
         try:
@@ -438,11 +447,15 @@ class _Engine:
         except Exception as exc:  # noqa: BLE001 - contained below
             state.restore(snapshot)
             _set_gen_states(state.jobs, gens)
+            if isinstance(exc, torch.OutOfMemoryError) and b - a > 1:
+                free_memory()
+                self.step_rows = half = max((b - a) // 2, 1)
+                logger.warning("continuous batching: a %s pass of %d rows ran out of device memory; passes of at "
+                               "most %d rows from now on", self.kind, b - a, half)
             parts = self._alone(state.jobs, exc, state)
         for part, result in parts:
             self.commit(part, result, b - a)
             self.last[part.start:part.start + len(part.jobs)] = part.last.tolist()
-        self._leave()
 
     def _alone(self, jobs: list[Job], exc: Exception, state: _State | None = None) -> list[tuple[_State, Any]]:
         """A batched prefill (``state`` None) or step raised: run it for each row alone; a row that fails alone
@@ -472,7 +485,7 @@ class _Engine:
     def fail_all(self, exc: BaseException) -> None:
         for job in self.jobs():
             job._fail(exc, f"{self.kind} decoding")
-        self.order, self.last, self.fast, self.row_limit = [], [], 0, None
+        self.order, self.last, self.fast, self.row_limit, self.step_rows = [], [], 0, None, None
         for s in self.slots:
             s.truncate(0)
 
@@ -1041,8 +1054,7 @@ class Scheduler:
             moves += [(e, j) for e in self._engines() for j in e.jobs("fast")
                       if not self.short(j) and (e, j) not in moves]
         for engine, job in moves:
-            self._guarded(engine, engine.move, job, "slow", jobs=[job])
-            self.moves += 1
+            self._guarded(engine, self._move, engine, job, jobs=[job])
         for engine, lanes in taken.items():
             for lane, jobs in lanes.items():
                 if jobs:
@@ -1184,6 +1196,17 @@ class Scheduler:
                 self._queue.extendleft(reversed(jobs[fit:]))
             if fit:
                 engine.admit(jobs[:fit], lane)  # in the slots it has: no memory to allocate
+
+    def _move(self, engine: _Engine, job: Job) -> None:
+        """``job``'s row to the slow lane; where the device has no memory for the swap, it stays (the lanes are a
+        policy: a short row then steps beside it)."""
+        try:
+            engine.move(job, "slow")
+        except torch.OutOfMemoryError as exc:
+            free_memory()
+            logger.warning("continuous batching: no device memory to move a long row to the slow lane (%s)", exc)
+        else:
+            self.moves += 1
 
     def _memory_full(self, job: Job, exc: BaseException) -> bool:
         """A new running batch for ``job`` found no device memory: it waits (True) while rows run elsewhere (they
