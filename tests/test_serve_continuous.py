@@ -419,35 +419,37 @@ def test_passes_that_run_out_of_device_memory_are_split_and_every_row_keeps_its_
 
 
 def test_a_move_or_a_shrink_without_device_memory_changes_nothing(monkeypatch, pairs):
-    """A long row moving to the slow lane for a short arrival finds no memory for its swap halfway through the
-    tensors (the third row copy): it stays where it was and every row decodes on; the slots shrinking after a
-    burst find no memory for their smaller cache: they keep the larger one. Every request gets its solo tokens.
-    Power: the swap that copied as it went left half-swapped rows: a request got tokens it does not get alone."""
+    """A long row moves to the slow lane for a short arrival through a free slot: on a device with no memory left
+    at all (no copy, no cache) it still moves. With every slot holding a row, the slots must grow first: the
+    device refuses, the row stays where it is and the short request waits for a free slot. The slots shrinking
+    after a burst find no memory for their smaller cache: they keep the larger one. Every request gets its solo
+    tokens. Power: the swap through a copy of the row failed the whole batch on the full device."""
     target, draft = pair(pairs, "full")
-    copies, real_swap = [0], decode.Slots.swap
+    real_swap = decode.Slots.swap
 
-    def clone(self, *args, **kwargs):
-        copies[0] += 1
-        if copies[0] == 3:
-            raise torch.OutOfMemoryError("CUDA out of memory (simulated): a row copy")
-        return real_clone(self, *args, **kwargs)
-
-    real_clone = torch.Tensor.clone
+    def no_copies(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated): a row copy")
 
     def swap(self, a, b):
-        monkeypatch.setattr(torch.Tensor, "clone", clone)
-        try:
+        with monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "clone", no_copies)
+            device_rows(m, 0)
             real_swap(self, a, b)
-        finally:
-            monkeypatch.setattr(torch.Tensor, "clone", real_clone)
 
     monkeypatch.setattr(decode.Slots, "swap", swap)
+    longs = [(0, [5, 6, 7], 20, HOT, 1, None), (0, [9, 9], 20, HOT, 2, None), (0, [4, 1], 20, HOT, 3, None)]
     scheduler = Scheduler(target, draft, short_tokens=8, fast_rows=2, long_every=3, prefill_rows=0,
                           short_slowdown=0)
-    plan = [(0, [5, 6, 7], 20, HOT, 1, None), (0, [9, 9], 20, HOT, 2, None), (2, [1, 2], 6, HOT, 3, None)]
-    jobs = run_rounds(scheduler, plan)
-    assert copies[0] >= 3 and scheduler.moves == 0  # the move was tried and did not happen
+    jobs = run_rounds(scheduler, longs[:2] + [(2, [1, 2], 6, HOT, 4, None)])  # 3 rows in 4 slots
+    assert scheduler.moves == 1
     assert_alone(target, draft, jobs)
+    scheduler = Scheduler(target, draft, short_tokens=8, fast_rows=2, long_every=3, prefill_rows=0,
+                          short_slowdown=0)
+    device_rows(monkeypatch, 4)  # four slots, full when the short request comes
+    jobs = run_rounds(scheduler, longs + [(0, [3, 3], 20, HOT, 5, None), (2, [1, 2], 6, HOT, 4, None)])
+    assert scheduler.moves == 0
+    assert_alone(target, draft, jobs)
+    monkeypatch.undo()
     # a burst grows the slots to 16; then the device refuses every new cache as the rows leave
     scheduler = Scheduler(target, draft, short_tokens=0, prefill_rows=0)
     burst = [(0, [i + 1, 3], 2 + i, HOT, 50 + i, None) for i in range(12)]

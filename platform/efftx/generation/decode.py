@@ -380,21 +380,22 @@ class Slots:
             layer.lengths[slot] = layer.lengths[source]
 
     def swap(self, a: int, b: int) -> None:
-        """Rows ``a`` and ``b`` change places. Raises ``torch.OutOfMemoryError``, the rows unchanged, where the
-        device has no memory for one row's copy."""
+        """Rows ``a`` and ``b`` change places, through the first free slot (no memory allocated; where every slot
+        holds a row, the slots grow first: that raises ``torch.OutOfMemoryError``, the rows unchanged, where the
+        device has no memory for it). The free slot keeps a copy of row ``a``, past any length: never read."""
         if a == b:
             return
         if not self.batched:
             self._caches[a], self._caches[b] = self._caches[b], self._caches[a]
             return
-        # row a of every tensor first: where the device has no memory for that, nothing has changed yet
-        held = [[getattr(layer, name)[a].clone() for name in names]
-                for layer, names in zip(self._cache.layers, self._names)]
-        for layer, names, kept in zip(self._cache.layers, self._names, held):
-            for name, row in zip(names, kept):
+        self.reserve(self.n + 1)
+        free = self.n
+        for layer, names in zip(self._cache.layers, self._names):
+            for name in names:
                 t = getattr(layer, name)
+                t[free].copy_(t[a])
                 t[a].copy_(t[b])
-                t[b].copy_(row)
+                t[b].copy_(t[free])
             layer.lengths[a], layer.lengths[b] = layer.lengths[b], layer.lengths[a]
 
     def truncate(self, n: int) -> None:

@@ -65,7 +65,8 @@ loop) that repeats rounds: admit the requests that may start, then run one decod
   caches back): the running rows never notice. A request whose new batch finds no memory waits while rows run
   elsewhere, and with nothing running fails alone with a 503 (retry later). A pass that runs out of memory is
   undone and run row by row (containment), and the batch's later passes take half as many rows at a time (until
-  it drains); a move between lanes or a shrink that finds no memory does not happen, and nothing has changed.
+  it drains); a move between lanes swaps its rows through a free slot (no memory allocated; where every slot holds
+  a row and the slots cannot grow, it does not happen), and a shrink that finds no memory keeps the cache.
 """
 
 from __future__ import annotations
