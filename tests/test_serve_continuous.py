@@ -378,6 +378,7 @@ def test_a_new_batch_without_device_memory_waits_for_running_rows_or_fails_with_
     scheduler.drain()
     assert lonely.failure is not None and lonely.failure.status == 503, lonely.failure
     assert "no memory for this request's cache" in lonely.failure.detail
+    assert lonely.failure.exception().headers == {"Retry-After": "1"}  # the HTTP answer says when to retry
     assert_alone(target, draft, [base])
     # rows running: the speculative request waits for them, then finds memory (here: once the device has it)
     base = scheduler.submit(Job([2, 2], 6, HOT, 8, tag=(0, [2, 2], 6, HOT, 8, None)))

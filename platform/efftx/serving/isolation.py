@@ -30,6 +30,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger("ray.serve")
 
+RETRY_AFTER_S = 1  # a 503's Retry-After: rows leave, and free their memory, within about a second of decoding
+
 R = TypeVar("R")
 T = TypeVar("T")
 
@@ -41,7 +43,9 @@ class RowFailure(BaseModel):
     detail: Any
 
     def exception(self) -> HTTPException:
-        return HTTPException(status_code=self.status, detail=self.detail)
+        """The HTTP answer; a 503 (out of memory: the server's capacity) says when to retry (``Retry-After``)."""
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status == 503 else None
+        return HTTPException(status_code=self.status, detail=self.detail, headers=headers)
 
 
 def row_failure(exc: BaseException, what: str) -> RowFailure:
