@@ -5,8 +5,9 @@ checkpoint, with the per-step losses of an uninterrupted run.
 The cluster has its own temp dir and its own token (RAY_AUTH_MODE=token, RAY_AUTH_TOKEN_PATH to a file this module
 writes; ~/.ray is never read); drivers are `python jobs/train_lm.py` with RAY_ADDRESS pointing at it. The killed
 attempts run with RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=3 (Ray Train's poll, 2 s by default) so that the window between
-a checkpoint's manifest and Ray's commit is wide enough to kill in every time. An uninterrupted run of the same
-config runs beside them for the reference losses.
+a checkpoint's manifest and Ray's commit is wide enough to kill in every time; the killed driver's Train controller
+(an actor Ray reaps only some time after its driver died, long enough to poll and commit) is killed with it. An
+uninterrupted run of the same config runs beside them for the reference losses.
 """
 
 from __future__ import annotations
@@ -134,6 +135,23 @@ def wait_for_uncommitted_checkpoint(driver: Driver, run: Path, after: int = 0) -
     raise AssertionError("no uncommitted complete checkpoint appeared")
 
 
+def train_controller(poll_s: float):
+    """The process of the Ray Train controller whose driver set ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`` to ``poll_s``
+    (Ray Train passes it on to its controller; the uninterrupted run beside it leaves it unset)."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if "TrainController" in " ".join(proc.info["cmdline"] or []) and (
+                    proc.environ().get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S") == str(poll_s)):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    assert len(found) == 1, [p.info["cmdline"] for p in found]
+    return found[0]
+
+
 def losses(summary: dict) -> dict[int, set[float]]:
     from mlflow import MlflowClient
 
@@ -171,8 +189,12 @@ def test_killed_worker_then_killed_driver_resume_from_the_newest_complete_checkp
     attempt.wait_for(RANK0 + f"resumed at step {step1}/{STEPS}")
     rank0 = int(resumed.group(1))
 
-    # 2. The driver is SIGKILLed right after a newer checkpoint Ray has not polled: the rerun resumes from it.
+    # 2. The driver is SIGKILLed right after a newer checkpoint Ray has not polled: the rerun resumes from it. Its
+    # Train controller (an actor: Ray reaps it only some time after its driver died, and it may poll and commit the
+    # checkpoint meanwhile) dies with it, as on a driver's machine that fails.
+    controller = train_controller(poll_s=3)  # found first: killed the moment the checkpoint is there
     name2, step2 = wait_for_uncommitted_checkpoint(attempt, run, after=step1)
+    controller.kill()
     attempt.proc.send_signal(signal.SIGKILL)
     attempt.proc.wait()
     committed = ray_committed(run)
