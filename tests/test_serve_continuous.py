@@ -355,6 +355,30 @@ def test_a_burst_the_device_has_no_memory_for_waits_and_the_running_rows_go_on(m
     assert_alone(target, draft, later) and max(j.batch_size for j in later) == 6
 
 
+def test_a_batch_held_to_its_slots_tries_to_grow_again_after_max_wait_rounds(monkeypatch, pairs):
+    """A batch that never drains (long rows, arrivals beyond its four slots) tries to grow again once
+    ``max_wait_rounds`` rounds have passed since the device refused: memory may have come free meanwhile. Power:
+    a limit kept until the batch drains holds it to four rows."""
+    target, draft = pair(pairs, "full")
+    device_rows(monkeypatch, 4)
+    scheduler = Scheduler(target, draft, short_tokens=0, prefill_rows=0, max_wait_rounds=5)
+    plan = [(0, [i + 1, 2], 40, HOT, 70 + i, None) for i in range(6)]
+    jobs = []
+    with torch.no_grad():
+        jobs += [scheduler.submit(Job(p[1], p[2], p[3], p[4], p[5], tag=p)) for p in plan]
+        scheduler.run_once()
+        assert len(scheduler.base) == 4 and scheduler.base.row_limit == 4
+        monkeypatch.undo()  # the device has memory again
+        for _ in range(3):
+            scheduler.run_once()
+        assert len(scheduler.base) == 4  # still held
+        for _ in range(4):
+            scheduler.run_once()
+        assert len(scheduler.base) == 6 and scheduler.base.row_limit is None
+        scheduler.drain()
+    assert_alone(target, draft, jobs)
+
+
 def test_no_memory_for_twice_the_slots_grows_them_to_what_is_needed(monkeypatch, pairs):
     """Doubling four slots to eight finds no memory, five fit: the five requests decode together."""
     target, draft = pair(pairs, "full")

@@ -61,8 +61,8 @@ loop) that repeats rounds: admit the requests that may start, then run one decod
   500), the others go on with exactly the tokens they would have had.
 * **Device memory.** Arrivals reserve their slots before they are prefilled. Where the device has no memory for
   the slots to grow (doubling, else to just the rows needed), as many arrivals join as the slots already hold and
-  the others wait in the queue; the batch takes no more rows until it drains (or a speculative batch gives its
-  caches back): the running rows never notice. A request whose new batch finds no memory waits while rows run
+  the others wait in the queue; the batch takes no more rows until it drains, a speculative batch gives its caches
+  back, or ``max_wait_rounds`` rounds have passed (then it tries again): the running rows never notice. A request whose new batch finds no memory waits while rows run
   elsewhere, and with nothing running fails alone with a 503 (retry later). A pass that runs out of memory is
   undone and run row by row (containment), and the batch's later passes take half as many rows at a time (until
   it drains); a move between lanes swaps its rows through a free slot (no memory allocated; where every slot holds
@@ -299,6 +299,7 @@ class _Engine:
         self.fast = 0  # slots 0 .. fast - 1: the fast lane; the rest: the slow lane
         self._apart = False  # prefills of a containment retry: several before their rows join (eager, see Slots.prefill)
         self.row_limit: int | None = None  # rows whose caches the device had memory for, when more had none
+        self.limited_at = 0  # the scheduling round that set row_limit
         self.step_rows: int | None = None  # the most rows of a pass, after a larger one ran out of device memory
 
     def __len__(self) -> int:
@@ -1045,6 +1046,8 @@ class Scheduler:
         self.rounds += 1
         for engine in self._engines():
             engine.drop_cancelled()
+            if engine.row_limit is not None and self.rounds - engine.limited_at >= self.max_wait_rounds:
+                engine.row_limit = None  # memory may have come free meanwhile (elsewhere on the device): try again
         with self._cv:
             short_soon = any(self.short(j) for j in self._queue)
         short_soon = short_soon or any(self.short(j) for e in self._engines() for j in e.jobs())
@@ -1190,6 +1193,7 @@ class Scheduler:
             engine.admit(jobs, lane)
         except torch.OutOfMemoryError as exc:
             engine.row_limit = max(min(s.slots for s in engine.slots), len(engine), 1)
+            engine.limited_at = self.rounds
             fit = max(engine.row_limit - len(engine), 0)
             logger.warning("continuous batching: no device memory for %d more %s rows beside %d (%s); %d join, the "
                            "others wait for rows to leave", len(jobs), engine.kind, len(engine), exc, fit)
