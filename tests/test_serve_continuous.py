@@ -368,6 +368,7 @@ def test_a_batch_held_to_its_slots_tries_to_grow_again_after_max_wait_rounds(mon
         jobs += [scheduler.submit(Job(p[1], p[2], p[3], p[4], p[5], tag=p)) for p in plan]
         scheduler.run_once()
         assert len(scheduler.base) == 4 and scheduler.base.row_limit == 4
+        assert scheduler.measured()["base"]["row_limit"] == 4  # what GET /models/info shows an operator
         monkeypatch.undo()  # the device has memory again
         for _ in range(3):
             scheduler.run_once()
@@ -375,6 +376,7 @@ def test_a_batch_held_to_its_slots_tries_to_grow_again_after_max_wait_rounds(mon
         for _ in range(4):
             scheduler.run_once()
         assert len(scheduler.base) == 6 and scheduler.base.row_limit is None
+        assert "row_limit" not in scheduler.measured()["base"]
         scheduler.drain()
     assert_alone(target, draft, jobs)
 

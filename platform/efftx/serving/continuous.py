@@ -1103,14 +1103,21 @@ class Scheduler:
 
     def measured(self) -> dict[str, dict]:
         """The measured costs per running batch (any thread: dict copies are atomic): ``step_ms`` per row count,
-        ``prefill_ms`` per prompt tokens, ``tokens_per_step``; batches not measured yet are left out."""
+        ``prefill_ms`` per prompt tokens, ``tokens_per_step``; batches not measured yet are left out. A batch the
+        device's memory holds back also reports it: ``row_limit`` (the rows it takes) and ``step_rows`` (the most
+        rows of a pass)."""
         out = {}
+        engines = {e.name: e for e in self._engines()}
         for name, costs in list(self.costs.items()):
             steps, prefills = dict(costs.steps.seconds), dict(costs.prefills.seconds)
             if steps or prefills:
                 out[name] = {"step_ms": {str(n): round(s * 1e3, 3) for n, s in sorted(steps.items())},
                              "prefill_ms": {str(n): round(s * 1e3, 3) for n, s in sorted(prefills.items())},
                              "tokens_per_step": round(costs.tokens_per_step, 3)}
+                engine = engines.get(name)
+                for key in ("row_limit", "step_rows"):
+                    if engine is not None and getattr(engine, key) is not None:
+                        out[name][key] = getattr(engine, key)
         return out
 
     def _safe_room(self) -> "_Room":
