@@ -62,8 +62,9 @@ loop) that repeats rounds: admit the requests that may start, then run one decod
 * **Device memory.** Arrivals reserve their slots before they are prefilled. Where the device has no memory for
   the slots to grow (doubling, else to just the rows needed), as many arrivals join as the slots already hold and
   the others wait in the queue; the batch takes no more rows until it drains, a speculative batch gives its caches
-  back, or ``max_wait_rounds`` rounds have passed (then it tries again): the running rows never notice. A request whose new batch finds no memory waits while rows run
-  elsewhere, and with nothing running fails alone with a 503 (retry later). A pass that runs out of memory is
+  back, or ``max_wait_rounds`` rounds have passed (then it tries again): the running rows never notice. A request
+  whose new batch finds no memory waits while rows run elsewhere, and with nothing running fails alone with a 503
+  (retry later). A pass that runs out of memory is
   undone and run row by row (containment), and the batch's later passes take half as many rows at a time (until
   it drains); a move between lanes swaps its rows through a free slot (no memory allocated; where every slot holds
   a row and the slots cannot grow, it does not happen), and a shrink that finds no memory keeps the cache.
@@ -74,7 +75,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -755,6 +756,9 @@ class _Room(NamedTuple):
     fast_longs: bool  # the fast lanes' long rows keep stepping beside the short ones (else they leave for the slow)
 
 
+NO_ROOM = _Room(False, False, True)  # the fixed lanes: long_every alone, the fast lanes' long rows keep stepping
+
+
 class _Table:
     """Measured seconds per size (a moving average each, the newest weighing ``weight``) and estimates between and
     beyond them, a cost growing about linearly in the size (rows of a step, prompt tokens of a prefill).
@@ -1015,8 +1019,8 @@ class Scheduler:
                     waiting.append((i, job))
                 continue
             lanes = taken.setdefault(engine, {"fast": [], "slow": []})
-            if len(engine) + len(lanes["fast"]) + len(lanes["slow"]) >= min(self.max_rows, engine.row_limit or
-                                                                             self.max_rows) or (
+            cap = min(self.max_rows, engine.row_limit or self.max_rows)  # row_limit: the device's memory
+            if len(engine) + len(lanes["fast"]) + len(lanes["slow"]) >= cap or (
                     self.prefill_rows and admitted >= self.prefill_rows):
                 waiting.append((i, job))
             elif not (self.short(job) or long_due or id(job) in aged):
@@ -1051,7 +1055,7 @@ class Scheduler:
         with self._cv:
             short_soon = any(self.short(j) for j in self._queue)
         short_soon = short_soon or any(self.short(j) for e in self._engines() for j in e.jobs())
-        room = self._safe_room() if short_soon else _Room(False, False, True)
+        room = self._safe_room() if short_soon else NO_ROOM
         long_due = not short_soon or room.arrivals or self.rounds - self._long_round >= self.long_every
         taken, moves = self._take(long_due, room.fast_longs)
         if not room.fast_longs:  # the short rows step alone: the fast lanes' long rows leave for the slow ones
@@ -1127,26 +1131,22 @@ class Scheduler:
             return self._room()
         except Exception:  # noqa: BLE001 - logged; the round goes on without the long work
             logger.exception("continuous batching: the measured-cost estimate failed; long rows wait for long_every")
-            return _Room(False, False, True)
+            return NO_ROOM
 
     def _room(self) -> "_Room":
         """While short requests run or wait: whether this round has room (``short_slowdown``, see *Measured costs*)
         for the slow lanes to step with the fast ones, for long arrivals' prefills, and for the fast lanes' long
         rows to step beside the short ones."""
         if self.short_slowdown == 0:
-            return _Room(False, False, True)
+            return NO_ROOM
         with self._cv:
             queued = list(self._queue)
         # queued short requests in the order they are prefilled (fewest tokens first); this round's join the fast
         # lanes (at most prefill_rows of them)
         shorts = sorted((j for j in queued if self.short(j) and not j.done), key=lambda j: j.max_new)
-        joining: dict[str, int] = {}
-        for job in shorts[:self.prefill_rows or None]:
-            joining[_engine_name(job)] = joining.get(_engine_name(job), 0) + 1
+        joining = Counter(_engine_name(job) for job in shorts[:self.prefill_rows or None])
         longs = [j for j in queued if not self.short(j) and not j.done][:self.prefill_rows or None]
-        arriving: dict[str, int] = {}  # long arrivals prefilled this round, if it has room for them: they step too
-        for job in longs:
-            arriving[_engine_name(job)] = arriving.get(_engine_name(job), 0) + 1
+        arriving = Counter(_engine_name(job) for job in longs)  # prefilled this round if it has room: they step too
         # this round's steps of the short rows alone, and what the fast lanes' long rows, every row, and every row
         # with the long arrivals add
         short_round = fast_extra = extra = grown = 0.0
@@ -1159,7 +1159,7 @@ class Scheduler:
             costs = [steps.estimate(n + more) if n + more else 0.0
                      for n in (n_short, n_fast, n_all, n_all + arriving.get(name, 0))]
             if None in costs:
-                return _Room(False, False, True)
+                return NO_ROOM
             alone, fast, every, bigger = costs
             short_round += alone
             fast_extra += max(fast - alone, 0.0)
@@ -1172,7 +1172,7 @@ class Scheduler:
             costs = self._costs(_engine_name(job))
             unloaded = costs.unloaded(job)
             if unloaded is None:
-                return _Room(False, False, True)
+                return NO_ROOM
             left = costs.steps_left(job.max_new - len(job.out)) * short_round
             if waiting:  # its prefill, after those of the short requests before it
                 ahead += costs.prefills.estimate(len(job.prompt))
