@@ -13,6 +13,7 @@ pytestmark = pytest.mark.slow
 
 LIMITS = {"max_new_tokens": 40, "max_prompt_bytes": 64, "max_body_bytes": 4096}
 IMAGE_LIMITS = {"max_images": 4, "max_cond_scale": 5}
+CACHE_MIB = 1  # the debug pair's caches: 0.094 MiB a base row, 0.125 a speculative one: ten base rows at most
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +28,7 @@ def server(ray_cluster, debug_exports):
     serve.run(build({"target": paths["target"], "draft": paths["draft"], "name": "tiny",
                      "limits": json.dumps(LIMITS),
                      "batch_wait_timeout_s": "0.25",  # long enough for concurrent test requests to meet
+                     "cache_mib": str(CACHE_MIB),
                      "dalle": paths["dalle"], "image_batch_wait_timeout_s": "0.25",
                      "image_limits": json.dumps(IMAGE_LIMITS)}),
               name="text", route_prefix="/")
@@ -217,6 +219,25 @@ def test_concurrent_requests_are_decoded_as_one_batch(server):
             assert res["results"][mode]["text"] == alone["results"][mode]["text"]
             assert res["results"][mode]["tokens"] == body["max_new_tokens"]
 
+
+
+def test_a_burst_past_the_cache_budget_waits_for_room_and_every_request_gets_its_solo_text(server):
+    """Twelve concurrent requests, the cache budget (``cache_mib``) holding ten base rows: every one is answered
+    with the text it gets alone, no step holds more than ten rows, and GET /models/info reports the budget and at
+    most that much held (slots and pooled caches)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    bodies = [{"prompt": f"x = {i}", "max_new_tokens": 8 + i % 3, "temperature": 1.0, "top_k": 20, "seed": 40 + i}
+              for i in range(12)]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        together = list(pool.map(lambda b: post(f"{server}/generate", json=b), bodies))
+    assert all(r.status_code == 200 for r in together), [r.text for r in together if r.status_code != 200]
+    results = [r.json()["results"]["base"] for r in together]
+    assert max(r["batch_size"] for r in results) <= 10, [r["batch_size"] for r in results]
+    memory = requests.get(f"{server}/models/info", timeout=30).json()["cache_memory"]
+    assert memory["limit_mib"] == CACHE_MIB and memory["held_mib"] + memory["pooled_mib"] <= CACHE_MIB
+    for body, res in zip(bodies, results):
+        assert res["text"] == post(f"{server}/generate", json=body).json()["results"]["base"]["text"]
 
 
 def test_streams_join_the_running_batch_and_short_requests_leave_early(server):

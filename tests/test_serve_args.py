@@ -191,6 +191,36 @@ def test_compile_settings_reach_the_replica_and_need_continuous_batching():
     assert compile_knobs("on", 4, gpu) == {"compile": "on", "compile_rows": 4}
 
 
+def test_cache_memory_settings_reach_the_replica_and_resolve_to_bytes():
+    """``cache_mib`` / ``cache_fraction``: the decoding caches' budget (constructor arguments), one of them, with
+    continuous batching; the replica turns them into bytes of its device's memory."""
+    import os
+
+    import torch
+
+    from efftx.serving.devices import cache_budget
+
+    _, kwargs, _ = bound(serve_run("target=/nowhere/target", "cache_mib=1.5"))["TextGenerator"]
+    assert kwargs["cache_mib"] == 1.5 and "cache_fraction" not in kwargs
+    _, kwargs, _ = bound(serve_run("target=/nowhere/target", "cache_fraction=0.25"))["TextGenerator"]
+    assert kwargs["cache_fraction"] == 0.25 and "cache_mib" not in kwargs
+    _, kwargs, _ = bound(build({"target": "/nowhere/target"}))["TextGenerator"]
+    assert "cache_mib" not in kwargs and "cache_fraction" not in kwargs
+    for bad, message in (({"cache_mib": 0}, named("cache_mib", "Input should be greater than 0")),
+                         ({"cache_fraction": 1.5}, named("cache_fraction", "Input should be less than or equal to 1")),
+                         ({"cache_mib": 8, "cache_fraction": 0.5}, "give one of them"),
+                         ({"cache_mib": 8, "batching": "static"}, "cache_mib: only with batching=continuous")):
+        with pytest.raises(ValidationError, match=message):
+            build({"target": "/nowhere/target", **bad})
+    cpu = torch.device("cpu")
+    assert cache_budget(None, None, cpu) is None
+    assert cache_budget(1.5, None, cpu) == 3 * 2**19
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert cache_budget(None, 0.25, cpu) == int(ram / 4)  # on a CPU: a share of the machine's memory
+    with pytest.raises(ValueError, match="cache_fraction must be in"):
+        cache_budget(None, 0, cpu)
+
+
 def test_a_compiled_replica_warms_up_every_bucket_it_compiles():
     size = text.warm_up_size
     assert size(16, 32, {"compile": "off"}) == 16 and size(16, 8, {"compile": "off"}) == 8

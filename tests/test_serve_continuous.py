@@ -418,6 +418,107 @@ def test_a_new_batch_without_device_memory_waits_for_running_rows_or_fails_with_
     assert_alone(target, draft, [spec, base])
 
 
+def row_bytes(model) -> int:
+    return decode.cache_bytes(model.new_cache(1, model.max_seq_len))
+
+
+def test_a_cache_budget_holds_the_batches_to_its_rows_and_every_request_gets_its_solo_output(pairs):
+    """A budget of five target rows: a burst of eight base requests decodes at most five at a time; a mix of
+    base and speculative requests then shares it (a speculative row holds the target's and the draft's caches, the
+    speculative batch waits while the base rows hold the budget). At every prefill and step the slots and the
+    pooled caches hold at most the budget, nothing fails, every request gets its solo tokens and acceptance, and
+    idle batches hold nothing. Power: the same requests without the budget decode eight rows at a time."""
+    target, draft = pair(pairs, "full")
+    limit = 5 * row_bytes(target)
+    seen = []
+    decode.free_memory()  # no caches pooled by earlier tests' batches of these models
+
+    def hook(kind, jobs):
+        seen.append(scheduler.budget.held() + scheduler.budget.pooled())
+
+    burst = [(0, [i + 1, 3], 6 + i, HOT, 90 + i, None) for i in range(8)]
+    mix = [(0, [i + 2, 4], 5 + i, HOT, 100 + i, 2 if i % 2 else None) for i in range(8)]
+    scheduler = Scheduler(target, draft, short_tokens=0, prefill_rows=0, cache_budget=limit, hook=hook)
+    assert scheduler.cache_memory() == {"limit_mib": round(limit / 2**20, 3), "held_mib": 0.0, "pooled_mib": 0.0}
+    first = run_rounds(scheduler, burst)
+    assert max(j.batch_size for j in first) == 5
+    mixed = run_rounds(scheduler, mix)
+    assert seen and max(seen) <= limit
+    assert_alone(target, draft, first + mixed)
+    assert scheduler.budget.held() == 0 and scheduler.cache_memory()["held_mib"] == 0.0
+    free = Scheduler(target, draft, short_tokens=0, prefill_rows=0)  # the control: no budget
+    assert max(j.batch_size for j in run_rounds(free, burst)) == 8
+
+
+def test_a_cache_budget_grows_slots_to_its_room_drops_pooled_caches_in_its_way_and_pools_none_past_it():
+    """Slots under a budget of six rows: growth past it raises CacheBudgetFull, with the slots grown to the rows it
+    has room for and their rows unchanged; a pooled cache that stands in the way of a growth is dropped; a cache
+    given back past the budget is not pooled; row-by-row slots (one cache per row) are held to it as well."""
+    from efftx.generation.decode import CacheBudget, CacheBudgetFull, Slots
+
+    model = lm(3)
+    one = row_bytes(model)
+    budget = CacheBudget(6 * one)
+    a = Slots(model, model.max_seq_len, budget=budget)
+    assert a.slots == 0 and budget.held() == 0  # nothing held before a row joins
+    a.reserve(4)
+    assert a.slots == 4 and budget.held() == 4 * one
+    a.release()
+    assert budget.held() == 0 and budget.pooled() == 4 * one  # room for it: kept for reuse
+    b = Slots(model, model.max_seq_len, budget=budget)
+    b.reserve(5)  # twice four (eight) has no room; five has, once the pooled four-slot cache is dropped
+    assert b.slots == 5 and budget.pooled() == 0 and budget.held() == 5 * one
+    b.reserve(6)  # the five-slot cache it leaves would pass the budget beside six: not kept
+    assert b.slots == 6 and budget.pooled() == 0 and budget.held() == 6 * one
+    b.release()
+    c = Slots(model, model.max_seq_len, budget=budget)
+    c.reserve(1)
+    d = Slots(model, model.max_seq_len, budget=budget)
+    d.reserve(4)
+    assert budget.held() == 5 * one and budget.pooled() == 0
+    prompt_rows = Rows(model, 1, model.max_seq_len)
+    prompt_rows.prefill([[4, 5, 6]])
+    c.put(prompt_rows, 0, 0)
+    kept = [t.clone() for t in (c._cache.layers[0].k[0], c._cache.layers[0].v[0])]
+    with pytest.raises(CacheBudgetFull, match="cache budget"):
+        c.reserve(3)  # two rows beside d's four fit, not three: the slots grow to two
+    assert (c.slots, len(c)) == (2, 1) and budget.held() == 6 * one and c.room == 2
+    assert torch.equal(c._cache.layers[0].k[0], kept[0]) and torch.equal(c._cache.layers[0].v[0], kept[1])
+    d.release()
+    apart = Slots(model, model.max_seq_len, batched=False, budget=budget)
+    apart.reserve(3)  # row by row: only the budget is asked
+    with pytest.raises(CacheBudgetFull):
+        apart.reserve(5)
+    assert apart.room == 4
+
+
+def test_compiled_slots_under_a_cache_budget_take_the_largest_bucket_it_holds():
+    """Compiled slots come in power-of-two buckets: a budget of five rows holds four of them, and no growth past."""
+    from efftx.generation.decode import CacheBudget, CacheBudgetFull
+    from efftx.generation.device_slots import CompiledSlots
+
+    model = lm(3)
+    budget = CacheBudget(5 * row_bytes(model))
+    slots = CompiledSlots(model, rows=4, mode="off", budget=budget)
+    slots.reserve(1)
+    assert slots.slots == 1
+    with pytest.raises(CacheBudgetFull):
+        slots.reserve(5)  # eight slots: past the budget; they grow to four
+    assert slots.slots == slots.room == 4 and budget.held() == 4 * row_bytes(model)
+
+
+def test_a_cache_budget_must_hold_a_row_of_each_mode():
+    target, draft = lm(0), lm(1, 1)
+    with pytest.raises(ValueError, match=r"holds no row: a row takes .*\(the target's and the draft's caches"):
+        Scheduler(target, draft, cache_budget=row_bytes(target))
+    with pytest.raises(ValueError, match="holds no row"):
+        Scheduler(target, cache_budget=row_bytes(target) - 1)
+    for bad in (0, -5, True, 1.5):
+        with pytest.raises(ValueError, match="cache_budget must be a positive number of bytes"):
+            Scheduler(target, cache_budget=bad)
+    assert Scheduler(target, cache_budget=row_bytes(target)).cache_memory()["limit_mib"] > 0
+
+
 def test_passes_that_run_out_of_device_memory_are_split_and_every_row_keeps_its_tokens(monkeypatch, pairs):
     """Three base and three speculative rows decode; a pass of more than two rows runs out of device memory:
     each batch's first step runs row by row and its later passes take half as many rows (one), so the error is met

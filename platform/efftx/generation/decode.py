@@ -238,10 +238,85 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def give_back(model, cache, capacity: int) -> None:
-    """Keep ``cache`` (no longer used) for the next :func:`slots_cache` of its size."""
-    if cache is not None and _pooled(cache):
+def give_back(model, cache, capacity: int, budget: "CacheBudget | None" = None) -> None:
+    """Keep ``cache`` (no longer used) for the next :func:`slots_cache` of its size; under a ``budget``, only where
+    it has room for it (else it is dropped: its memory goes back)."""
+    if cache is not None and _pooled(cache) and (budget is None or budget.may_pool(cache_bytes(cache))):
         _FREE_CACHES.setdefault(model, {})[(len(cache.layers[0].lengths), capacity)] = cache
+
+
+def cache_bytes(cache) -> int:
+    """The bytes of a model cache's tensors."""
+    return sum(value.nbytes for layer in cache.layers for value in vars(layer).values()
+               if isinstance(value, torch.Tensor))
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.3g} MiB"
+
+
+class CacheBudgetFull(torch.OutOfMemoryError):
+    """Slots would take more memory than their :class:`CacheBudget` allows: refused before anything was allocated.
+    An out-of-memory error, so that continuous batching treats it as the device's own (the rows wait for room)."""
+
+
+class CacheBudget:
+    """The most memory the caches of continuous batching may hold (one replica's, on its device): every running
+    batch's slots (all of their slots, holding rows or not: each a row's cache of the model's whole context) and the
+    caches kept for reuse (:func:`give_back`) of the same models. Where a device's memory is shared (weights,
+    activations, other replicas), a budget keeps the caches to their share *before* allocating, instead of finding
+    the limit by an out-of-memory error. A prefill's cache (its prompts' room, until its rows join the slots) and
+    the passes' activations come on top.
+
+    :class:`Slots` made with a budget ask it before they grow (:meth:`require`): pooled caches of its models are
+    dropped where they are what stands in the way, and else :class:`CacheBudgetFull` is raised, the slots
+    unchanged."""
+
+    def __init__(self, limit: int):
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
+            raise ValueError(f"a cache budget must be a positive number of bytes, got {limit!r}")
+        self.limit = limit
+        self._held: "weakref.WeakKeyDictionary[Slots, int]" = weakref.WeakKeyDictionary()
+        self._models: "weakref.WeakSet" = weakref.WeakSet()
+
+    def held(self) -> int:
+        """The bytes the slots under this budget hold."""
+        return sum(self._held.values())
+
+    def pooled(self) -> int:
+        """The bytes of the caches kept for reuse of this budget's models."""
+        return sum(cache_bytes(c) for m in list(self._models) for c in _FREE_CACHES.get(m, {}).values())
+
+    def free_rows(self, slots: "Slots") -> int:
+        """How many rows ``slots`` could hold, beside what the other slots under this budget hold."""
+        others = self.held() - self._held.get(slots, 0)
+        return max(self.limit - others, 0) // max(slots.row_bytes, 1)
+
+    def require(self, slots: "Slots", nbytes: int) -> None:
+        """Room for ``slots`` to hold ``nbytes`` (instead of what they hold now), else :class:`CacheBudgetFull`."""
+        self._models.add(slots.model)
+        others = self.held() - self._held.get(slots, 0)
+        if others + nbytes > self.limit:
+            raise CacheBudgetFull(f"{_mib(nbytes)} of caches for {nbytes // max(slots.row_bytes, 1)} rows, beside "
+                                  f"{_mib(others)} held, pass the cache budget of {_mib(self.limit)}")
+        if others + nbytes + self.pooled() > self.limit:
+            for model in list(self._models):
+                _FREE_CACHES.pop(model, None)
+
+    def hold(self, slots: "Slots", nbytes: int) -> None:
+        """``slots`` now hold ``nbytes``."""
+        self._models.add(slots.model)
+        self._held[slots] = int(nbytes)
+
+    def may_pool(self, nbytes: int) -> bool:
+        """Whether a cache of ``nbytes`` may be kept for reuse."""
+        return self.held() + self.pooled() + nbytes <= self.limit
+
+    def report(self) -> dict[str, float]:
+        """MiB: the budget, what the slots hold, what is pooled."""
+        return {name: round(value / 2**20, 3)
+                for name, value in (("limit_mib", self.limit), ("held_mib", self.held()),
+                                    ("pooled_mib", self.pooled()))}
 
 
 class Slots:
@@ -256,16 +331,29 @@ class Slots:
     one after another.
     """
 
-    def __init__(self, model, capacity: int, rows: int = 4, batched: bool | None = None):
+    def __init__(self, model, capacity: int, rows: int = 4, batched: bool | None = None,
+                 budget: CacheBudget | None = None):
         self.model, self.capacity = model, int(capacity)
         self.batched = splittable(model) if batched is None else bool(batched)
         self.n = 0
+        self.budget = budget
+        self.row_bytes = cache_bytes(model.new_cache(1, self.capacity)) if budget is not None else 0
         if self.batched:
-            self._least = max(int(rows), 1)
+            # under a budget none: slots hold its memory only while they hold rows (they grow as rows join)
+            self._least = max(int(rows), 1) if budget is None else 0
             self._cache = slots_cache(model, self._least, self.capacity)
             self._names = [_tensor_names(layer) for layer in self._cache.layers]
         else:
             self._caches: list = []
+        self._hold()
+
+    def _fit(self, rows: int) -> int:
+        """The most slots of at most ``rows`` that these slots may take (a subclass may allow only some sizes)."""
+        return rows
+
+    def _hold(self) -> None:
+        if self.budget is not None:
+            self.budget.hold(self, self.row_bytes * (self.slots if self.batched else self.n))
 
     def __len__(self) -> int:
         return self.n
@@ -274,27 +362,47 @@ class Slots:
     def slots(self) -> int:
         return len(self._cache.layers[0].lengths) if self.batched else len(self._caches)
 
+    @property
+    def room(self) -> int:
+        """The most rows these slots hold without asking for memory: their slots (row by row, under a budget: the
+        rows it has room for; else those they hold)."""
+        if not self.batched and self.budget is not None:
+            return self.budget.free_rows(self)
+        return self.slots
+
     def reserve(self, rows: int) -> None:
         """Room for ``rows`` rows: the slots grow, doubling until they hold them (sizes a later batch finds given
         back, :func:`slots_cache`), or, where the device has no memory for that (pooled caches dropped first), to
         just ``rows``. Raises ``torch.OutOfMemoryError`` with the slots unchanged (rows, caches) when not even that
-        fits."""
-        if not self.batched or rows <= self.slots:
+        fits; where it is the :class:`CacheBudget` that refuses (:class:`CacheBudgetFull`), the slots first grow
+        to as many as it has room for (their rows unchanged)."""
+        if rows <= self.slots:
             return
-        size = self.slots
+        if not self.batched:  # a row's cache comes with its prefill: only the budget is asked
+            if self.budget is not None:
+                self.budget.require(self, rows * self.row_bytes)
+            return
+        size = max(self.slots, 1)
         while size < rows:
             size *= 2
-        try:
-            self._reallocate(size)
-        except torch.OutOfMemoryError:
-            free_memory()
-            if size == rows:
-                raise
-            self._reallocate(rows)
+        for want in dict.fromkeys((size, rows)):  # doubling, else just the rows needed
+            try:
+                self._reallocate(want)
+                return
+            except CacheBudgetFull as exc:
+                refused = exc
+            except torch.OutOfMemoryError as exc:
+                free_memory()
+                refused = exc
+        if isinstance(refused, CacheBudgetFull):  # the slots take what the budget has room for (rows unchanged)
+            fit = self._fit(self.budget.free_rows(self))
+            if fit > self.slots:
+                self._reallocate(fit)
+        raise refused
 
     def shrink(self) -> None:
         """Give back memory after rows left: when at most a quarter of the slots hold rows, keep twice the rows
-        (at least the first allocation's slots)."""
+        (at least the first allocation's slots; under a budget, none when no row is left)."""
         if self.batched and self.slots > self._least and 4 * self.n <= self.slots:
             try:
                 self._reallocate(max(self._least, 2 * self.n))
@@ -302,20 +410,24 @@ class Slots:
                 free_memory()
 
     def _reallocate(self, slots: int) -> None:
+        if self.budget is not None:
+            self.budget.require(self, slots * self.row_bytes)
         old, n = self._cache, self.n
         self._cache = slots_cache(self.model, slots, self.capacity)
         for mine, theirs, names in zip(self._cache.layers, old.layers, self._names):
             for name in names:
                 getattr(mine, name)[:n].copy_(getattr(theirs, name)[:n])
             mine.lengths[:n] = theirs.lengths[:n]
-        give_back(self.model, old, self.capacity)
+        self._hold()
+        give_back(self.model, old, self.capacity, self.budget)
 
     def release(self) -> None:
         """The batch is gone: its cache is kept for the next batch of this size (:func:`slots_cache`)."""
         if self.batched and self._cache is not None:
-            give_back(self.model, self._cache, self.capacity)
-            self._cache = None
-            self.n = 0
+            cache, self._cache, self.n = self._cache, None, 0
+            if self.budget is not None:
+                self.budget.hold(self, 0)
+            give_back(self.model, cache, self.capacity, self.budget)
 
     def _extend(self, slot: int) -> None:
         """Check ``slot`` (a row, or one past the last: then add it)."""
@@ -326,6 +438,7 @@ class Slots:
             self.n += 1
             if not self.batched:
                 self._caches.append(None)
+                self._hold()
 
     def rows(self, start: int, stop: int) -> Rows:
         """Rows ``start .. stop - 1`` as a :class:`Rows` over the slots themselves."""
@@ -405,6 +518,7 @@ class Slots:
         self.n = n
         if not self.batched:
             del self._caches[n:]
+            self._hold()
 
 
 class _SlotRows(Rows):

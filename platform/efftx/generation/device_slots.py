@@ -41,7 +41,7 @@ import torch
 from efftx.generation import compiled as _compiled
 from efftx.generation.compiled import CompiledRunner, DeviceCache, forward_step, mark_static
 from efftx.attention.cache import KVCache, ModelCache
-from efftx.generation.decode import Rows, Slots, _SlotRows, splittable
+from efftx.generation.decode import CacheBudget, Rows, Slots, _SlotRows, splittable
 from efftx.kernels import decode_attention_cpu
 
 
@@ -65,7 +65,8 @@ class CompiledSlots(Slots):
     """:class:`~efftx.generation.decode.Slots` whose passes over rows ``0 .. n - 1`` run compiled for buckets of at
     most ``max_rows`` rows (None: every bucket)."""
 
-    def __init__(self, model, rows: int = 4, mode: str = "on", max_rows: int | None = None):
+    def __init__(self, model, rows: int = 4, mode: str = "on", max_rows: int | None = None,
+                 budget: CacheBudget | None = None):
         reason = eager_reason(model)
         if reason is not None:
             raise _compiled.CompileUnavailable(f"compiled continuous batching cannot run this model: {reason}")
@@ -73,7 +74,7 @@ class CompiledSlots(Slots):
         self.compiled = self.mode != "off"
         self.max_rows = max_rows
         self.device = next(model.parameters()).device
-        super().__init__(model, model.max_seq_len, bucket(max(int(rows), 1)), batched=True)
+        super().__init__(model, model.max_seq_len, bucket(max(int(rows), 1)), batched=True, budget=budget)
         self._fresh()
         self._prefills: dict[tuple[int, int], CompiledRunner] = {}  # (rows, tokens) -> compiled prefill
 
@@ -86,6 +87,10 @@ class CompiledSlots(Slots):
     def _reallocate(self, slots: int) -> None:
         super()._reallocate(bucket(slots))
         self._fresh()
+
+    def _fit(self, rows: int) -> int:
+        """Buckets only: the largest power of two up to ``rows`` (0 for none)."""
+        return 1 << (rows.bit_length() - 1) if rows > 0 else 0
 
     def wants(self, start: int, rows: int) -> bool:
         """Whether a pass over rows ``start .. start + rows - 1`` runs compiled."""
@@ -191,7 +196,7 @@ def eager_reason(model, batched: bool | None = None) -> str | None:
 
 
 def slots_for(model, compile: str = "off", batched: bool | None = None, rows: int = 4,
-              max_rows: int | None = None):
+              max_rows: int | None = None, budget: CacheBudget | None = None):
     """The slots of a running batch over ``model``: :class:`CompiledSlots` (compiled passes up to ``max_rows``
     rows) where ``compile`` is ``on`` or ``auto`` and compiled decoding runs the model, else
     :class:`~efftx.generation.decode.Slots` (eager). ``on`` where it cannot run raises
@@ -201,11 +206,11 @@ def slots_for(model, compile: str = "off", batched: bool | None = None, rows: in
     if mode != "off":
         reason = eager_reason(model, batched)
         if reason is None:
-            return CompiledSlots(model, rows, mode, max_rows)
+            return CompiledSlots(model, rows, mode, max_rows, budget)
         if mode == "on":
             raise _compiled.CompileUnavailable(f"compile='on' but compiled continuous batching cannot run: {reason}")
         _compiled.log.info("compiled continuous batching not used, decoding eagerly: %s", reason)
-    return Slots(model, model.max_seq_len, rows, batched=batched)
+    return Slots(model, model.max_seq_len, rows, batched=batched, budget=budget)
 
 
 CPU_COMPILE_ROWS = 2  # on a CPU without the decode attention kernel a compiled pass pays for a row or two only

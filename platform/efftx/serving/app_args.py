@@ -38,7 +38,8 @@ assert get_args(Device) == DEVICES, "Device and efftx.serving.devices.DEVICES di
 
 # efftx.serving.continuous.Scheduler's knobs, as given
 PRIORITY = ("short_tokens", "fast_rows", "long_every", "prefill_rows", "short_slowdown")
-CONTINUOUS_ONLY = (*PRIORITY, "warm_up_rows", "compile", "compile_rows")  # settings of continuous batching alone
+CONTINUOUS_ONLY = (*PRIORITY, "warm_up_rows", "compile", "compile_rows", "cache_mib",
+                   "cache_fraction")  # settings of continuous batching alone
 Compile = Literal["auto", "on", "off"]
 assert get_args(Compile) == COMPILE_CHOICES, "Compile and efftx.generation.compiled.COMPILE_CHOICES disagree"
 
@@ -100,6 +101,15 @@ class TextAppArgs(BaseModel):
         "continuous, with ``compile``: passes over more rows than this run eagerly (default: none; 2 on a CPU where "
         "efftx's C++ decode attention kernel cannot be built, as a compiled pass then attends over the whole context "
         "and pays for a row or two only)."))
+    cache_mib: float | None = Field(None, gt=0, description=(
+        "continuous: the most memory, in MiB, each replica's decoding caches may hold (its running batches' slots, "
+        "each a row's cache of the model's whole context, and caches kept for reuse): requests beyond it wait for "
+        "rows to leave, before the device runs out of memory (default: no limit but the device's). It must hold "
+        "at least one row of the target's cache and the draft's; GET /models/info reports what is held."))
+    cache_fraction: float | None = Field(None, gt=0, le=1, description=(
+        "continuous: like ``cache_mib``, as a share of the replica's device memory (a GPU's total memory, or on a "
+        "CPU the machine's): for example 0.5 on a GPU whose other half holds weights and activations. Replicas "
+        "sharing a device each take their share."))
     limits: Limits | None = Field(None, description=(
         "Request limits of the text endpoints (:class:`efftx.serving.schemas.Limits`; unset fields keep their "
         "defaults): a mapping, or its JSON text. GET /openapi.json states them as the bounds of the fields."))
@@ -145,6 +155,8 @@ class TextAppArgs(BaseModel):
         given = [k for k in CONTINUOUS_ONLY if getattr(self, k) is not None]
         if given and self.batching != "continuous":
             raise ValueError(f"{', '.join(given)}: only with batching=continuous (got batching={self.batching})")
+        if self.cache_mib is not None and self.cache_fraction is not None:
+            raise ValueError("cache_mib and cache_fraction: give one of them (both bound the same caches)")
         if self.compile_rows is not None and self.compile in (None, "off"):
             raise ValueError(f"compile_rows: only with compile=on or compile=auto (got compile={self.compile})")
         return self

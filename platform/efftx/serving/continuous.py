@@ -68,6 +68,9 @@ loop) that repeats rounds: admit the requests that may start, then run one decod
   undone and run row by row (containment), and the batch's later passes take half as many rows at a time (until
   it drains); a move between lanes swaps its rows through a free slot (no memory allocated; where every slot holds
   a row and the slots cannot grow, it does not happen), and a shrink that finds no memory keeps the cache.
+  A ``cache_budget`` (bytes) bounds the caches before the device does: slots that would pass it are refused
+  without allocating (:class:`~efftx.generation.decode.CacheBudgetFull`, handled as above), pooled caches in the
+  way are dropped first, and pooled caches past it are not kept.
 """
 
 from __future__ import annotations
@@ -84,7 +87,7 @@ import torch
 
 from efftx.attention.cache import KVCache
 from efftx.generation.compiled import CompileOptions, CompileUnavailable
-from efftx.generation.decode import Rows, free_memory, splittable
+from efftx.generation.decode import CacheBudget, CacheBudgetFull, Rows, cache_bytes, free_memory, splittable
 from efftx.generation.device_slots import MIN_PREFILL, PREFILL_ROWS, PREFILL_TOKENS, eager_reason, slots_for
 from efftx.generation.sampling import draw, is_greedy, probabilities, race
 from efftx.generation.speculative import SpecStats, accept_sampled, kept_tokens, next_gamma, step_noise
@@ -287,10 +290,10 @@ class _Engine:
     kind = "?"
 
     def __init__(self, hook: Callable[[str, list[Job]], None] | None, models: list, batched: bool,
-                 compile: str = "off", compile_rows: int | None = None):
+                 compile: str = "off", compile_rows: int | None = None, budget: CacheBudget | None = None):
         self.hook = hook
         self.batched = batched
-        self.slots = [slots_for(m, compile, batched, max_rows=compile_rows) for m in models]
+        self.slots = [slots_for(m, compile, batched, max_rows=compile_rows, budget=budget) for m in models]
         # models whose every layer keeps a key/value cache: a prefill's cache needs only its prompts' room (its rows
         # fill a slot's first positions, Slots.put); others' caches are laid out by capacity (full size)
         self._kv_only = {id(m): all(type(layer) is KVCache for layer in m.new_cache(1, 1).layers) for m in models}
@@ -520,8 +523,9 @@ class BaseEngine(_Engine):
 
     kind = "base"
 
-    def __init__(self, model, hook=None, compile: str = "off", compile_rows: int | None = None):
-        super().__init__(hook, [model], splittable(model), compile, compile_rows)
+    def __init__(self, model, hook=None, compile: str = "off", compile_rows: int | None = None,
+                 budget: CacheBudget | None = None):
+        super().__init__(hook, [model], splittable(model), compile, compile_rows, budget)
         self.model = model
         self.name = _engine_name(self)
 
@@ -565,12 +569,13 @@ class SpeculativeEngine(_Engine):
     kind = "speculative"
 
     def __init__(self, target, draft, gamma: int, hook=None, max_gamma: int | None = None, compile: str = "off",
-                 compile_rows: int | None = None):
+                 compile_rows: int | None = None, budget: CacheBudget | None = None):
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
         if max_gamma is not None and max_gamma < gamma:
             raise ValueError(f"max_gamma ({max_gamma}) must be >= gamma ({gamma}), the starting value")
-        super().__init__(hook, [target, draft], splittable(target) and splittable(draft), compile, compile_rows)
+        super().__init__(hook, [target, draft], splittable(target) and splittable(draft), compile, compile_rows,
+                         budget)
         self.target, self.draft, self.gamma = target, draft, gamma
         self.max_gamma = max_gamma  # adaptive rows (:func:`~efftx.generation.speculative.next_gamma`), or None
         self.name = _engine_name(self)
@@ -684,7 +689,8 @@ class SpeculativeEngine(_Engine):
 
 # ---------------------------------------------------------------------------------------------- warm-up
 def warm_up(target, draft=None, *, rows: int = 16, gamma: int | None = None, tokens: int = 4,
-            compile: str = "off", compile_rows: int | None = None, max_gamma: int | None = None) -> dict[str, Any]:
+            compile: str = "off", compile_rows: int | None = None, max_gamma: int | None = None,
+            cache_budget: int | None = None) -> dict[str, Any]:
     """Decode throwaway requests at a replica's start, so that its first real burst does not pay one-time costs.
 
     A freshly loaded model's first batched steps are slower than later ones of the same size (first use of each
@@ -695,7 +701,7 @@ def warm_up(target, draft=None, *, rows: int = 16, gamma: int | None = None, tok
     16 tokens, sampled at temperature 1, top-k 8), base decoding and, with a draft and ``gamma``, speculative
     decoding with that gamma, on a scheduler of its own (no hook, no metrics: nothing of it is counted or kept);
     with ``compile``, also batches of 2 and 1 prompts of 32 tokens (the compiled prefills' shapes, with those of
-    the batches before).
+    the batches before). ``cache_budget``: the replica's (its batches take no more rows than it holds).
     In a short context the requests get fewer new tokens, and a mode none of whose requests fits is skipped.
     ``rows=0`` does nothing. Returns ``{"rows": requests decoded, "seconds": wall time}``. A model that cannot
     decode fails here, when the replica starts, with the error it would give the first request."""
@@ -705,7 +711,7 @@ def warm_up(target, draft=None, *, rows: int = 16, gamma: int | None = None, tok
         return {"rows": 0, "seconds": 0.0}
     started, done = time.perf_counter(), 0
     scheduler = Scheduler(target, draft, max_rows=rows, short_tokens=0, prefill_rows=0, compile=compile,
-                          compile_rows=compile_rows)
+                          compile_rows=compile_rows, cache_budget=cache_budget)
     batches = [rows >> k for k in range(rows.bit_length())]  # rows, rows // 2, ..., 1
     kinds = [(None, None)] + ([(gamma, None)] if draft is not None and gamma else [])
     if draft is not None and gamma and max_gamma:
@@ -736,6 +742,22 @@ def warm_up(target, draft=None, *, rows: int = 16, gamma: int | None = None, tok
 
 
 # ---------------------------------------------------------------------------------------------- scheduler
+def _budget(limit: int | None, target, draft=None) -> CacheBudget | None:
+    """The scheduler's :class:`~efftx.generation.decode.CacheBudget` of ``limit`` bytes (None: no budget), checked
+    to hold at least one row of each mode the models serve (a base row: the target's cache; a speculative row: the
+    target's and the draft's)."""
+    if limit is None:
+        return None
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
+        raise ValueError(f"cache_budget must be a positive number of bytes, got {limit!r}")
+    row = sum(cache_bytes(m.new_cache(1, m.max_seq_len)) for m in (target, draft) if m is not None)
+    if row > limit:
+        models = "the target's and the draft's caches" if draft is not None else "the target's cache"
+        raise ValueError(f"cache_budget of {limit / 2**20:.3g} MiB holds no row: a row takes {row / 2**20:.3g} MiB "
+                         f"({models} of {target.max_seq_len} positions)")
+    return CacheBudget(limit)
+
+
 def slowdown_ok(value) -> bool:
     """Whether ``value`` is a valid ``short_slowdown``: 0 (off) or a finite number >= 1 (the scheduler, the text
     app's arguments and bench/serve_load.py check it alike)."""
@@ -837,6 +859,11 @@ class Scheduler:
     with its kind (``base`` | ``speculative``) and its rows (the app's metrics, :mod:`efftx.serving.metrics`).
     The decoding thread uses as many torch threads as the thread that built the scheduler
     (``torch.get_num_threads()``; a new thread would start with the process default instead).
+    ``cache_budget``: the most bytes the running batches' caches may hold (their slots, and the caches pooled for
+    reuse; :class:`~efftx.generation.decode.CacheBudget`), None for no limit but the device's. Arrivals beyond it
+    wait in the queue, as they do where the device itself has no memory for them (see the module docstring), but
+    without an out-of-memory error first. It must hold at least one row of each mode (a ``ValueError`` says how
+    much a row takes).
 
     Priority to short requests (see the module docstring), its knobs:
 
@@ -879,7 +906,8 @@ class Scheduler:
                  prefill_rows: int = 2, short_slowdown: float = 1.5,
                  hook: Callable[[str, list[Job]], None] | None = None,
                  observe: Callable[[str, int], None] | None = None, compile: str = "off",
-                 compile_rows: int | None = None, clock: Callable[[], float] = time.perf_counter):
+                 compile_rows: int | None = None, clock: Callable[[], float] = time.perf_counter,
+                 cache_budget: int | None = None):
         for name, value, least in (("max_rows", max_rows, 1), ("short_tokens", short_tokens, 0),
                                    ("fast_rows", fast_rows, 1), ("long_every", long_every, 1),
                                    ("max_wait_rounds", max_wait_rounds, 0), ("prefill_rows", prefill_rows, 0),
@@ -901,7 +929,8 @@ class Scheduler:
         self.threads = torch.get_num_threads()
         self.compile = CompileOptions(compile).compile
         self.compile_rows = compile_rows
-        self.base = BaseEngine(target, hook, self.compile, compile_rows)
+        self.budget = _budget(cache_budget, target, draft)
+        self.base = BaseEngine(target, hook, self.compile, compile_rows, self.budget)
         if draft is not None and self.compile == "on" and eager_reason(draft):  # now, not at the first request
             raise CompileUnavailable(f"compile='on' but compiled continuous batching cannot run the draft: "
                                      f"{eager_reason(draft)}")
@@ -958,7 +987,7 @@ class Scheduler:
         key = (job.gamma, job.max_gamma)  # a batch per fixed gamma, and per starting gamma and cap when adaptive
         if key not in self.spec:
             self.spec[key] = SpeculativeEngine(self.target, self.draft, job.gamma, self.hook, job.max_gamma,
-                                               self.compile, self.compile_rows)
+                                               self.compile, self.compile_rows, self.budget)
         return self.spec[key]
 
     def _engines(self) -> list[_Engine]:
@@ -1013,8 +1042,9 @@ class Scheduler:
         for i, job in sorted(enumerate(pending), key=order):
             try:
                 engine = self._engine(job)
-            except torch.OutOfMemoryError as exc:  # no memory for a new batch's slots
-                free_memory()
+            except torch.OutOfMemoryError as exc:  # no memory (or cache budget) for a new batch's slots
+                if not isinstance(exc, CacheBudgetFull):
+                    free_memory()
                 if self._memory_full(job, exc):
                     waiting.append((i, job))
                 continue
@@ -1101,6 +1131,11 @@ class Scheduler:
             for engine in self._engines():
                 engine.row_limit = None
         return self.running
+
+    def cache_memory(self) -> dict[str, float] | None:
+        """With a ``cache_budget``: MiB of the budget (``limit_mib``), of what the slots hold (``held_mib``) and of
+        the caches pooled for reuse (``pooled_mib``)."""
+        return self.budget.report() if self.budget is not None else None
 
     def _costs(self, name: str) -> StepCosts:
         return self.costs.setdefault(name, StepCosts())
@@ -1195,17 +1230,22 @@ class Scheduler:
     def _admit(self, engine: _Engine, jobs: list[Job], lane: str) -> None:
         """``engine.admit``. Where the device has no memory for the arrivals' slots, the batch takes no more rows
         than its slots hold until it drains (``row_limit``): as many arrivals as they hold join, the others wait in
-        the queue (ahead of later arrivals); the running rows go on untouched."""
+        the queue (ahead of later arrivals); the running rows go on untouched. A batch with no rows and no room for
+        one (its slots empty, the cache budget held by other batches) is a new batch without memory
+        (:meth:`_memory_full`)."""
         try:
             engine.admit(jobs, lane)
         except torch.OutOfMemoryError as exc:
-            engine.row_limit = max(min(s.slots for s in engine.slots), len(engine), 1)
+            before, room = engine.row_limit, min(s.room for s in engine.slots)
+            engine.row_limit = max(room, len(engine), 1)
             engine.limited_at = self.rounds
-            fit = max(engine.row_limit - len(engine), 0)
-            logger.warning("continuous batching: no device memory for %d more %s rows beside %d (%s); %d join, the "
-                           "others wait for rows to leave", len(jobs), engine.kind, len(engine), exc, fit)
+            fit = max(room - len(engine), 0)
+            log = logger.warning if engine.row_limit != before else logger.debug  # once per limit, not every round
+            log("continuous batching: no memory (on the device or in the cache budget) for %d more %s rows beside %d "
+                "(%s); %d join, the others wait for rows to leave", len(jobs), engine.kind, len(engine), exc, fit)
+            wait = jobs[fit:] if fit or len(engine) else [j for j in jobs if self._memory_full(j, exc)]
             with self._cv:
-                self._queue.extendleft(reversed(jobs[fit:]))
+                self._queue.extendleft(reversed(wait))
             if fit:
                 engine.admit(jobs[:fit], lane)  # in the slots it has: no memory to allocate
 
@@ -1215,7 +1255,8 @@ class Scheduler:
         try:
             engine.move(job, "slow")
         except torch.OutOfMemoryError as exc:
-            free_memory()
+            if not isinstance(exc, CacheBudgetFull):
+                free_memory()
             logger.warning("continuous batching: no device memory to move a long row to the slow lane (%s)", exc)
         else:
             self.moves += 1
@@ -1225,8 +1266,8 @@ class Scheduler:
         will free some), else it fails with a 503."""
         if self.running:
             return True
-        job._fail(DeviceMemoryFull(f"the device has no memory for this request's cache ({job.mode} decoding): "
-                                   f"{exc}"), f"{job.mode} decoding")
+        job._fail(DeviceMemoryFull(f"no memory for this request's cache ({job.mode} decoding), on the device or in "
+                                   f"the cache budget: {exc}"), f"{job.mode} decoding")
         return False
 
     @staticmethod

@@ -21,6 +21,7 @@ made there; ``GET /models/info`` names each model's device (``"cpu"``, ``"cuda:0
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import TypeVar
 
@@ -89,6 +90,27 @@ def replica_device(requested: str = "auto") -> torch.device:
     if _given_a_gpu() and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def cache_budget(cache_mib: float | None, cache_fraction: float | None, device: torch.device) -> int | None:
+    """The bytes a replica's decoding caches may hold (``cache_mib``, or ``cache_fraction`` of ``device``'s memory:
+    a GPU's total, or the machine's physical memory on a CPU); None when neither is given."""
+    if cache_mib is not None and cache_fraction is not None:
+        raise ValueError("cache_mib and cache_fraction: give one of them")
+    if cache_mib is not None:
+        if not cache_mib > 0:
+            raise ValueError(f"cache_mib must be > 0, got {cache_mib!r}")
+        return max(int(cache_mib * 2**20), 1)
+    if cache_fraction is None:
+        return None
+    if not 0 < cache_fraction <= 1:
+        raise ValueError(f"cache_fraction must be in (0, 1], got {cache_fraction!r}")
+    device = torch.device(device)
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(int(cache_fraction * total), 1)
 
 
 def _given_a_gpu() -> bool:

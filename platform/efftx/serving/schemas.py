@@ -172,6 +172,9 @@ class ModelsInfo(BaseModel):
     # continuous batching, per running batch (base, speculative gamma=...): its measured step times in ms per row
     # count, prefill times in ms per prompt tokens, tokens a step gives a row (efftx.serving.continuous.StepCosts)
     costs: dict[str, dict[str, dict[str, float] | float]] | None = None
+    # continuous batching with cache_mib / cache_fraction: MiB of the budget (limit_mib), of what the running batches'
+    # slots hold (held_mib) and of the caches kept for reuse (pooled_mib)
+    cache_memory: dict[str, float] | None = None
 
 
 class CompletionRequest(BaseModel):

@@ -36,7 +36,9 @@ Endpoints (FastAPI; OpenAPI docs at /docs and /openapi.json):
   as many, ..., 1 requests
   (:func:`efftx.serving.continuous.warm_up`), so its first burst does not pay a fresh model's one-time costs.
   ``compile=on|auto`` runs decoding passes of up to ``compile_rows`` rows compiled (CUDA graphs on a GPU; dense
-  models; :mod:`efftx.generation.device_slots`), the graphs compiled as the replica warms up.
+  models; :mod:`efftx.generation.device_slots`), the graphs compiled as the replica warms up. ``cache_mib`` (or
+  ``cache_fraction`` of the device's memory) bounds what the decoding caches hold: requests beyond it wait for
+  rows to leave, before the device runs out of memory (``GET /models/info``: ``cache_memory``).
 * ``static``: ``@serve.batch`` groups requests (``max_batch_size`` default 8, ``batch_wait_timeout_s`` default
   0.02) and a batch is answered when its longest request is done; streams decode alone.
 
@@ -94,7 +96,7 @@ from efftx.generation.speculative import SpecStats, iter_speculative, iter_specu
 from efftx.serving import metrics
 from efftx.serving.app_args import TextAppArgs
 from efftx.serving.continuous import Job, Sampling, Scheduler, warm_up
-from efftx.serving.devices import replica_device, resolve_build_devices, with_resources, with_threads
+from efftx.serving.devices import cache_budget, replica_device, resolve_build_devices, with_resources, with_threads
 from efftx.serving.images import (ImageGenerator, ImageLimits, ImageRequest, OpenAIImageRequest, as_image_request,
                                   check_request, field_error, image_field_limits, openai_size)
 from efftx.serving.isolation import BodyLimit, RowFailure, contained
@@ -236,7 +238,8 @@ class TextGenerator:
                  limits: dict[str, Any] | None = None, max_batch_size: int | None = None,
                  batch_wait_timeout_s: float | None = None, images=None, image_limits: dict[str, Any] | None = None,
                  device: str = "auto", batching: str = "continuous", priority: dict[str, int | float] | None = None,
-                 warm_up_rows: int = 16, threads: int = 1, compile: str = "off", compile_rows: int | None = None):
+                 warm_up_rows: int = 16, threads: int = 1, compile: str = "off", compile_rows: int | None = None,
+                 cache_mib: float | None = None, cache_fraction: float | None = None):
         from efftx.export import load_export, resolve_export
 
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
@@ -286,11 +289,13 @@ class TextGenerator:
             compiled = compile_knobs(compile, compile_rows, self.device)
             # compiled: adaptive-gamma requests too (their verify pass feeds max_gamma + 1 tokens: a graph of its own)
             adaptive = self.limits.max_gamma if compiled["compile"] != "off" else None
+            budget = cache_budget(cache_mib, cache_fraction, self.device)  # bytes, or None
             warmed = warm_up(self.target, self.draft, rows=warm_up_size(warm_up_rows, max_batch_size, compiled),
-                             gamma=gamma, max_gamma=adaptive, **compiled)
+                             gamma=gamma, max_gamma=adaptive, cache_budget=budget, **compiled)
             self.batching.update(warm_up_rows=warmed["rows"], warm_up_s=warmed["seconds"], **compiled)
             self.scheduler = Scheduler(self.target, self.draft, max_rows=max_batch_size,
                                        admit_wait_s=batch_wait_timeout_s, **(priority or {}), **compiled,
+                                       cache_budget=budget,
                                        hook=lambda kind, jobs: self._step_hook(kind, [j.tag for j in jobs]),
                                        observe=lambda kind, rows: metrics.batch("continuous", kind, rows)).start()
         else:
@@ -547,7 +552,8 @@ class TextGenerator:
                           limits=dataclasses.asdict(self.limits),
                           image_limits=self.image_limits.model_dump() if info else None, batching=self.batching,
                           replica=self.replica, threads=self.threads,
-                          costs=self.scheduler.measured() if self.scheduler is not None else None)
+                          costs=self.scheduler.measured() if self.scheduler is not None else None,
+                          cache_memory=self.scheduler.cache_memory() if self.scheduler is not None else None)
 
     @app.post("/generate/stream")
     async def generate_stream(self, req: StreamRequest) -> StreamingResponse:
@@ -680,4 +686,5 @@ def build_with(args: TextAppArgs | dict[str, Any], *, text_deployment=TextGenera
         device=device, batching=args.batching, **({"priority": args.priority()} if args.priority() else {}),
         **({"warm_up_rows": args.warm_up_rows} if args.warm_up_rows is not None else {}),
         **({"threads": args.threads} if args.threads is not None else {}),
-        **{k: getattr(args, k) for k in ("compile", "compile_rows") if getattr(args, k) is not None})
+        **{k: getattr(args, k) for k in ("compile", "compile_rows", "cache_mib", "cache_fraction")
+           if getattr(args, k) is not None})
