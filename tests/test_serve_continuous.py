@@ -548,8 +548,9 @@ def test_passes_that_run_out_of_device_memory_are_split_and_every_row_keeps_its_
 
 def test_a_move_or_a_shrink_without_device_memory_changes_nothing(monkeypatch, pairs):
     """A long row moves to the slow lane for a short arrival through a free slot: on a device with no memory left
-    at all (no copy, no cache) it still moves. With every slot holding a row, the slots must grow first: the
-    device refuses, the row stays where it is and the short request waits for a free slot. The slots shrinking
+    at all (no copy, no cache) it still moves. With every slot holding a row, it moves through a one-row scratch:
+    the slots do not grow (they did before: a whole new cache for one swap); where the device has no memory for the
+    scratch either, the row stays where it is and the short request waits for a free slot. The slots shrinking
     after a burst find no memory for their smaller cache: they keep the larger one. Every request gets its solo
     tokens. Power: the swap through a copy of the row failed the whole batch on the full device."""
     target, draft = pair(pairs, "full")
@@ -574,7 +575,14 @@ def test_a_move_or_a_shrink_without_device_memory_changes_nothing(monkeypatch, p
     scheduler = Scheduler(target, draft, short_tokens=8, fast_rows=2, long_every=3, prefill_rows=0,
                           short_slowdown=0)
     device_rows(monkeypatch, 4)  # four slots, full when the short request comes
-    jobs = run_rounds(scheduler, longs + [(0, [3, 3], 20, HOT, 5, None), (2, [1, 2], 6, HOT, 4, None)])
+    plan = longs + [(0, [3, 3], 20, HOT, 5, None), (2, [1, 2], 6, HOT, 4, None)]
+    jobs = run_rounds(scheduler, plan)
+    assert scheduler.moves == 1 and scheduler.base.slots[0]._scratch is not None  # no growth: through the scratch
+    assert_alone(target, draft, jobs)
+    scheduler = Scheduler(target, draft, short_tokens=8, fast_rows=2, long_every=3, prefill_rows=0,
+                          short_slowdown=0)
+    monkeypatch.setattr(torch, "empty_like", no_copies)  # no memory for the scratch either
+    jobs = run_rounds(scheduler, plan)
     assert scheduler.moves == 0
     assert_alone(target, draft, jobs)
     monkeypatch.undo()

@@ -336,6 +336,7 @@ class Slots:
         self.model, self.capacity = model, int(capacity)
         self.batched = splittable(model) if batched is None else bool(batched)
         self.n = 0
+        self._scratch: list | None = None  # a row's tensors, for swaps with every slot full (swap)
         self.budget = budget
         self.row_bytes = cache_bytes(model.new_cache(1, self.capacity)) if budget is not None else 0
         if self.batched:
@@ -493,22 +494,30 @@ class Slots:
             layer.lengths[slot] = layer.lengths[source]
 
     def swap(self, a: int, b: int) -> None:
-        """Rows ``a`` and ``b`` change places, through the first free slot (no memory allocated; where every slot
-        holds a row, the slots grow first: that raises ``torch.OutOfMemoryError``, the rows unchanged, where the
-        device has no memory for it). The free slot keeps a copy of row ``a``, past any length: never read."""
+        """Rows ``a`` and ``b`` change places, through the first free slot (which keeps a copy of row ``a``, past
+        any length: never read), or, where every slot holds a row, through a one-row scratch the slots keep from
+        then on (allocated once: growing every row's slots for one swap took 30 ms of page faults on a 2-core CPU
+        for 16 rows of the small pair; where the device has no memory for the scratch, ``torch.OutOfMemoryError``
+        is raised, the rows unchanged)."""
         if a == b:
             return
         if not self.batched:
             self._caches[a], self._caches[b] = self._caches[b], self._caches[a]
             return
-        self.reserve(self.n + 1)
-        free = self.n
-        for layer, names in zip(self._cache.layers, self._names):
-            for name in names:
+        if self.n < self.slots:
+            via = [[getattr(layer, name)[self.n] for name in names]
+                   for layer, names in zip(self._cache.layers, self._names)]
+        else:
+            if self._scratch is None:
+                self._scratch = [[torch.empty_like(getattr(layer, name)[0]) for name in names]
+                                 for layer, names in zip(self._cache.layers, self._names)]
+            via = self._scratch
+        for layer, names, buffers in zip(self._cache.layers, self._names, via):
+            for name, buffer in zip(names, buffers):
                 t = getattr(layer, name)
-                t[free].copy_(t[a])
+                buffer.copy_(t[a])
                 t[a].copy_(t[b])
-                t[b].copy_(t[free])
+                t[b].copy_(buffer)
             layer.lengths[a], layer.lengths[b] = layer.lengths[b], layer.lengths[a]
 
     def truncate(self, n: int) -> None:
