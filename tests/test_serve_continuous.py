@@ -284,6 +284,22 @@ def test_the_slots_grow_for_a_burst_and_give_memory_back_when_it_is_gone():
     assert_alone(target, draft, jobs)
 
 
+def test_slots_shrink_into_a_size_they_grew_through():
+    """Twelve rows in slots grown 4 -> 8 -> 16; three stay: the slots shrink to eight (a power of two at least
+    twice the rows), taking the eight-slot cache given back on the way up, not a new six-slot one."""
+    from efftx.generation.decode import Slots
+
+    model = lm(3)
+    slots = Slots(model, model.max_seq_len)
+    slots.reserve(8)
+    eight = slots._cache
+    slots.reserve(12)
+    assert slots.slots == 16 and decode._FREE_CACHES[model][(8, slots.capacity)] is eight
+    slots.n = 3
+    slots.shrink()
+    assert slots.slots == 8 and slots._cache is eight
+
+
 def test_a_burst_takes_the_slot_caches_an_earlier_one_gave_back_zeroed():
     """The slots of a burst's batch grow into the caches an earlier batch gave back as it shrank (no new memory),
     zeroed and empty; a speculative batch dropped when its rows are done gives its target's and draft's caches
