@@ -28,7 +28,9 @@ Sections (each row: pass / FAIL / skip with the reason, and its figures):
 * ``decode``: tokens/s at batch 1 and 8, base and speculative (gamma 5), timed with device synchronisation, on the
   speculative pair the train section trained (untrained debug models otherwise); greedy speculative output must
   equal greedy base output; compiled decoding (``compile="on"``: CUDA graphs) beside the eager base, its greedy
-  tokens equal to the base's (a correctness row in fp32) and its tokens/s, compile time apart.
+  tokens equal to the base's (a correctness row in fp32) and its tokens/s, compile time apart; continuous
+  batching under a cache budget (``cache_mib``) on the device: held to it, outputs as alone, and how much the
+  device's memory grew.
 * ``nsa``: ``bench/nsa.py`` on CUDA (Triton NSA vs SDPA flash, forward and forward+backward, to T=65536; the
   kernel vs its torch reference; a train step; torch.profiler's table of the layer), its tables passed through.
 * ``scaling``: ``bench/attention_scaling.py --device cuda``: every backend's layer against SDPA flash, bf16.
@@ -321,7 +323,43 @@ def check_decode(args, summaries: dict) -> list[Row]:
                         f"base {batch * new / base_s:,.0f}, speculative {batch * new / spec_s:,.0f} "
                         f"({base_s / spec_s:.2f}x), {stats.mean_accepted:.2f} accepted/step", correctness=False))
         rows += compiled_decode_rows(target, prompts, new, batch, base_s, base_out, device)
-    return rows
+    return rows + cache_budget_rows(target, draft, device)
+
+
+def cache_budget_rows(target, draft, device: str, rows: int = 5) -> list[Row]:
+    """Continuous batching under a cache budget (``cache_mib`` / ``cache_fraction`` of the text app) of ``rows``
+    speculative rows on the device: a burst of 12 greedy requests, half speculative, decodes with the slots and
+    pooled caches at most the budget at every step and every output equal to greedy base decoding alone; on CUDA,
+    how much the device's allocated memory grew during the burst (the caches, their prefills and activations)."""
+    import torch
+
+    from efftx.generation.decode import cache_bytes, free_memory, generate
+    from efftx.serving.continuous import Job, Sampling, Scheduler
+
+    limit = rows * sum(cache_bytes(m.new_cache(1, m.max_seq_len)) for m in (target, draft))
+    free_memory()
+    held: list[int] = []
+    scheduler = Scheduler(target, draft, short_tokens=0, prefill_rows=0, cache_budget=limit,
+                          hook=lambda kind, jobs: held.append(scheduler.budget.held() + scheduler.budget.pooled()))
+    jobs = [scheduler.submit(Job([1 + i, 2, 3], 12, Sampling(0.0), i, 5 if i % 2 else None)) for i in range(12)]
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    scheduler.drain()
+    grown = (torch.cuda.max_memory_allocated() - before) / 2**20 if cuda else None
+    with torch.no_grad():
+        alone = [generate(target, [job.prompt], 12, temperature=0.0)[0].tolist() for job in jobs]
+    errors = [repr(j.error) for j in jobs if j.error is not None]
+    same = not errors and all(j.out == a for j, a in zip(jobs, alone))
+    within = bool(held) and max(held) <= limit
+    return [Row("decode", f"cache budget of {rows} speculative rows: held to it, outputs as alone",
+                "pass" if same and within else "FAIL",
+                f"budget {limit / 2**20:.2f} MiB, held + pooled at most {max(held, default=0) / 2**20:.2f} MiB, "
+                f"at most {max(j.batch_size for j in jobs)} rows a step"
+                + (f", device memory grew {grown:.2f} MiB during the burst" if grown is not None else "")
+                + (f"; errors: {errors[:2]}" if errors else "") + ("" if same or errors else "; outputs differ"))]
 
 
 def compiled_decode_rows(target, prompts, new: int, batch: int, base_s: float, base_out: list,

@@ -945,6 +945,7 @@ class Scheduler:
         self._long_round = 0  # the round the slow lanes last stepped
         self.costs: dict[str, StepCosts] = {}  # per engine (:func:`_engine_name`): measured costs
         self.long_rounds = 0  # rounds in which the slow lanes stepped beside short rows before long_every said so
+        self._refusal: tuple | None = None  # the last batch memory held back: (its name, its rows, its room)
 
     # -- the outside (any thread)
     def submit(self, job: Job) -> Job:
@@ -1236,11 +1237,12 @@ class Scheduler:
         try:
             engine.admit(jobs, lane)
         except torch.OutOfMemoryError as exc:
-            before, room = engine.row_limit, min(s.room for s in engine.slots)
+            room = min(s.room for s in engine.slots)
             engine.row_limit = max(room, len(engine), 1)
             engine.limited_at = self.rounds
             fit = max(room - len(engine), 0)
-            log = logger.warning if engine.row_limit != before else logger.debug  # once per limit, not every round
+            refusal, self._refusal = self._refusal, (engine.name, len(engine), room)
+            log = logger.warning if refusal != self._refusal else logger.debug  # once, not every round it waits
             log("continuous batching: no memory (on the device or in the cache budget) for %d more %s rows beside %d "
                 "(%s); %d join, the others wait for rows to leave", len(jobs), engine.kind, len(engine), exc, fit)
             wait = jobs[fit:] if fit or len(engine) else [j for j in jobs if self._memory_full(j, exc)]
