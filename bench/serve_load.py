@@ -4,7 +4,8 @@
                                [--target PATH --draft PATH | --size small|debug] [--quick] [--device cpu|cuda]
                                [--short-slowdown X]
     python bench/serve_load.py --inprocess [--device cpu|cuda] [--clock cpu|wall] [--threads N] [--adaptive-gamma]
-                               [--compile off|on|auto] [--compile-rows N] [the load options]
+                               [--compile off|on|auto] [--compile-rows N] [--long-prompts BYTES]
+                               [--prefill-chunk TOKENS] [the load options]
 
 Starts a local Ray cluster and Serve on 127.0.0.1 and deploys the text app several ways, one after another, in
 one run: ``unbatched`` (``batching=static``, ``max_batch_size=1``), ``static`` (``@serve.batch``, 8 per batch),
@@ -46,6 +47,9 @@ compiled at every row count beside the eager ones (eager over compiled, per row 
 ``unbatched`` (one row at a time), ``fifo`` and ``continuous``; timed on the decoding thread's CPU clock
 (``--clock cpu``, the default on a CPU: the figures measure the scheduling, hardly the machine's other load) or
 the wall clock (``--clock wall``, the default with ``--device cuda``), with the same goals marked.
+``--long-prompts BYTES``: every other long request's prompt has that many bytes (a prefill of many decoding
+steps' cost); ``--prefill-chunk TOKENS``: a fourth policy, ``chunked`` (the scheduler's ``prefill_chunk``: long
+prompts prefilled that many tokens a round), beside ``continuous`` with whole prompts, compared in an [info] line.
 """
 
 from __future__ import annotations
@@ -266,8 +270,18 @@ def load_models(paths: dict, device: str, threads: int = 1):
 POLICIES = [("unbatched", {"max_rows": 1, "short_tokens": 0}), ("fifo", {"short_tokens": 0}), ("continuous", {})]
 
 
+def prompt_of(i: int, new: int, long_prompt: int = 0) -> list[int]:
+    """Request ``i``'s prompt (bytes): one of :data:`PROMPTS`, or, with ``long_prompt``, for every other long
+    request (more than :data:`SHORT` new tokens), that many bytes of them run together (a long prompt: its
+    prefill costs many decoding steps)."""
+    if long_prompt and new > SHORT and i % 2:
+        text = "".join(PROMPTS[(i + k) % len(PROMPTS)] for k in range(len(PROMPTS))) * (long_prompt // 100 + 1)
+        return list(text.encode()[:long_prompt])
+    return list(PROMPTS[i % len(PROMPTS)].encode())
+
+
 def inprocess_load(target, draft, mode: str, knobs: dict, clients: int, lengths: list[int], unloaded: int,
-                   clock: str, timeout: float = 300.0) -> dict:
+                   clock: str, timeout: float = 300.0, long_prompt: int = 0) -> dict:
     """One policy's closed-loop load on a scheduler of its own (see :func:`inprocess`): its figures."""
     from efftx.serving.continuous import Job, Sampling, Scheduler
 
@@ -280,7 +294,7 @@ def inprocess_load(target, draft, mode: str, knobs: dict, clients: int, lengths:
 
     def run(i: int, new: int) -> tuple[float, float | None, Job]:
         done = threading.Event()
-        job = Job(list(PROMPTS[i % len(PROMPTS)].encode()), new, Sampling(0.8, 32), 1000 + i,
+        job = Job(prompt_of(i, new, long_prompt), new, Sampling(0.8, 32), 1000 + i,
                   5 if mode == "speculative" else None,
                   max_gamma=ADAPTIVE_CAP if mode == "speculative" else None)
         spent = []
@@ -329,7 +343,8 @@ def inprocess_load(target, draft, mode: str, knobs: dict, clients: int, lengths:
 
 def inprocess(target, draft, modes: list[str], clients: int, lengths: list[int], unloaded: int, device: str = "cpu",
               clock: str = "cpu", rounds: int = 1, timeout: float = 300.0, threads: int = 1,
-              compiled: dict | None = None, continuous: dict | None = None) -> dict:
+              compiled: dict | None = None, continuous: dict | None = None, long_prompt: int = 0,
+              prefill_chunk: int | None = None) -> dict:
     """``--inprocess``: the same closed-loop load on the scheduler itself (no HTTP, no Ray: torch alone), for each
     of :data:`POLICIES`, the policies alternated round after round. ``clock="cpu"``: timed on the decoding
     thread's CPU clock (a request's "latency" is the CPU time the decoding thread spent from its submission to
@@ -338,7 +353,10 @@ def inprocess(target, draft, modes: list[str], clients: int, lengths: list[int],
     seconds (the throughput), the short requests' latency over their unloaded latency, the most rows a request
     shared a step with, then the goals as the HTTP load does. ``compiled``: every policy's ``compile`` /
     ``compile_rows`` (default: eager); ``continuous``: more knobs of the ``continuous`` policy
-    (``--short-slowdown``). Returns the figures per (policy, mode)."""
+    (``--short-slowdown``). ``long_prompt``: every other long request's prompt has that many bytes
+    (:func:`prompt_of`); ``prefill_chunk``: a fourth policy, ``chunked``, continuous batching with that
+    ``prefill_chunk`` beside ``continuous`` with whole prompts (``prefill_chunk=0``). Returns the figures per
+    (policy, mode)."""
     from efftx.serving.continuous import warm_up
 
     compiled = compiled or {}
@@ -349,12 +367,16 @@ def inprocess(target, draft, modes: list[str], clients: int, lengths: list[int],
              if compiled.get("compile", "off") != "off" else "") + f"), {clients} clients, "
           f"{len(lengths)} requests; load average " + " ".join(f"{x:.1f}" for x in os.getloadavg()), flush=True)
     runs: dict[tuple[str, str], list[dict]] = {}
+    policies = POLICIES
+    if prefill_chunk is not None:  # side by side: whole prompts, and prompts in chunks
+        policies = [(n, {**k, "prefill_chunk": 0} if n == "continuous" else k) for n, k in POLICIES]
+        policies.append(("chunked", {"prefill_chunk": prefill_chunk}))
     for rnd in range(rounds):
         for mode in modes:
-            for name, knobs in POLICIES:
-                extra = (continuous or {}) if name == "continuous" else {}
+            for name, knobs in policies:
+                extra = (continuous or {}) if name in ("continuous", "chunked") else {}
                 r = inprocess_load(target, draft, mode, {**knobs, **compiled, **extra}, clients, lengths, unloaded,
-                                   clock, timeout)
+                                   clock, timeout, long_prompt)
                 runs.setdefault((name, mode), []).append(r)
                 print(f"  {f'round {rnd + 1}: ' if rounds > 1 else ''}{mode:<12}{name:<11} {clock} seconds "
                       f"{r['seconds']:6.2f} ({r['rps']:6.2f} req/s), errors {r['errors']}, up to {r['rows']} rows a "
@@ -362,6 +384,7 @@ def inprocess(target, draft, modes: list[str], clients: int, lengths: list[int],
                       f"{r['short_ratio_p99']:.2f}x (without the opening burst {r['later_ratio_p99']:.2f}x) "
                       f"(unloaded 8/{SHORT} tokens {r['unloaded'][8]:.0f}/{r['unloaded'][SHORT]:.0f} ms)"
                       + (f"; first token p50 {r['ttft_p50']:.0f} ms" if clock == "wall" else "")
+                      + (f"; first token p99 {r['ttft_p99']:.0f} ms" if long_prompt else "")
                       + (f"; the slow lanes stepped beside short rows by their slack in {r['long_rounds']} of "
                          f"{r['rounds']} rounds" if r["long_rounds"] else ""), flush=True)
     print(f"\ngoals (in-process, {clock} clock, continuous batching"
@@ -400,6 +423,17 @@ def goals(runs: dict[tuple[str, str], list[dict]], modes: list[str], notes: dict
                          f"clients, sent at once): {statistics.median(later):.2f}x{rounds_of(later, '.2f')}")
             errors = sum(a["errors"] for a in c)
             lines.append(f"[{'met' if errors == 0 else 'NOT met'}] {mode}: no errors: {errors}")
+            chunked = runs.get(("chunked", mode))
+            if chunked:  # --prefill-chunk: continuous batching with long prompts in chunks, beside whole prompts
+                p99 = [a["short_ratio_p99"] for a in chunked]
+                rps = [a["rps"] / b["rps"] for a, b in zip(chunked, c)]
+                lines.append(f"[info] {mode}: prompts in chunks of {chunked[0]['knobs']['prefill_chunk']} tokens: "
+                             f"short p99 {statistics.median(p99):.2f}x{rounds_of(p99, '.2f')} unloaded against "
+                             f"{lat:.2f}x with whole prompts; requests/s {statistics.median(rps):.2f}x the whole "
+                             f"prompts'{rounds_of(rps, '.2f')}; time to first token p99 "
+                             f"{statistics.median(a['ttft_p99'] for a in chunked):.0f} ms against "
+                             f"{statistics.median(a['ttft_p99'] for a in c):.0f} ms; errors "
+                             f"{sum(a['errors'] for a in chunked)}")
             if u:
                 lines.append(f"[info] {mode}: time to first token p50 {statistics.median(a['ttft_p50'] for a in c):.0f}"
                              f" ms, p99 {statistics.median(a['ttft_p99'] for a in c):.0f} ms (unbatched: p50 "
@@ -462,6 +496,11 @@ def main() -> None:
     p.add_argument("--compile-rows", type=int, default=None,
                    help="with --compile: passes over more rows run eagerly (default: none; 2 on a CPU without "
                         "the decode attention kernel)")
+    p.add_argument("--long-prompts", type=int, default=0, metavar="BYTES",
+                   help="--inprocess: every other long request's prompt has this many bytes (0: the short prompts)")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
+                   help="--inprocess: a fourth policy, continuous batching with long prompts prefilled this many "
+                        "tokens a round, beside continuous with whole prompts")
     p.add_argument("--short-slowdown", type=float, default=None,
                    help="the continuous configuration's short_slowdown (the scheduler's measured-cost priority; "
                         "default: the scheduler's, 1.5; 0: only long_every)")
@@ -480,6 +519,11 @@ def main() -> None:
     if args.compile_rows is not None and (args.compile == "off" or args.compile_rows < 1):
         p.error(f"--compile-rows takes a count >= 1 with --compile on|auto, got {args.compile_rows} with --compile "
                 f"{args.compile}")
+    if (args.long_prompts or args.prefill_chunk is not None) and not args.inprocess:
+        p.error("--long-prompts and --prefill-chunk are --inprocess options")
+    if args.long_prompts < 0 or (args.prefill_chunk is not None and args.prefill_chunk < 1):
+        p.error(f"--long-prompts takes bytes >= 0 and --prefill-chunk tokens >= 1, got {args.long_prompts} and "
+                f"{args.prefill_chunk}")
     from efftx.serving.continuous import slowdown_ok
 
     if args.short_slowdown is not None and not slowdown_ok(args.short_slowdown):
@@ -529,7 +573,8 @@ def main() -> None:
             print_step_costs(every, floors, f" compiled ({args.compile}) at every row count")
             print_prefill_costs(*prefills)
         write_json(args.json, inprocess(target, draft, modes, args.clients, lengths, args.unloaded, args.device,
-                                        args.clock, args.rounds, args.timeout, args.threads, compiled, slowdown))
+                                        args.clock, args.rounds, args.timeout, args.threads, compiled, slowdown,
+                                        args.long_prompts, args.prefill_chunk))
         return
     del target, draft  # the replicas load their own
     import ray

@@ -191,6 +191,15 @@ def test_compile_settings_reach_the_replica_and_need_continuous_batching():
     assert compile_knobs("on", 4, gpu) == {"compile": "on", "compile_rows": 4}
 
 
+def test_prefill_chunk_reaches_the_scheduler_and_needs_continuous_batching():
+    _, kwargs, _ = bound(serve_run("target=/nowhere/target", "prefill_chunk=64"))["TextGenerator"]
+    assert kwargs["priority"] == {"prefill_chunk": 64}
+    for bad, message in (({"prefill_chunk": -1}, named("prefill_chunk", "Input should be greater than or equal to 0")),
+                         ({"prefill_chunk": 64, "batching": "static"}, "prefill_chunk: only with batching=continuous")):
+        with pytest.raises(ValidationError, match=message):
+            build({"target": "/nowhere/target", **bad})
+
+
 def test_cache_memory_settings_reach_the_replica_and_resolve_to_bytes():
     """``cache_mib`` / ``cache_fraction``: the decoding caches' budget (constructor arguments), one of them, with
     continuous batching; the replica turns them into bytes of its device's memory."""

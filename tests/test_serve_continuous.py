@@ -130,6 +130,79 @@ def test_requests_joining_at_different_steps_get_their_solo_output(pairs, kind):
     assert max(j.batch_size for j in jobs if j.gamma == 3) >= 2
 
 
+CHUNKED = [  # long prompts (prefill_chunk=8: four or five chunks) beside running rows of short prompts
+    (0, [5, 6, 7], 18, HOT, 11, None),
+    (0, [1, 2], 16, NUCLEUS, 12, 3),
+    (1, [(7 * i) % 50 + 1 for i in range(33)], 6, GREEDY, 13, None),
+    (1, [(5 * i) % 40 + 2 for i in range(30)], 7, GREEDY, 14, 3),
+    (2, [(3 * i) % 60 + 1 for i in range(37)], 9, HOT, 15, None),
+    (3, [(11 * i) % 70 + 3 for i in range(26)], 8, NUCLEUS, 16, 2),
+    (3, [4, 4, 4], 5, HOT, 17, None),
+]
+
+
+@pytest.mark.parametrize("kind", ["full", "performer", "sinkhorn", "nsa"])
+def test_long_prompts_prefill_in_chunks_beside_the_running_rows_and_decode_as_alone(pairs, kind, monkeypatch):
+    """With ``prefill_chunk=8``, prompts of 26-37 tokens are prefilled eight tokens a round (their last chunk joins
+    the batch) while the rows already running step every round: no round feeds more than eight tokens of one
+    prompt, and each long prompt takes as many rounds as it has chunks. Every request gets exactly its tokens (and
+    acceptance) alone with the same chunks, and the greedy ones the library's unchunked tokens. Power: without
+    chunks a round feeds a whole prompt; a chunk fed twice or skipped changes the greedy tokens."""
+    target, draft = pair(pairs, kind)
+    fed: dict[int, list[tuple[int, int]]] = {}  # id(rows) -> [(round, tokens)]
+    scheduler = Scheduler(target, draft, max_rows=8, short_tokens=0, prefill_rows=0, prefill_chunk=8)
+    real = Rows.prefill
+
+    def prefill(self, rows):
+        if len(rows) == 1:
+            fed.setdefault(id(self), []).append((scheduler.rounds, len(rows[0])))
+        return real(self, rows)
+
+    monkeypatch.setattr(Rows, "prefill", prefill)
+    jobs = run_rounds(scheduler, CHUNKED)
+    monkeypatch.undo()
+    for job in jobs:
+        if job.feed_tokens > 8:  # chunked: one piece a round, at most eight tokens each, then its last
+            pieces = [p for p in fed.values() if sum(n for _, n in p) == job.feed_tokens and len(p) > 1]
+            assert pieces, job.tag
+            assert all(n <= 8 for p in pieces for _, n in p)
+            assert any(len({r for r, _ in p}) == len(p) == -(-job.feed_tokens // 8) for p in pieces), job.tag
+    assert max(j.batch_size for j in jobs) >= 3
+    for job in jobs:  # alone, with the same chunks
+        alone = Scheduler(target, draft, short_tokens=0, prefill_chunk=8)
+        (solo_job,) = run_rounds(alone, [job.tag])
+        assert job.failure is None and job.out == solo_job.out, job.tag
+        if job.stats is not None:
+            assert (job.stats.accepted, job.stats.drafted) == (solo_job.stats.accepted, solo_job.stats.drafted)
+    assert_alone(target, draft, [j for j in jobs if j.tag[3] is GREEDY])  # the library's whole-prompt prefill
+    whole = Scheduler(target, draft, max_rows=8, short_tokens=0, prefill_rows=0, prefill_chunk=0)
+    fed.clear()
+    monkeypatch.setattr(Rows, "prefill", prefill)
+    run_rounds(whole, CHUNKED)
+    assert max(n for p in fed.values() for _, n in p) >= 30  # the control: whole prompts in one round
+
+
+def test_a_chunked_prefill_checks_the_request_first_and_a_failing_chunk_fails_only_its_request(pairs):
+    """A long prompt that cannot fit the context fails at its first chunk with the error it gets unchunked (a
+    422), a chunk that raises fails its request alone, and the other rows decode as alone."""
+    target, draft = pair(pairs, "full")
+
+    def hook(kind, jobs):
+        if any(j.tag == "poisoned" for j in jobs) and scheduler.rounds == 3:
+            raise RuntimeError("poisoned chunk")
+
+    scheduler = Scheduler(target, draft, short_tokens=0, prefill_chunk=8, hook=hook)
+    too_long = scheduler.submit(Job([3] * 120, 20, HOT, 1))
+    poisoned = scheduler.submit(Job([4] * 40, 5, HOT, 2, tag="poisoned"))
+    ok = [(0, [5, 6, 7], 12, HOT, 3, None), (0, [(2 * i) % 30 + 1 for i in range(20)], 6, HOT, 4, 2)]
+    jobs = run_rounds(scheduler, ok)
+    assert too_long.failure.status == 422 and "exceeds the model's max_seq_len" in str(too_long.failure.detail)
+    assert poisoned.failure.status == 500 and poisoned.partial is None
+    for job in jobs:
+        (solo_job,) = run_rounds(Scheduler(target, draft, short_tokens=0, prefill_chunk=8), [job.tag])
+        assert job.out == solo_job.out
+
+
 def test_a_draft_equal_to_the_target_keeps_every_draft_and_feeds_the_last_in_the_next_first_pass():
     """With the target's own weights as the draft every draft is accepted, so after every step each row lacks its
     last draft in the draft's cache: the next step's first draft pass feeds it (one pass, no extra one), and the

@@ -77,6 +77,25 @@ def test_the_inprocess_load_runs_compiled_passes_with_torch_alone(tmp_path):
     assert line.count("eager / this: ") == 4  # rows 1, 2, 4, 8
 
 
+def test_long_prompts_in_chunks_run_beside_whole_prompts(tmp_path):
+    """``--long-prompts N --prefill-chunk C``: every other long request gets an N-byte prompt, and a fourth policy,
+    ``chunked`` (``prefill_chunk=C``), runs beside ``continuous`` with whole prompts, with an [info] line comparing
+    them."""
+    assert len(serve_load.prompt_of(1, 40, 60)) == 60 and len(serve_load.prompt_of(3, 40, 60)) == 60
+    assert len(serve_load.prompt_of(2, 40, 60)) < 30 and len(serve_load.prompt_of(1, 8, 60)) < 30  # short: as ever
+    out = tmp_path / "figures.json"
+    proc = bench("--inprocess", "--size", "debug", "--modes", "base", "--requests", "8", "--clients", "2",
+                 "--max-new", "32", "--unloaded", "1", "--long-prompts", "60", "--prefill-chunk", "16",
+                 "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(out.read_text())
+    assert runs["chunked/base"][0]["knobs"]["prefill_chunk"] == 16 and runs["chunked/base"][0]["errors"] == 0
+    assert runs["continuous/base"][0]["knobs"]["prefill_chunk"] == 0
+    assert "[info] base: prompts in chunks of 16 tokens: short p99" in proc.stdout
+    proc = bench("--prefill-chunk", "16")
+    assert proc.returncode == 2 and "--long-prompts and --prefill-chunk are --inprocess options" in proc.stderr
+
+
 def run(rps: float, p99: float, errors: int = 0) -> dict:
     return {"rps": rps, "short_ratio_p99": p99, "later_ratio_p99": p99, "errors": errors, "unloaded": {8: 10, 16: 20},
             "ttft_p50": 1.0, "ttft_p99": 2.0}
@@ -104,6 +123,8 @@ def test_goals_are_marked_at_their_thresholds(rps, p99, errors, marks):
     (["--compile-rows", "2"], "--compile-rows takes a count >= 1 with --compile on|auto"),
     (["--compile", "on", "--compile-rows", "0"], "--compile-rows takes a count >= 1"),
     (["--short-slowdown", "0.5"], "--short-slowdown takes 0 (off) or a number >= 1"),
+    (["--prefill-chunk", "0"], "--prefill-chunk tokens >= 1"),
+    (["--long-prompts", "-5"], "--long-prompts takes bytes >= 0"),
 ])
 def test_bad_arguments_are_refused_by_name(args, says):
     proc = bench("--inprocess", *args)

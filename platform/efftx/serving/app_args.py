@@ -37,7 +37,7 @@ Device = Literal["auto", "cpu", "cuda"]
 assert get_args(Device) == DEVICES, "Device and efftx.serving.devices.DEVICES disagree"
 
 # efftx.serving.continuous.Scheduler's knobs, as given
-PRIORITY = ("short_tokens", "fast_rows", "long_every", "prefill_rows", "short_slowdown")
+PRIORITY = ("short_tokens", "fast_rows", "long_every", "prefill_rows", "short_slowdown", "prefill_chunk")
 CONTINUOUS_ONLY = (*PRIORITY, "warm_up_rows", "compile", "compile_rows", "cache_mib",
                    "cache_fraction")  # settings of continuous batching alone
 Compile = Literal["auto", "on", "off"]
@@ -86,6 +86,11 @@ class TextAppArgs(BaseModel):
     prefill_rows: int | None = Field(None, ge=0, description=(
         "continuous: at most this many waiting requests are prefilled per decoding round, short ones first "
         "(default 2; 0: no limit), so that a burst of arrivals does not stall the running rows for one long round."))
+    prefill_chunk: int | None = Field(None, ge=0, description=(
+        "continuous: a prompt longer than this many tokens is prefilled this many tokens per decoding round (a chunked "
+        "prefill), so that a long prompt does not stall the running requests for its whole prefill (default 0: whole "
+        "prompts; for contexts whose prefill costs many decoding steps). A request's output is the same with any other "
+        "requests running."))
     warm_up_rows: int | None = Field(None, ge=0, description=(
         "continuous: at start, each replica decodes throwaway batches of this many requests, half as many, ..., 1 "
         "(default 16, at most max_batch_size; 0: none), so that its first burst of real requests does not pay a "
