@@ -516,8 +516,8 @@ class _Engine:
             self.check(job)
             job.partial = self.new_rows(job)
         piece = (job.prompt[:job.feed_tokens])[job.fed:job.fed + tokens]
-        if job.fed + len(piece) >= job.feed_tokens:
-            raise ValueError("a prefill chunk may not feed a prompt's last tokens")
+        if job.fed + len(piece) >= job.feed_tokens:  # the scheduler's to ensure (Scheduler._chunks_left)
+            raise RuntimeError("a prefill chunk may not feed a prompt's last tokens")
         for rows in job.partial:
             rows.prefill([piece])
         job.fed += len(piece)
