@@ -149,13 +149,13 @@ def test_long_prompts_prefill_in_chunks_beside_the_running_rows_and_decode_as_al
     acceptance) alone with the same chunks, and the greedy ones the library's unchunked tokens. Power: without
     chunks a round feeds a whole prompt; a chunk fed twice or skipped changes the greedy tokens."""
     target, draft = pair(pairs, kind)
-    fed: dict[int, list[tuple[int, int]]] = {}  # id(rows) -> [(round, tokens)]
+    fed: dict[Rows, list[tuple[int, int]]] = {}  # rows (kept alive: no id reused) -> [(round, tokens)]
     scheduler = Scheduler(target, draft, max_rows=8, short_tokens=0, prefill_rows=0, prefill_chunk=8)
     real = Rows.prefill
 
     def prefill(self, rows):
         if len(rows) == 1:
-            fed.setdefault(id(self), []).append((scheduler.rounds, len(rows[0])))
+            fed.setdefault(self, []).append((scheduler.rounds, len(rows[0])))
         return real(self, rows)
 
     monkeypatch.setattr(Rows, "prefill", prefill)
