@@ -278,6 +278,14 @@ class CacheBudget:
         self.limit = limit
         self._held: "weakref.WeakKeyDictionary[Slots, int]" = weakref.WeakKeyDictionary()
         self._models: "weakref.WeakSet" = weakref.WeakSet()
+        self._rows: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {capacity: a row's bytes}
+
+    def row_bytes(self, model, capacity: int) -> int:
+        """The bytes of one row's cache of ``capacity`` positions for ``model`` (measured once)."""
+        known = self._rows.setdefault(model, {})
+        if capacity not in known:
+            known[capacity] = cache_bytes(model.new_cache(1, capacity))
+        return known[capacity]
 
     def held(self) -> int:
         """The bytes the slots under this budget hold."""
@@ -338,7 +346,7 @@ class Slots:
         self.n = 0
         self._scratch: list | None = None  # a row's tensors, for swaps with every slot full (swap)
         self.budget = budget
-        self.row_bytes = cache_bytes(model.new_cache(1, self.capacity)) if budget is not None else 0
+        self.row_bytes = budget.row_bytes(model, self.capacity) if budget is not None else 0
         if self.batched:
             # under a budget none: slots hold its memory only while they hold rows (they grow as rows join)
             self._least = max(int(rows), 1) if budget is None else 0
