@@ -124,6 +124,10 @@ def test_metrics_move_after_requests(apps):
             "tpot base": (moved("ray_efftx_time_per_output_token_s_count", mode="base", **text), 1),
             "tpot speculative": (moved("ray_efftx_time_per_output_token_s_count", mode="speculative", **text), 1),
             "tpot seconds": (float(moved("ray_efftx_time_per_output_token_s_sum", mode="base", **text) > 0), 1),
+            # continuous batching: each request's time to its first token (static batching does not record it)
+            "ttft base": (moved("ray_efftx_time_to_first_token_s_count", mode="base", **text), 1),
+            "ttft speculative": (moved("ray_efftx_time_to_first_token_s_count", mode="speculative", **text), 1),
+            "static ttft": (moved("ray_efftx_time_to_first_token_s_count", **static), 0),
             # continuous: one observation per decoding step (9 base tokens: the prefill's + 8 steps)
             "continuous batch steps base": (moved("ray_efftx_batch_size_count", batching="continuous",
                                                   mode="base", **text), 8),

@@ -17,6 +17,8 @@ name                               type       tags                meaning
 efftx_requests                     counter    endpoint, status    HTTP requests answered, by route and status code
 efftx_generated_tokens             counter    mode                tokens generated (mode: base | speculative)
 efftx_time_per_output_token_s      histogram  mode                a request's decoding time / its tokens, seconds
+efftx_time_to_first_token_s        histogram  mode                continuous batching: a request's arrival to its
+                                                                  first token, seconds (queue and prefill included)
 efftx_batch_size                   histogram  batching, mode      rows per decoding step (continuous) or per batch
                                                                   (static; mode image: image requests per batch)
 efftx_speculative_mean_accepted    histogram  -                   per speculative request, mean accepted per step
@@ -33,6 +35,7 @@ import threading
 logger = logging.getLogger("ray.serve")
 
 TPOT_BOUNDARIES = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
+TTFT_BOUNDARIES = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 BATCH_BOUNDARIES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 ACCEPTED_BOUNDARIES = [0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0]
 
@@ -40,7 +43,8 @@ ACCEPTED_BOUNDARIES = [0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0]
 ENDPOINTS = frozenset({"/generate", "/generate/stream", "/v1/completions", "/v1/models", "/models/info", "/healthz",
                        "/images/generate", "/v1/images/generations", "/openapi.json", "/docs", "/playground", "/"})
 
-NAMES = ("efftx_requests", "efftx_generated_tokens", "efftx_time_per_output_token_s", "efftx_batch_size",
+NAMES = ("efftx_requests", "efftx_generated_tokens", "efftx_time_per_output_token_s",
+         "efftx_time_to_first_token_s", "efftx_batch_size",
          "efftx_speculative_mean_accepted", "efftx_speculative_draft_calls", "efftx_images_generated")
 
 _lock = threading.Lock()
@@ -59,6 +63,9 @@ def _create() -> dict:
         "tpot": Histogram("efftx_time_per_output_token_s",
                           "Time per output token (s): a request's decoding time divided by its generated tokens.",
                           boundaries=TPOT_BOUNDARIES, tag_keys=("mode",)),
+        "ttft": Histogram("efftx_time_to_first_token_s",
+                          "Continuous batching: time from a request's arrival to its first token (s), its wait in the "
+                          "queue and its prefill included.", boundaries=TTFT_BOUNDARIES, tag_keys=("mode",)),
         "batch": Histogram("efftx_batch_size", "Rows per decoding step (continuous batching) or per decoded batch "
                                                "(static batching, images).",
                            boundaries=BATCH_BOUNDARIES, tag_keys=("batching", "mode")),
@@ -115,14 +122,17 @@ def request(endpoint: str, status: int) -> None:
 
 @_safe
 def decoded(mode: str, tokens: int, seconds: float, mean_accepted: float | None = None,
-            draft_calls: int = 0) -> None:
+            draft_calls: int = 0, first_token_s: float | None = None) -> None:
     """One request's decoding in ``mode`` (base | speculative) is done: ``tokens`` generated in ``seconds``; for
-    speculative decoding its mean accepted draft tokens per step and its draft passes."""
+    speculative decoding its mean accepted draft tokens per step and its draft passes; with continuous batching
+    the time to its first token."""
     m = _get()
     tags = {"mode": mode}
     if tokens > 0:
         m["tokens"].inc(tokens, tags=tags)
         m["tpot"].observe(max(seconds, 0.0) / tokens, tags=tags)
+    if first_token_s is not None:
+        m["ttft"].observe(max(first_token_s, 0.0), tags=tags)
     if mode == "speculative":
         if mean_accepted is not None:
             m["accepted"].observe(float(mean_accepted))
@@ -136,7 +146,7 @@ def decoded_job(job) -> None:
     if job.failure is None and job.error is None and not job.cancelled:
         stats = job.stats
         decoded(job.mode, len(job.out), job.latency_s, None if stats is None else stats.mean_accepted,
-                0 if stats is None else stats.draft_calls)
+                0 if stats is None else stats.draft_calls, job.first_token_s)
 
 
 @_safe
