@@ -339,3 +339,17 @@ def test_a_compiled_app_answers_as_the_library_decodes(ray_cluster, debug_export
         assert done["text"] == answers[0].json()["results"]["speculative"]["text"]
     finally:
         serve.shutdown()
+
+
+def test_chunked_prefills_join_compiled_slots_with_their_eager_tokens(models):
+    """``prefill_chunk=8`` with compiled passes: long prompts' chunks go into eager rows of their own and their last
+    chunk joins the compiled slots; every request gets the tokens (and acceptance) it gets on an eager scheduler
+    with the same chunks."""
+    target, draft = models
+    plan = [(0, [5, 6, 7], 8, HOT, 21, None), (0, [(3 * i) % 40 + 1 for i in range(27)], 6, HOT, 22, None),
+            (1, [(5 * i) % 30 + 2 for i in range(21)], 6, HOT, 23, 3), (1, [1, 2], 7, HOT, 24, 3)]
+    jobs = run_rounds(Scheduler(target, draft, max_rows=4, short_tokens=0, prefill_chunk=8, compile="on"), plan)
+    eager = run_rounds(Scheduler(target, draft, max_rows=4, short_tokens=0, prefill_chunk=8), plan)
+    assert [j.out for j in jobs] == [j.out for j in eager]
+    assert [j.stats.accepted for j in jobs if j.stats] == [j.stats.accepted for j in eager if j.stats]
+    assert all(j.failure is None for j in jobs)
