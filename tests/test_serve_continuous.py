@@ -524,6 +524,9 @@ def test_a_cache_budget_holds_the_batches_to_its_rows_and_every_request_gets_its
 
     def hook(kind, jobs):
         seen.append(scheduler.budget.held() + scheduler.budget.pooled())
+        reported.append(scheduler.cache_memory())  # what GET /models/info shows: the last round's figures
+
+    reported = []
 
     burst = [(0, [i + 1, 3], 6 + i, HOT, 90 + i, None) for i in range(8)]
     mix = [(0, [i + 2, 4], 5 + i, HOT, 100 + i, 2 if i % 2 else None) for i in range(8)]
@@ -533,6 +536,7 @@ def test_a_cache_budget_holds_the_batches_to_its_rows_and_every_request_gets_its
     assert max(j.batch_size for j in first) == 5
     mixed = run_rounds(scheduler, mix)
     assert seen and max(seen) <= limit
+    assert 0 < max(r["held_mib"] for r in reported) <= limit / 2**20
     assert_alone(target, draft, first + mixed)
     assert scheduler.budget.held() == 0 and scheduler.cache_memory()["held_mib"] == 0.0
     free = Scheduler(target, draft, short_tokens=0, prefill_rows=0)  # the control: no budget

@@ -1018,6 +1018,7 @@ class Scheduler:
         self.costs: dict[str, StepCosts] = {}  # per engine (:func:`_engine_name`): measured costs
         self.long_rounds = 0  # rounds in which the slow lanes stepped beside short rows before long_every said so
         self._refusal: tuple | None = None  # the last batch memory held back: (its name, its rows, its room)
+        self._memory = self.budget.report() if self.budget is not None else None  # see cache_memory
 
     # -- the outside (any thread)
     def submit(self, job: Job) -> Job:
@@ -1209,12 +1210,15 @@ class Scheduler:
         if released:  # their caches are pooled, and dropped where a growth finds no memory: it may try again
             for engine in self._engines():
                 engine.row_limit = None
+        if self.budget is not None:
+            self._memory = self.budget.report()
         return self.running
 
     def cache_memory(self) -> dict[str, float] | None:
         """With a ``cache_budget``: MiB of the budget (``limit_mib``), of what the slots hold (``held_mib``) and of
-        the caches pooled for reuse (``pooled_mib``)."""
-        return self.budget.report() if self.budget is not None else None
+        the caches pooled for reuse (``pooled_mib``), as the last round left them (any thread: the decoding thread
+        takes the figures, as only it changes the slots and the pool)."""
+        return self._memory
 
     def _costs(self, name: str) -> StepCosts:
         return self.costs.setdefault(name, StepCosts())
