@@ -230,9 +230,13 @@ def slots_cache(model, slots: int, capacity: int):
     return cache
 
 
-def free_memory() -> None:
+def free_memory(after: BaseException | None = None) -> None:
     """Drop every pooled cache (:func:`give_back`) and return the CUDA allocator's cached blocks to the device
-    (after an out-of-memory error: the memory a retry needs may sit there)."""
+    (after an out-of-memory error: the memory a retry needs may sit there). Nothing ``after`` a
+    :class:`CacheBudgetFull`: the budget refused before anything was allocated (it drops its own pooled caches
+    where they stand in the way)."""
+    if isinstance(after, CacheBudgetFull):
+        return
     _FREE_CACHES.clear()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -243,6 +247,15 @@ def give_back(model, cache, capacity: int, budget: "CacheBudget | None" = None) 
     it has room for it (else it is dropped: its memory goes back)."""
     if cache is not None and _pooled(cache) and (budget is None or budget.may_pool(cache_bytes(cache))):
         _FREE_CACHES.setdefault(model, {})[(len(cache.layers[0].lengths), capacity)] = cache
+
+
+def bucket(n: int) -> int:
+    """``n`` rounded up to a power of two (1 for 0): the sizes slots grow through, and the rows of a compiled pass
+    over ``n`` rows (:mod:`efftx.generation.device_slots`)."""
+    b = 1
+    while b < n:
+        b *= 2
+    return b
 
 
 def cache_bytes(cache) -> int:
@@ -274,7 +287,7 @@ class CacheBudget:
 
     def __init__(self, limit: int):
         if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
-            raise ValueError(f"a cache budget must be a positive number of bytes, got {limit!r}")
+            raise ValueError(f"cache_budget must be a positive number of bytes, got {limit!r}")
         self.limit = limit
         self._held: "weakref.WeakKeyDictionary[Slots, int]" = weakref.WeakKeyDictionary()
         self._models: "weakref.WeakSet" = weakref.WeakSet()
@@ -398,10 +411,8 @@ class Slots:
             try:
                 self._reallocate(want)
                 return
-            except CacheBudgetFull as exc:
-                refused = exc
             except torch.OutOfMemoryError as exc:
-                free_memory()
+                free_memory(exc)
                 refused = exc
         if isinstance(refused, CacheBudgetFull):  # the slots take what the budget has room for (rows unchanged)
             fit = self._fit(self.budget.free_rows(self))
@@ -416,9 +427,7 @@ class Slots:
         2-core CPU, 5 ms of page faults for 6 slots of the small pair)."""
         if self.batched and self.slots > self._least and 4 * self.n <= self.slots:
             keep = max(self._least, 2 * self.n)
-            size = 1 if keep else 0
-            while size < keep:
-                size *= 2
+            size = bucket(keep) if keep else 0
             if size >= self.slots:
                 return
             try:

@@ -41,7 +41,7 @@ import torch
 from efftx.generation import compiled as _compiled
 from efftx.generation.compiled import CompiledRunner, DeviceCache, forward_step, mark_static
 from efftx.attention.cache import KVCache, ModelCache
-from efftx.generation.decode import CacheBudget, Rows, Slots, _SlotRows, splittable
+from efftx.generation.decode import CacheBudget, Rows, Slots, _SlotRows, bucket, splittable
 from efftx.kernels import decode_attention_cpu
 
 
@@ -51,14 +51,6 @@ from efftx.kernels import decode_attention_cpu
 PREFILL_ROWS = 2
 PREFILL_TOKENS = 32
 MIN_PREFILL = 16
-
-
-def bucket(n: int) -> int:
-    """The rows a compiled pass over ``n`` rows runs: ``n`` rounded up to a power of two."""
-    b = 1
-    while b < n:
-        b *= 2
-    return b
 
 
 class CompiledSlots(Slots):

@@ -87,7 +87,7 @@ import torch
 
 from efftx.attention.cache import KVCache
 from efftx.generation.compiled import CompileOptions, CompileUnavailable
-from efftx.generation.decode import CacheBudget, CacheBudgetFull, Rows, cache_bytes, free_memory, splittable
+from efftx.generation.decode import CacheBudget, Rows, free_memory, splittable
 from efftx.generation.device_slots import MIN_PREFILL, PREFILL_ROWS, PREFILL_TOKENS, eager_reason, slots_for
 from efftx.generation.sampling import draw, is_greedy, probabilities, race
 from efftx.generation.speculative import SpecStats, accept_sampled, kept_tokens, next_gamma, step_noise
@@ -808,14 +808,13 @@ def _budget(limit: int | None, target, draft=None) -> CacheBudget | None:
     target's and the draft's)."""
     if limit is None:
         return None
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
-        raise ValueError(f"cache_budget must be a positive number of bytes, got {limit!r}")
-    row = sum(cache_bytes(m.new_cache(1, m.max_seq_len)) for m in (target, draft) if m is not None)
+    budget = CacheBudget(limit)  # checks the limit
+    row = sum(budget.row_bytes(m, m.max_seq_len) for m in (target, draft) if m is not None)
     if row > limit:
         models = "the target's and the draft's caches" if draft is not None else "the target's cache"
         raise ValueError(f"cache_budget of {limit / 2**20:.3g} MiB holds no row: a row takes {row / 2**20:.3g} MiB "
                          f"({models} of {target.max_seq_len} positions)")
-    return CacheBudget(limit)
+    return budget
 
 
 def slowdown_ok(value) -> bool:
@@ -1117,8 +1116,7 @@ class Scheduler:
             try:
                 engine = self._engine(job)
             except torch.OutOfMemoryError as exc:  # no memory (or cache budget) for a new batch's slots
-                if not isinstance(exc, CacheBudgetFull):
-                    free_memory()
+                free_memory(exc)
                 if self._memory_full(job, exc):
                     waiting.append((i, job))
                 continue
@@ -1360,8 +1358,7 @@ class Scheduler:
         try:
             engine.move(job, "slow")
         except torch.OutOfMemoryError as exc:
-            if not isinstance(exc, CacheBudgetFull):
-                free_memory()
+            free_memory(exc)
             logger.warning("continuous batching: no device memory to move a long row to the slow lane (%s)", exc)
         else:
             self.moves += 1
