@@ -42,10 +42,18 @@ def cluster_env(home: Path) -> dict[str, str]:
 
 def cluster_up(env: dict[str, str], temp_dir: str, *extra: str) -> str:
     """`python -m efftx.cluster up` (what `make cluster-up` runs) on ports of its own -> the jobs address."""
-    dash = free_port()
-    cmd = [str(BIN / "python"), "-m", "efftx.cluster", "up", "--num-cpus", "2", "--port", str(free_port()),
+    taken: set[int] = set()
+
+    def port() -> int:  # free_port closes its socket: two calls may name the same port (CI saw it), so draw again
+        while (p := free_port()) in taken:
+            pass
+        taken.add(p)
+        return p
+
+    dash = port()
+    cmd = [str(BIN / "python"), "-m", "efftx.cluster", "up", "--num-cpus", "2", "--port", str(port()),
            "--dashboard-port", str(dash), "--temp-dir", temp_dir, *extra, "--dashboard-agent-listen-port",
-           str(free_port()), "--ray-client-server-port", str(free_port()), "--metrics-export-port", str(free_port())]
+           str(port()), "--ray-client-server-port", str(port()), "--metrics-export-port", str(port())]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     return f"http://127.0.0.1:{dash}"
