@@ -354,7 +354,7 @@ def cache_budget_rows(target, draft, device: str, rows: int = 5) -> list[Row]:
     errors = [repr(j.error) for j in jobs if j.error is not None]
     same = not errors and all(j.out == a for j, a in zip(jobs, alone))
     within = bool(held) and max(held) <= limit
-    return [Row("decode", f"cache budget of {rows} speculative rows: held to it, outputs as alone",
+    return [Row("decode", f"cache budget of {rows} speculative rows of the context: held to it, outputs as alone",
                 "pass" if same and within else "FAIL",
                 f"budget {limit / 2**20:.2f} MiB, held + pooled at most {max(held, default=0) / 2**20:.2f} MiB, "
                 f"at most {max(j.batch_size for j in jobs)} rows a step"

@@ -31,7 +31,7 @@ def test_cpu_run_trains_judges_decodes_and_writes_the_table(tmp_path):
     train = by_name[("train", "lm-bf16")]
     assert train.status == "pass" and "skipped steps after warm-up 0" in train.detail
     assert by_name[("decode", "batch 8, greedy speculative == base")].status == "pass"
-    budget = by_name[("decode", "cache budget of 5 speculative rows: held to it, outputs as alone")]
+    budget = by_name[("decode", "cache budget of 5 speculative rows of the context: held to it, outputs as alone")]
     assert budget.status == "pass" and "budget 0.62 MiB" in budget.detail, budget.detail
     assert by_name[("kernels", "Triton kernel compiled")].status == "skip"
     assert by_name[("nsa", "bench/nsa.py --no-cpu")].status == "skip"

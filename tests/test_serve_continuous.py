@@ -507,8 +507,14 @@ def test_a_new_batch_without_device_memory_waits_for_running_rows_or_fails_with_
     assert_alone(target, draft, [spec, base])
 
 
-def row_bytes(model) -> int:
-    return decode.cache_bytes(model.new_cache(1, model.max_seq_len))
+def row_bytes(model, capacity: int | None = None) -> int:
+    return decode.cache_bytes(model.new_cache(1, capacity or model.max_seq_len))
+
+
+def fitted(model) -> int:
+    """The positions of a running batch's slots for short requests: the fewest that slots fitting their rows take
+    (key/value caches), else the model's context."""
+    return decode.Slots(model, model.max_seq_len, fit=True).capacity
 
 
 @pytest.mark.parametrize("kind", ["full", "performer", "sinkhorn", "nsa"])
@@ -520,7 +526,7 @@ def test_a_cache_budget_holds_the_batches_to_its_rows_and_every_request_gets_its
     idle batches hold nothing; on every backend. Power: the same requests without the budget decode eight rows at a
     time."""
     target, draft = pair(pairs, kind)
-    limit = 5 * row_bytes(target)
+    limit = 5 * row_bytes(target, fitted(target))  # these requests' rows: the fewest positions the slots take
     seen = []
     decode.free_memory()  # no caches pooled by earlier tests' batches of these models
 
@@ -543,6 +549,72 @@ def test_a_cache_budget_holds_the_batches_to_its_rows_and_every_request_gets_its
     assert scheduler.budget.held() == 0 and scheduler.cache_memory()["held_mib"] == 0.0
     free = Scheduler(target, draft, short_tokens=0, prefill_rows=0)  # the control: no budget
     assert max(j.batch_size for j in run_rounds(free, burst)) == 8
+
+
+def test_slots_fit_their_rows_positions_widening_and_narrowing_with_every_row_kept():
+    """Key/value slots that fit (continuous batching's eager slots) start at the fewest positions, widen (rows
+    copied) for a row that needs more, and narrow again when it is gone; a row's next logits are the same before and
+    after each. Caches of other kinds keep the model's context. Power: a widening that does not copy the rows'
+    positions changes the logits."""
+    from efftx.generation.decode import MIN_FIT_CAPACITY, Slots
+
+    model = lm(3)
+    assert model.max_seq_len == 2 * MIN_FIT_CAPACITY  # one widening: 64 -> 128
+    slots = Slots(model, model.max_seq_len, fit=True)
+    control = Slots(model, model.max_seq_len)  # the model's whole context, as before
+    assert (slots.capacity, control.capacity) == (MIN_FIT_CAPACITY, model.max_seq_len)
+    prompts = [[4, 5, 6], [7, 8, 9, 10, 11]]
+    for s in (slots, control):
+        rows = Rows(model, 2, 8)
+        rows.prefill(prompts)
+        s.put(rows, 0, 0)
+        s.put(rows, 1, 1)
+
+    def step(s, token):
+        with torch.no_grad():
+            return s.rows(0, 2).forward(torch.tensor([[token], [token + 1]]))[:, -1]
+
+    assert torch.equal(step(slots, 3), step(control, 3))
+    slots.reserve(3, positions=MIN_FIT_CAPACITY + 1)
+    assert slots.capacity == model.max_seq_len and slots.slots >= 3 and slots.lengths()[:2] == [4, 6]
+    assert torch.equal(step(slots, 12), step(control, 12))
+    slots.shrink(positions=20)
+    assert slots.capacity == MIN_FIT_CAPACITY and slots.lengths()[:2] == [5, 7]
+    assert torch.equal(step(slots, 30), step(control, 30))
+    assert Slots(lm(3, kind="performer"), 128, fit=True).capacity == 128  # not key/value caches: the context
+
+
+def test_a_batch_fits_its_rows_positions_so_a_budget_holds_more_short_rows_and_a_long_one_waits_for_room(
+        monkeypatch, pairs):
+    """Full attention under a budget of five rows of the model's context (128 positions): ten short requests (under
+    64 positions each) decode together in slots of 64; a long request (over 64) that arrives among them waits until
+    few enough rows run for five of 128 positions, then joins (the slots widen); when it is done, the rows that
+    remain narrow back to 64. At every prefill and step the caches hold at most the budget, and every request gets
+    its solo tokens. Power: slots of the model's context (no fitting) decode five of the short requests at a time."""
+    target, draft = pair(pairs, "full")
+    limit = 5 * row_bytes(target)
+    decode.free_memory()
+    seen = []
+
+    def hook(kind, jobs):
+        seen.append((len(jobs), scheduler.base.slots[0].capacity, scheduler.budget.held() + scheduler.budget.pooled(),
+                     any(j.tag[2] == 80 for j in jobs), any(j.tag[0] == 40 for j in jobs)))
+
+    shorts = [(0, [i + 1, 3], 6 + i % 4, HOT, 200 + i, None) for i in range(10)]
+    plan = shorts + [(1, [2, 7, 1], 80, HOT, 300, None)] + [(40, [5, i + 1], 60, HOT, 400 + i, None) for i in range(2)]
+    scheduler = Scheduler(target, draft, short_tokens=0, prefill_rows=0, cache_budget=limit, hook=hook)
+    jobs = run_rounds(scheduler, plan)
+    assert_alone(target, draft, jobs)
+    assert max(j.batch_size for j in jobs[:10]) == 10  # twice the rows of the model's context
+    assert max(held for *_, held, _, _ in seen) <= limit
+    with_long = [(rows, cap) for rows, cap, _, long, _ in seen if long]
+    assert with_long and all(cap == 2 * fitted(target) and rows <= 5 for rows, cap in with_long)
+    assert {cap for _, cap, _, long, late in seen if not long and not late} == {fitted(target)}
+    after = [cap for _, cap, _, long, late in seen[max(i for i, h in enumerate(seen) if h[3]) + 1:]]
+    assert after and set(after) == {fitted(target)}  # the late rows, once the long one is gone: narrowed
+    monkeypatch.setattr(decode, "MIN_FIT_CAPACITY", target.max_seq_len)  # the control: the model's context
+    control = Scheduler(target, draft, short_tokens=0, prefill_rows=0, cache_budget=limit)
+    assert max(j.batch_size for j in run_rounds(control, shorts)) == 5
 
 
 def test_a_cache_budget_grows_slots_to_its_room_drops_pooled_caches_in_its_way_and_pools_none_past_it():

@@ -207,8 +207,9 @@ def _tensor_names(layer) -> list[str]:
 # next batch that needs as many slots takes one (zeroed) instead of new memory. On a CPU new memory costs about a
 # millisecond per megabyte in page faults (the small pair's 8- and 16-slot caches: 6.4 and 12.6 ms new, against 0.4
 # and 0.9 ms for memory the allocator kept, measured), paid in the round that admits a burst's rows. At most one
-# cache per size is kept (for dense models, whose every layer is a KVCache), so this holds at most about twice the
-# largest batch's cache.
+# cache per size (slots and positions) is kept, for dense models, whose every layer is a KVCache: without a budget
+# this holds at most about twice the largest batch's cache per size of positions (slots that fit their rows take a
+# few powers of two).
 _FREE_CACHES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -249,6 +250,11 @@ def give_back(model, cache, capacity: int, budget: "CacheBudget | None" = None) 
         _FREE_CACHES.setdefault(model, {})[(len(cache.layers[0].lengths), capacity)] = cache
 
 
+# Slots that fit their rows (Slots(fit=True)) hold at least this many positions, in powers of two: a handful of
+# sizes, so that a batch's widenings and narrowings find caches given back (slots_cache) instead of new memory.
+MIN_FIT_CAPACITY = 64
+
+
 def bucket(n: int) -> int:
     """``n`` rounded up to a power of two (1 for 0): the sizes slots grow through, and the rows of a compiled pass
     over ``n`` rows (:mod:`efftx.generation.device_slots`)."""
@@ -275,7 +281,7 @@ class CacheBudgetFull(torch.OutOfMemoryError):
 
 class CacheBudget:
     """The most memory the caches of continuous batching may hold (one replica's, on its device): every running
-    batch's slots (all of their slots, holding rows or not: each a row's cache of the model's whole context) and the
+    batch's slots (all of their slots, holding rows or not: each a row's cache of the slots' positions) and the
     caches kept for reuse (:func:`give_back`) of the same models. Where a device's memory is shared (weights,
     activations, other replicas), a budget keeps the caches to their share *before* allocating, instead of finding
     the limit by an out-of-memory error. A prefill's cache (its prompts' room, until its rows join the slots) and
@@ -347,15 +353,22 @@ class Slots:
     caches are views of the slots (a forward pass over a range writes the slots in place: no copy of the batch);
     rows join with :meth:`put` (one row's cache copied into a slot) and leave or change places with :meth:`copy`
     (one row copied onto another): no step copies every row's cache, as :meth:`Rows.select` / ``concat`` do. The
-    slots grow (doubling) when more rows join than they hold, and :meth:`shrink` gives memory back. Models whose
+    slots grow (doubling) when more rows join than they hold, and :meth:`shrink` gives memory back. With ``fit``
+    (key/value caches only) their positions follow their rows: the power of two (from :data:`MIN_FIT_CAPACITY`, at
+    most ``capacity``) that holds what the rows may need (:meth:`reserve`'s ``positions``), widened when a row needs
+    more and narrowed when no row does (:meth:`shrink`), the rows copied; without it every slot holds ``capacity``
+    positions (compiled passes: their graphs' shapes). Models whose
     caches cannot be split (:func:`splittable`) keep one batch-1 cache per row instead, and a range runs its rows
     one after another.
     """
 
     def __init__(self, model, capacity: int, rows: int = 4, batched: bool | None = None,
-                 budget: CacheBudget | None = None):
-        self.model, self.capacity = model, int(capacity)
+                 budget: CacheBudget | None = None, fit: bool = False):
+        self.model, self.limit = model, int(capacity)
         self.batched = splittable(model) if batched is None else bool(batched)
+        # fit: the slots' positions follow their rows' needs (key/value caches only: their rows are prefixes)
+        self.fits = bool(fit) and self.batched and _pooled(model.new_cache(1, 1))
+        self.capacity = self._capacity_for(0) if self.fits else self.limit
         self.n = 0
         self._scratch: list | None = None  # a row's tensors, for swaps with every slot full (swap)
         self.budget = budget
@@ -372,6 +385,16 @@ class Slots:
     def _fit(self, rows: int) -> int:
         """The most slots of at most ``rows`` that these slots may take (a subclass may allow only some sizes)."""
         return rows
+
+    def _capacity_for(self, positions: int) -> int:
+        """The positions of slots whose rows need ``positions``: with ``fit``, a power of two from
+        :data:`MIN_FIT_CAPACITY` up, at most the limit; else the limit."""
+        return min(max(bucket(int(positions)), MIN_FIT_CAPACITY), self.limit) if self.fits else self.limit
+
+    def holds(self, positions: int) -> bool:
+        """Whether a row that needs ``positions`` fits these slots' positions as they are (one past the limit does:
+        its request fails its own check)."""
+        return positions <= self.capacity or self.capacity >= self.limit
 
     def _hold(self) -> None:
         if self.budget is not None:
@@ -392,13 +415,16 @@ class Slots:
             return self.budget.free_rows(self)
         return self.slots
 
-    def reserve(self, rows: int) -> None:
-        """Room for ``rows`` rows: the slots grow, doubling until they hold them (sizes a later batch finds given
-        back, :func:`slots_cache`), or, where the device has no memory for that (pooled caches dropped first), to
-        just ``rows``. Raises ``torch.OutOfMemoryError`` with the slots unchanged (rows, caches) when not even that
-        fits; where it is the :class:`CacheBudget` that refuses (:class:`CacheBudgetFull`), the slots first grow
-        to as many as it has room for (their rows unchanged)."""
-        if rows <= self.slots:
+    def reserve(self, rows: int, positions: int = 0) -> None:
+        """Room for ``rows`` rows of up to ``positions`` positions each: the slots grow, doubling until they hold
+        them (sizes a later batch finds given back, :func:`slots_cache`), or, where the device has no memory for
+        that (pooled caches dropped first), to just ``rows``; slots that ``fit`` widen to the power of two that
+        holds ``positions`` (their rows copied). Raises ``torch.OutOfMemoryError`` with the slots unchanged (rows,
+        caches) when not even that fits; where it is the :class:`CacheBudget` that refuses
+        (:class:`CacheBudgetFull`), the slots first grow to as many as it has room for at the positions they have
+        (their rows unchanged)."""
+        capacity = max(self.capacity, self._capacity_for(positions))
+        if rows <= self.slots and capacity == self.capacity:
             return
         if not self.batched:  # a row's cache comes with its prefill: only the budget is asked
             if self.budget is not None:
@@ -407,9 +433,9 @@ class Slots:
         size = max(self.slots, 1)
         while size < rows:
             size *= 2
-        for want in dict.fromkeys((size, rows)):  # doubling, else just the rows needed
+        for want in dict.fromkeys((size, max(rows, self.slots))):  # doubling, else just the rows needed
             try:
-                self._reallocate(want)
+                self._reallocate(want, capacity)
                 return
             except torch.OutOfMemoryError as exc:
                 free_memory(exc)
@@ -420,32 +446,57 @@ class Slots:
                 self._reallocate(fit)
         raise refused
 
-    def shrink(self) -> None:
+    def shrink(self, positions: int | None = None) -> None:
         """Give back memory after rows left: when at most a quarter of the slots hold rows, keep twice the rows
         (at least the first allocation's slots; under a budget, none when no row is left), rounded up to a power of
         two: the sizes the slots grew through, whose caches were given back (a new size costs fresh memory: on a
-        2-core CPU, 5 ms of page faults for 6 slots of the small pair)."""
-        if self.batched and self.slots > self._least and 4 * self.n <= self.slots:
+        2-core CPU, 5 ms of page faults for 6 slots of the small pair). Slots that ``fit`` narrow to the power of
+        two their rows need (``positions``)."""
+        if not self.batched:
+            return
+        size, capacity = self.slots, self.capacity
+        if self.slots > self._least and 4 * self.n <= self.slots:
             keep = max(self._least, 2 * self.n)
-            size = bucket(keep) if keep else 0
-            if size >= self.slots:
-                return
-            try:
-                self._reallocate(size)
-            except torch.OutOfMemoryError:  # no memory for the smaller cache: keep the one it has
-                free_memory()
+            size = min(bucket(keep) if keep else 0, self.slots)
+        if positions is not None:
+            capacity = min(capacity, self._capacity_for(positions))
+        if (size, capacity) == (self.slots, self.capacity):
+            return
+        try:
+            self._reallocate(size, capacity)
+        except torch.OutOfMemoryError:  # no memory for the smaller cache: keep the one it has
+            free_memory()
 
-    def _reallocate(self, slots: int) -> None:
+    def _reallocate(self, slots: int, capacity: int | None = None) -> None:
+        """The slots' cache becomes one of ``slots`` rows and ``capacity`` positions (default: theirs), their rows
+        copied (positions: a key/value cache's first ones, which hold every row's tokens)."""
+        old_capacity = self.capacity
+        capacity = old_capacity if capacity is None else int(capacity)
+        if capacity < max(self.lengths()[:self.n], default=0):
+            raise ValueError(f"slots of {capacity} positions cannot hold rows of lengths {self.lengths()[:self.n]}")
+        row_bytes = self.budget.row_bytes(self.model, capacity) if self.budget is not None else 0
         if self.budget is not None:
-            self.budget.require(self, slots * self.row_bytes)
+            self.budget.require(self, slots * row_bytes)
         old, n = self._cache, self.n
-        self._cache = slots_cache(self.model, slots, self.capacity)
+        self._cache = slots_cache(self.model, slots, capacity)
+        keep = min(capacity, old_capacity)
         for mine, theirs, names in zip(self._cache.layers, old.layers, self._names):
             for name in names:
-                getattr(mine, name)[:n].copy_(getattr(theirs, name)[:n])
+                if capacity == old_capacity:
+                    getattr(mine, name)[:n].copy_(getattr(theirs, name)[:n])
+                else:  # KVCache (slots that fit): (slots, capacity, Hkv, D)
+                    getattr(mine, name)[:n, :keep].copy_(getattr(theirs, name)[:n, :keep])
             mine.lengths[:n] = theirs.lengths[:n]
+        if capacity != old_capacity:
+            self.capacity, self.row_bytes, self._scratch = capacity, row_bytes, None
         self._hold()
-        give_back(self.model, old, self.capacity, self.budget)
+        give_back(self.model, old, old_capacity, self.budget)
+
+    def lengths(self) -> list[int]:
+        """Every slot's row length (the first ``len(self)`` hold rows)."""
+        if self.batched:
+            return list(self._cache.layers[0].lengths) if self._cache.layers else [0] * self.slots
+        return [c.lengths[0] if c is not None else 0 for c in self._caches]
 
     def release(self) -> None:
         """The batch is gone: its cache is kept for the next batch of this size (:func:`slots_cache`)."""
@@ -497,8 +548,12 @@ class Slots:
         for mine, theirs, names in zip(self._cache.layers, source.caches[0].layers, self._names):
             for name in names:
                 src, dst = getattr(theirs, name)[index], getattr(mine, name)[slot]
-                if src.shape != dst.shape and type(theirs) is KVCache:
-                    dst = dst[:src.shape[0]]  # (capacity, Hkv, D): the prefilled positions
+                if src.shape != dst.shape and type(theirs) is KVCache:  # (capacity, Hkv, D): the prefilled positions
+                    if theirs.lengths[index] > dst.shape[0]:
+                        raise ValueError(f"a row of {theirs.lengths[index]} positions cannot join slots of "
+                                         f"{dst.shape[0]}")
+                    keep = min(src.shape[0], dst.shape[0])
+                    src, dst = src[:keep], dst[:keep]
                 dst.copy_(src)
             mine.lengths[slot] = theirs.lengths[index]
 

@@ -76,8 +76,8 @@ class CompiledSlots(Slots):
         self._lengths = torch.zeros(self.slots, dtype=torch.long, device=self.device)
         self._cuda_graphs = self.compiled and self.device.type == "cuda"
 
-    def _reallocate(self, slots: int) -> None:
-        super()._reallocate(bucket(slots))
+    def _reallocate(self, slots: int, capacity: int | None = None) -> None:
+        super()._reallocate(bucket(slots), capacity)  # the capacity stays the model's: the graphs' shapes
         self._fresh()
 
     def _fit(self, rows: int) -> int:
@@ -191,7 +191,7 @@ def slots_for(model, compile: str = "off", batched: bool | None = None, rows: in
               max_rows: int | None = None, budget: CacheBudget | None = None):
     """The slots of a running batch over ``model``: :class:`CompiledSlots` (compiled passes up to ``max_rows``
     rows) where ``compile`` is ``on`` or ``auto`` and compiled decoding runs the model, else
-    :class:`~efftx.generation.decode.Slots` (eager). ``on`` where it cannot run raises
+    :class:`~efftx.generation.decode.Slots` (eager, their positions fitted to their rows' needs). ``on`` where it cannot run raises
     :class:`~efftx.generation.compiled.CompileUnavailable` naming why; ``auto`` logs why."""
     mode = _compiled.CompileOptions(compile).compile
     batched = splittable(model) if batched is None else bool(batched)
@@ -202,7 +202,7 @@ def slots_for(model, compile: str = "off", batched: bool | None = None, rows: in
         if mode == "on":
             raise _compiled.CompileUnavailable(f"compile='on' but compiled continuous batching cannot run: {reason}")
         _compiled.log.info("compiled continuous batching not used, decoding eagerly: %s", reason)
-    return Slots(model, model.max_seq_len, rows, batched=batched, budget=budget)
+    return Slots(model, model.max_seq_len, rows, batched=batched, budget=budget, fit=True)
 
 
 CPU_COMPILE_ROWS = 2  # on a CPU without the decode attention kernel a compiled pass pays for a row or two only

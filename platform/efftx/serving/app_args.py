@@ -108,7 +108,9 @@ class TextAppArgs(BaseModel):
         "and pays for a row or two only)."))
     cache_mib: float | None = Field(None, gt=0, description=(
         "continuous: the most memory, in MiB, each replica's decoding caches may hold (its running batches' slots, "
-        "each a row's cache of the model's whole context, and caches kept for reuse): requests beyond it wait for "
+        "each a row's cache of as many positions as the batch's longest request needs, rounded up to a power of two "
+        "from 64 (full attention, eager passes; other caches and compiled passes: the model's whole context), and "
+        "caches kept for reuse): requests beyond it wait for "
         "rows to leave, before the device runs out of memory (default: no limit but the device's). It must hold "
         "at least one row of the target's cache and the draft's; GET /models/info reports what is held."))
     cache_fraction: float | None = Field(None, gt=0, le=1, description=(

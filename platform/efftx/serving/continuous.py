@@ -401,8 +401,9 @@ class _Engine:
             del self.order[last], self.last[last]
             for s in self.slots:
                 s.truncate(last)
+        positions = self.positions()
         for s in self.slots:
-            s.shrink()  # after a burst: the slots a quarter full or less give memory back
+            s.shrink(positions)  # after a burst (or the long rows): slots a quarter full or less give memory back
         if not self.order:  # drained: the next burst may try to grow the slots again, in passes of any size
             self.row_limit = self.step_rows = None
 
@@ -417,17 +418,30 @@ class _Engine:
             self._swap(i, self.fast)
             self.fast += 1
 
-    def reserve(self, rows: int) -> None:
-        """Room in every model's slots for ``rows`` rows (:meth:`~efftx.generation.decode.Slots.reserve`: raises
-        ``torch.OutOfMemoryError``, the rows unchanged, where the device has no memory for them)."""
+    def need(self, job: Job) -> int:
+        """The most positions ``job``'s row may hold in a model's cache."""
+        raise NotImplementedError
+
+    def positions(self, jobs: Sequence[Job] = ()) -> int:
+        """The most positions a row of this batch (and of ``jobs``, about to join) may hold."""
+        return max((self.need(j) for j in [*self.order, *jobs]), default=0)
+
+    def holds(self, job: Job) -> bool:
+        """Whether ``job``'s row fits every model's slots as they are (their positions; see ``Slots(fit=True)``)."""
+        return all(s.holds(self.need(job)) for s in self.slots)
+
+    def reserve(self, rows: int, positions: int = 0) -> None:
+        """Room in every model's slots for ``rows`` rows of up to ``positions`` positions
+        (:meth:`~efftx.generation.decode.Slots.reserve`: raises ``torch.OutOfMemoryError``, the rows unchanged,
+        where the device has no memory for them)."""
         for s in self.slots:
-            s.reserve(rows)
+            s.reserve(rows, positions)
 
     def admit(self, jobs: list[Job], lane: str = "fast") -> None:
         """Prefill ``jobs`` and add them to a lane (a failing prefill is retried job by job). Their slots are
         reserved first: where the device has no memory for them, ``torch.OutOfMemoryError`` is raised before
         anything changed."""
-        self.reserve(len(self) + len(jobs))
+        self.reserve(len(self) + len(jobs), self.positions(jobs))
         batch = len(self) + len(jobs)
         try:
             parts = [self.prefill(jobs)]
@@ -565,7 +579,10 @@ class BaseEngine(_Engine):
         self.name = _engine_name(self)
 
     def _capacity(self, job: Job) -> int:
-        return self.model.max_seq_len if self.batched else len(job.prompt) + job.max_new
+        return self.model.max_seq_len if self.batched else self.need(job)
+
+    def need(self, job):
+        return len(job.prompt) + job.max_new
 
     def check(self, job):
         if not job.prompt:
@@ -639,8 +656,11 @@ class SpeculativeEngine(_Engine):
     def new_rows(self, job):
         if self.batched:
             return [Rows(m, 1, self._room(m, job.feed_tokens), True) for m in (self.target, self.draft)]
-        capacity = len(job.prompt) + job.max_new + self.cap + 1  # as prefill's
-        return [Rows(m, 1, capacity, False) for m in (self.target, self.draft)]
+        return [Rows(m, 1, self.need(job), False) for m in (self.target, self.draft)]
+
+    def need(self, job):
+        # the caches hold the prompt but its last token, the tokens kept, and a verify pass's cap + 1 more
+        return len(job.prompt) + job.max_new + self.cap + 1
 
     def prefill(self, jobs):
         self._hook(jobs)
@@ -659,7 +679,7 @@ class SpeculativeEngine(_Engine):
             t, _ = self.slots[0].prefill(prefixes, self._room(self.target, room), not self._apart)
             d, _ = self.slots[1].prefill(prefixes, self._room(self.draft, room), not self._apart)
         else:
-            caps = [len(j.prompt) + j.max_new + self.cap + 1 for j in jobs]
+            caps = [self.need(j) for j in jobs]
             t = Rows.concat([Rows(self.target, 1, c, False) for c in caps])
             d = Rows.concat([Rows(self.draft, 1, c, False) for c in caps])
             t.prefill(prefixes)
@@ -1327,11 +1347,20 @@ class Scheduler:
             log = logger.warning if refusal != self._refusal else logger.debug  # once, not every round it waits
             log("continuous batching: no memory (on the device or in the cache budget) for %d more %s rows beside %d "
                 "(%s); %d join, the others wait for rows to leave", len(jobs), engine.kind, len(engine), exc, fit)
-            wait = jobs[fit:] if fit or len(engine) else [j for j in jobs if self._memory_full(j, exc)]
+            # the arrivals that fit the slots as they are (their rows and positions) join, in their order, up to the
+            # first that does not (it waits for room, and the others behind it with it: none passes it)
+            take: list[Job] = []
+            for job in jobs:
+                if len(take) == fit or not engine.holds(job):
+                    break
+                take.append(job)
+            wait = [j for j in jobs if j not in take]
+            if not (take or len(engine)):  # a batch with no rows that takes none: a new batch without memory
+                wait = [j for j in wait if self._memory_full(j, exc)]
             with self._cv:
                 self._queue.extendleft(reversed(wait))
-            if fit:
-                engine.admit(jobs[:fit], lane)  # in the slots it has: no memory to allocate
+            if take:
+                engine.admit(take, lane)  # in the slots it has: no memory to allocate
 
     def _chunks_left(self, job: Job) -> bool:
         """Whether ``job``'s prefill has more than one chunk (``prefill_chunk`` tokens) left to feed: then this
