@@ -584,8 +584,7 @@ def test_slots_fit_their_rows_positions_widening_and_narrowing_with_every_row_ke
     assert Slots(lm(3, kind="performer"), 128, fit=True).capacity == 128  # not key/value caches: the context
 
 
-def test_a_batch_fits_its_rows_positions_so_a_budget_holds_more_short_rows_and_a_long_one_waits_for_room(
-        monkeypatch, pairs):
+def test_a_batch_fits_its_rows_positions_so_a_budget_holds_more_short_rows_and_a_long_one_waits_for_room(pairs):
     """Full attention under a budget of five rows of the model's context (128 positions): ten short requests (under
     64 positions each) decode together in slots of 64; a long request (over 64) that arrives among them waits until
     few enough rows run for five of 128 positions, then joins (the slots widen); when it is done, the rows that
@@ -612,9 +611,24 @@ def test_a_batch_fits_its_rows_positions_so_a_budget_holds_more_short_rows_and_a
     assert {cap for _, cap, _, long, late in seen if not long and not late} == {fitted(target)}
     after = [cap for _, cap, _, long, late in seen[max(i for i, h in enumerate(seen) if h[3]) + 1:]]
     assert after and set(after) == {fitted(target)}  # the late rows, once the long one is gone: narrowed
-    monkeypatch.setattr(decode, "MIN_FIT_CAPACITY", target.max_seq_len)  # the control: the model's context
-    control = Scheduler(target, draft, short_tokens=0, prefill_rows=0, cache_budget=limit)
+    control = Scheduler(target, draft, short_tokens=0, prefill_rows=0, cache_budget=limit, fit_positions=False)
     assert max(j.batch_size for j in run_rounds(control, shorts)) == 5
+
+
+def test_a_speculative_batch_under_a_budget_fills_it_with_rows_of_both_models(pairs):
+    """A budget of eight speculative rows (the target's and the draft's caches of each): a burst of 32 speculative
+    requests decodes eight at a time, each as alone. Power: with each model's slots growing on their own to the
+    budget's room (the target's first), the draft's were left fewer rows, and the batch decoded four at a time (the
+    code before, run and seen)."""
+    target, draft = pair(pairs, "full")
+    positions = fitted(target)
+    limit = 8 * (row_bytes(target, positions) + row_bytes(draft, positions))
+    decode.free_memory()
+    burst = [(0, [i + 1, 3], 6, HOT, 500 + i, 2) for i in range(32)]
+    scheduler = Scheduler(target, draft, short_tokens=0, prefill_rows=0, cache_budget=limit)
+    jobs = run_rounds(scheduler, burst)
+    assert_alone(target, draft, jobs)
+    assert max(j.batch_size for j in jobs) == 8
 
 
 def test_a_cache_budget_grows_slots_to_its_room_drops_pooled_caches_in_its_way_and_pools_none_past_it():

@@ -314,17 +314,21 @@ class CacheBudget:
         """The bytes of the caches kept for reuse of this budget's models."""
         return sum(cache_bytes(c) for m in list(self._models) for c in _FREE_CACHES.get(m, {}).values())
 
-    def free_rows(self, slots: "Slots") -> int:
-        """How many rows ``slots`` could hold, beside what the other slots under this budget hold."""
-        others = self.held() - self._held.get(slots, 0)
-        return max(self.limit - others, 0) // max(slots.row_bytes, 1)
+    def free_rows(self, slots: "Slots", *together: "Slots") -> int:
+        """How many rows ``slots`` could hold, beside what the other slots under this budget hold; with
+        ``together`` (a speculative batch's target and draft slots), how many rows each of them could hold at once."""
+        group = (slots, *together)
+        others = self.held() - sum(self._held.get(s, 0) for s in group)
+        return max(self.limit - others, 0) // max(sum(s.row_bytes for s in group), 1)
 
-    def require(self, slots: "Slots", nbytes: int) -> None:
-        """Room for ``slots`` to hold ``nbytes`` (instead of what they hold now), else :class:`CacheBudgetFull`."""
+    def require(self, slots: "Slots", nbytes: int, rows: int | None = None) -> None:
+        """Room for ``slots`` to hold ``nbytes`` (instead of what they hold now; ``rows`` rows, for the message), else
+        :class:`CacheBudgetFull`."""
         self._models.add(slots.model)
         others = self.held() - self._held.get(slots, 0)
         if others + nbytes > self.limit:
-            raise CacheBudgetFull(f"{_mib(nbytes)} of caches for {nbytes // max(slots.row_bytes, 1)} rows, beside "
+            rows = nbytes // max(slots.row_bytes, 1) if rows is None else rows
+            raise CacheBudgetFull(f"{_mib(nbytes)} of caches for {rows} rows, beside "
                                   f"{_mib(others)} held, pass the cache budget of {_mib(self.limit)}")
         if others + nbytes + self.pooled() > self.limit:
             for model in list(self._models):
@@ -415,14 +419,15 @@ class Slots:
             return self.budget.free_rows(self)
         return self.slots
 
-    def reserve(self, rows: int, positions: int = 0) -> None:
+    def reserve(self, rows: int, positions: int = 0, fill: bool = True) -> None:
         """Room for ``rows`` rows of up to ``positions`` positions each: the slots grow, doubling until they hold
         them (sizes a later batch finds given back, :func:`slots_cache`), or, where the device has no memory for
         that (pooled caches dropped first), to just ``rows``; slots that ``fit`` widen to the power of two that
         holds ``positions`` (their rows copied). Raises ``torch.OutOfMemoryError`` with the slots unchanged (rows,
         caches) when not even that fits; where it is the :class:`CacheBudget` that refuses
         (:class:`CacheBudgetFull`), the slots first grow to as many as it has room for at the positions they have
-        (their rows unchanged)."""
+        (their rows unchanged; not with ``fill`` False: slots that share the budget with others of one batch are
+        filled together, :meth:`fill`)."""
         capacity = max(self.capacity, self._capacity_for(positions))
         if rows <= self.slots and capacity == self.capacity:
             return
@@ -440,11 +445,16 @@ class Slots:
             except torch.OutOfMemoryError as exc:
                 free_memory(exc)
                 refused = exc
-        if isinstance(refused, CacheBudgetFull):  # the slots take what the budget has room for (rows unchanged)
-            fit = self._fit(self.budget.free_rows(self))
-            if fit > self.slots:
-                self._reallocate(fit)
+        if isinstance(refused, CacheBudgetFull) and fill:  # the slots take what the budget has room for
+            self.fill(self.budget.free_rows(self))
         raise refused
+
+    def fill(self, rows: int) -> None:
+        """Take as many slots as fit ``rows`` (fewer than they have, down to their rows, or more; their rows
+        unchanged): what a :class:`CacheBudget` that refused a growth has room for."""
+        fit = max(self._fit(rows), self.n)
+        if self.batched and fit != self.slots:
+            self._reallocate(fit)
 
     def shrink(self, positions: int | None = None) -> None:
         """Give back memory after rows left: when at most a quarter of the slots hold rows, keep twice the rows
@@ -476,7 +486,7 @@ class Slots:
             raise ValueError(f"slots of {capacity} positions cannot hold rows of lengths {self.lengths()[:self.n]}")
         row_bytes = self.budget.row_bytes(self.model, capacity) if self.budget is not None else 0
         if self.budget is not None:
-            self.budget.require(self, slots * row_bytes)
+            self.budget.require(self, slots * row_bytes, slots)
         old, n = self._cache, self.n
         self._cache = slots_cache(self.model, slots, capacity)
         keep = min(capacity, old_capacity)

@@ -188,10 +188,10 @@ def eager_reason(model, batched: bool | None = None) -> str | None:
 
 
 def slots_for(model, compile: str = "off", batched: bool | None = None, rows: int = 4,
-              max_rows: int | None = None, budget: CacheBudget | None = None):
+              max_rows: int | None = None, budget: CacheBudget | None = None, fit: bool = True):
     """The slots of a running batch over ``model``: :class:`CompiledSlots` (compiled passes up to ``max_rows``
     rows) where ``compile`` is ``on`` or ``auto`` and compiled decoding runs the model, else
-    :class:`~efftx.generation.decode.Slots` (eager, their positions fitted to their rows' needs). ``on`` where it cannot run raises
+    :class:`~efftx.generation.decode.Slots` (eager; with ``fit``, their positions fitted to their rows' needs). ``on`` where it cannot run raises
     :class:`~efftx.generation.compiled.CompileUnavailable` naming why; ``auto`` logs why."""
     mode = _compiled.CompileOptions(compile).compile
     batched = splittable(model) if batched is None else bool(batched)
@@ -202,7 +202,7 @@ def slots_for(model, compile: str = "off", batched: bool | None = None, rows: in
         if mode == "on":
             raise _compiled.CompileUnavailable(f"compile='on' but compiled continuous batching cannot run: {reason}")
         _compiled.log.info("compiled continuous batching not used, decoding eagerly: %s", reason)
-    return Slots(model, model.max_seq_len, rows, batched=batched, budget=budget, fit=True)
+    return Slots(model, model.max_seq_len, rows, batched=batched, budget=budget, fit=fit)
 
 
 CPU_COMPILE_ROWS = 2  # on a CPU without the decode attention kernel a compiled pass pays for a row or two only

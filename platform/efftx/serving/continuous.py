@@ -71,6 +71,11 @@ loop) that repeats rounds: admit the requests that may start, then run one decod
   A ``cache_budget`` (bytes) bounds the caches before the device does: slots that would pass it are refused
   without allocating (:class:`~efftx.generation.decode.CacheBudgetFull`, handled as above), pooled caches in the
   way are dropped first, and pooled caches past it are not kept.
+* **Positions.** A batch's eager slots of a full-attention model hold as many positions as its longest row may need
+  (:meth:`_Engine.need`: prompt, new tokens, and a verify pass's gamma + 1), a power of two from 64
+  (``Slots(fit=True)``): they widen when a row that needs more joins and narrow when it leaves, the rows copied,
+  so a budget (or the device) holds more rows of short requests. An arrival that needs wider slots than the
+  memory allows waits like any other, and none of the arrivals behind it passes it.
 """
 
 from __future__ import annotations
@@ -87,7 +92,7 @@ import torch
 
 from efftx.attention.cache import KVCache
 from efftx.generation.compiled import CompileOptions, CompileUnavailable
-from efftx.generation.decode import CacheBudget, Rows, free_memory, splittable
+from efftx.generation.decode import CacheBudget, CacheBudgetFull, Rows, free_memory, splittable
 from efftx.generation.device_slots import MIN_PREFILL, PREFILL_ROWS, PREFILL_TOKENS, eager_reason, slots_for
 from efftx.generation.sampling import draw, is_greedy, probabilities, race
 from efftx.generation.speculative import SpecStats, accept_sampled, kept_tokens, next_gamma, step_noise
@@ -301,10 +306,11 @@ class _Engine:
     kind = "?"
 
     def __init__(self, hook: Callable[[str, list[Job]], None] | None, models: list, batched: bool,
-                 compile: str = "off", compile_rows: int | None = None, budget: CacheBudget | None = None):
+                 compile: str = "off", compile_rows: int | None = None, budget: CacheBudget | None = None,
+                 fit: bool = True):
         self.hook = hook
         self.batched = batched
-        self.slots = [slots_for(m, compile, batched, max_rows=compile_rows, budget=budget) for m in models]
+        self.slots = [slots_for(m, compile, batched, max_rows=compile_rows, budget=budget, fit=fit) for m in models]
         # models whose every layer keeps a key/value cache: a prefill's cache needs only its prompts' room (its rows
         # fill a slot's first positions, Slots.put); others' caches are laid out by capacity (full size)
         self._kv_only = {id(m): all(type(layer) is KVCache for layer in m.new_cache(1, 1).layers) for m in models}
@@ -434,8 +440,16 @@ class _Engine:
         """Room in every model's slots for ``rows`` rows of up to ``positions`` positions
         (:meth:`~efftx.generation.decode.Slots.reserve`: raises ``torch.OutOfMemoryError``, the rows unchanged,
         where the device has no memory for them)."""
-        for s in self.slots:
-            s.reserve(rows, positions)
+        try:
+            for s in self.slots:
+                s.reserve(rows, positions, fill=len(self.slots) == 1)
+        except CacheBudgetFull:  # every model's slots take the rows the budget holds of all of them together
+            if len(self.slots) > 1:
+                first, *rest = self.slots
+                fit = first.budget.free_rows(first, *rest)
+                for s in sorted(self.slots, key=lambda s: -s.slots):  # those that give memory back first
+                    s.fill(fit)
+            raise
 
     def admit(self, jobs: list[Job], lane: str = "fast") -> None:
         """Prefill ``jobs`` and add them to a lane (a failing prefill is retried job by job). Their slots are
@@ -573,8 +587,8 @@ class BaseEngine(_Engine):
     kind = "base"
 
     def __init__(self, model, hook=None, compile: str = "off", compile_rows: int | None = None,
-                 budget: CacheBudget | None = None):
-        super().__init__(hook, [model], splittable(model), compile, compile_rows, budget)
+                 budget: CacheBudget | None = None, fit: bool = True):
+        super().__init__(hook, [model], splittable(model), compile, compile_rows, budget, fit)
         self.model = model
         self.name = _engine_name(self)
 
@@ -632,13 +646,13 @@ class SpeculativeEngine(_Engine):
     kind = "speculative"
 
     def __init__(self, target, draft, gamma: int, hook=None, max_gamma: int | None = None, compile: str = "off",
-                 compile_rows: int | None = None, budget: CacheBudget | None = None):
+                 compile_rows: int | None = None, budget: CacheBudget | None = None, fit: bool = True):
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
         if max_gamma is not None and max_gamma < gamma:
             raise ValueError(f"max_gamma ({max_gamma}) must be >= gamma ({gamma}), the starting value")
         super().__init__(hook, [target, draft], splittable(target) and splittable(draft), compile, compile_rows,
-                         budget)
+                         budget, fit)
         self.target, self.draft, self.gamma = target, draft, gamma
         self.max_gamma = max_gamma  # adaptive rows (:func:`~efftx.generation.speculative.next_gamma`), or None
         self.name = _engine_name(self)
@@ -943,6 +957,8 @@ class Scheduler:
     wait in the queue, as they do where the device itself has no memory for them (see the module docstring), but
     without an out-of-memory error first. It must hold at least one row of each mode (a ``ValueError`` says how
     much a row takes).
+    ``fit_positions`` (default True): slots fitted to their rows' positions (see the module docstring); False: every
+    slot holds the model's whole context (no widening or narrowing copies).
 
     Priority to short requests (see the module docstring), its knobs:
 
@@ -997,7 +1013,7 @@ class Scheduler:
                  hook: Callable[[str, list[Job]], None] | None = None,
                  observe: Callable[[str, int], None] | None = None, compile: str = "off",
                  compile_rows: int | None = None, clock: Callable[[], float] = time.perf_counter,
-                 cache_budget: int | None = None):
+                 cache_budget: int | None = None, fit_positions: bool = True):
         for name, value, least in (("max_rows", max_rows, 1), ("short_tokens", short_tokens, 0),
                                    ("fast_rows", fast_rows, 1), ("long_every", long_every, 1),
                                    ("max_wait_rounds", max_wait_rounds, 0), ("prefill_rows", prefill_rows, 0),
@@ -1021,7 +1037,8 @@ class Scheduler:
         self.compile = CompileOptions(compile).compile
         self.compile_rows = compile_rows
         self.budget = _budget(cache_budget, target, draft)
-        self.base = BaseEngine(target, hook, self.compile, compile_rows, self.budget)
+        self.fit_positions = bool(fit_positions)
+        self.base = BaseEngine(target, hook, self.compile, compile_rows, self.budget, self.fit_positions)
         if draft is not None and self.compile == "on" and eager_reason(draft):  # now, not at the first request
             raise CompileUnavailable(f"compile='on' but compiled continuous batching cannot run the draft: "
                                      f"{eager_reason(draft)}")
@@ -1080,7 +1097,7 @@ class Scheduler:
         key = (job.gamma, job.max_gamma)  # a batch per fixed gamma, and per starting gamma and cap when adaptive
         if key not in self.spec:
             self.spec[key] = SpeculativeEngine(self.target, self.draft, job.gamma, self.hook, job.max_gamma,
-                                               self.compile, self.compile_rows, self.budget)
+                                               self.compile, self.compile_rows, self.budget, self.fit_positions)
         return self.spec[key]
 
     def _engines(self) -> list[_Engine]:

@@ -1,0 +1,39 @@
+"""bench/slot_positions.py: continuous batching's slots fitted to their rows' positions against whole-context slots,
+side by side, under a cache budget (run as a command, as a user runs it)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def bench(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "platform"), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "bench/slot_positions.py", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_the_bench_holds_more_short_rows_in_fitted_slots_and_marks_its_goal():
+    """A budget of two rows of the context: eight short requests decode together in fitted slots (64 positions of
+    256), two at a time in whole-context ones, base and speculative, no errors; the goal line says met."""
+    run = bench("--requests", "8", "--budget-rows", "2", "--loads", "short")
+    assert run.returncode == 0, run.stderr
+    rows = {(m[1], m[2]): (int(m[3]), int(m[4])) for m in
+            re.finditer(r"^short\s+(base|speculative)\s+(fit|context)\s+(\d+)\s+[\d.]+\s+\d+\s+[\d.]+\s+[\d.]+\s+(\d+)$",
+                        run.stdout, re.M)}
+    assert rows == {("base", "fit"): (8, 0), ("base", "context"): (2, 0),
+                    ("speculative", "fit"): (8, 0), ("speculative", "context"): (2, 0)}, run.stdout
+    assert "[met] (info) short base: rows per step, fitted over context" in run.stdout
+    assert "[met] (info) short speculative: rows per step, fitted over context" in run.stdout
+
+
+def test_the_bench_refuses_bad_arguments():
+    run = bench("--loads", "long")
+    assert run.returncode == 2 and "--loads: short, mixed" in run.stderr
+    run = bench("--budget-rows", "0")
+    assert run.returncode == 2 and "--budget-rows and --requests must be at least 1" in run.stderr
