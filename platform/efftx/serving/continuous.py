@@ -1238,7 +1238,13 @@ class Scheduler:
                     self.steps += 1
                     if self.observe is not None:
                         _call(self.observe, engine.kind, rows)
-        released = [k for k, e in self.spec.items() if not len(e)]
+        with self._cv:  # a speculative batch that queued requests wait for stays (its slots emptied), not made anew
+            wanted = {(j.gamma, j.max_gamma) for j in self._queue if j.speculative}
+        released = [k for k, e in self.spec.items() if not len(e) and k not in wanted]
+        for key, engine in self.spec.items():
+            if not len(engine) and key in wanted:
+                for slots in engine.slots:
+                    slots.shrink(0)  # rows' memory it took while refused: under a budget none stays held
         for key in released:
             for slots in self.spec.pop(key).slots:
                 slots.release()
