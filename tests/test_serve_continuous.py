@@ -1295,6 +1295,30 @@ def test_warm_up_decodes_throwaway_batches_and_leaves_nothing_behind():
         warm_up(target, draft, rows=2, gamma=3)
 
 
+def test_warm_up_keeps_a_cache_of_every_width_so_the_first_long_requests_take_no_new_memory():
+    """After a replica's warm-up (its requests need a batch's fewest positions), a burst of four speculative requests
+    that need twice as many widens its slots into caches the warm-up kept: no slot cache is allocated anew, for the
+    target and the draft alike. (The pool keeps one cache of a size: a second batch that widens to the same size
+    takes new memory.) Power: without them, the widened slots were allocated (fresh memory: page faults on a CPU)."""
+    target, draft = lm(0), lm(1, 1)
+    decode.free_memory()
+    warm_up(target, draft, rows=4, gamma=2, tokens=2)
+    widths = decode.fit_widths(target)
+    assert widths == [64, 128]
+    made = []
+    for model in (target, draft):
+        real = model.new_cache
+        model.new_cache = lambda b, n, _real=real, _m=model: made.append((_m, b, n)) or _real(b, n)
+    try:
+        plan = [(0, [i + 1, 2], 70, HOT, 800 + i, 2) for i in range(4)]  # one batch: the target's slots and the draft's
+        scheduler = Scheduler(target, draft, short_tokens=0, prefill_rows=0)
+        jobs = run_rounds(scheduler, plan)
+    finally:
+        del target.new_cache, draft.new_cache
+    assert [m[1:] for m in made if m[2] == 128] == []  # the widened slots: none made anew
+    assert_alone(target, draft, jobs)
+
+
 def test_warm_up_fits_its_requests_in_a_short_context():
     """A context of 8 tokens: base requests of 4 new tokens, speculative ones with gamma 5 get 2 (1 + 2 + 5 = 8);
     with gamma 7 no speculative request fits, and that warm-up is skipped rather than failing the replica."""

@@ -92,7 +92,7 @@ import torch
 
 from efftx.attention.cache import KVCache
 from efftx.generation.compiled import CompileOptions, CompileUnavailable
-from efftx.generation.decode import CacheBudget, CacheBudgetFull, Rows, free_memory, splittable
+from efftx.generation.decode import CacheBudget, CacheBudgetFull, Rows, free_memory, pool_widths, splittable
 from efftx.generation.device_slots import MIN_PREFILL, PREFILL_ROWS, PREFILL_TOKENS, eager_reason, slots_for
 from efftx.generation.sampling import draw, is_greedy, probabilities, race
 from efftx.generation.speculative import SpecStats, accept_sampled, kept_tokens, next_gamma, step_noise
@@ -832,6 +832,10 @@ def warm_up(target, draft=None, *, rows: int = 16, gamma: int | None = None, tok
                 if job.error is not None:
                     raise job.error
             done += len(batch)
+    # slots that fit their rows widen when long requests come: a cache of each width and size, kept for them
+    for model in [target] + ([draft] if draft is not None and gamma else []):
+        if slots_for(model, compile, budget=scheduler.budget).fits:
+            pool_widths(model, rows, scheduler.budget)
     return {"rows": done, "seconds": round(time.perf_counter() - started, 3)}
 
 
