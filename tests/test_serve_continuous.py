@@ -632,21 +632,23 @@ def test_a_speculative_batch_under_a_budget_fills_it_with_rows_of_both_models(pa
 
 
 def test_a_speculative_request_waiting_for_the_budget_keeps_its_empty_batch_holding_nothing(pairs):
-    """Five base rows hold the whole budget; a speculative request that arrives waits for them. While it waits its
-    batch stays the same object, round after round, and its slots hold nothing; then it decodes as alone. Power:
-    the empty batch was dropped at the end of each round and made anew at the next (its slots, its checks of the
-    models' caches: 0.25 ms a round for the small pair on a 2-core CPU, measured)."""
+    """Five base rows hold the whole budget; three speculative requests that arrive wait for them. While they wait
+    their batch stays the same object, round after round, and its slots hold nothing; then they decode together
+    (the row limit of its refusals does not stay: an empty batch clears it) and as alone. Power: the empty batch
+    was dropped at the end of each round and made anew at the next (its slots, its checks of the models' caches:
+    0.25 ms a round for the small pair on a 2-core CPU, measured)."""
     target, draft = pair(pairs, "full")
     limit = 5 * row_bytes(target, fitted(target))
     decode.free_memory()
     base = [(0, [i + 1, 5], 12, HOT, 600 + i, None) for i in range(5)]
-    spec_plan = (1, [3, 4], 6, HOT, 700, 2)
+    spec_plans = [(1, [3, 4 + i], 6, HOT, 700 + i, 2) for i in range(3)]
     scheduler = Scheduler(target, draft, short_tokens=0, prefill_rows=0, cache_budget=limit)
     jobs, batches = [], []
     with torch.no_grad():
         jobs += [scheduler.submit(Job(p[1], p[2], p[3], p[4], p[5], tag=p)) for p in base]
         scheduler.run_once()
-        spec = scheduler.submit(Job(*spec_plan[1:6], tag=spec_plan))
+        specs = [scheduler.submit(Job(*p[1:6], tag=p)) for p in spec_plans]
+        spec = specs[0]
         while not spec.out:
             scheduler.run_once()
             engine = scheduler.spec.get((2, None))
@@ -654,8 +656,9 @@ def test_a_speculative_request_waiting_for_the_budget_keeps_its_empty_batch_hold
                 batches.append(engine)
                 assert engine is not None and all(scheduler.budget._held.get(s, 0) == 0 for s in engine.slots)
         scheduler.drain()
-    assert len(batches) >= 5 and all(b is batches[0] for b in batches)  # one batch while it waited
-    assert_alone(target, draft, jobs + [spec])
+    assert len(batches) >= 5 and all(b is batches[0] for b in batches)  # one batch while they waited
+    assert max(j.batch_size for j in specs) == 3
+    assert_alone(target, draft, jobs + specs)
     assert not scheduler.spec and scheduler.budget.held() == 0  # done: the batch is gone, nothing held
 
 

@@ -1246,7 +1246,7 @@ class Scheduler:
             wanted = {(j.gamma, j.max_gamma) for j in self._queue if j.speculative}
         released = [k for k, e in self.spec.items() if not len(e) and k not in wanted]
         for key, engine in self.spec.items():
-            if not len(engine) and key in wanted:
+            if not len(engine) and key in wanted:  # as a new batch would be (its row limit: cleared as it drained)
                 for slots in engine.slots:
                     slots.shrink(0)  # rows' memory it took while refused: under a budget none stays held
         for key in released:
