@@ -611,6 +611,7 @@ def test_a_batch_fits_its_rows_positions_so_a_budget_holds_more_short_rows_and_a
     assert {cap for _, cap, _, long, late in seen if not long and not late} == {fitted(target)}
     after = [cap for _, cap, _, long, late in seen[max(i for i, h in enumerate(seen) if h[3]) + 1:]]
     assert after and set(after) == {fitted(target)}  # the late rows, once the long one is gone: narrowed
+    assert scheduler.measured()["base"]["positions"] == fitted(target)  # what GET /models/info shows an operator
     control = Scheduler(target, draft, short_tokens=0, prefill_rows=0, cache_budget=limit, fit_positions=False)
     assert max(j.batch_size for j in run_rounds(control, shorts)) == 5
 

@@ -1270,7 +1270,8 @@ class Scheduler:
 
     def measured(self) -> dict[str, dict]:
         """The measured costs per running batch (any thread: dict copies are atomic): ``step_ms`` per row count,
-        ``prefill_ms`` per prompt tokens, ``tokens_per_step``; batches not measured yet are left out. A batch the
+        ``prefill_ms`` per prompt tokens, ``tokens_per_step``, ``positions`` (a slot's positions now: its rows'
+        need with slots that fit them, else the model's context); batches not measured yet are left out. A batch the
         device's memory holds back also reports it: ``row_limit`` (the rows it takes) and ``step_rows`` (the most
         rows of a pass)."""
         out = {}
@@ -1282,6 +1283,8 @@ class Scheduler:
                              "prefill_ms": {str(n): round(s * 1e3, 3) for n, s in sorted(prefills.items())},
                              "tokens_per_step": round(costs.tokens_per_step, 3)}
                 engine = engines.get(name)
+                if engine is not None:
+                    out[name]["positions"] = max(s.capacity for s in engine.slots)
                 for key in ("row_limit", "step_rows"):
                     if engine is not None and getattr(engine, key) is not None:
                         out[name][key] = getattr(engine, key)
