@@ -400,7 +400,8 @@ class Slots:
         self.model, self.limit = model, int(capacity)
         self.batched = splittable(model) if batched is None else bool(batched)
         # fit: the slots' positions follow their rows' needs (key/value caches only: their rows are prefixes)
-        self.fits = bool(fit) and self.batched and _pooled(model.new_cache(1, 1))
+        self._kv = self.batched and _pooled(model.new_cache(1, 1))  # every layer a KVCache: (slots, positions, Hkv, D)
+        self.fits = bool(fit) and self._kv
         self.capacity = self._capacity_for(0) if self.fits else self.limit
         self.n = 0
         self._scratch: list | None = None  # a row's tensors, for swaps with every slot full (swap)
@@ -518,13 +519,14 @@ class Slots:
             self.budget.require(self, slots * row_bytes, slots)
         old, n = self._cache, self.n
         self._cache = slots_cache(self.model, slots, capacity)
-        keep = min(capacity, old_capacity)
+        # key/value caches: the rows' positions up to the longest row (the rest is never read); else whole rows
+        end = max(old.layers[0].lengths[:n], default=0) if self._kv else None
         for mine, theirs, names in zip(self._cache.layers, old.layers, self._names):
             for name in names:
-                if capacity == old_capacity:
+                if end is None:
                     getattr(mine, name)[:n].copy_(getattr(theirs, name)[:n])
-                else:  # KVCache (slots that fit): (slots, capacity, Hkv, D)
-                    getattr(mine, name)[:n, :keep].copy_(getattr(theirs, name)[:n, :keep])
+                else:
+                    getattr(mine, name)[:n, :end].copy_(getattr(theirs, name)[:n, :end])
             mine.lengths[:n] = theirs.lengths[:n]
         if capacity != old_capacity:
             self.capacity, self.row_bytes, self._scratch = capacity, row_bytes, None
