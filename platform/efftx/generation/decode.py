@@ -217,6 +217,17 @@ def _pooled(cache) -> bool:
     return all(type(layer) is KVCache for layer in cache.layers)
 
 
+_KV_ONLY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def kv_only(model) -> bool:
+    """Whether every layer of ``model`` keeps a key/value cache (:class:`KVCache`: (rows, positions, Hkv, D), a row's
+    tokens its first positions), checked once per model."""
+    if model not in _KV_ONLY:
+        _KV_ONLY[model] = _pooled(model.new_cache(1, 1))
+    return _KV_ONLY[model]
+
+
 def slots_cache(model, slots: int, capacity: int):
     """A zeroed cache of ``slots`` rows and ``capacity`` positions for ``model``: one given back earlier
     (:func:`give_back`), else new."""
@@ -265,23 +276,19 @@ def fit_widths(model) -> list[int]:
     return widths + [model.max_seq_len]
 
 
-def pool_widths(model, slots: int, budget: "CacheBudget | None" = None) -> int:
+def pool_widths(model, slots: int, budget: "CacheBudget | None" = None) -> None:
     """Keep for reuse (:func:`give_back`) a cache of every power-of-two number of slots up to ``slots`` at every
     width that slots fitting their rows may take (:func:`fit_widths`), where none is kept yet (under a ``budget``,
     where it has room): a replica's warm-up does this, so that its first long requests widen their batch into
     memory the allocator has, instead of fresh memory (on a 2-core CPU the slots' size changes of
     ``bench/serve_load.py``'s 64 base requests took 30 ms without, against 6.5 ms for whole-context slots, whose
-    every size the warm-up had pooled; measured). Returns how many caches were added."""
-    added = 0
+    every size the warm-up had pooled; measured)."""
     for width in fit_widths(model):
         size = 1
         while size <= bucket(slots):
             if (size, width) not in _FREE_CACHES.get(model, {}):
-                cache = model.new_cache(size, width)
-                give_back(model, cache, width, budget)
-                added += int(_FREE_CACHES.get(model, {}).get((size, width)) is cache)
+                give_back(model, model.new_cache(size, width), width, budget)
             size *= 2
-    return added
 
 
 def bucket(n: int) -> int:
@@ -400,7 +407,7 @@ class Slots:
         self.model, self.limit = model, int(capacity)
         self.batched = splittable(model) if batched is None else bool(batched)
         # fit: the slots' positions follow their rows' needs (key/value caches only: their rows are prefixes)
-        self._kv = self.batched and _pooled(model.new_cache(1, 1))  # every layer a KVCache: (slots, positions, Hkv, D)
+        self._kv = self.batched and kv_only(model)
         self.fits = bool(fit) and self._kv
         self.capacity = self._capacity_for(0) if self.fits else self.limit
         self.n = 0
@@ -512,15 +519,16 @@ class Slots:
         copied (positions: a key/value cache's first ones, which hold every row's tokens)."""
         old_capacity = self.capacity
         capacity = old_capacity if capacity is None else int(capacity)
-        if capacity < max(self.lengths()[:self.n], default=0):
-            raise ValueError(f"slots of {capacity} positions cannot hold rows of lengths {self.lengths()[:self.n]}")
+        old, n = self._cache, self.n
+        longest = max(old.layers[0].lengths[:n], default=0)
+        if capacity < longest:
+            raise ValueError(f"slots of {capacity} positions cannot hold a row of {longest}")
         row_bytes = self.budget.row_bytes(self.model, capacity) if self.budget is not None else 0
         if self.budget is not None:
             self.budget.require(self, slots * row_bytes, slots)
-        old, n = self._cache, self.n
         self._cache = slots_cache(self.model, slots, capacity)
         # key/value caches: the rows' positions up to the longest row (the rest is never read); else whole rows
-        end = max(old.layers[0].lengths[:n], default=0) if self._kv else None
+        end = longest if self._kv else None
         for mine, theirs, names in zip(self._cache.layers, old.layers, self._names):
             for name in names:
                 if end is None:
@@ -534,10 +542,8 @@ class Slots:
         give_back(self.model, old, old_capacity, self.budget)
 
     def lengths(self) -> list[int]:
-        """Every slot's row length (the first ``len(self)`` hold rows)."""
-        if self.batched:
-            return list(self._cache.layers[0].lengths) if self._cache.layers else [0] * self.slots
-        return [c.lengths[0] if c is not None else 0 for c in self._caches]
+        """Every slot's row length (batched slots; the first ``len(self)`` hold rows)."""
+        return list(self._cache.layers[0].lengths)
 
     def release(self) -> None:
         """The batch is gone: its cache is kept for the next batch of this size (:func:`slots_cache`)."""

@@ -90,9 +90,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from efftx.attention.cache import KVCache
 from efftx.generation.compiled import CompileOptions, CompileUnavailable
-from efftx.generation.decode import CacheBudget, CacheBudgetFull, Rows, free_memory, pool_widths, splittable
+from efftx.generation.decode import (CacheBudget, CacheBudgetFull, Rows, free_memory, kv_only, pool_widths,
+                                     splittable)
 from efftx.generation.device_slots import MIN_PREFILL, PREFILL_ROWS, PREFILL_TOKENS, eager_reason, slots_for
 from efftx.generation.sampling import draw, is_greedy, probabilities, race
 from efftx.generation.speculative import SpecStats, accept_sampled, kept_tokens, next_gamma, step_noise
@@ -311,9 +311,6 @@ class _Engine:
         self.hook = hook
         self.batched = batched
         self.slots = [slots_for(m, compile, batched, max_rows=compile_rows, budget=budget, fit=fit) for m in models]
-        # models whose every layer keeps a key/value cache: a prefill's cache needs only its prompts' room (its rows
-        # fill a slot's first positions, Slots.put); others' caches are laid out by capacity (full size)
-        self._kv_only = {id(m): all(type(layer) is KVCache for layer in m.new_cache(1, 1).layers) for m in models}
         self.device = _device(models[0])
         self.order: list[Job] = []  # the job of each slot
         self.last: list[int] = []  # each slot's last token
@@ -327,9 +324,10 @@ class _Engine:
         return len(self.order)
 
     def _room(self, model, needed: int) -> int:
-        """The capacity of a prefill's cache for ``model``: ``needed`` positions where that is enough (see above),
-        else the slots' own."""
-        return max(int(needed), 1) if self._kv_only[id(model)] else model.max_seq_len
+        """The capacity of a prefill's cache for ``model``: ``needed`` positions where every layer keeps a key/value
+        cache (its rows fill a slot's first positions, Slots.put), else the model's context (caches laid out by
+        capacity)."""
+        return max(int(needed), 1) if kv_only(model) else model.max_seq_len
 
     def _bounds(self, lane: str) -> tuple[int, int]:
         if lane == "fast":
