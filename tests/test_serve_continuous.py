@@ -663,6 +663,38 @@ def test_a_speculative_request_waiting_for_the_budget_keeps_its_empty_batch_hold
     assert not scheduler.spec and scheduler.budget.held() == 0  # done: the batch is gone, nothing held
 
 
+def test_an_idle_replica_under_a_budget_of_one_row_serves_long_requests_arriving_together_one_at_a_time(pairs):
+    """A budget of one speculative row of the whole context, nothing running: two speculative requests that need
+    more positions than the narrowest slots arrive together. The batch cannot hold both, and the rows its budget
+    holds at the narrow width hold neither of them; but it holds one at the wide width: they decode one after the
+    other, each as alone. Power: the code before filled the slots at the narrow width, took none, and failed both
+    with a 503 (run and seen; found by tests/test_serve_random.py)."""
+    target, draft = pair(pairs, "full")
+    decode.free_memory()
+    limit = row_bytes(target) + row_bytes(draft)
+    plan = [(0, [6, 1, 4], fitted(target) + 10, HOT, 800 + i, 2) for i in range(2)]
+    jobs = run_rounds(Scheduler(target, draft, short_tokens=0, prefill_rows=0, cache_budget=limit), plan)
+    assert_alone(target, draft, jobs)
+    assert [j.batch_size for j in jobs] == [1, 1]
+
+
+def test_slots_reserved_for_a_request_refused_at_its_prefill_go_back_at_once(pairs):
+    """A base request the model cannot hold (prompt + new tokens past the context) reserves its slots and fails at
+    its prefill (422); what it reserved goes back in the same round, so the speculative request that comes next,
+    with nothing running, finds the budget free. Power: the empty slots kept the reservation, and the next request
+    failed with a 503 (run and seen)."""
+    target, draft = pair(pairs, "full")
+    decode.free_memory()
+    scheduler = Scheduler(target, draft, short_tokens=0, cache_budget=row_bytes(target) + row_bytes(draft))
+    with torch.no_grad():
+        refused = scheduler.submit(Job([3] * 10, target.max_seq_len, HOT, 1))
+        scheduler.run_once()
+        assert isinstance(refused.error, ValueError) and "max_seq_len" in str(refused.error)
+        assert scheduler.budget.held() == 0
+    (job,) = run_rounds(scheduler, [(0, [5, 2], 9, HOT, 7, 2)])
+    assert_alone(target, draft, [job])
+
+
 def test_a_cache_budget_grows_slots_to_its_room_drops_pooled_caches_in_its_way_and_pools_none_past_it():
     """Slots under a budget of six rows: growth past it raises CacheBudgetFull, with the slots grown to the rows it
     has room for and their rows unchanged; a pooled cache that stands in the way of a growth is dropped; a cache

@@ -475,7 +475,8 @@ class Slots:
         size = max(self.slots, 1)
         while size < rows:
             size *= 2
-        for want in dict.fromkeys((size, max(rows, self.slots))):  # doubling, else just the rows needed
+        # doubling, else just the rows needed (widening slots drop their empty ones beyond ``rows``)
+        for want in dict.fromkeys((size, max(rows, self.n))):
             try:
                 self._reallocate(want, capacity)
                 return

@@ -60,11 +60,13 @@ loop) that repeats rounds: admit the requests that may start, then run one decod
   :class:`~efftx.serving.isolation.RowFailure`: 422 for a ``ValueError``, 503 for running out of memory, else
   500), the others go on with exactly the tokens they would have had.
 * **Device memory.** Arrivals reserve their slots before they are prefilled. Where the device has no memory for
-  the slots to grow (doubling, else to just the rows needed), as many arrivals join as the slots already hold and
+  the slots to grow (doubling, else to just the rows needed), as many arrivals join as the slots already hold (where
+  that is none, the first arrival alone where the slots can be resized for it: wider, with fewer empty slots) and
   the others wait in the queue; the batch takes no more rows until it drains, a speculative batch gives its caches
   back, or ``max_wait_rounds`` rounds have passed (then it tries again): the running rows never notice. A request
   whose new batch finds no memory waits while rows run elsewhere, and with nothing running fails alone with a 503
-  (retry later). A pass that runs out of memory is
+  (retry later). Slots reserved for arrivals that fail at their prefill (or finish there) are given back at once.
+  A pass that runs out of memory is
   undone and run row by row (containment), and the batch's later passes take half as many rows at a time (until
   it drains); a move between lanes swaps its rows through a free slot (no memory allocated; where every slot holds
   a row and the slots cannot grow, it does not happen), and a shrink that finds no memory keeps the cache.
@@ -462,6 +464,8 @@ class _Engine:
         for state, result in parts:
             self.commit(state, result, batch)
             self._insert(state, lane)
+        if len(self) < batch:  # rows that failed or finished at their prefill: the slots reserved for them go back
+            self._leave()
 
     def drop_cancelled(self) -> None:
         """Cancelled rows leave (whichever lane they are in)."""
@@ -1382,6 +1386,9 @@ class Scheduler:
                 if len(take) == fit or not engine.holds(job):
                     break
                 take.append(job)
+            if not take and self._room_for_one(engine, jobs[0]):
+                take = jobs[:1]
+                engine.row_limit = max(min(s.room for s in engine.slots), len(engine) + 1)
             wait = [j for j in jobs if j not in take]
             if not (take or len(engine)):  # a batch with no rows that takes none: a new batch without memory
                 wait = [j for j in wait if self._memory_full(j, exc)]
@@ -1389,6 +1396,17 @@ class Scheduler:
                 self._queue.extendleft(reversed(wait))
             if take:
                 engine.admit(take, lane)  # in the slots it has: no memory to allocate
+
+    @staticmethod
+    def _room_for_one(engine: _Engine, job: Job) -> bool:
+        """Whether ``engine``'s slots can be resized to hold one more row, ``job``'s (wider where it needs more
+        positions, with fewer empty slots): a refused batch of several arrivals filled its slots at the positions
+        they had, which may hold none of a long arrival's rows though the memory holds one."""
+        try:
+            engine.reserve(len(engine) + 1, engine.positions([job]))
+        except torch.OutOfMemoryError:
+            return False
+        return True
 
     def _chunks_left(self, job: Job) -> bool:
         """Whether ``job``'s prefill has more than one chunk (``prefill_chunk`` tokens) left to feed: then this
