@@ -353,3 +353,15 @@ def test_chunked_prefills_join_compiled_slots_with_their_eager_tokens(models):
     assert [j.out for j in jobs] == [j.out for j in eager]
     assert [j.stats.accepted for j in jobs if j.stats] == [j.stats.accepted for j in eager if j.stats]
     assert all(j.failure is None for j in jobs)
+
+
+@pytest.mark.parametrize("seed", [1, 8])
+def test_random_load_with_compiled_passes_gets_every_request_its_solo_output(models, seed):
+    """tests/test_serve_random.py's load and checks with compiled passes, under a cache budget of one speculative
+    row (these seeds' draws). Power: drained compiled slots kept a bucket of one slot, and idle replicas answered
+    speculative requests with a 503 (run and seen)."""
+    from test_serve_random import soak
+
+    target, draft = models
+    settings, _ = soak(target, draft, seed, compile="on")
+    assert settings["cache_budget"] is not None

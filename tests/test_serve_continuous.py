@@ -738,7 +738,10 @@ def test_a_cache_budget_grows_slots_to_its_room_drops_pooled_caches_in_its_way_a
 
 
 def test_compiled_slots_under_a_cache_budget_take_the_largest_bucket_it_holds():
-    """Compiled slots come in power-of-two buckets: a budget of five rows holds four of them, and no growth past."""
+    """Compiled slots come in power-of-two buckets: a budget of five rows holds four of them, and no growth past;
+    drained, they hold nothing (an idle replica's budget is free for any batch). Power: drained compiled slots kept a
+    bucket of one, and a speculative request on the idle replica failed with a 503 (tests/test_serve_random.py with
+    compiled passes, run and seen)."""
     from efftx.generation.decode import CacheBudget, CacheBudgetFull
     from efftx.generation.device_slots import CompiledSlots
 
@@ -750,6 +753,8 @@ def test_compiled_slots_under_a_cache_budget_take_the_largest_bucket_it_holds():
     with pytest.raises(CacheBudgetFull):
         slots.reserve(5)  # eight slots: past the budget; they grow to four
     assert slots.slots == slots.room == 4 and budget.held() == 4 * row_bytes(model)
+    slots.shrink()  # no rows left
+    assert slots.slots == 0 and budget.held() == 0
 
 
 def test_a_cache_budget_must_hold_a_row_of_each_mode():

@@ -17,6 +17,8 @@ What each run must show:
   context, and nothing else fails;
 * under a budget, the caches (slots and pooled) hold at most the budget at every prefill and step;
 * at the end nothing runs, nothing waits, and no batch holds memory.
+
+``tests/test_serve_compiled.py`` runs the same load with compiled passes.
 """
 
 from __future__ import annotations
@@ -128,7 +130,8 @@ def check(target, draft, requests: list[dict], jobs: list[Job], chunk: int) -> N
             assert (job.stats.target_calls, job.stats.draft_calls) == (stats.target_calls, stats.draft_calls), req
 
 
-def soak(target, draft, seed: int, n: int = 16) -> tuple[dict, list[Job]]:
+def soak(target, draft, seed: int, n: int = 16, **extra) -> tuple[dict, list[Job]]:
+    """One seed's load on a scheduler with the seed's knobs (and ``extra`` ones), checked as the module says."""
     rng = random.Random(seed)
     settings = knobs(rng, target, draft)
     requests = plan(rng, target.max_seq_len, n)
@@ -141,7 +144,7 @@ def soak(target, draft, seed: int, n: int = 16) -> tuple[dict, list[Job]]:
         if scheduler.budget is not None:
             held.append(scheduler.budget.held() + scheduler.budget.pooled())
 
-    scheduler = Scheduler(target, draft, **settings, hook=hook, clock=lambda: next(ticks) * 1e-3)
+    scheduler = Scheduler(target, draft, **settings, **extra, hook=hook, clock=lambda: next(ticks) * 1e-3)
     jobs = run(scheduler, requests)
     check(target, draft, requests, jobs, settings["prefill_chunk"])
     if settings["cache_budget"] is not None:

@@ -77,7 +77,9 @@ class CompiledSlots(Slots):
         self._cuda_graphs = self.compiled and self.device.type == "cuda"
 
     def _reallocate(self, slots: int, capacity: int | None = None) -> None:
-        super()._reallocate(bucket(slots), capacity)  # the capacity stays the model's: the graphs' shapes
+        # a bucket of slots (none stays none: drained slots under a budget hold nothing); the capacity stays the
+        # model's: the graphs' shapes
+        super()._reallocate(bucket(slots) if slots else 0, capacity)
         self._fresh()
 
     def _fit(self, rows: int) -> int:
