@@ -5,16 +5,16 @@ with a plan written by hand. Here a seeded generator draws both the load and the
 features meet in combinations nobody wrote down: requests arriving at random rounds with short and long prompts
 (chunked prefills), short and long outputs (slots that widen and narrow), base, fixed-gamma and adaptive
 speculative decoding, greedy and sampled, some cancelled while queued, running or after they finished, some that
-the models cannot hold (refused alone); the priority lanes, prefill limits, a cache budget or none, fitted or
-whole-context slots. The scheduler runs on a counting clock, so a seed replays the same rounds.
+the models cannot hold (refused alone), some whose passes raise a fault (contained: they fail alone); the
+priority lanes, prefill limits, a cache budget or none, fitted or whole-context slots. The scheduler runs on a counting clock, so a seed replays the same rounds.
 
 What each run must show:
 
 * every request that was not cancelled or refused gets exactly the tokens (and, speculative, the acceptance and
   draft lengths, step by step) it gets alone: the library's own ``generate`` / ``speculative_generate``, or, for a
   chunked prompt, a scheduler running it alone with the same chunks;
-* a cancelled request is done and holds a prefix of those tokens; a refused one fails with an error naming the
-  context, and nothing else fails;
+* a cancelled request, or one failed by its fault, is done and holds a prefix of those tokens; a refused one fails
+  with an error naming the context, and nothing else fails;
 * under a budget, the caches (slots and pooled) hold at most the budget at every prefill and step;
 * at the end nothing runs, nothing waits, and no batch holds memory.
 
@@ -57,7 +57,8 @@ def knobs(rng: random.Random, target, draft) -> dict:
 
 
 def plan(rng: random.Random, context: int, n: int) -> list[dict]:
-    """``n`` requests: arrival round, prompt, new tokens, mode, sampling, seed; when (if ever) to cancel it."""
+    """``n`` requests: arrival round, prompt, new tokens, mode, sampling, seed; when (if ever) to cancel it, and
+    from which of its steps (if any) a fault is raised in every pass that holds its row (the scheduler's hook)."""
     out = []
     for i in range(n):
         mode = rng.choices(["base", "fixed", "adaptive"], [0.5, 0.35, 0.15])[0]
@@ -75,9 +76,10 @@ def plan(rng: random.Random, context: int, n: int) -> list[dict]:
             new = rng.randint(17, min(room, 90))
         arrival = rng.randint(0, 30)
         cancel = arrival + rng.randint(0, 25) if rng.random() < 0.15 else None
+        poison = rng.randint(0, 10) if new <= room and rng.random() < 0.1 else None
         out.append({"arrival": arrival, "prompt": [rng.randint(1, 60) for _ in range(prompt_len)], "new": new,
                     "sampling": rng.choice(SAMPLINGS), "seed": 1000 + i, "gamma": gamma, "max_gamma": max_gamma,
-                    "cancel": cancel, "refused": new > room})
+                    "cancel": cancel, "refused": new > room, "poison": poison})
     return out
 
 
@@ -118,11 +120,12 @@ def check(target, draft, requests: list[dict], jobs: list[Job], chunk: int) -> N
             assert not job.out and (job.cancelled or job.error is not None), req
             assert job.error is None or "max_seq_len" in str(job.error), (req, job.error)
             continue
-        assert job.error is None, (req, job.error)
         tokens, stats = alone(target, draft, req, chunk)
-        if job.cancelled:
+        if job.cancelled or (req["poison"] is not None and job.error is not None):
             assert job.out == tokens[:len(job.out)], req
+            assert job.error is None or str(job.error) == "injected fault", (req, job.error)
             continue
+        assert job.error is None, (req, job.error)
         assert job.out == tokens, req
         if stats is not None:
             assert job.stats.accepted == stats.accepted, req
@@ -140,9 +143,13 @@ def soak(target, draft, seed: int, n: int = 16, **extra) -> tuple[dict, list[Job
     held: list[int] = []
     scheduler = None
 
-    def hook(kind, rows):
+    def hook(kind, jobs):
         if scheduler.budget is not None:
             held.append(scheduler.budget.held() + scheduler.budget.pooled())
+        for job in jobs:
+            poison = requests[job.tag]["poison"]
+            if poison is not None and job.steps >= poison:
+                raise RuntimeError("injected fault")  # contained: the batch's rows run alone, this one fails
 
     scheduler = Scheduler(target, draft, **settings, **extra, hook=hook, clock=lambda: next(ticks) * 1e-3)
     jobs = run(scheduler, requests)
