@@ -327,12 +327,14 @@ class CacheBudget:
     dropped where they are what stands in the way, and else :class:`CacheBudgetFull` is raised, the slots
     unchanged."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, models: Sequence = ()):
         if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
             raise ValueError(f"cache_budget must be a positive number of bytes, got {limit!r}")
         self.limit = limit
         self._held: "weakref.WeakKeyDictionary[Slots, int]" = weakref.WeakKeyDictionary()
-        self._models: "weakref.WeakSet" = weakref.WeakSet()
+        # the models whose pooled caches it counts: ``models`` from the start (a replica's target and draft: caches
+        # a warm-up pooled for either count before the first slots of the other ask), and those of its slots
+        self._models: "weakref.WeakSet" = weakref.WeakSet(m for m in models if m is not None)
         self._rows: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {capacity: a row's bytes}
 
     def row_bytes(self, model, capacity: int) -> int:

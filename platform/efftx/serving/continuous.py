@@ -848,7 +848,7 @@ def _budget(limit: int | None, target, draft=None) -> CacheBudget | None:
     target's and the draft's)."""
     if limit is None:
         return None
-    budget = CacheBudget(limit)  # checks the limit
+    budget = CacheBudget(limit, (target, draft))  # checks the limit
     row = sum(budget.row_bytes(m, m.max_seq_len) for m in (target, draft) if m is not None)
     if row > limit:
         models = "the target's and the draft's caches" if draft is not None else "the target's cache"
