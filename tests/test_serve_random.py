@@ -172,12 +172,12 @@ def soak(target, draft, seed: int, n: int = 16, **extra) -> tuple[dict, list[Job
 def test_random_load_on_full_attention_gets_every_request_its_solo_output(pairs, seed):
     """Full attention: the backend with every feature (fitted slots that widen and narrow, pooled caches).
 
-    Power: on the code before this test, seeds 2, 5, 8 and 11 failed (31 of seeds 0-299): under a cache budget an
-    idle replica answered valid requests with a 503, where a request refused at its prefill had left its slots
-    reserved, or where arrivals needing wider slots found the budget filled at the narrow width (both now tested on
-    their own in tests/test_serve_continuous.py). Seeds 2 and 8 then also failed (12 of seeds 0-299) once the load
-    began with a replica's warm-up: the caches it pooled for the draft were not counted until the draft's first
-    slots asked the budget, so the target's slots grew past it."""
+    Power (run and seen): on the code before this test (61798ab) seeds 2, 5, 8, 9 and 11 fail (43 of seeds 0-299):
+    under a cache budget an idle replica answered valid requests with a 503, where a request refused at its prefill
+    had left its slots reserved, or where arrivals needing wider slots found the budget filled at the narrow width
+    (both now also tested on their own in tests/test_serve_continuous.py); and a replica's budget did not count the
+    caches its warm-up pooled for the draft until the draft's first slots asked, so the target's slots grew past it
+    (with the other fixes, seeds 2 and 8 still failed: 12 of 0-299)."""
     target, draft = pair(pairs, "full")
     settings, jobs = soak(target, draft, seed)
     if settings["cache_budget"] is None:  # rows really shared steps (a budget may hold one row at a time)
