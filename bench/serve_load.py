@@ -360,8 +360,11 @@ def inprocess(target, draft, modes: list[str], clients: int, lengths: list[int],
     from efftx.serving.continuous import warm_up
 
     compiled = compiled or {}
-    # as a replica starts (one-time costs: on CUDA its kernels' first launches; the compiled passes' graphs)
-    warm_up(target, draft, gamma=5, max_gamma=ADAPTIVE_CAP, **compiled)
+    # as a replica starts (one-time costs: on CUDA its kernels' first launches; the compiled passes' graphs), for
+    # the modes this load runs (a base-only load compiles no speculative pass)
+    spec = "speculative" in modes and draft is not None
+    warm_up(target, draft if spec else None, gamma=5 if spec else None, max_gamma=ADAPTIVE_CAP if spec else None,
+            **compiled)
     print(f"in-process on {device} ({clock} clock, {threads} torch thread{'s' * (threads > 1)}"
           + (f", compile={compiled['compile']} up to {compiled.get('compile_rows') or 'any number of'} rows"
              if compiled.get("compile", "off") != "off" else "") + f"), {clients} clients, "
