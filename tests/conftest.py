@@ -32,16 +32,19 @@ if os.environ.get("EFFTX_TRITON_GPU") != "1":
 import pytest  # noqa: E402
 
 
-# Seconds the slowest test files took here (2 cores, `make test`), a scheduling hint only: in a pytest-xdist worker
-# (`make test`: -n 2 --dist loadfile --no-loadscope-reorder hands out files in collection order, each to the first
-# free process) files go out longest first, so that the two processes end together instead of one running a long
-# file alone at the end; a file not listed counts 0 (after these, in their usual order).
-FILE_SECONDS = {"test_train_ray.py": 490, "test_multinode.py": 420, "test_resume_cluster.py": 160, "test_nsa.py": 150,
-                "test_job_submit.py": 145, "test_distill.py": 125, "test_resume_exact.py": 120,
-                "test_tune_search.py": 95, "test_serve_redeploy.py": 95, "test_serve_isolation.py": 95,
-                "test_dalle_train.py": 85, "test_tune.py": 85, "test_storage_uri.py": 80, "test_tokenizer_lm.py": 80,
-                "test_decode_attention.py": 75, "test_kernels.py": 65, "test_serve_ready.py": 60, "test_serve.py": 55, "test_tracking_server.py": 55,
-                "test_gpu_check.py": 45, "test_image_streaming.py": 45}
+# Seconds the slowest test files took here (2 cores, `make test`, a cold torch.compile cache as in CI), a scheduling
+# hint only: in a pytest-xdist worker (`make test`: -n 2 --dist loadfile --no-loadscope-reorder hands out files in
+# collection order, each to the first free process) files go out longest first, so that the two processes end
+# together instead of one running a long file alone at the end; a file not listed counts 0 (after these, in their
+# usual order).
+FILE_SECONDS = {"test_train_ray.py": 255, "test_multinode.py": 250, "test_serve_compiled.py": 190,
+                "test_resume_cluster.py": 105, "test_resume_exact.py": 100, "test_serve_isolation.py": 95,
+                "test_dalle_train.py": 90, "test_decode_attention.py": 90, "test_nsa.py": 90, "test_job_submit.py": 85,
+                "test_serve_load_bench.py": 80, "test_distill.py": 80, "test_tune.py": 80, "test_storage_uri.py": 70,
+                "test_tune_search.py": 70, "test_serve_redeploy.py": 60, "test_tokenizer_lm.py": 60,
+                "test_image_streaming.py": 50, "test_gpu_check.py": 50, "test_kernels.py": 45,
+                "test_tracking_server.py": 40, "test_speculative.py": 35, "test_serve.py": 30,
+                "test_learning_parity.py": 30, "test_data_handoff.py": 30}
 
 
 def pytest_collection_modifyitems(config, items):
