@@ -38,8 +38,21 @@ def history(summary, key="loss") -> dict[int, list[float]]:
 
 
 @pytest.fixture(scope="module")
-def baseline(ray_cluster):
-    return launch(debug_cfg("baseline"))
+def baseline_job(ray_cluster):
+    """``debug_cfg("baseline")`` through the job script at a terminal, as a user at a shell runs it: (its summary,
+    the last line it prints, and everything it wrote)."""
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster}
+    env.pop("EFFTX_PROGRESS", None)
+    cmd = [sys.executable, "jobs/train_lm.py", "--recipe", "lm_debug", "--run-name", "baseline", "--workers", "2",
+           "--set", "train.checkpoint_every=10"]
+    code, out = run_in_terminal(cmd, env)
+    assert code == 0, out[-3000:]
+    return json.loads(next(ln for ln in reversed(out.splitlines()) if ln.startswith("{"))), out
+
+
+@pytest.fixture(scope="module")
+def baseline(baseline_job):
+    return baseline_job[0]
 
 
 def test_two_worker_run_validation_loss_falls(baseline):
@@ -198,23 +211,17 @@ def run_in_terminal(cmd: list[str], env: dict, timeout: float = 600) -> tuple[in
     return code, b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
 
 
-def test_job_script_at_a_terminal_draws_a_progress_bar_and_prints_json_summary_last(ray_cluster):
-    env = {**os.environ, "RAY_ADDRESS": ray_cluster}
-    env.pop("EFFTX_PROGRESS", None)
-    cmd = [sys.executable, "jobs/train_lm.py", "--recipe", "lm_debug", "--run-name", "job-lm_debug",
-           "--workers", "2", "--set", "train.steps=10", "--set", "train.eval_every=5"]
-    code, out = run_in_terminal(cmd, env)
-    assert code == 0, out[-3000:]
-    summary = json.loads(next(ln for ln in reversed(out.splitlines()) if ln.startswith("{")))
-    assert summary["run_name"] == "job-lm_debug" and summary["final_step"] == 10
+def test_job_script_at_a_terminal_draws_a_progress_bar_and_prints_json_summary_last(baseline_job):
+    summary, out = baseline_job  # the baseline run, at a terminal
+    assert summary["run_name"] == "baseline" and summary["final_step"] == 40
     for key in ("val_bpb", "tokens_per_s", "mlflow_run_id", "export_path"):
         assert summary[key], key
     assert Path(summary["export_path"], "model.safetensors").is_file()
     assert "sample from the exported model" in out and "mlflow ui" in out
     # at a terminal the step lines are one bar redrawn in place (with the time left), ending full at the last step
-    assert re.search(r"\r\x1b\[2K\[#{12}\.{12}\] step 5/10 loss \S+ tok/s \S+ eta \d+s", out), out[-3000:]
-    assert re.search(r"\r\x1b\[2K\[#{24}\] step 10/10 loss \S+ tok/s \S+ eta 0s\n", out)
-    assert "[efftx] step 5/10" not in out  # not also printed as a plain line
+    assert re.search(r"\r\x1b\[2K\[#{12}\.{12}\] step 20/40 loss \S+ tok/s \S+ eta \d+s", out), out[-3000:]
+    assert re.search(r"\r\x1b\[2K\[#{24}\] step 40/40 loss \S+ tok/s \S+ eta 0s\n", out)
+    assert "[efftx] step 20/40" not in out  # not also printed as a plain line
     # and none of the lines a user cannot act on
     assert "built successfully" not in out and "PreemptionWatcher" not in out
 
