@@ -144,7 +144,7 @@ def soak(target, draft, seed: int, n: int = 16, **extra) -> tuple[dict, list[Job
     rows = settings.pop("warm_up")
     if rows:  # as a replica starts: throwaway batches, and caches pooled for the first real ones (every width)
         warm_up(target, draft, rows=rows, gamma=2, cache_budget=settings["cache_budget"],
-                **{k: v for k, v in extra.items() if k == "compile"})
+                compile=extra.get("compile", "off"))
     ticks = itertools.count()
     held: list[int] = []
     scheduler = None
@@ -186,5 +186,8 @@ def test_random_load_on_full_attention_gets_every_request_its_solo_output(pairs,
 
 @pytest.mark.parametrize("kind,seed", [("performer", 10), ("sinkhorn", 11), ("nsa", 12)])
 def test_random_load_on_other_backends_gets_every_request_its_solo_output(pairs, kind, seed):
+    """The checks of :func:`soak` (each request's solo tokens and acceptance, the budget, nothing left held) on
+    Performer's, Sinkhorn's and NSA's caches; and the load was not all refused or cancelled."""
     target, draft = pair(pairs, kind)
-    soak(target, draft, seed, n=10)
+    _, jobs = soak(target, draft, seed, n=10)
+    assert sum(bool(job.out) for job in jobs) >= 5, [len(job.out) for job in jobs]
