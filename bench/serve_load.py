@@ -5,7 +5,7 @@
                                [--short-slowdown X]
     python bench/serve_load.py --inprocess [--device cpu|cuda] [--clock cpu|wall] [--threads N] [--adaptive-gamma]
                                [--compile off|on|auto] [--compile-rows N] [--long-prompts BYTES]
-                               [--prefill-chunk TOKENS] [the load options]
+                               [--prefill-chunk TOKENS] [--one-pass] [the load options]
 
 Starts a local Ray cluster and Serve on 127.0.0.1 and deploys the text app several ways, one after another, in
 one run: ``unbatched`` (``batching=static``, ``max_batch_size=1``), ``static`` (``@serve.batch``, 8 per batch),
@@ -50,6 +50,10 @@ the wall clock (``--clock wall``, the default with ``--device cuda``), with the 
 ``--long-prompts BYTES``: every other long request's prompt has that many bytes (a prefill of many decoding
 steps' cost); ``--prefill-chunk TOKENS``: a fourth policy, ``chunked`` (the scheduler's ``prefill_chunk``: long
 prompts prefilled that many tokens a round), beside ``continuous`` with whole prompts, compared in an [info] line.
+``--one-pass``: another policy, ``one-pass`` (the scheduler's ``group_prefills=False``: a round's arrivals for a
+lane are prefilled in one pass, padded to the longest prompt), beside ``continuous`` (arrivals grouped into the
+passes the measured costs say cost least), compared in an [info] line: the prefills' time, passes and padded
+tokens, requests/s and the short requests' p99.
 """
 
 from __future__ import annotations
@@ -338,13 +342,15 @@ def inprocess_load(target, draft, mode: str, knobs: dict, clients: int, lengths:
             "short_ratio_p50": pct(ratios, 0.5) / 1e3, "short_ratio_p99": pct(ratios, 0.99) / 1e3,
             "later_ratio_p99": pct(later, 0.99) / 1e3, "unloaded": alone, "ttft_p50": pct(ttft, 0.5),
             "ttft_p99": pct(ttft, 0.99), "rows": max((r[4].batch_size for r in ok), default=0),
-            "long_rounds": scheduler.long_rounds, "rounds": scheduler.rounds, "knobs": knobs}
+            "long_rounds": scheduler.long_rounds, "rounds": scheduler.rounds, "knobs": knobs,
+            "prefills": scheduler.prefills, "prefill_tokens": scheduler.prefill_tokens,
+            "prefill_s": scheduler.prefill_s}
 
 
 def inprocess(target, draft, modes: list[str], clients: int, lengths: list[int], unloaded: int, device: str = "cpu",
               clock: str = "cpu", rounds: int = 1, timeout: float = 300.0, threads: int = 1,
               compiled: dict | None = None, continuous: dict | None = None, long_prompt: int = 0,
-              prefill_chunk: int | None = None) -> dict:
+              prefill_chunk: int | None = None, one_pass: bool = False) -> dict:
     """``--inprocess``: the same closed-loop load on the scheduler itself (no HTTP, no Ray: torch alone), for each
     of :data:`POLICIES`, the policies alternated round after round. ``clock="cpu"``: timed on the decoding
     thread's CPU clock (a request's "latency" is the CPU time the decoding thread spent from its submission to
@@ -355,7 +361,8 @@ def inprocess(target, draft, modes: list[str], clients: int, lengths: list[int],
     ``compile_rows`` (default: eager); ``continuous``: more knobs of the ``continuous`` policy
     (``--short-slowdown``). ``long_prompt``: every other long request's prompt has that many bytes
     (:func:`prompt_of`); ``prefill_chunk``: a fourth policy, ``chunked``, continuous batching with that
-    ``prefill_chunk`` beside ``continuous`` with whole prompts (``prefill_chunk=0``). Returns the figures per
+    ``prefill_chunk`` beside ``continuous`` with whole prompts (``prefill_chunk=0``); ``one_pass``: another,
+    ``one-pass``, continuous batching with ``group_prefills=False``. Returns the figures per
     (policy, mode)."""
     from efftx.serving.continuous import warm_up
 
@@ -374,10 +381,12 @@ def inprocess(target, draft, modes: list[str], clients: int, lengths: list[int],
     if prefill_chunk is not None:  # side by side: whole prompts, and prompts in chunks
         policies = [(n, {**k, "prefill_chunk": 0} if n == "continuous" else k) for n, k in POLICIES]
         policies.append(("chunked", {"prefill_chunk": prefill_chunk}))
+    if one_pass:  # side by side: arrivals in the passes that cost least, and in one pass
+        policies.append(("one-pass", {"group_prefills": False}))
     for rnd in range(rounds):
         for mode in modes:
             for name, knobs in policies:
-                extra = (continuous or {}) if name in ("continuous", "chunked") else {}
+                extra = (continuous or {}) if name in ("continuous", "chunked", "one-pass") else {}
                 r = inprocess_load(target, draft, mode, {**knobs, **compiled, **extra}, clients, lengths, unloaded,
                                    clock, timeout, long_prompt)
                 runs.setdefault((name, mode), []).append(r)
@@ -437,6 +446,21 @@ def goals(runs: dict[tuple[str, str], list[dict]], modes: list[str], notes: dict
                              f"{statistics.median(a['ttft_p99'] for a in chunked):.0f} ms against "
                              f"{statistics.median(a['ttft_p99'] for a in c):.0f} ms; errors "
                              f"{sum(a['errors'] for a in chunked)}")
+            single = runs.get(("one-pass", mode))
+            if single:  # --one-pass: each round's arrivals for a lane in one padded pass, beside the grouped passes
+                lines.append(f"[info] {mode}: arrivals in one pass per lane (group_prefills off) against grouped by "
+                             f"cost: prefills' wall seconds (the scheduler's clock) "
+                             f"{statistics.median(a['prefill_s'] for a in single):.3f} against "
+                             f"{statistics.median(a['prefill_s'] for a in c):.3f} (grouped "
+                             f"{statistics.median(a['prefill_s'] / b['prefill_s'] for a, b in zip(c, single)):.2f}x"
+                             f"{rounds_of([a['prefill_s'] / b['prefill_s'] for a, b in zip(c, single)], '.2f')}), "
+                             f"passes {statistics.median(a['prefills'] for a in single):.0f} against "
+                             f"{statistics.median(a['prefills'] for a in c):.0f}, padded tokens "
+                             f"{statistics.median(a['prefill_tokens'] for a in single):.0f} against "
+                             f"{statistics.median(a['prefill_tokens'] for a in c):.0f}; requests/s grouped "
+                             f"{statistics.median(a['rps'] / b['rps'] for a, b in zip(c, single)):.2f}x one pass's; "
+                             f"short p99 {statistics.median(a['short_ratio_p99'] for a in single):.2f}x unloaded "
+                             f"against {lat:.2f}x; errors {sum(a['errors'] for a in single)}")
             if u:
                 lines.append(f"[info] {mode}: time to first token p50 {statistics.median(a['ttft_p50'] for a in c):.0f}"
                              f" ms, p99 {statistics.median(a['ttft_p99'] for a in c):.0f} ms (unbatched: p50 "
@@ -504,6 +528,9 @@ def main() -> None:
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
                    help="--inprocess: a fourth policy, continuous batching with long prompts prefilled this many "
                         "tokens a round, beside continuous with whole prompts")
+    p.add_argument("--one-pass", action="store_true",
+                   help="--inprocess: another policy, continuous batching with each round's arrivals for a lane "
+                        "prefilled in one pass (group_prefills off), beside continuous (grouped by measured cost)")
     p.add_argument("--short-slowdown", type=float, default=None,
                    help="the continuous configuration's short_slowdown (the scheduler's measured-cost priority; "
                         "default: the scheduler's, 1.5; 0: only long_every)")
@@ -522,8 +549,8 @@ def main() -> None:
     if args.compile_rows is not None and (args.compile == "off" or args.compile_rows < 1):
         p.error(f"--compile-rows takes a count >= 1 with --compile on|auto, got {args.compile_rows} with --compile "
                 f"{args.compile}")
-    if (args.long_prompts or args.prefill_chunk is not None) and not args.inprocess:
-        p.error("--long-prompts and --prefill-chunk are --inprocess options")
+    if (args.long_prompts or args.prefill_chunk is not None or args.one_pass) and not args.inprocess:
+        p.error("--long-prompts, --prefill-chunk and --one-pass are --inprocess options")
     if args.long_prompts < 0 or (args.prefill_chunk is not None and args.prefill_chunk < 1):
         p.error(f"--long-prompts takes bytes >= 0 and --prefill-chunk tokens >= 1, got {args.long_prompts} and "
                 f"{args.prefill_chunk}")
@@ -577,7 +604,7 @@ def main() -> None:
             print_prefill_costs(*prefills)
         write_json(args.json, inprocess(target, draft, modes, args.clients, lengths, args.unloaded, args.device,
                                         args.clock, args.rounds, args.timeout, args.threads, compiled, slowdown,
-                                        args.long_prompts, args.prefill_chunk))
+                                        args.long_prompts, args.prefill_chunk, args.one_pass))
         return
     del target, draft  # the replicas load their own
     import ray

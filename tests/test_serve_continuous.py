@@ -1104,19 +1104,71 @@ def test_a_burst_of_arrivals_is_prefilled_a_few_rows_per_round_short_ones_first(
 
 class FakeCosts:
     """A clock for the scheduler that its hook moves: a step of n rows takes ``step(n)``, a prefill of t prompt
-    tokens ``prefill(t)`` (a GPU's flat costs or a CPU's steep ones, without timing anything)."""
+    tokens ``prefill(t)`` (a GPU's flat costs or a CPU's steep ones, without timing anything; ``padded``: t is the
+    pass's rows times its longest prompt, as a padded pass runs them). ``passes``: each prefill's prompt lengths."""
 
-    def __init__(self, step, prefill):
-        self.now, self.step, self.prefill = 0.0, step, prefill
+    def __init__(self, step, prefill, padded: bool = False):
+        self.now, self.step, self.prefill, self.padded = 0.0, step, prefill, padded
+        self.passes: list[list[int]] = []
 
     def clock(self) -> float:
         return self.now
 
     def hook(self, kind, jobs) -> None:
         if all(j.generator is None for j in jobs):  # a prefill: its rows have no generator yet
-            self.now += self.prefill(sum(len(j.prompt) for j in jobs))
+            lengths = [len(j.prompt) for j in jobs]
+            self.passes.append(lengths)
+            self.now += self.prefill(len(lengths) * max(lengths) if self.padded else sum(lengths))
         else:
             self.now += self.step(len(jobs))
+
+
+STEEP = lambda tokens: 5.0 + tokens  # noqa: E731 - a CPU's prefill: its tokens' time and a little more per pass
+FLAT = lambda tokens: 1.0  # noqa: E731 - a GPU's: a pass of a few short prompts takes one's time
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [(seed * 7 + i * 3) % 50 + 1 for i in range(n)]
+
+
+@pytest.mark.parametrize("gamma", [None, 2])
+@pytest.mark.parametrize("costs,passes", [(STEEP, [[3, 4], [38, 40]]), (FLAT, [[3, 4, 38, 40]])])
+def test_arrivals_are_prefilled_in_the_passes_the_measured_costs_say_cost_least(costs, passes, gamma):
+    """A prompt of 3 tokens and one of 40 are prefilled alone (the costs measured), then prompts of 40, 3, 38 and 4
+    tokens arrive together. Where a prefill costs its padded tokens and a little more per pass (a CPU), the short
+    prompts go in one pass and the long ones in another (87 token-times against 160 in one pass, padded to 40, and
+    88 in four); where a pass costs the same at any size (a GPU), all four go in one. Every request gets its solo
+    tokens (and acceptance). Power: with ``group_prefills=False`` the CPU's costs get one pass (below)."""
+    target, draft = lm(0), lm(1, 1)
+    for group in (True, False):
+        fake = FakeCosts(lambda rows: 1.0, costs, padded=True)
+        scheduler = Scheduler(target, draft, short_tokens=0, prefill_rows=0, clock=fake.clock, hook=fake.hook,
+                              group_prefills=group)
+        plan = [(0, prompt(3, 1), 2, HOT, 1, gamma), (3, prompt(40, 2), 2, HOT, 2, gamma)]
+        plan += [(9, prompt(n, 3 + i), 6, HOT, 3 + i, gamma) for i, n in enumerate([40, 3, 38, 4])]
+        jobs = run_rounds(scheduler, plan)
+        arrivals = [sorted(p) if group else p for p in fake.passes[2:]]
+        assert fake.passes[:2] == [[3], [40]] and arrivals == (passes if group else [[40, 3, 38, 4]])
+        assert scheduler.prefills == len(fake.passes)
+        assert_alone(target, draft, jobs)
+
+
+def test_arrivals_the_slots_have_no_room_for_all_at_once_join_in_their_order(monkeypatch, pairs):
+    """As above, with the CPU's costs, but the device holds four slots and two rows decode: the arrivals are not
+    regrouped by length; the first two in arrival order (40 and 3 tokens) join in one pass, the others when rows
+    have left. Power: regrouped first, the short prompts (3 and 4 tokens) took the two free slots, and the 40-token
+    arrival was passed by one that arrived after it (run and seen)."""
+    target, draft = pair(pairs, "full")
+    refused = device_rows(monkeypatch, 4)
+    fake = FakeCosts(lambda rows: 1.0, STEEP, padded=True)
+    scheduler = Scheduler(target, draft, short_tokens=0, prefill_rows=0, fast_rows=1, clock=fake.clock,
+                          hook=fake.hook)  # one fast row: the arrivals join one lane (each lane's are grouped)
+    plan = [(0, prompt(3, 1), 1, HOT, 1, None), (1, prompt(40, 2), 1, HOT, 2, None)]
+    plan += [(2, prompt(2, 9 + i), 20, HOT, 9 + i, None) for i in range(2)]
+    plan += [(4, prompt(n, 3 + i), 5, HOT, 3 + i, None) for i, n in enumerate([40, 3, 38, 4])]
+    jobs = run_rounds(scheduler, plan)
+    assert refused and fake.passes[:5] == [[3], [40], [2], [2], [40, 3]]
+    assert_alone(target, draft, jobs)
 
 
 def measured_rounds(costs: FakeCosts, slowdown: float, long_every: int = 6, fast_rows: int = 1):
@@ -1374,15 +1426,19 @@ def test_priority_settings_are_checked_and_reach_the_scheduler(debug_exports):
     for bad in ({"short_tokens": -1}, {"fast_rows": 0}, {"long_every": 0}, {"max_wait_rounds": -2},
                 {"long_every": 2.5}, {"fast_rows": True}, {"prefill_rows": -1}, {"short_slowdown": 0.5},
                 {"short_slowdown": True}, {"short_slowdown": float("nan")}, {"short_slowdown": float("inf")},
-                {"short_slowdown": "2"}):
+                {"short_slowdown": "2"}, {"group_prefills": 1}, {"group_prefills": "no"}):
         name = next(iter(bad))
         with pytest.raises(ValueError, match=name):
             Scheduler(target, **bad)
     from efftx.serving.app_args import TextAppArgs
     from efftx.serving.text import build
 
-    args = TextAppArgs(target="/nowhere/target", short_tokens="4", long_every=2, prefill_rows=0, short_slowdown="2.5")
-    assert args.priority() == {"short_tokens": 4, "long_every": 2, "prefill_rows": 0, "short_slowdown": 2.5}
+    args = TextAppArgs(target="/nowhere/target", short_tokens="4", long_every=2, prefill_rows=0, short_slowdown="2.5",
+                       group_prefills="false")
+    assert args.priority() == {"short_tokens": 4, "long_every": 2, "prefill_rows": 0, "short_slowdown": 2.5,
+                               "group_prefills": False}
+    with pytest.raises(ValueError, match="group_prefills"):
+        TextAppArgs(target="/nowhere/target", group_prefills="sometimes")
     for bad in ("0.5", "-1", "fast"):
         with pytest.raises(ValueError, match="short_slowdown"):
             TextAppArgs(target="/nowhere/target", short_slowdown=bad)
@@ -1394,12 +1450,12 @@ def test_priority_settings_are_checked_and_reach_the_scheduler(debug_exports):
     cls = TextGenerator.func_or_class
     replica = cls.__new__(cls)
     init = cls.__init__(replica, debug_exports["target"], priority={"short_tokens": 4, "long_every": 2,
-                                                                   "short_slowdown": 2.5})
+                                                                   "short_slowdown": 2.5, "group_prefills": False})
     if asyncio.iscoroutine(init):  # @serve.ingress makes the constructor a coroutine
         asyncio.run(init)
     try:  # the replica's scheduler (built outside Serve here) has the settings, the defaults for the others
         assert (replica.scheduler.short_tokens, replica.scheduler.long_every) == (4, 2)
-        assert replica.scheduler.short_slowdown == 2.5
+        assert replica.scheduler.short_slowdown == 2.5 and replica.scheduler.group_prefills is False
         assert replica.scheduler.fast_rows == Scheduler(target).fast_rows
     finally:
         replica.scheduler.close()

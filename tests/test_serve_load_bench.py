@@ -77,23 +77,29 @@ def test_the_inprocess_load_runs_compiled_passes_with_torch_alone(tmp_path):
     assert line.count("eager / this: ") == 4  # rows 1, 2, 4, 8
 
 
-def test_long_prompts_in_chunks_run_beside_whole_prompts(tmp_path):
-    """``--long-prompts N --prefill-chunk C``: every other long request gets an N-byte prompt, and a fourth policy,
-    ``chunked`` (``prefill_chunk=C``), runs beside ``continuous`` with whole prompts, with an [info] line comparing
-    them."""
+def test_long_prompts_in_chunks_and_in_one_pass_run_beside_whole_prompts_grouped(tmp_path):
+    """``--long-prompts N --prefill-chunk C --one-pass``: every other long request gets an N-byte prompt, and two
+    more policies, ``chunked`` (``prefill_chunk=C``) and ``one-pass`` (``group_prefills=False``), run beside
+    ``continuous`` (whole prompts, grouped by cost), each with an [info] line comparing them."""
     assert len(serve_load.prompt_of(1, 40, 60)) == 60 and len(serve_load.prompt_of(3, 40, 60)) == 60
     assert len(serve_load.prompt_of(2, 40, 60)) < 30 and len(serve_load.prompt_of(1, 8, 60)) < 30  # short: as ever
     out = tmp_path / "figures.json"
     proc = bench("--inprocess", "--size", "debug", "--modes", "base", "--requests", "8", "--clients", "2",
                  "--max-new", "32", "--unloaded", "1", "--long-prompts", "60", "--prefill-chunk", "16",
-                 "--json", str(out))
+                 "--one-pass", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = json.loads(out.read_text())
     assert runs["chunked/base"][0]["knobs"]["prefill_chunk"] == 16 and runs["chunked/base"][0]["errors"] == 0
     assert runs["continuous/base"][0]["knobs"]["prefill_chunk"] == 0
     assert "[info] base: prompts in chunks of 16 tokens: short p99" in proc.stdout
-    proc = bench("--prefill-chunk", "16")
-    assert proc.returncode == 2 and "--long-prompts and --prefill-chunk are --inprocess options" in proc.stderr
+    single, grouped = runs["one-pass/base"][0], runs["continuous/base"][0]
+    assert single["knobs"]["group_prefills"] is False and "group_prefills" not in grouped["knobs"]
+    assert single["errors"] == 0 and all(r["prefills"] > 0 and r["prefill_tokens"] > 0 for r in (single, grouped))
+    assert "[info] base: arrivals in one pass per lane (group_prefills off) against grouped by cost" in proc.stdout
+    for flag in (["--prefill-chunk", "16"], ["--one-pass"]):
+        proc = bench(*flag)
+        assert proc.returncode == 2 and "--long-prompts, --prefill-chunk and --one-pass are --inprocess options" in \
+            proc.stderr
 
 
 def run(rps: float, p99: float, errors: int = 0) -> dict:

@@ -37,7 +37,8 @@ Device = Literal["auto", "cpu", "cuda"]
 assert get_args(Device) == DEVICES, "Device and efftx.serving.devices.DEVICES disagree"
 
 # efftx.serving.continuous.Scheduler's knobs, as given
-PRIORITY = ("short_tokens", "fast_rows", "long_every", "prefill_rows", "short_slowdown", "prefill_chunk")
+PRIORITY = ("short_tokens", "fast_rows", "long_every", "prefill_rows", "short_slowdown", "prefill_chunk",
+            "group_prefills")
 CONTINUOUS_ONLY = (*PRIORITY, "warm_up_rows", "compile", "compile_rows", "cache_mib",
                    "cache_fraction")  # settings of continuous batching alone
 Compile = Literal["auto", "on", "off"]
@@ -91,6 +92,10 @@ class TextAppArgs(BaseModel):
         "prefill), so that a long prompt does not stall the running requests for its whole prefill (default 0: whole "
         "prompts; for contexts whose prefill costs many decoding steps). A request's output is the same with any other "
         "requests running."))
+    group_prefills: bool | None = Field(None, description=(
+        "continuous: the requests that join in one decoding round are prefilled in the passes the replica's measured "
+        "prefill times say cost least, prompts of like length together (default true); false: in one pass, every "
+        "prompt padded to the longest. A request's output is the same either way."))
     warm_up_rows: int | None = Field(None, ge=0, description=(
         "continuous: at start, each replica decodes throwaway batches of this many requests, half as many, ..., 1 "
         "(default 16, at most max_batch_size; 0: none), so that its first burst of real requests does not pay a "
@@ -175,7 +180,7 @@ class TextAppArgs(BaseModel):
             raise ValueError(f"must be 0 (off) or a number >= 1, got {value}")
         return value
 
-    def priority(self) -> dict[str, int | float]:
+    def priority(self) -> dict[str, int | float | bool]:
         """The continuous-batching priority settings given (the scheduler's defaults for the others)."""
         return {k: getattr(self, k) for k in PRIORITY if getattr(self, k) is not None}
 

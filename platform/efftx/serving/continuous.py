@@ -999,6 +999,14 @@ class Scheduler:
       (``bench/serve_load.py --inprocess --long-prompts 120 --prefill-chunk 32``): the priority already defers long
       arrivals' prefills, and small chunks prefill less efficiently. It is meant for contexts whose prefills cost
       far more than a step (thousands of tokens on a GPU).
+    * ``group_prefills`` (default True): a round's arrivals for one lane are prefilled in the passes the measured
+      costs say cost least, rather than always in one. A pass runs its prompts right-padded to the longest, so a
+      short prompt beside a long one pays for the long one's tokens. The arrivals, ordered by prompt length, are cut
+      into runs of neighbours whose passes' estimated costs (the prefill costs per padded tokens, below) sum to the
+      least: on a CPU, where a prefill costs about its tokens, prompts of like length go together; on a GPU, where a
+      pass of a few short prompts costs about one's time, they stay in one pass. One pass before the costs it
+      needs were measured, where the slots have no room for every arrival at once (they join as the device's
+      memory allows, below), or with False. A request's tokens do not depend on the pass it was prefilled in.
 
     *Measured costs.* The time of every step and prefill on ``clock`` (default :func:`time.perf_counter`; a pass
     ends with its tokens read back to the host, so on a GPU this is the device's time) is kept per engine
@@ -1019,7 +1027,9 @@ class Scheduler:
                  hook: Callable[[str, list[Job]], None] | None = None,
                  observe: Callable[[str, int], None] | None = None, compile: str = "off",
                  compile_rows: int | None = None, clock: Callable[[], float] = time.perf_counter,
-                 cache_budget: int | None = None, fit_positions: bool = True):
+                 cache_budget: int | None = None, fit_positions: bool = True, group_prefills: bool = True):
+        if not isinstance(group_prefills, bool):
+            raise ValueError(f"group_prefills must be True or False, got {group_prefills!r}")
         for name, value, least in (("max_rows", max_rows, 1), ("short_tokens", short_tokens, 0),
                                    ("fast_rows", fast_rows, 1), ("long_every", long_every, 1),
                                    ("max_wait_rounds", max_wait_rounds, 0), ("prefill_rows", prefill_rows, 0),
@@ -1044,6 +1054,7 @@ class Scheduler:
         self.compile_rows = compile_rows
         self.budget = _budget(cache_budget, target, draft)
         self.fit_positions = bool(fit_positions)
+        self.group_prefills = group_prefills
         self.base = BaseEngine(target, hook, self.compile, compile_rows, self.budget, self.fit_positions)
         if draft is not None and self.compile == "on" and eager_reason(draft):  # now, not at the first request
             raise CompileUnavailable(f"compile='on' but compiled continuous batching cannot run the draft: "
@@ -1059,6 +1070,9 @@ class Scheduler:
         self._long_round = 0  # the round the slow lanes last stepped
         self.costs: dict[str, StepCosts] = {}  # per engine (:func:`_engine_name`): measured costs
         self.long_rounds = 0  # rounds in which the slow lanes stepped beside short rows before long_every said so
+        self.prefills = 0  # prefill passes of whole prompts run (a chunked prompt's last chunk included)
+        self.prefill_tokens = 0  # and their tokens: each pass's rows times its longest prompt (padding included)
+        self.prefill_s = 0.0  # and their time on ``clock``
         self._refusal: tuple | None = None  # the last batch memory held back: (its name, its rows, its room)
         self._memory = self.budget.report() if self.budget is not None else None  # see cache_memory
 
@@ -1214,14 +1228,19 @@ class Scheduler:
         for engine, lanes in taken.items():
             self._chunk(engine, lanes.pop("chunk", []))
             for lane, jobs in lanes.items():
-                # a chunked prefill's last chunk joins alone (its rows are its own), the others together
+                # a chunked prefill's last chunk joins alone (its rows are its own), the others in the passes that
+                # cost least
                 whole = [j for j in jobs if j.partial is None]
-                for group in ([whole] if whole else []) + [[j] for j in jobs if j.partial is not None]:
+                for group in self._prefill_groups(engine, whole) + [[j] for j in jobs if j.partial is not None]:
                     tokens = len(group) * max(len(j.prompt) - j.fed for j in group)
                     t0 = self.clock()
                     self._guarded(engine, self._admit, engine, group, lane, jobs=group)
                     # keyed by the tokens it ran: the rows' prompts right-padded to the longest
-                    self._costs(engine.name).prefills.add(tokens, self.clock() - t0)
+                    spent = self.clock() - t0
+                    self._costs(engine.name).prefills.add(tokens, spent)
+                    self.prefills += 1
+                    self.prefill_s += spent
+                    self.prefill_tokens += tokens
         engines = [e for e in self._engines() if len(e)]
         # the slow lanes step when due, or when no short row runs after all (e.g. the short arrivals failed): then
         # with the fast lane, in one pass of all the rows
@@ -1361,6 +1380,38 @@ class Scheduler:
                 return _Room(True, False, True)
             prefill += one
         return _Room(True, grown + prefill <= slack, True)
+
+    def _prefill_groups(self, engine: _Engine, jobs: list[Job]) -> list[list[Job]]:
+        """``jobs`` (whole prompts joining one lane of ``engine``) in the prefill passes that cost least by the
+        measured costs (``group_prefills``): ordered by prompt length, cut into runs of neighbours whose passes' cost
+        estimates (rows times the longest prompt: :class:`StepCosts`' prefills) sum to the least, fewer passes where
+        the sums tie. One pass without ``group_prefills``, before any prefill was measured, or where the slots have
+        no room for every arrival at once (then :meth:`_admit` takes as many as they hold, in their order)."""
+        if len(jobs) < 2 or not self.group_prefills:
+            return [jobs] if jobs else []
+        table = self._costs(engine.name).prefills
+        order = sorted(jobs, key=lambda j: len(j.prompt))  # stable: equal lengths keep the round's order
+        sizes = [len(j.prompt) for j in order]
+        # least[k]: the least cost of prefilling order[:k]; cut[k]: where its last pass starts
+        least, cut = [0.0] + [float("inf")] * len(order), [0] * (len(order) + 1)
+        for k in range(1, len(order) + 1):
+            for i in range(k):  # the last pass: order[i:k], padded to sizes[k - 1]
+                cost = table.estimate((k - i) * sizes[k - 1])
+                if cost is None:
+                    return [jobs]
+                if least[i] + cost < least[k]:
+                    least[k], cut[k] = least[i] + cost, i
+        groups, k = [], len(order)
+        while k:
+            groups.append(order[cut[k]:k])
+            k = cut[k]
+        if len(groups) == 1:
+            return [jobs]
+        try:  # room for them all first: where there is none, one pass, as many joining as the slots hold
+            engine.reserve(len(engine) + len(jobs), engine.positions(jobs))
+        except torch.OutOfMemoryError:
+            return [jobs]
+        return groups[::-1]
 
     def _admit(self, engine: _Engine, jobs: list[Job], lane: str) -> None:
         """``engine.admit``. Where the device has no memory for the arrivals' slots, the batch takes no more rows
