@@ -1342,6 +1342,40 @@ def test_step_costs_estimate_between_and_beyond_what_was_measured():
     assert costs.steps.estimate(16) == pytest.approx(0.002 + 0.5 * 0.002)  # counted as twice the average
 
 
+def naive_estimate(seconds: dict[int, float], size: int) -> float | None:
+    """The estimate's reference: every measured size sorted, searched in full (what the scheduler's table does with
+    its sizes kept in order)."""
+    if not seconds:
+        return None
+    if size in seconds:
+        return seconds[size]
+    points = sorted(seconds.items())
+    below, above = [p for p in points if p[0] < size], [p for p in points if p[0] > size]
+    if below and above:
+        (n1, c1), (n2, c2) = below[-1], above[0]
+        return c1 + (c2 - c1) * (size - n1) / (n2 - n1)
+    near = above[:2] if above else below[-2:]
+    n1, c1 = near[0] if above else near[-1]
+    slope = (near[1][1] - near[0][1]) / (near[1][0] - near[0][0]) if len(near) == 2 else c1 / n1
+    line = c1 + max(slope, 0.0) * (size - n1)
+    return max(line, c1 * size / n1) if above else max(line, c1)
+
+
+def test_the_cost_tables_estimates_equal_their_reference_over_many_tables():
+    """Tables of 1 to 300 measured sizes (repeats included: moving averages), each estimated below, between, at and
+    above its sizes, as the reference searches them."""
+    import random
+
+    rng = random.Random(0)
+    for trial in range(60):
+        table = continuous._Table(0.25)
+        for _ in range(rng.choice([1, 2, 3, 10, 300])):
+            table.add(rng.randint(1, 400), rng.random() * 10)
+        assert list(table._sizes) == sorted(table.seconds)
+        for size in [1, 2, 401, 800, *rng.sample(range(1, 500), 40), *table.seconds]:
+            assert table.estimate(size) == pytest.approx(naive_estimate(table.seconds, size), rel=1e-12), (trial, size)
+
+
 @pytest.mark.parametrize("kind", ["full", "nsa"])
 def test_priority_keeps_every_requests_solo_output(pairs, kind):
     """The mixed plan (every mode, sampling and gamma, arrivals at different rounds) under a tight priority policy:

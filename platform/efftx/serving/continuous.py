@@ -82,6 +82,7 @@ loop) that repeats rounds: admit the requests that may start, then run one decod
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 import time
@@ -891,10 +892,13 @@ class _Table:
     def __init__(self, weight: float):
         self.weight = weight
         self.seconds: dict[int, float] = {}
+        self._sizes: list[int] = []  # the sizes measured, in order (estimates run every round: no sort each time)
 
     def add(self, size: int, seconds: float) -> None:
         seconds = max(float(seconds), 0.0)
         old = self.seconds.get(size)
+        if old is None:
+            bisect.insort(self._sizes, size)
         if old is None or seconds < old / 2:
             self.seconds[size] = seconds
         else:
@@ -904,19 +908,20 @@ class _Table:
         """The seconds at ``size``: measured, else interpolated between the nearest sizes measured, else
         extrapolated from the two nearest (never below their line's floor: at least the nearest cost scaled by the
         sizes' ratio below it, at least the largest cost above it). None before anything was measured."""
-        if not self.seconds:
-            return None
-        if size in self.seconds:
-            return self.seconds[size]
-        points = sorted(self.seconds.items())
-        below = [p for p in points if p[0] < size]
-        above = [p for p in points if p[0] > size]
-        if below and above:
-            (n1, c1), (n2, c2) = below[-1], above[0]
+        got = self.seconds.get(size)
+        if got is not None or not self._sizes:
+            return got
+        sizes, at = self._sizes, bisect.bisect_left(self._sizes, size)  # sizes[at - 1] < size < sizes[at]
+        if 0 < at < len(sizes):
+            n1, n2 = sizes[at - 1], sizes[at]
+            c1, c2 = self.seconds[n1], self.seconds[n2]
             return c1 + (c2 - c1) * (size - n1) / (n2 - n1)
-        near = above[:2] if above else below[-2:]
-        (n1, c1) = near[0] if above else near[-1]
-        slope = (near[1][1] - near[0][1]) / (near[1][0] - near[0][0]) if len(near) == 2 else c1 / n1
+        above = at == 0
+        near = sizes[:2] if above else sizes[-2:]
+        n1 = near[0] if above else near[-1]
+        c1 = self.seconds[n1]
+        slope = ((self.seconds[near[1]] - self.seconds[near[0]]) / (near[1] - near[0]) if len(near) == 2
+                 else c1 / n1)
         line = c1 + max(slope, 0.0) * (size - n1)
         return max(line, c1 * size / n1) if above else max(line, c1)
 
