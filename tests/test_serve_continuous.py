@@ -1150,6 +1150,9 @@ def test_arrivals_are_prefilled_in_the_passes_the_measured_costs_say_cost_least(
         arrivals = [sorted(p) if group else p for p in fake.passes[2:]]
         assert fake.passes[:2] == [[3], [40]] and arrivals == (passes if group else [[40, 3, 38, 4]])
         assert scheduler.prefills == len(fake.passes)
+        (info,) = scheduler.measured().values()  # per batch: the passes, their prompts' tokens and padded ones
+        assert (info["prefill_passes"], info["prompt_tokens"]) == (len(fake.passes), 3 + 40 + 40 + 3 + 38 + 4)
+        assert info["padded_tokens"] == sum(len(p) * max(p) for p in fake.passes) == scheduler.prefill_tokens
         assert_alone(target, draft, jobs)
 
 

@@ -935,6 +935,14 @@ class StepCosts:
         self.steps, self.prefills = _Table(weight), _Table(weight)
         self.weight = weight
         self.tokens_per_step = 1.0
+        # prefill passes run, their tokens padded (rows times the longest prompt) and their prompts' own tokens
+        self.prefill_passes = self.padded_tokens = self.prompt_tokens = 0
+
+    def add_prefill(self, padded: int, prompt: int, seconds: float) -> None:
+        self.prefills.add(padded, seconds)
+        self.prefill_passes += 1
+        self.padded_tokens += padded
+        self.prompt_tokens += prompt
 
     def add_step(self, rows: int, seconds: float, tokens: int) -> None:
         self.steps.add(rows, seconds)
@@ -1075,7 +1083,7 @@ class Scheduler:
         self._long_round = 0  # the round the slow lanes last stepped
         self.costs: dict[str, StepCosts] = {}  # per engine (:func:`_engine_name`): measured costs
         self.long_rounds = 0  # rounds in which the slow lanes stepped beside short rows before long_every said so
-        self.prefills = 0  # prefill passes of whole prompts run (a chunked prompt's last chunk included)
+        self.prefills = 0  # prefill passes run (every batch; chunks of chunked prefills included)
         self.prefill_tokens = 0  # and their tokens: each pass's rows times its longest prompt (padding included)
         self.prefill_s = 0.0  # and their time on ``clock``
         self._refusal: tuple | None = None  # the last batch memory held back: (its name, its rows, its room)
@@ -1237,15 +1245,13 @@ class Scheduler:
                 # cost least
                 whole = [j for j in jobs if j.partial is None]
                 for group in self._prefill_groups(engine, whole) + [[j] for j in jobs if j.partial is not None]:
-                    tokens = len(group) * max(len(j.prompt) - j.fed for j in group)
+                    left = {id(j): len(j.prompt) - j.fed for j in group}  # what each has left to feed
+                    ran: list[Job] = []  # those prefilled (where memory held back some, fewer)
                     t0 = self.clock()
-                    self._guarded(engine, self._admit, engine, group, lane, jobs=group)
-                    # keyed by the tokens it ran: the rows' prompts right-padded to the longest
-                    spent = self.clock() - t0
-                    self._costs(engine.name).prefills.add(tokens, spent)
-                    self.prefills += 1
-                    self.prefill_s += spent
-                    self.prefill_tokens += tokens
+                    self._guarded(engine, lambda g=group: ran.extend(self._admit(engine, g, lane)), jobs=group)
+                    if ran:  # keyed by the tokens it ran: the rows' prompts right-padded to the longest
+                        sizes = [left[id(j)] for j in ran]
+                        self._prefilled(engine, len(sizes) * max(sizes), sum(sizes), self.clock() - t0)
         engines = [e for e in self._engines() if len(e)]
         # the slow lanes step when due, or when no short row runs after all (e.g. the short arrivals failed): then
         # with the fast lane, in one pass of all the rows
@@ -1297,7 +1303,9 @@ class Scheduler:
     def measured(self) -> dict[str, dict]:
         """The measured costs per running batch (any thread: dict copies are atomic): ``step_ms`` per row count,
         ``prefill_ms`` per prompt tokens, ``tokens_per_step``, ``positions`` (a slot's positions now: its rows'
-        need with slots that fit them, else the model's context); batches not measured yet are left out. A batch the
+        need with slots that fit them, else the model's context), ``prefill_passes`` run and their
+        ``prompt_tokens`` and ``padded_tokens`` (each pass's rows times its longest prompt: what padding costs);
+        batches not measured yet are left out. A batch the
         device's memory holds back also reports it: ``row_limit`` (the rows it takes) and ``step_rows`` (the most
         rows of a pass)."""
         out = {}
@@ -1307,7 +1315,9 @@ class Scheduler:
             if steps or prefills:
                 out[name] = {"step_ms": {str(n): round(s * 1e3, 3) for n, s in sorted(steps.items())},
                              "prefill_ms": {str(n): round(s * 1e3, 3) for n, s in sorted(prefills.items())},
-                             "tokens_per_step": round(costs.tokens_per_step, 3)}
+                             "tokens_per_step": round(costs.tokens_per_step, 3),
+                             "prefill_passes": costs.prefill_passes, "prompt_tokens": costs.prompt_tokens,
+                             "padded_tokens": costs.padded_tokens}
                 engine = engines.get(name)
                 if engine is not None:
                     out[name]["positions"] = max(s.capacity for s in engine.slots)
@@ -1418,12 +1428,20 @@ class Scheduler:
             return [jobs]
         return groups[::-1]
 
-    def _admit(self, engine: _Engine, jobs: list[Job], lane: str) -> None:
-        """``engine.admit``. Where the device has no memory for the arrivals' slots, the batch takes no more rows
-        than its slots hold until it drains (``row_limit``): as many arrivals as they hold join, the others wait in
-        the queue (ahead of later arrivals); the running rows go on untouched. A batch with no rows and no room for
-        one (its slots empty, the cache budget held by other batches) is a new batch without memory
-        (:meth:`_memory_full`)."""
+    def _prefilled(self, engine: _Engine, padded: int, prompt: int, seconds: float) -> None:
+        """A prefill pass of ``engine`` ran ``padded`` tokens (its rows times the longest prompt) for ``prompt``
+        tokens of prompts in ``seconds``: its costs (:class:`StepCosts`) and the scheduler's totals."""
+        self._costs(engine.name).add_prefill(padded, prompt, seconds)
+        self.prefills += 1
+        self.prefill_tokens += padded
+        self.prefill_s += seconds
+
+    def _admit(self, engine: _Engine, jobs: list[Job], lane: str) -> list[Job]:
+        """``engine.admit``; returns the jobs prefilled. Where the device has no memory for the arrivals' slots, the
+        batch takes no more rows than its slots hold until it drains (``row_limit``): as many arrivals as they hold
+        join, the others wait in the queue (ahead of later arrivals); the running rows go on untouched. A batch with
+        no rows and no room for one (its slots empty, the cache budget held by other batches) is a new batch without
+        memory (:meth:`_memory_full`)."""
         try:
             engine.admit(jobs, lane)
         except torch.OutOfMemoryError as exc:
@@ -1452,6 +1470,8 @@ class Scheduler:
                 self._queue.extendleft(reversed(wait))
             if take:
                 engine.admit(take, lane)  # in the slots it has: no memory to allocate
+            return take
+        return jobs
 
     @staticmethod
     def _room_for_one(engine: _Engine, job: Job) -> bool:
@@ -1479,7 +1499,7 @@ class Scheduler:
             except Exception as exc:  # noqa: BLE001 - this request's own failure
                 job._fail(exc, f"{engine.kind} decoding")
                 continue
-            self._costs(engine.name).prefills.add(self.prefill_chunk, self.clock() - t0)
+            self._prefilled(engine, self.prefill_chunk, self.prefill_chunk, self.clock() - t0)
         with self._cv:
             self._queue.extendleft(reversed([j for j in jobs if not j.done]))
 
