@@ -17,7 +17,7 @@ from efftx.generation import compiled, device_slots
 from efftx.generation.compiled import CompileUnavailable
 from efftx.generation.decode import Slots
 from efftx.generation.device_slots import CompiledSlots, bucket
-from efftx.serving import continuous
+from efftx.serving import batches, continuous
 from efftx.serving.continuous import Job, Scheduler
 
 from test_serve_continuous import ADAPTIVE, GREEDY, HOT, MIXED, assert_alone, lm, run_rounds
@@ -227,7 +227,7 @@ def test_a_failing_row_fails_alone_in_compiled_passes(models, monkeypatch):
         if any(j.tag[0] == "hook" for j in jobs):
             raise RuntimeError("injected fault")
 
-    real_draw = continuous.draw
+    real_draw = batches.draw
 
     def faulty_draw(probs, gens):
         late = culprits.get("draw")
@@ -235,7 +235,7 @@ def test_a_failing_row_fails_alone_in_compiled_passes(models, monkeypatch):
             raise RuntimeError("late fault in base decoding")
         return real_draw(probs, gens)
 
-    monkeypatch.setattr(continuous, "draw", faulty_draw)
+    monkeypatch.setattr(batches, "draw", faulty_draw)
     scheduler = Scheduler(target, draft, max_rows=4, short_tokens=0, compile="on", hook=hook)
     valid = [p for p in MIXED if p[0] <= 2]
     bad = [(1, [4, 5], 9, HOT, 1, 3, "hook"), (1, [6, 6, 6], 12, HOT, 11, None, "draw")]
@@ -249,7 +249,7 @@ def test_a_failing_row_fails_alone_in_compiled_passes(models, monkeypatch):
     jobs = run_rounds(scheduler, valid + bad, make)
     assert culprits["hook"].error is not None and culprits["draw"].error is not None
     assert culprits["draw"].steps == 3
-    monkeypatch.setattr(continuous, "draw", real_draw)
+    monkeypatch.setattr(batches, "draw", real_draw)
     assert_alone(target, draft, [j for j in jobs if len(j.tag) != 1])
 
 

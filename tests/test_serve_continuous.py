@@ -23,7 +23,7 @@ from efftx.generation.decode import Rows, generate, splittable
 from efftx.generation.speculative import speculative_generate
 from efftx.models import build as build_model
 from efftx.models.lm import LM
-from efftx.serving import continuous
+from efftx.serving import batches, continuous
 from efftx.serving.continuous import Job, Sampling, Scheduler, StepCosts, warm_up
 
 from cores import cores_used, needs_two_cores
@@ -644,7 +644,7 @@ def test_a_speculative_request_waiting_for_the_budget_keeps_its_empty_batch_hold
     base = [(0, [i + 1, 5], 12, HOT, 600 + i, None) for i in range(5)]
     spec_plans = [(1, [3, 4 + i], 6, HOT, 700 + i, 2) for i in range(3)]
     scheduler = Scheduler(target, draft, short_tokens=0, prefill_rows=0, cache_budget=limit)
-    jobs, batches = [], []
+    jobs, waited = [], []
     with torch.no_grad():
         jobs += [scheduler.submit(Job(p[1], p[2], p[3], p[4], p[5], tag=p)) for p in base]
         scheduler.run_once()
@@ -654,10 +654,10 @@ def test_a_speculative_request_waiting_for_the_budget_keeps_its_empty_batch_hold
             scheduler.run_once()
             engine = scheduler.spec.get((2, None))
             if not spec.out:
-                batches.append(engine)
+                waited.append(engine)
                 assert engine is not None and all(scheduler.budget._held.get(s, 0) == 0 for s in engine.slots)
         scheduler.drain()
-    assert len(batches) >= 5 and all(b is batches[0] for b in batches)  # one batch while they waited
+    assert len(waited) >= 5 and all(b is waited[0] for b in waited)  # one batch while they waited
     assert max(j.batch_size for j in specs) == 3
     assert_alone(target, draft, jobs + specs)
     assert not scheduler.spec and scheduler.budget.held() == 0  # done: the batch is gone, nothing held
@@ -789,7 +789,7 @@ def test_passes_that_run_out_of_device_memory_are_split_and_every_row_keeps_its_
     assert_alone(target, draft, run_rounds(scheduler, plan))
     assert failed == [3, 3]  # once per batch
     assert scheduler.base.step_rows is None  # drained: passes of any size again
-    monkeypatch.setattr(continuous._Engine, "step_rows", property(lambda self: None, lambda self, value: None),
+    monkeypatch.setattr(batches._Engine, "step_rows", property(lambda self: None, lambda self, value: None),
                         raising=False)
     failed.clear()
     assert_alone(target, draft, run_rounds(Scheduler(target, draft, short_tokens=0, prefill_rows=0), plan))
@@ -865,7 +865,7 @@ def test_a_failing_row_fails_alone_and_the_others_keep_their_tokens(monkeypatch)
         if any(j.tag[0] == "hook" for j in jobs):
             raise RuntimeError("injected fault")
 
-    real_draw, real_accept = continuous.draw, continuous.accept_sampled
+    real_draw, real_accept = batches.draw, batches.accept_sampled
 
     def faulty_draw(probs, gens):
         late = culprits.get("draw")
@@ -879,8 +879,8 @@ def test_a_failing_row_fails_alone_and_the_others_keep_their_tokens(monkeypatch)
             raise RuntimeError("late fault in speculative decoding")
         return real_accept(p, q, drafted, u, noise, own)
 
-    monkeypatch.setattr(continuous, "draw", faulty_draw)
-    monkeypatch.setattr(continuous, "accept_sampled", faulty_accept)
+    monkeypatch.setattr(batches, "draw", faulty_draw)
+    monkeypatch.setattr(batches, "accept_sampled", faulty_accept)
     scheduler = Scheduler(target, draft, hook=hook)
     valid = [p for p in MIXED if p[0] <= 5]
     bad = [(1, [4, 4], 9, HOT, 2**64, None, "seed"), (2, [4, 5], 9, HOT, 1, 3, "hook"),
@@ -899,8 +899,8 @@ def test_a_failing_row_fails_alone_and_the_others_keep_their_tokens(monkeypatch)
     assert by_name["hook"].failure.status == 500 and "RuntimeError" in str(by_name["hook"].failure.detail)
     assert by_name["draw"].failure.status == 500 and by_name["draw"].steps == 3
     assert by_name["verify"].failure.status == 500 and by_name["verify"].steps == 2
-    monkeypatch.setattr(continuous, "draw", real_draw)
-    monkeypatch.setattr(continuous, "accept_sampled", real_accept)
+    monkeypatch.setattr(batches, "draw", real_draw)
+    monkeypatch.setattr(batches, "accept_sampled", real_accept)
     assert_alone(target, draft, [j for j in jobs if len(j.tag) != 1])
 
 

@@ -1,0 +1,708 @@
+"""Continuous batching's running batches (:mod:`efftx.serving.continuous` schedules them): the requests
+(:class:`Job`), their rows' sampling (:class:`Sampling`, per row within one batched pass), and the engines that
+prefill, step and contain a batch's rows in their cache slots: :class:`BaseEngine` (one target pass per step) and
+:class:`SpeculativeEngine` (draft passes and one verify pass per step, per row acceptance).
+
+An engine keeps its rows in two lanes (fast rows first in the slots), joins arrivals by one copy of their prefilled
+cache rows, lets finished rows leave by filling their slots with the last rows, and runs every batched pass so
+that a failure is contained: the caches rewound and every generator restored, the pass rerun row by row, only the
+row at fault failing. The scheduler's module docstring gives the whole design: lanes, caches, compiled passes,
+device memory and positions.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from efftx.generation.decode import CacheBudget, CacheBudgetFull, Rows, free_memory, kv_only, splittable
+from efftx.generation.device_slots import slots_for
+from efftx.generation.sampling import draw, is_greedy, probabilities, race
+from efftx.generation.speculative import SpecStats, accept_sampled, kept_tokens, next_gamma, step_noise
+
+if TYPE_CHECKING:  # the scheduler runs with torch alone (bench/serve_load.py --inprocess on a bare GPU image)
+    from efftx.serving.isolation import RowFailure
+
+logger = logging.getLogger("ray.serve")
+
+class DeviceMemoryFull(MemoryError):
+    """A request's cache does not fit the device's memory, and no running row will free any: 503 (retry later)."""
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+def _groups(samplings: Sequence[Sampling]) -> dict[Sampling, list[int]]:
+    groups: dict[Sampling, list[int]] = {}
+    for i, s in enumerate(samplings):
+        groups.setdefault(s, []).append(i)
+    return groups
+
+
+def row_probabilities(logits: torch.Tensor, samplings: Sequence[Sampling]) -> torch.Tensor:
+    """(B, ..., V) logits -> distributions, row b with ``samplings[b]`` (rows of equal settings in one call, so a
+    row's distribution is the one it gets alone)."""
+    groups = _groups(samplings)
+    if len(groups) == 1:
+        s = samplings[0]
+        return probabilities(logits, s.temperature, s.top_k, s.top_p)
+    parts = []
+    for s, idx in groups.items():
+        rows = torch.tensor(idx, device=logits.device)
+        parts.append((rows, probabilities(logits.index_select(0, rows), s.temperature, s.top_k, s.top_p)))
+    dtype = parts[0][1].dtype
+    for _, p in parts[1:]:
+        dtype = torch.promote_types(dtype, p.dtype)
+    out = torch.empty(logits.shape, dtype=dtype, device=logits.device)
+    for rows, p in parts:
+        out[rows] = p.to(dtype)
+    return out
+
+
+def row_tokens(logits: torch.Tensor, samplings: Sequence[Sampling], gens: Sequence[torch.Generator | None]
+               ) -> torch.Tensor:
+    """(B, V) logits -> (B,) next tokens as :func:`~efftx.generation.decode.iter_generate` picks them, per row:
+    the argmax for greedy settings, else a draw from the row's distribution with the row's generator."""
+    groups = _groups(samplings)
+    out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    for s, idx in groups.items():
+        rows = torch.tensor(idx, device=logits.device)
+        part = logits if len(groups) == 1 else logits.index_select(0, rows)
+        if is_greedy(s.temperature):
+            picked = part.argmax(-1)
+        else:
+            picked = draw(probabilities(part, s.temperature, s.top_k, s.top_p), [gens[i] for i in idx])
+        if len(groups) == 1:
+            return picked
+        out[rows] = picked
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- jobs
+class Job:
+    """One request's decoding in one mode. Callbacks run on the decoding thread and must not block:
+    ``on_step(tokens, accepted)`` per step (``accepted`` is None in base decoding), ``on_done(job)`` once, when the
+    job has its tokens or has failed (``job.failure`` / ``job.error``) or was cancelled."""
+
+    def __init__(self, prompt: Sequence[int], max_new_tokens: int, sampling: Sampling = Sampling(),
+                 seed: int | None = None, gamma: int | None = None, *, max_gamma: int | None = None,
+                 on_step: Callable[[list[int], int | None], None] | None = None,
+                 on_done: Callable[["Job"], None] | None = None, tag: Any = None):
+        self.prompt = [int(t) for t in prompt]
+        self.max_new = int(max_new_tokens)
+        self.sampling = sampling
+        self.seed = seed
+        self.gamma = gamma
+        self.max_gamma = max_gamma  # adaptive gamma: each step's draft length follows the acceptance, up to this
+        self.draft_gamma = gamma  # this step's draft length (speculative decoding)
+        self.on_step, self.on_done, self.tag = on_step, on_done, tag
+        self.out: list[int] = []
+        self.stats = SpecStats(gamma=max_gamma or gamma) if gamma is not None else None
+        self.steps = 0
+        self.draft_tail: int | None = None  # speculative: the last kept draft, not fed to the draft model yet
+        self.generator: torch.Generator | None = None
+        self.batch_size = 0  # the most rows it shared a step with (itself included)
+        self.submitted = time.perf_counter()
+        self.queued_round: int | None = None  # the scheduling round that first saw it queued
+        self.clocked: float | None = None  # when it was submitted, on its scheduler's clock
+        self.first_token: float | None = None
+        self.finished: float | None = None
+        self.failure: "RowFailure | None" = None
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self.done = False
+        # chunked prefill (Scheduler.prefill_chunk): the rows its prompt's first chunks went into, one per model,
+        # and how many of its tokens they hold; its last chunk joins the batch like any prefill
+        self.partial: list[Rows] | None = None
+        self.fed = 0
+
+    @property
+    def speculative(self) -> bool:
+        return self.gamma is not None
+
+    @property
+    def mode(self) -> str:
+        return "speculative" if self.speculative else "base"
+
+    @property
+    def latency_s(self) -> float:
+        return (self.finished or time.perf_counter()) - self.submitted
+
+    @property
+    def first_token_s(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.submitted
+
+    def _push(self, tokens: list[int], accepted: int | None, batch: int) -> bool:
+        """Record one step's tokens; True when the job is complete (then its result is handed back)."""
+        self.steps += 1
+        self.batch_size = max(self.batch_size, batch)
+        if tokens and self.first_token is None:
+            self.first_token = time.perf_counter()
+        self.out.extend(tokens)
+        if self.on_step is not None:
+            _call(self.on_step, tokens, accepted)
+        if len(self.out) >= self.max_new:
+            self._finish()
+            return True
+        return False
+
+    @property
+    def feed_tokens(self) -> int:
+        """The tokens its prefill feeds each model: the prompt (speculative decoding: all but its last token,
+        which the first step feeds)."""
+        return len(self.prompt) - self.speculative
+
+    def _finish(self) -> None:
+        self.partial = None
+        if not self.done:
+            self.done = True
+            self.finished = time.perf_counter()
+            if self.on_done is not None:
+                _call(self.on_done, self)
+
+    def _fail(self, exc: BaseException, what: str) -> None:
+        self.error = exc
+        try:
+            from efftx.serving.isolation import row_failure  # the HTTP answer (FastAPI's)
+        except ImportError:  # the scheduler alone, without the web stack (a bench on a bare GPU image)
+            self.failure = None
+        else:
+            self.failure = row_failure(exc, what)
+        self._finish()
+
+
+def _call(fn, *args) -> None:
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001 - a callback (e.g. a closed event loop) must not stop the decoding
+        logger.exception("a continuous-batching callback failed")
+
+
+def _generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+    return None if seed is None else torch.Generator(device=device).manual_seed(int(seed))
+
+
+def _gen_states(jobs: Sequence[Job]) -> list:
+    return [None if j.generator is None else j.generator.get_state() for j in jobs]
+
+
+def _set_gen_states(jobs: Sequence[Job], states: list) -> None:
+    for job, state in zip(jobs, states):
+        if state is not None:
+            job.generator.set_state(state)
+
+
+class _State:
+    """Rows being prefilled or stepped: per model a :class:`Rows` (a range of the engine's :class:`Slots`, or rows
+    prefilled apart), each row's last token (base: the token to feed next; speculative: the pending token) and its
+    job; ``start``: the slot of its first row (None: not in the slots yet)."""
+
+    def __init__(self, rows: list[Rows], last: torch.Tensor, jobs: list[Job], start: int | None = None):
+        self.rows, self.last, self.jobs, self.start = rows, last, jobs, start
+
+    def snapshot(self) -> list:
+        return [r.snapshot() for r in self.rows]
+
+    def restore(self, snapshot: list) -> None:
+        for r, snap in zip(self.rows, snapshot):
+            r.restore(snap)
+
+
+# ---------------------------------------------------------------------------------------------- engines
+class _Engine:
+    """One running batch: its rows in :class:`~efftx.generation.decode.Slots` (one per model), in two lanes: slots
+    ``0 .. fast - 1`` the ``fast`` lane (stepped every round: the short requests and, in the room left, long ones),
+    the rest the ``slow`` lane (long requests the scheduler steps less often while short ones run). A step runs one
+    lane, or ``all`` rows, as one batched pass over a range of the slots (no cache is copied); a row joins by a copy
+    of its prefilled cache into a slot, and leaves by the last row of its lane (and, for the fast lane, the last
+    slow row) moving into its slot: a few rows' copies, never the whole batch. Subclasses pass their models and
+    define ``prefill(jobs) -> (state, result)``, ``compute(state) -> result`` (the step's forward passes, cache
+    rewinds and draws: all that can fail) and ``commit(state, result, batch)`` (host bookkeeping: tokens to the
+    jobs)."""
+
+    kind = "?"
+
+    def __init__(self, hook: Callable[[str, list[Job]], None] | None, models: list, batched: bool,
+                 compile: str = "off", compile_rows: int | None = None, budget: CacheBudget | None = None,
+                 fit: bool = True):
+        self.hook = hook
+        self.batched = batched
+        self.slots = [slots_for(m, compile, batched, max_rows=compile_rows, budget=budget, fit=fit) for m in models]
+        self.device = _device(models[0])
+        self.order: list[Job] = []  # the job of each slot
+        self.last: list[int] = []  # each slot's last token
+        self.fast = 0  # slots 0 .. fast - 1: the fast lane; the rest: the slow lane
+        self._apart = False  # prefills of a containment retry: several before their rows join (eager, see Slots.prefill)
+        self.row_limit: int | None = None  # rows whose caches the device had memory for, when more had none
+        self.limited_at = 0  # the scheduling round that set row_limit
+        self.step_rows: int | None = None  # the most rows of a pass, after a larger one ran out of device memory
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def _room(self, model, needed: int) -> int:
+        """The capacity of a prefill's cache for ``model``: ``needed`` positions where every layer keeps a key/value
+        cache (its rows fill a slot's first positions, Slots.put), else the model's context (caches laid out by
+        capacity)."""
+        return max(int(needed), 1) if kv_only(model) else model.max_seq_len
+
+    def _bounds(self, lane: str) -> tuple[int, int]:
+        if lane == "fast":
+            return 0, self.fast
+        if lane == "slow":
+            return self.fast, len(self.order)
+        if lane == "all":
+            return 0, len(self.order)
+        raise ValueError(f"no lane {lane!r}")
+
+    def rows(self, lane: str) -> int:
+        a, b = self._bounds(lane)
+        return b - a
+
+    def jobs(self, lane: str | None = None) -> list[Job]:
+        a, b = self._bounds(lane or "all")
+        return self.order[a:b]
+
+    def _hook(self, jobs: list[Job]) -> None:
+        if self.hook is not None:
+            self.hook(self.kind, jobs)
+
+    def _view(self, a: int, b: int) -> _State:
+        return _State([s.rows(a, b) for s in self.slots], torch.tensor(self.last[a:b], device=self.device),
+                      self.order[a:b], a)
+
+    # -- slot surgery (every model's slots, the jobs and last tokens alike)
+    def _place(self, slot: int, job: Job, last: int) -> None:
+        """``job`` and its last token at ``slot`` (a row, or one past the last)."""
+        if slot == len(self.order):
+            self.order.append(job)
+            self.last.append(last)
+        else:
+            self.order[slot], self.last[slot] = job, last
+
+    def _copy(self, source: int, slot: int) -> None:
+        if source == slot:
+            return
+        for s in self.slots:
+            s.copy(source, slot)
+        self._place(slot, self.order[source], self.last[source])
+
+    def _swap(self, a: int, b: int) -> None:
+        for s in self.slots:
+            s.swap(a, b)
+        self.order[a], self.order[b] = self.order[b], self.order[a]
+        self.last[a], self.last[b] = self.last[b], self.last[a]
+
+    def _insert(self, state: _State, lane: str) -> None:
+        """The rows of a prefilled ``state`` whose jobs are not done join ``lane``."""
+        lasts = state.last.tolist()
+        for i, job in enumerate(state.jobs):
+            if job.done:
+                continue
+            n = len(self.order)
+            slot = n
+            if lane == "fast":
+                self._copy(self.fast, n)  # the first slow row (if any) moves to a new last slot
+                slot = self.fast
+                self.fast += 1
+            for s, rows in zip(self.slots, state.rows):
+                s.put(rows, i, slot)
+            self._place(slot, job, lasts[i])
+
+    def _leave(self) -> None:
+        """Rows whose jobs are done leave (the highest slot first, so that only kept rows fill the holes)."""
+        for i in reversed([i for i, job in enumerate(self.order) if job.done]):
+            last = len(self.order) - 1
+            if i < self.fast:
+                self._copy(self.fast - 1, i)
+                self._copy(last, self.fast - 1)
+                self.fast -= 1
+            else:
+                self._copy(last, i)
+            del self.order[last], self.last[last]
+            for s in self.slots:
+                s.truncate(last)
+        positions = self.positions()
+        for s in self.slots:
+            s.shrink(positions)  # after a burst (or the long rows): slots a quarter full or less give memory back
+        if not self.order:  # drained: the next burst may try to grow the slots again, in passes of any size
+            self.row_limit = self.step_rows = None
+
+    # -- what the scheduler calls
+    def move(self, job: Job, lane: str) -> None:
+        """Move ``job``'s row to ``lane`` (its cache rows swapped with a row at the lanes' border; tokens unchanged)."""
+        i = self.order.index(job)
+        if lane == "slow" and i < self.fast:
+            self._swap(i, self.fast - 1)
+            self.fast -= 1
+        elif lane == "fast" and i >= self.fast:
+            self._swap(i, self.fast)
+            self.fast += 1
+
+    def need(self, job: Job) -> int:
+        """The most positions ``job``'s row may hold in a model's cache."""
+        raise NotImplementedError
+
+    def positions(self, jobs: Sequence[Job] = ()) -> int:
+        """The most positions a row of this batch (and of ``jobs``, about to join) may hold."""
+        return max((self.need(j) for j in [*self.order, *jobs]), default=0)
+
+    def holds(self, job: Job) -> bool:
+        """Whether ``job``'s row fits every model's slots as they are (their positions; see ``Slots(fit=True)``)."""
+        return all(s.holds(self.need(job)) for s in self.slots)
+
+    def reserve(self, rows: int, positions: int = 0) -> None:
+        """Room in every model's slots for ``rows`` rows of up to ``positions`` positions
+        (:meth:`~efftx.generation.decode.Slots.reserve`: raises ``torch.OutOfMemoryError``, the rows unchanged,
+        where the device has no memory for them)."""
+        try:
+            for s in self.slots:
+                s.reserve(rows, positions, fill=len(self.slots) == 1)
+        except CacheBudgetFull:  # every model's slots take the rows the budget holds of all of them together
+            if len(self.slots) > 1:
+                first, *rest = self.slots
+                fit = first.budget.free_rows(first, *rest)
+                for s in sorted(self.slots, key=lambda s: -s.slots):  # those that give memory back first
+                    s.fill(fit)
+            raise
+
+    def admit(self, jobs: list[Job], lane: str = "fast") -> None:
+        """Prefill ``jobs`` and add them to a lane (a failing prefill is retried job by job). Their slots are
+        reserved first: where the device has no memory for them, ``torch.OutOfMemoryError`` is raised before
+        anything changed."""
+        self.reserve(len(self) + len(jobs), self.positions(jobs))
+        batch = len(self) + len(jobs)
+        try:
+            parts = [self.prefill(jobs)]
+        except Exception as exc:  # noqa: BLE001 - contained below
+            parts = self._alone(jobs, exc)
+        for state, result in parts:
+            self.commit(state, result, batch)
+            self._insert(state, lane)
+        if len(self) < batch:  # rows that failed or finished at their prefill: the slots reserved for them go back
+            self._leave()
+
+    def drop_cancelled(self) -> None:
+        """Cancelled rows leave (whichever lane they are in)."""
+        for job in self.order:
+            if job.cancelled:
+                job._finish()
+        self._leave()
+
+    def step(self, lane: str = "fast") -> None:
+        """One decoding step of every row of ``lane`` (``fast``, ``slow`` or ``all``) in one batched pass; finished
+        rows leave."""
+        self.drop_cancelled()
+        a, b = self._bounds(lane)
+        size = min(b - a, self.step_rows or b - a)  # after a pass ran out of device memory: passes of fewer rows
+        for start in range(a, b, max(size, 1)):
+            self._step_range(start, min(start + size, b))
+        self._leave()
+
+    def _step_range(self, a: int, b: int) -> None:
+        """One batched pass over rows ``a .. b - 1``; if it raises, it is undone and run row by row (one that ran
+        out of device memory also halves the rows of this batch's later passes, :attr:`step_rows`)."""
+        state = self._view(a, b)
+        snapshot, gens = state.snapshot(), _gen_states(state.jobs)
+        try:
+            parts = [(state, self.compute(state))]
+        except Exception as exc:  # noqa: BLE001 - contained below
+            state.restore(snapshot)
+            _set_gen_states(state.jobs, gens)
+            if isinstance(exc, torch.OutOfMemoryError) and b - a > 1:
+                free_memory()
+                self.step_rows = half = max((b - a) // 2, 1)
+                logger.warning("continuous batching: a %s pass of %d rows ran out of device memory; passes of at "
+                               "most %d rows from now on", self.kind, b - a, half)
+            parts = self._alone(state.jobs, exc, state)
+        for part, result in parts:
+            self.commit(part, result, b - a)
+            self.last[part.start:part.start + len(part.jobs)] = part.last.tolist()
+
+    def _alone(self, jobs: list[Job], exc: Exception, state: _State | None = None) -> list[tuple[_State, Any]]:
+        """A batched prefill (``state`` None) or step raised: run it for each row alone; a row that fails alone
+        fails (only it)."""
+        what = f"{self.kind} decoding"
+        if len(jobs) > 1:
+            logger.warning("%s of a batch of %d failed (%s: %s); running its rows one by one",
+                           what, len(jobs), type(exc).__name__, exc)
+        parts = []
+        for i, job in enumerate(jobs):
+            try:
+                if len(jobs) == 1:
+                    raise exc
+                if state is None:
+                    self._apart = True
+                    try:
+                        parts.append(self.prefill([job]))
+                    finally:
+                        self._apart = False
+                else:
+                    sub = self._view(state.start + i, state.start + i + 1)
+                    parts.append((sub, self.compute(sub)))
+            except Exception as own:  # noqa: BLE001 - this row's own failure
+                job._fail(own, what)
+        return parts
+
+    def fail_all(self, exc: BaseException) -> None:
+        for job in self.jobs():
+            job._fail(exc, f"{self.kind} decoding")
+        self.order, self.last, self.fast, self.row_limit, self.step_rows = [], [], 0, None, None
+        for s in self.slots:
+            s.truncate(0)
+
+    def prefill_chunk(self, job: Job, tokens: int) -> None:
+        """Feed the next ``tokens`` tokens of ``job``'s prompt (never its last one: its last chunk is fed by
+        :meth:`prefill`, which then takes the job alone) into rows of its own (:attr:`Job.partial`, made as its
+        prefill alone would make them): a long prompt is prefilled over several rounds, while the running rows
+        step. Raises what its prefill would (a bad request's ``ValueError`` at its first chunk)."""
+        self._hook([job])
+        if job.partial is None:
+            self.check(job)
+            job.partial = self.new_rows(job)
+        piece = (job.prompt[:job.feed_tokens])[job.fed:job.fed + tokens]
+        if job.fed + len(piece) >= job.feed_tokens:  # the scheduler's to ensure (Scheduler._chunks_left)
+            raise RuntimeError("a prefill chunk may not feed a prompt's last tokens")
+        for rows in job.partial:
+            rows.prefill([piece])
+        job.fed += len(piece)
+
+    # subclasses
+    def check(self, job: Job) -> None:
+        """Raise ``ValueError`` naming the problem where ``job`` cannot decode here (its prompt, its lengths)."""
+        raise NotImplementedError
+
+    def new_rows(self, job: Job) -> list[Rows]:
+        """Empty rows for ``job`` alone, one per model, as its prefill makes them."""
+        raise NotImplementedError
+
+    def prefill(self, jobs: list[Job]) -> tuple[_State, Any]:
+        raise NotImplementedError
+
+    def compute(self, state: _State) -> Any:
+        raise NotImplementedError
+
+    def commit(self, state: _State, result: Any, batch: int) -> list[bool]:
+        raise NotImplementedError
+
+
+def _engine_name(of) -> str:
+    """The running batch a job (or an engine) belongs to: ``base``, or speculative with its gamma (and cap)."""
+    gamma, cap = getattr(of, "gamma", None), getattr(of, "max_gamma", None)
+    if gamma is None:
+        return "base"
+    return f"speculative gamma={gamma}" + (f" max_gamma={cap}" if cap is not None else "")
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+class BaseEngine(_Engine):
+    """Base decoding: one target pass per step, one new token per row."""
+
+    kind = "base"
+
+    def __init__(self, model, hook=None, compile: str = "off", compile_rows: int | None = None,
+                 budget: CacheBudget | None = None, fit: bool = True):
+        super().__init__(hook, [model], splittable(model), compile, compile_rows, budget, fit)
+        self.model = model
+        self.name = _engine_name(self)
+
+    def _capacity(self, job: Job) -> int:
+        return self.model.max_seq_len if self.batched else self.need(job)
+
+    def need(self, job):
+        return len(job.prompt) + job.max_new
+
+    def check(self, job):
+        if not job.prompt:
+            raise ValueError("the prompt is empty")
+        total = len(job.prompt) + job.max_new
+        if total > self.model.max_seq_len:
+            raise ValueError(f"prompt ({len(job.prompt)}) + max_new_tokens ({job.max_new}) = {total} "
+                             f"exceeds the model's max_seq_len={self.model.max_seq_len}")
+
+    def new_rows(self, job):
+        if self.batched:
+            return [Rows(self.model, 1, self._room(self.model, len(job.prompt)), True)]
+        return [Rows(self.model, 1, self._capacity(job), False)]
+
+    def prefill(self, jobs):
+        self._hook(jobs)
+        device = _device(self.model)
+        for job in jobs:
+            self.check(job)
+            job.generator = _generator(job.seed, device)
+        if jobs[0].partial is not None:  # the last chunk of a chunked prefill (the job alone)
+            (rows,) = jobs[0].partial
+            logits = rows.prefill([jobs[0].prompt[jobs[0].fed:]])
+        elif self.batched:
+            room = self._room(self.model, max(len(j.prompt) for j in jobs))
+            rows, logits = self.slots[0].prefill([j.prompt for j in jobs], room, not self._apart)
+        else:
+            rows = Rows.concat([Rows(self.model, 1, self._capacity(j), False) for j in jobs])
+            logits = rows.prefill([j.prompt for j in jobs])
+        tokens = row_tokens(logits, [j.sampling for j in jobs], [j.generator for j in jobs])
+        return _State([rows], tokens, list(jobs)), tokens
+
+    def compute(self, state):
+        self._hook(state.jobs)
+        logits = state.rows[0].forward(state.last[:, None])[:, -1]
+        return row_tokens(logits, [j.sampling for j in state.jobs], [j.generator for j in state.jobs])
+
+    def commit(self, state, tokens, batch):
+        state.last = tokens
+        return [job._push([t], None, batch) for job, t in zip(state.jobs, tokens.tolist())]
+
+
+class SpeculativeEngine(_Engine):
+    """Speculative decoding with one ``gamma``: ``gamma`` batched draft passes and one batched target pass per
+    step, acceptance and rewinds per row (:func:`~efftx.generation.speculative.iter_speculative_rows`'s step)."""
+
+    kind = "speculative"
+
+    def __init__(self, target, draft, gamma: int, hook=None, max_gamma: int | None = None, compile: str = "off",
+                 compile_rows: int | None = None, budget: CacheBudget | None = None, fit: bool = True):
+        if gamma < 1:
+            raise ValueError(f"gamma must be >= 1, got {gamma}")
+        if max_gamma is not None and max_gamma < gamma:
+            raise ValueError(f"max_gamma ({max_gamma}) must be >= gamma ({gamma}), the starting value")
+        super().__init__(hook, [target, draft], splittable(target) and splittable(draft), compile, compile_rows,
+                         budget, fit)
+        self.target, self.draft, self.gamma = target, draft, gamma
+        self.max_gamma = max_gamma  # adaptive rows (:func:`~efftx.generation.speculative.next_gamma`), or None
+        self.name = _engine_name(self)
+        self.cap = max_gamma or gamma  # the most tokens a row drafts in one step
+
+    def check(self, job):
+        if not job.prompt:
+            raise ValueError("the prompt is empty")
+        limit = min(self.target.max_seq_len, self.draft.max_seq_len)
+        longest = len(job.prompt) + job.max_new
+        if longest + self.cap > limit:
+            raise ValueError(f"prompt + max_new_tokens ({longest}) + gamma ({self.cap}) "
+                             f"exceeds the models' max_seq_len={limit}")
+
+    def new_rows(self, job):
+        if self.batched:
+            return [Rows(m, 1, self._room(m, job.feed_tokens), True) for m in (self.target, self.draft)]
+        return [Rows(m, 1, self.need(job), False) for m in (self.target, self.draft)]
+
+    def need(self, job):
+        # the caches hold the prompt but its last token, the tokens kept, and a verify pass's cap + 1 more
+        return len(job.prompt) + job.max_new + self.cap + 1
+
+    def prefill(self, jobs):
+        self._hook(jobs)
+        device = _device(self.target)
+        for job in jobs:
+            self.check(job)
+            job.generator = _generator(job.seed, device)
+        prefixes = [j.prompt[:-1] for j in jobs]  # the caches hold every prompt token but the last: "pending"
+        if jobs[0].partial is not None:  # the last chunk of a chunked prefill (the job alone)
+            t, d = jobs[0].partial
+            rest = [jobs[0].prompt[jobs[0].fed:-1]]
+            t.prefill(rest)
+            d.prefill(rest)
+        elif self.batched:
+            room = max(len(j.prompt) for j in jobs) - 1
+            t, _ = self.slots[0].prefill(prefixes, self._room(self.target, room), not self._apart)
+            d, _ = self.slots[1].prefill(prefixes, self._room(self.draft, room), not self._apart)
+        else:
+            caps = [self.need(j) for j in jobs]
+            t = Rows.concat([Rows(self.target, 1, c, False) for c in caps])
+            d = Rows.concat([Rows(self.draft, 1, c, False) for c in caps])
+            t.prefill(prefixes)
+            d.prefill(prefixes)
+        pending = torch.tensor([j.prompt[-1] for j in jobs], device=device)
+        return _State([t, d], pending, list(jobs)), None
+
+    def compute(self, state):
+        self._hook(state.jobs)
+        t_rows, d_rows = state.rows
+        jobs = state.jobs
+        samplings, gens = [j.sampling for j in jobs], [j.generator for j in jobs]
+        pending, device, vocab = state.last, state.last.device, self.target.vocab_size
+        # each row drafts its own number of tokens (all alike but with an adaptive gamma); the step drafts as many
+        # as its longest-drafting row, and a row verifies only its own (its extra drafts are never looked at)
+        own = [j.draft_gamma for j in jobs]
+        gamma = max(own)
+        # every random number of the step first, each row's one draw as it makes it alone
+        # (speculative.iter_speculative_rows): the races of its own drafts and of its last token, its uniforms
+        noises, u, last_noise = step_noise(gens, own, gamma, vocab, device)
+        # A row that kept every draft of its previous step has not fed the last one to the draft model (its "tail"):
+        # the first draft pass feeds [tail, pending] to such rows and [pending, padding] to the others (their
+        # logits at pending, the padding rewound): one pass instead of a separate pass for the tails.
+        tails = [j.draft_tail for j in jobs]
+        if any(t is not None for t in tails):
+            first = torch.tensor([[pad, p] if pad is not None else [p, 0] for pad, p in zip(tails, pending.tolist())],
+                                 device=device)
+            at = torch.tensor([int(t is not None) for t in tails], device=device)
+            logits = d_rows.forward(first)[torch.arange(len(jobs), device=device), at]
+            d_rows.rewind([int(t is None) for t in tails])
+        else:
+            logits = d_rows.forward(pending[:, None])[:, -1]
+        tokens, q = [], []
+        for i in range(gamma):
+            if i:
+                logits = d_rows.forward(token[:, None])[:, -1]
+            dist = row_probabilities(logits, samplings)  # (B, V)
+            token = race(dist, noises[i])
+            tokens.append(token)
+            q.append(dist)
+        drafted, q = torch.stack(tokens, 1), torch.stack(q, 1)  # (B, gamma), (B, gamma, V)
+        verify = torch.cat([pending[:, None], drafted], 1)
+        # a compiled verify pass always feeds cap + 1 tokens (padding after the drafts, rewound below: causal
+        # attention keeps them from every real position), so that an adaptive gamma has one graph, not one per length
+        pad = self.cap - gamma if t_rows.compiles(len(jobs)) else 0
+        if pad:
+            verify = torch.cat([verify, verify.new_zeros(len(jobs), pad)], 1)
+        p = row_probabilities(t_rows.forward(verify)[:, :gamma + 1], samplings)
+        # every row's acceptance and last token at once; the host reads one (B, gamma + 2) tensor
+        packed = accept_sampled(p, q, drafted, u, last_noise, torch.tensor(own, device=device)).tolist()
+        emitted, accepted, keep, tails = [], [], [], []
+        for job, g, (n_r, last_r, *drafts) in zip(jobs, own, packed):
+            out = (drafts[:n_r] + [last_r])[: job.max_new - len(job.out)]
+            emitted.append(out)
+            accepted.append(n_r)
+            keep.append(kept_tokens(n_r, len(out), g))  # tokens the caches keep after pending
+            # the draft saw pending + gamma - 1 drafted; a row that keeps all lacks the last one: its next tail
+            tails.append(drafts[-1] if keep[-1] == gamma else None)
+        t_rows.rewind([gamma + pad - k for k in keep])  # the target saw pending + gamma drafted tokens (+ padding)
+        d_rows.rewind([max(gamma - 1 - k, 0) for k in keep])
+        return emitted, accepted, keep, tails, own
+
+    def commit(self, state, result, batch):
+        if result is None:  # the prefill: counted as a pass of each model when there was a prompt prefix
+            for job in state.jobs:
+                if len(job.prompt) > 1:
+                    job.stats.target_calls += 1
+                    job.stats.draft_calls += 1
+            return [False] * len(state.jobs)
+        emitted, accepted, keep, tails, own = result
+        finished = []
+        for job, out, n, k, tail, g in zip(state.jobs, emitted, accepted, keep, tails, own):
+            job.draft_tail = tail
+            st = job.stats
+            st.steps += 1
+            st.accepted.append(n)
+            st.drafted.append(g)
+            st.target_calls += 1
+            st.draft_calls += g  # as alone: its draft passes a step (a tail rides on the next step's first)
+            if self.max_gamma is not None:
+                job.draft_gamma = next_gamma(g, g, n, self.max_gamma)
+            finished.append(job._push(out, n, batch))
+        state.last = torch.tensor([e[-1] if e else int(t) for e, t in zip(emitted, state.last.tolist())],
+                                  device=state.last.device)
+        return finished
