@@ -1393,7 +1393,8 @@ def test_priority_keeps_every_requests_solo_output(pairs, kind):
 
 def test_warm_up_decodes_throwaway_batches_and_leaves_nothing_behind():
     """A replica's warm-up decodes batches of 5, 2 and 1 requests in base and speculative decoding through the
-    models themselves, leaves the global random state as it was, and fails with the error a model gives."""
+    models themselves, each batch's prompts prefilled together, leaves the global random state as it was, and fails
+    with the error a model gives."""
     target, draft = lm(0), lm(1, 1)
     shapes: list[tuple[int, ...]] = []
     real = target.forward
@@ -1412,6 +1413,9 @@ def test_warm_up_decodes_throwaway_batches_and_leaves_nothing_behind():
     assert torch.equal(torch.get_rng_state(), state)
     assert {5, 2, 1} <= {s[0] for s in shapes}  # every batch went through the target (rows leave as they finish)
     assert (5, 4) in shapes  # speculative: a verify pass of gamma + 1 tokens over 5 rows
+    # each batch's prompts in one prefill (here base decoding's 2 prompts of 1 and 2 tokens), though the costs
+    # measured by then would have cut them into two passes (power: with group_prefills on, no (2, 2) pass)
+    assert (2, 2) in shapes
     assert warm_up(target, draft, rows=0) == {"rows": 0, "seconds": 0.0}
     for bad in (-1, True, 2.5):
         with pytest.raises(ValueError, match="warm-up rows"):

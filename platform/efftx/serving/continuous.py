@@ -127,8 +127,10 @@ def warm_up(target, draft=None, *, rows: int = 16, gamma: int | None = None, tok
     if rows == 0:
         return {"rows": 0, "seconds": 0.0}
     started, done = time.perf_counter(), 0
+    # every batch's prompts in one prefill (group_prefills off): its shapes are the ones warmed, not those the
+    # first batches' measured costs would cut them into
     scheduler = Scheduler(target, draft, max_rows=rows, short_tokens=0, prefill_rows=0, compile=compile,
-                          compile_rows=compile_rows, cache_budget=cache_budget)
+                          compile_rows=compile_rows, cache_budget=cache_budget, group_prefills=False)
     batches = [rows >> k for k in range(rows.bit_length())]  # rows, rows // 2, ..., 1
     kinds = [(None, None)] + ([(gamma, None)] if draft is not None and gamma else [])
     if draft is not None and gamma and max_gamma:
