@@ -344,7 +344,7 @@ def inprocess_load(target, draft, mode: str, knobs: dict, clients: int, lengths:
             "ttft_p99": pct(ttft, 0.99), "rows": max((r[4].batch_size for r in ok), default=0),
             "long_rounds": scheduler.long_rounds, "rounds": scheduler.rounds, "knobs": knobs,
             "prefills": scheduler.prefills, "prefill_tokens": scheduler.prefill_tokens,
-            "prefill_s": scheduler.prefill_s}
+            "prefill_s": scheduler.prefill_s, "free_joins": scheduler.free_joins}
 
 
 def inprocess(target, draft, modes: list[str], clients: int, lengths: list[int], unloaded: int, device: str = "cpu",
@@ -398,7 +398,9 @@ def inprocess(target, draft, modes: list[str], clients: int, lengths: list[int],
                       + (f"; first token p50 {r['ttft_p50']:.0f} ms" if clock == "wall" else "")
                       + (f"; first token p99 {r['ttft_p99']:.0f} ms" if long_prompt else "")
                       + (f"; the slow lanes stepped beside short rows by their slack in {r['long_rounds']} of "
-                         f"{r['rounds']} rounds" if r["long_rounds"] else ""), flush=True)
+                         f"{r['rounds']} rounds" if r["long_rounds"] else "")
+                      + (f"; {r['free_joins']} arrivals joined past prefill_rows at next to no cost"
+                         if r["free_joins"] else ""), flush=True)
     print(f"\ngoals (in-process, {clock} clock, continuous batching"
           + (f"; the median over {rounds} rounds" if rounds > 1 else "") + "):")
     for line in goals(runs, modes):

@@ -1156,6 +1156,34 @@ def test_arrivals_are_prefilled_in_the_passes_the_measured_costs_say_cost_least(
         assert_alone(target, draft, jobs)
 
 
+@pytest.mark.parametrize("step,prefill,slowdown,together", [
+    (lambda rows: 1.0, FLAT, 1.5, True),  # a GPU: the burst joins in one round
+    (lambda rows: float(rows), STEEP, 1.5, False),  # a CPU: prefill_rows a round
+    (lambda rows: 1.0, FLAT, 0, False),  # the measured-cost priority off: the limit holds
+    (lambda rows: float(rows), FLAT, 1.5, False),  # prefills cost nothing more, but steps of more rows do
+], ids=["flat", "steep", "flat-priority-off", "steps-grow"])
+def test_a_burst_joins_in_one_round_where_the_measured_costs_say_its_prefills_cost_next_to_nothing(
+        step, prefill, slowdown, together):
+    """Three long requests decode (their prefills and steps measured the costs), then six short ones arrive at
+    once, two prefills a round (``prefill_rows=2``). Where a prefill and a step cost the same at any size (a GPU),
+    the four past the limit cost next to nothing: all six join in that round. Where costs grow with tokens and rows
+    (a CPU), or where only the steps grow with rows, or with ``short_slowdown=0``, they join two a round. Every
+    request gets its solo tokens. Power: without the rule the flat case fails, and without its step condition the
+    steps-grow case (run and seen)."""
+    target = lm(0)
+    fake = FakeCosts(step, prefill, padded=True)
+    scheduler = Scheduler(target, short_tokens=8, prefill_rows=2, short_slowdown=slowdown, clock=fake.clock,
+                          hook=fake.hook)
+    plan = [(0, prompt(3, 1), 30, HOT, 1, None, "long1"), (1, prompt(3, 2), 30, HOT, 2, None, "long2"),
+            (1, prompt(3, 3), 30, HOT, 3, None, "long3")]
+    plan += [(4, prompt(3, 10 + i), 6, HOT, 10 + i, None, f"s{i}") for i in range(6)]
+    jobs, got, finished = rounds_of(scheduler, plan)
+    first = [got[f"s{i}"][0] for i in range(6)]
+    assert first == ([4] * 6 if together else [4, 4, 5, 5, 6, 6])
+    assert scheduler.free_joins == (4 if together else 0)
+    assert_alone(target, None, list(jobs.values()))
+
+
 def test_arrivals_the_slots_have_no_room_for_all_at_once_join_in_their_order(monkeypatch, pairs):
     """As above, with the CPU's costs, but the device holds four slots and two rows decode: the arrivals are not
     regrouped by length; the first two in arrival order (40 and 3 tokens) join in one pass, the others when rows

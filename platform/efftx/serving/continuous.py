@@ -321,8 +321,10 @@ class Scheduler:
     * ``prefill_rows``: at most this many queued requests are prefilled in one round (in the order above; 0: no
       limit). A prefill costs several decoding steps' time (its prompt's tokens go through every weight), and
       requests that finish in the same step come back as arrivals together: without a limit, one round could
-      prefill a whole burst while every running row waits. Prefilling two rows costs about twice one, so the limit
-      spreads bursts at no cost in throughput;
+      prefill a whole burst while every running row waits. Prefilling two rows costs about twice one (on a CPU), so
+      the limit spreads bursts at no cost in throughput. With ``short_slowdown`` on, more arrivals join a round
+      where the measured costs say they cost next to nothing (their prefill, and a step with their rows, at most a
+      tenth more: a GPU's flat costs), so that a burst of short requests is not spread over rounds for nothing;
     * ``prefill_chunk``: a prompt longer than this many tokens is prefilled this many tokens a round (a *chunked
       prefill*: its chunks go into rows of its own, its last one joins the batch), so that one long prompt does
       not stall every running row for its whole prefill (the small pair's target on a 2-core CPU: 15 ms for 200
@@ -408,6 +410,7 @@ class Scheduler:
         self.prefills = 0  # prefill passes run (every batch; chunks of chunked prefills included)
         self.prefill_tokens = 0  # and their tokens: each pass's rows times its longest prompt (padding included)
         self.prefill_s = 0.0  # and their time on ``clock``
+        self.free_joins = 0  # arrivals that joined past prefill_rows, costing next to nothing (_free_prefill)
         self._refusal: tuple | None = None  # the last batch memory held back: (its name, its rows, its room)
         self._memory = self.budget.report() if self.budget is not None else None  # see cache_memory
 
@@ -504,6 +507,8 @@ class Scheduler:
         moves: list[tuple[_Engine, Job]] = []
         waiting = []
         admitted = 0
+        within: dict[_Engine, list[Job]] = {}  # per batch, its arrivals taken within prefill_rows
+        extra = True  # arrivals past prefill_rows may still join where they cost next to nothing (until one may not)
         for i, job in sorted(enumerate(pending), key=order):
             try:
                 engine = self._engine(job)
@@ -514,8 +519,11 @@ class Scheduler:
                 continue
             lanes = taken.setdefault(engine, {"fast": [], "slow": [], "chunk": []})
             cap = min(self.max_rows, engine.row_limit or self.max_rows)  # row_limit: the device's memory
-            if len(engine) + len(lanes["fast"]) + len(lanes["slow"]) >= cap or (
-                    self.prefill_rows and admitted >= self.prefill_rows):
+            limited = bool(self.prefill_rows) and admitted >= self.prefill_rows
+            if limited and extra and not self._free_prefill(engine, within.get(engine, []),
+                                                            lanes["fast"] + lanes["slow"], job):
+                extra = False  # none passes an arrival that had to wait for the limit
+            if len(engine) + len(lanes["fast"]) + len(lanes["slow"]) >= cap or (limited and not extra):
                 waiting.append((i, job))
             elif not (self.short(job) or long_due or id(job) in aged):
                 waiting.append((i, job))  # a long arrival, while short requests run or wait
@@ -536,10 +544,37 @@ class Scheduler:
             else:
                 lanes["slow"].append(job)
                 admitted += 1
+            if job in lanes["fast"] + lanes["slow"]:
+                if limited:
+                    self.free_joins += 1
+                else:
+                    within.setdefault(engine, []).append(job)
         if waiting:
             with self._cv:  # ahead of what arrived meanwhile, in arrival order
                 self._queue.extendleft(job for _, job in sorted(waiting, key=lambda item: -item[0]))
         return taken, moves
+
+    def _free_prefill(self, engine: _Engine, within: list[Job], joining: list[Job], job: Job) -> bool:
+        """Whether ``job`` may join this round past ``prefill_rows``: with the measured-cost priority on
+        (``short_slowdown``), where by the measured costs it costs next to nothing: its batch's arrivals' prefill
+        with it costs at most :data:`NEGLIGIBLE` more than that of the arrivals taken within the limit
+        (``within``; ``joining``: every arrival taken so far), and so does a step of the batch's rows with it. On a
+        GPU, whose passes of a few rows or short prompts cost about one's time, a burst of short requests then
+        joins in one round instead of ``prefill_rows`` a round; on a CPU, whose costs grow with rows and tokens,
+        the limit holds. Never a chunk of a chunked prefill, nor before the costs it needs were measured."""
+        if self.short_slowdown == 0 or not within or self._chunks_left(job):
+            return False
+        costs = self._costs(engine.name)
+
+        def padded(jobs: list[Job]) -> int:
+            return len(jobs) * max(len(j.prompt) - j.fed for j in jobs)
+
+        base, more = costs.prefills.estimate(padded(within)), costs.prefills.estimate(padded([*joining, job]))
+        rows = len(engine)
+        step, bigger = costs.steps.estimate(rows + len(within)), costs.steps.estimate(rows + len(joining) + 1)
+        if None in (base, more, step, bigger):
+            return False
+        return more <= (1 + NEGLIGIBLE) * base and bigger <= (1 + NEGLIGIBLE) * step
 
     def run_once(self) -> int:
         """One scheduling round: admit what may start now, one step of the fast lanes, and one step of the slow
