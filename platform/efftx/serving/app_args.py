@@ -86,7 +86,9 @@ class TextAppArgs(BaseModel):
         "where a step costs about the same at any row count, that is nearly every round."))
     prefill_rows: int | None = Field(None, ge=0, description=(
         "continuous: at most this many waiting requests are prefilled per decoding round, short ones first "
-        "(default 2; 0: no limit), so that a burst of arrivals does not stall the running rows for one long round."))
+        "(default 2; 0: no limit), so that a burst of arrivals does not stall the running rows for one long round. "
+        "With short_slowdown on, more join where the replica's measured costs say they cost next to nothing (a "
+        "GPU's prefills and steps of a few more rows)."))
     prefill_chunk: int | None = Field(None, ge=0, description=(
         "continuous: a prompt longer than this many tokens is prefilled this many tokens per decoding round (a chunked "
         "prefill), so that a long prompt does not stall the running requests for its whole prefill (default 0: whole "
