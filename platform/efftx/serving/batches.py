@@ -486,6 +486,16 @@ class _Engine:
         """Empty rows for ``job`` alone, one per model, as its prefill makes them."""
         raise NotImplementedError
 
+    def _start(self, jobs: list[Job], model) -> torch.device:
+        """A prefill's start: the hook, then each job checked (a ``ValueError`` fails it alone) and given its
+        generator on ``model``'s device (returned)."""
+        self._hook(jobs)
+        device = _device(model)
+        for job in jobs:
+            self.check(job)
+            job.generator = _generator(job.seed, device)
+        return device
+
     def prefill(self, jobs: list[Job]) -> tuple[_State, Any]:
         raise NotImplementedError
 
@@ -539,11 +549,7 @@ class BaseEngine(_Engine):
         return [Rows(self.model, 1, self._capacity(job), False)]
 
     def prefill(self, jobs):
-        self._hook(jobs)
-        device = _device(self.model)
-        for job in jobs:
-            self.check(job)
-            job.generator = _generator(job.seed, device)
+        self._start(jobs, self.model)
         if jobs[0].partial is not None:  # the last chunk of a chunked prefill (the job alone)
             (rows,) = jobs[0].partial
             logits = rows.prefill([jobs[0].prompt[jobs[0].fed:]])
@@ -604,11 +610,7 @@ class SpeculativeEngine(_Engine):
         return len(job.prompt) + job.max_new + self.cap + 1
 
     def prefill(self, jobs):
-        self._hook(jobs)
-        device = _device(self.target)
-        for job in jobs:
-            self.check(job)
-            job.generator = _generator(job.seed, device)
+        device = self._start(jobs, self.target)
         prefixes = [j.prompt[:-1] for j in jobs]  # the caches hold every prompt token but the last: "pending"
         if jobs[0].partial is not None:  # the last chunk of a chunked prefill (the job alone)
             t, d = jobs[0].partial
