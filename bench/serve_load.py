@@ -285,11 +285,14 @@ def prompt_of(i: int, new: int, long_prompt: int = 0) -> list[int]:
 
 
 def inprocess_load(target, draft, mode: str, knobs: dict, clients: int, lengths: list[int], unloaded: int,
-                   clock: str, timeout: float = 300.0, long_prompt: int = 0) -> dict:
-    """One policy's closed-loop load on a scheduler of its own (see :func:`inprocess`): its figures."""
+                   clock: str, timeout: float = 300.0, long_prompt: int = 0, costs: dict | None = None) -> dict:
+    """One policy's closed-loop load on a scheduler of its own (see :func:`inprocess`): its figures. ``costs``: the
+    warm-up's measured costs, which the scheduler starts from (a copy each), as a replica's does."""
+    import copy
+
     from efftx.serving.continuous import Job, Sampling, Scheduler
 
-    scheduler = Scheduler(target, draft, **{"max_rows": 32, **knobs}).start()
+    scheduler = Scheduler(target, draft, **{"max_rows": 32, **knobs}, costs=copy.deepcopy(costs)).start()
     if clock == "cpu":
         clock_id = time.pthread_getcpuclockid(scheduler._thread.ident)
         now = lambda: time.clock_gettime(clock_id)  # noqa: E731 - the decoding thread's CPU clock, from any thread
@@ -370,8 +373,8 @@ def inprocess(target, draft, modes: list[str], clients: int, lengths: list[int],
     # as a replica starts (one-time costs: on CUDA its kernels' first launches; the compiled passes' graphs), for
     # the modes this load runs (a base-only load compiles no speculative pass)
     spec = "speculative" in modes and draft is not None
-    warm_up(target, draft if spec else None, gamma=5 if spec else None, max_gamma=ADAPTIVE_CAP if spec else None,
-            **compiled)
+    warmed = warm_up(target, draft if spec else None, gamma=5 if spec else None,
+                     max_gamma=ADAPTIVE_CAP if spec else None, **compiled)
     print(f"in-process on {device} ({clock} clock, {threads} torch thread{'s' * (threads > 1)}"
           + (f", compile={compiled['compile']} up to {compiled.get('compile_rows') or 'any number of'} rows"
              if compiled.get("compile", "off") != "off" else "") + f"), {clients} clients, "
@@ -388,7 +391,7 @@ def inprocess(target, draft, modes: list[str], clients: int, lengths: list[int],
             for name, knobs in policies:
                 extra = (continuous or {}) if name in ("continuous", "chunked", "one-pass") else {}
                 r = inprocess_load(target, draft, mode, {**knobs, **compiled, **extra}, clients, lengths, unloaded,
-                                   clock, timeout, long_prompt)
+                                   clock, timeout, long_prompt, warmed.get("costs"))
                 runs.setdefault((name, mode), []).append(r)
                 print(f"  {f'round {rnd + 1}: ' if rounds > 1 else ''}{mode:<12}{name:<11} {clock} seconds "
                       f"{r['seconds']:6.2f} ({r['rps']:6.2f} req/s), errors {r['errors']}, up to {r['rows']} rows a "

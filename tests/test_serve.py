@@ -74,6 +74,9 @@ def test_models_info_reports_the_schedulers_measured_costs(server):
         assert all(ms > 0 for ms in costs[batch]["prefill_ms"].values())
     assert costs["base"]["tokens_per_step"] == 1.0 and costs["speculative gamma=2"]["tokens_per_step"] >= 1.0
     assert costs["base"]["positions"] == 64  # the fewest a slot takes: the debug model's 128 hold twice these rows
+    # this request's steps are of one row; the others come from the warm-up's batches (16, 8, ... rows): the
+    # replica's scheduler started from the costs its warm-up measured
+    assert max(map(int, costs["base"]["step_ms"])) >= 8
     for batch in ("base", "speculative gamma=2"):  # this request's prefill passes (and earlier tests')
         assert costs[batch]["prefill_passes"] >= 1
         assert costs[batch]["padded_tokens"] >= costs[batch]["prompt_tokens"] > 0

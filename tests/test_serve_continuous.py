@@ -1184,6 +1184,26 @@ def test_a_burst_joins_in_one_round_where_the_measured_costs_say_its_prefills_co
     assert_alone(target, None, list(jobs.values()))
 
 
+@pytest.mark.parametrize("seeded", [True, False])
+def test_a_scheduler_starts_from_the_warm_ups_costs_so_its_opening_burst_joins_at_once(seeded):
+    """Flat costs measured before (as a replica's warm-up measures them) and handed to a new scheduler: six short
+    requests arriving at once in its first round all join then, past ``prefill_rows=2``. Without the costs (power)
+    nothing is measured yet, and they join two a round. Every request gets its solo tokens."""
+    target = lm(0)
+    flat = StepCosts()
+    for rows in (1, 2, 4):
+        flat.add_step(rows, 1.0, rows)
+    for tokens in (3, 6):
+        flat.add_prefill(tokens, tokens, 1.0)
+    fake = FakeCosts(lambda rows: 1.0, FLAT, padded=True)
+    scheduler = Scheduler(target, short_tokens=8, prefill_rows=2, clock=fake.clock, hook=fake.hook,
+                          costs={"base": flat} if seeded else None)
+    plan = [(0, prompt(3, 10 + i), 6, HOT, 10 + i, None, f"s{i}") for i in range(6)]
+    jobs, got, finished = rounds_of(scheduler, plan)
+    assert [got[f"s{i}"][0] for i in range(6)] == ([0] * 6 if seeded else [0, 0, 1, 1, 2, 2])
+    assert_alone(target, None, list(jobs.values()))
+
+
 def test_arrivals_the_slots_have_no_room_for_all_at_once_join_in_their_order(monkeypatch, pairs):
     """As above, with the CPU's costs, but the device holds four slots and two rows decode: the arrivals are not
     regrouped by length; the first two in arrival order (40 and 3 tokens) join in one pass, the others when rows
@@ -1444,6 +1464,9 @@ def test_warm_up_decodes_throwaway_batches_and_leaves_nothing_behind():
     # each batch's prompts in one prefill (here base decoding's 2 prompts of 1 and 2 tokens), though the costs
     # measured by then would have cut them into two passes (power: with group_prefills on, no (2, 2) pass)
     assert (2, 2) in shapes
+    # the costs it measured, for the replica's scheduler to start from: steps of every batch's rows, prefills
+    assert {5, 2, 1} <= set(out["costs"]["base"].steps.seconds) and out["costs"]["base"].prefill_passes >= 3
+    assert set(out["costs"]) == {"base", "speculative gamma=3"}
     assert warm_up(target, draft, rows=0) == {"rows": 0, "seconds": 0.0}
     for bad in (-1, True, 2.5):
         with pytest.raises(ValueError, match="warm-up rows"):

@@ -120,7 +120,9 @@ def warm_up(target, draft=None, *, rows: int = 16, gamma: int | None = None, tok
     with ``compile``, also batches of 2 and 1 prompts of 32 tokens (the compiled prefills' shapes, with those of
     the batches before). ``cache_budget``: the replica's (its batches take no more rows than it holds).
     In a short context the requests get fewer new tokens, and a mode none of whose requests fits is skipped.
-    ``rows=0`` does nothing. Returns ``{"rows": requests decoded, "seconds": wall time}``. A model that cannot
+    ``rows=0`` does nothing. Returns ``{"rows": requests decoded, "seconds": wall time, "costs": the step and prefill
+    costs measured}`` (``costs``, on :func:`time.perf_counter`, is for the replica's :class:`Scheduler` to start
+    from; not with ``rows=0``). A model that cannot
     decode fails here, when the replica starts, with the error it would give the first request."""
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
         raise ValueError(f"warm-up rows must be an integer >= 0, got {rows!r}")
@@ -161,7 +163,7 @@ def warm_up(target, draft=None, *, rows: int = 16, gamma: int | None = None, tok
     for model in [target] + ([draft] if draft is not None and gamma else []):
         if slots_for(model, compile, budget=scheduler.budget).fits:
             pool_widths(model, rows, scheduler.budget)
-    return {"rows": done, "seconds": round(time.perf_counter() - started, 3)}
+    return {"rows": done, "seconds": round(time.perf_counter() - started, 3), "costs": scheduler.costs}
 
 
 # ---------------------------------------------------------------------------------------------- scheduler
@@ -298,6 +300,9 @@ class Scheduler:
     wait in the queue, as they do where the device itself has no memory for them (see the module docstring), but
     without an out-of-memory error first. It must hold at least one row of each mode (a ``ValueError`` says how
     much a row takes).
+    ``costs``: measured costs to start from (:func:`warm_up`'s, on the same ``clock``; the scheduler updates them
+    in place), so that what needs measured costs (below: the priority's slack, prefill grouping, arrivals past
+    ``prefill_rows``) works from the first request, a replica's opening burst included.
     ``fit_positions`` (default True): slots fitted to their rows' positions (see the module docstring); False: every
     slot holds the model's whole context (no widening or narrowing copies).
 
@@ -364,7 +369,8 @@ class Scheduler:
                  hook: Callable[[str, list[Job]], None] | None = None,
                  observe: Callable[[str, int], None] | None = None, compile: str = "off",
                  compile_rows: int | None = None, clock: Callable[[], float] = time.perf_counter,
-                 cache_budget: int | None = None, fit_positions: bool = True, group_prefills: bool = True):
+                 cache_budget: int | None = None, fit_positions: bool = True, group_prefills: bool = True,
+                 costs: dict[str, StepCosts] | None = None):
         if not isinstance(group_prefills, bool):
             raise ValueError(f"group_prefills must be True or False, got {group_prefills!r}")
         for name, value, least in (("max_rows", max_rows, 1), ("short_tokens", short_tokens, 0),
@@ -405,7 +411,8 @@ class Scheduler:
         self.rounds = 0  # scheduling rounds run
         self.moves = 0  # long rows moved from a fast lane to a slow one to make room for short ones
         self._long_round = 0  # the round the slow lanes last stepped
-        self.costs: dict[str, StepCosts] = {}  # per engine (:func:`_engine_name`): measured costs
+        # per engine (:func:`_engine_name`): measured costs, from the warm-up's where given
+        self.costs: dict[str, StepCosts] = dict(costs or {})
         self.long_rounds = 0  # rounds in which the slow lanes stepped beside short rows before long_every said so
         self.prefills = 0  # prefill passes run (every batch; chunks of chunked prefills included)
         self.prefill_tokens = 0  # and their tokens: each pass's rows times its longest prompt (padding included)

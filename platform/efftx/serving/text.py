@@ -296,7 +296,7 @@ class TextGenerator:
             self.batching.update(warm_up_rows=warmed["rows"], warm_up_s=warmed["seconds"], **compiled)
             self.scheduler = Scheduler(self.target, self.draft, max_rows=max_batch_size,
                                        admit_wait_s=batch_wait_timeout_s, **(priority or {}), **compiled,
-                                       cache_budget=budget,
+                                       cache_budget=budget, costs=warmed.get("costs"),  # measured while warming up
                                        hook=lambda kind, jobs: self._step_hook(kind, [j.tag for j in jobs]),
                                        observe=lambda kind, rows: metrics.batch("continuous", kind, rows)).start()
         else:
