@@ -453,12 +453,12 @@ def goals(runs: dict[tuple[str, str], list[dict]], modes: list[str], notes: dict
                              f"{sum(a['errors'] for a in chunked)}")
             single = runs.get(("one-pass", mode))
             if single:  # --one-pass: each round's arrivals for a lane in one padded pass, beside the grouped passes
+                spent = [a["prefill_s"] / b["prefill_s"] for a, b in zip(c, single)]
                 lines.append(f"[info] {mode}: arrivals in one pass per lane (group_prefills off) against grouped by "
                              f"cost: prefills' wall seconds (the scheduler's clock) "
                              f"{statistics.median(a['prefill_s'] for a in single):.3f} against "
                              f"{statistics.median(a['prefill_s'] for a in c):.3f} (grouped "
-                             f"{statistics.median(a['prefill_s'] / b['prefill_s'] for a, b in zip(c, single)):.2f}x"
-                             f"{rounds_of([a['prefill_s'] / b['prefill_s'] for a, b in zip(c, single)], '.2f')}), "
+                             f"{statistics.median(spent):.2f}x{rounds_of(spent, '.2f')}), "
                              f"passes {statistics.median(a['prefills'] for a in single):.0f} against "
                              f"{statistics.median(a['prefills'] for a in c):.0f}, padded tokens "
                              f"{statistics.median(a['prefill_tokens'] for a in single):.0f} against "

@@ -1201,6 +1201,7 @@ def test_a_scheduler_starts_from_the_warm_ups_costs_so_its_opening_burst_joins_a
     plan = [(0, prompt(3, 10 + i), 6, HOT, 10 + i, None, f"s{i}") for i in range(6)]
     jobs, got, finished = rounds_of(scheduler, plan)
     assert [got[f"s{i}"][0] for i in range(6)] == ([0] * 6 if seeded else [0, 0, 1, 1, 2, 2])
+    assert scheduler.prefills == len(fake.passes)  # it counts its own passes, not those the costs came from
     assert_alone(target, None, list(jobs.values()))
 
 

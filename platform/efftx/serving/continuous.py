@@ -250,6 +250,11 @@ class _Table:
         return max(line, c1 * size / n1) if above else max(line, c1)
 
 
+def _padded(sizes: list[int]) -> int:
+    """The tokens a prefill pass of prompts of ``sizes`` tokens runs: its rows times the longest."""
+    return len(sizes) * max(sizes)
+
+
 class StepCosts:
     """One engine's measured costs (see :class:`Scheduler`'s *Measured costs*): its steps' seconds per row count,
     its prefills' per prompt tokens (rows times the longest prompt), and the tokens a step gives a row
@@ -259,14 +264,21 @@ class StepCosts:
         self.steps, self.prefills = _Table(weight), _Table(weight)
         self.weight = weight
         self.tokens_per_step = 1.0
-        # prefill passes run, their tokens padded (rows times the longest prompt) and their prompts' own tokens
+        self.count_from_zero()
+
+    def count_from_zero(self) -> None:
+        """The counts below start again (the costs measured stay): a scheduler counts its own passes."""
+        # prefill passes run, their tokens padded (rows times the longest prompt), their prompts' own tokens, and
+        # their seconds
         self.prefill_passes = self.padded_tokens = self.prompt_tokens = 0
+        self.prefill_seconds = 0.0
 
     def add_prefill(self, padded: int, prompt: int, seconds: float) -> None:
         self.prefills.add(padded, seconds)
         self.prefill_passes += 1
         self.padded_tokens += padded
         self.prompt_tokens += prompt
+        self.prefill_seconds += seconds
 
     def add_step(self, rows: int, seconds: float, tokens: int) -> None:
         self.steps.add(rows, seconds)
@@ -413,10 +425,9 @@ class Scheduler:
         self._long_round = 0  # the round the slow lanes last stepped
         # per engine (:func:`_engine_name`): measured costs, from the warm-up's where given
         self.costs: dict[str, StepCosts] = dict(costs or {})
+        for given in self.costs.values():
+            given.count_from_zero()
         self.long_rounds = 0  # rounds in which the slow lanes stepped beside short rows before long_every said so
-        self.prefills = 0  # prefill passes run (every batch; chunks of chunked prefills included)
-        self.prefill_tokens = 0  # and their tokens: each pass's rows times its longest prompt (padding included)
-        self.prefill_s = 0.0  # and their time on ``clock``
         self.free_joins = 0  # arrivals that joined past prefill_rows, costing next to nothing (_free_prefill)
         self._refusal: tuple | None = None  # the last batch memory held back: (its name, its rows, its room)
         self._memory = self.budget.report() if self.budget is not None else None  # see cache_memory
@@ -573,10 +584,8 @@ class Scheduler:
             return False
         costs = self._costs(engine.name)
 
-        def padded(jobs: list[Job]) -> int:
-            return len(jobs) * max(len(j.prompt) - j.fed for j in jobs)
-
-        base, more = costs.prefills.estimate(padded(within)), costs.prefills.estimate(padded([*joining, job]))
+        base = costs.prefills.estimate(_padded([len(j.prompt) - j.fed for j in within]))
+        more = costs.prefills.estimate(_padded([len(j.prompt) - j.fed for j in [*joining, job]]))
         rows = len(engine)
         step, bigger = costs.steps.estimate(rows + len(within)), costs.steps.estimate(rows + len(joining) + 1)
         if None in (base, more, step, bigger):
@@ -615,7 +624,7 @@ class Scheduler:
                     self._guarded(engine, lambda g=group: ran.extend(self._admit(engine, g, lane)), jobs=group)
                     if ran:  # keyed by the tokens it ran: the rows' prompts right-padded to the longest
                         sizes = [left[id(j)] for j in ran]
-                        self._prefilled(engine, len(sizes) * max(sizes), sum(sizes), self.clock() - t0)
+                        self._costs(engine.name).add_prefill(_padded(sizes), sum(sizes), self.clock() - t0)
         engines = [e for e in self._engines() if len(e)]
         # the slow lanes step when due, or when no short row runs after all (e.g. the short arrivals failed): then
         # with the fast lane, in one pass of all the rows
@@ -654,6 +663,21 @@ class Scheduler:
         if self.budget is not None:
             self._memory = self.budget.report()
         return self.running
+
+    @property
+    def prefills(self) -> int:
+        """Prefill passes run (every batch; chunks of chunked prefills included)."""
+        return sum(c.prefill_passes for c in list(self.costs.values()))
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Their tokens: each pass's rows times its longest prompt (padding included)."""
+        return sum(c.padded_tokens for c in list(self.costs.values()))
+
+    @property
+    def prefill_s(self) -> float:
+        """Their time on ``clock``."""
+        return sum(c.prefill_seconds for c in list(self.costs.values()))
 
     def cache_memory(self) -> dict[str, float] | None:
         """With a ``cache_budget``: MiB of the budget (``limit_mib``), of what the slots hold (``held_mib``) and of
@@ -792,14 +816,6 @@ class Scheduler:
             return [jobs]
         return groups[::-1]
 
-    def _prefilled(self, engine: _Engine, padded: int, prompt: int, seconds: float) -> None:
-        """A prefill pass of ``engine`` ran ``padded`` tokens (its rows times the longest prompt) for ``prompt``
-        tokens of prompts in ``seconds``: its costs (:class:`StepCosts`) and the scheduler's totals."""
-        self._costs(engine.name).add_prefill(padded, prompt, seconds)
-        self.prefills += 1
-        self.prefill_tokens += padded
-        self.prefill_s += seconds
-
     def _admit(self, engine: _Engine, jobs: list[Job], lane: str) -> list[Job]:
         """``engine.admit``; returns the jobs prefilled. Where the device has no memory for the arrivals' slots, the
         batch takes no more rows than its slots hold until it drains (``row_limit``): as many arrivals as they hold
@@ -863,7 +879,7 @@ class Scheduler:
             except Exception as exc:  # noqa: BLE001 - this request's own failure
                 job._fail(exc, f"{engine.kind} decoding")
                 continue
-            self._prefilled(engine, self.prefill_chunk, self.prefill_chunk, self.clock() - t0)
+            self._costs(engine.name).add_prefill(self.prefill_chunk, self.prefill_chunk, self.clock() - t0)
         with self._cv:
             self._queue.extendleft(reversed([j for j in jobs if not j.done]))
 
