@@ -1428,6 +1428,21 @@ def test_the_cost_tables_estimates_equal_their_reference_over_many_tables():
             assert table.estimate(size) == pytest.approx(naive_estimate(table.seconds, size), rel=1e-12), (trial, size)
 
 
+def test_a_long_lived_prefill_table_stays_bounded_and_close():
+    """Every padded length from 1 to 131,072 tokens (32 rows of 4,096), measured once at a cost linear in the
+    tokens: the table keeps every size up to 64 and a few hundred in all, and estimates every length within 1/32 of
+    its cost."""
+    table = continuous._Table(0.25)
+    cost = lambda n: 0.002 + 1e-5 * n  # noqa: E731
+    top = 32 * 4096
+    for n in range(1, top + 1):
+        table.add(n, cost(n))
+    assert all(n in table.seconds for n in range(1, 65))
+    assert len(table.seconds) <= 64 + 16 * (top.bit_length() - 7) + 1  # 16 a power-of-two octave past 64
+    for n in [*range(1, 300), *range(300, top, 997), top]:
+        assert table.estimate(n) == pytest.approx(cost(n), rel=1 / 32), n
+
+
 @pytest.mark.parametrize("kind", ["full", "nsa"])
 def test_priority_keeps_every_requests_solo_output(pairs, kind):
     """The mixed plan (every mode, sampling and gamma, arrivals at different rounds) under a tight priority policy:

@@ -211,14 +211,29 @@ class _Table:
 
     A pass's time has outliers (a graph compiled at its first call, the machine's other work), which would make
     every round look unaffordable for many rounds: a sample under half the average replaces it (the average was
-    the outlier), and one over twice the average counts as twice the average."""
+    the outlier), and one over twice the average counts as twice the average.
+
+    Sizes up to ``EXACT`` are kept as they are (a step's rows, a short prompt's tokens); a larger one counts at the
+    nearest of ``PER_OCTAVE`` sizes spaced evenly in its power-of-two octave (within 1/32 of it), so a long-lived
+    replica's prefill table, which would gain a size for each new padded length, stays at a few hundred sizes."""
+
+    EXACT, PER_OCTAVE = 64, 16
 
     def __init__(self, weight: float):
         self.weight = weight
         self.seconds: dict[int, float] = {}
         self._sizes: list[int] = []  # the sizes measured, in order (estimates run every round: no sort each time)
 
+    @classmethod
+    def key(cls, size: int) -> int:
+        """The size that ``size``'s samples count at."""
+        if size <= cls.EXACT:
+            return size
+        spacing = max(1, (1 << (size.bit_length() - 1)) // cls.PER_OCTAVE)  # the octave's lowest / PER_OCTAVE
+        return round(size / spacing) * spacing
+
     def add(self, size: int, seconds: float) -> None:
+        size = self.key(int(size))
         seconds = max(float(seconds), 0.0)
         old = self.seconds.get(size)
         if old is None:
@@ -690,7 +705,8 @@ class Scheduler:
 
     def measured(self) -> dict[str, dict]:
         """The measured costs per running batch (any thread: dict copies are atomic): ``step_ms`` per row count,
-        ``prefill_ms`` per prompt tokens, ``tokens_per_step``, ``positions`` (a slot's positions now: its rows'
+        ``prefill_ms`` per prompt tokens (past 64, at the nearest of 16 sizes an octave: :meth:`_Table.key`),
+        ``tokens_per_step``, ``positions`` (a slot's positions now: its rows'
         need with slots that fit them, else the model's context), ``prefill_passes`` run and their
         ``prompt_tokens`` and ``padded_tokens`` (each pass's rows times its longest prompt: what padding costs);
         batches not measured yet are left out. A batch the
