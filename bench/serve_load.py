@@ -46,7 +46,8 @@ compiled at every row count beside the eager ones (eager over compiled, per row 
 ``serveload`` section runs it on a bare GPU image), for three policies of :class:`efftx.serving.continuous.Scheduler`:
 ``unbatched`` (one row at a time), ``fifo`` and ``continuous``; timed on the decoding thread's CPU clock
 (``--clock cpu``, the default on a CPU: the figures measure the scheduling, hardly the machine's other load) or
-the wall clock (``--clock wall``, the default with ``--device cuda``), with the same goals marked.
+the wall clock (``--clock wall``, the default with ``--device cuda``), with the same goals marked, and an [info]
+line per mode with the scheduler's own time per round besides its passes (:meth:`Scheduler.timing`).
 ``--long-prompts BYTES``: every other long request's prompt has that many bytes (a prefill of many decoding
 steps' cost); ``--prefill-chunk TOKENS``: a fourth policy, ``chunked`` (the scheduler's ``prefill_chunk``: long
 prompts prefilled that many tokens a round), beside ``continuous`` with whole prompts, compared in an [info] line.
@@ -347,7 +348,7 @@ def inprocess_load(target, draft, mode: str, knobs: dict, clients: int, lengths:
             "ttft_p99": pct(ttft, 0.99), "rows": max((r[4].batch_size for r in ok), default=0),
             "long_rounds": scheduler.long_rounds, "rounds": scheduler.rounds, "knobs": knobs,
             "prefills": scheduler.prefills, "prefill_tokens": scheduler.prefill_tokens,
-            "prefill_s": scheduler.prefill_s, "free_joins": scheduler.free_joins}
+            "prefill_s": scheduler.prefill_s, "free_joins": scheduler.free_joins, "timing": scheduler.timing()}
 
 
 def inprocess(target, draft, modes: list[str], clients: int, lengths: list[int], unloaded: int, device: str = "cpu",
@@ -466,6 +467,13 @@ def goals(runs: dict[tuple[str, str], list[dict]], modes: list[str], notes: dict
                              f"{statistics.median(a['rps'] / b['rps'] for a, b in zip(c, single)):.2f}x one pass's; "
                              f"short p99 {statistics.median(a['short_ratio_p99'] for a in single):.2f}x unloaded "
                              f"against {lat:.2f}x; errors {sum(a['errors'] for a in single)}")
+            host = [(name, runs[(name, mode)]) for name in ("continuous", "fifo", "unbatched")
+                    if all(r.get("timing") for r in runs.get((name, mode), [{}]))]
+            if host:  # in-process: the scheduler's own time besides its passes (a GPU's steps take little more)
+                lines.append(f"[info] {mode}: the scheduling besides the passes, per round (wall clock): " + ", ".join(
+                    f"{name} {statistics.median(r['timing']['host_us'] for r in rs):.0f} us of a "
+                    f"{statistics.median(r['timing']['round_us'] for r in rs):.0f} us round "
+                    f"({100 * statistics.median(r['timing']['host_share'] for r in rs):.0f}%)" for name, rs in host))
             if u:
                 lines.append(f"[info] {mode}: time to first token p50 {statistics.median(a['ttft_p50'] for a in c):.0f}"
                              f" ms, p99 {statistics.median(a['ttft_p99'] for a in c):.0f} ms (unbatched: p50 "

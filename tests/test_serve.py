@@ -63,11 +63,17 @@ def test_models_info_names_the_device_and_the_batching(server):
 
 def test_models_info_reports_the_schedulers_measured_costs(server):
     """After a request of each mode, the continuous-batching scheduler's measured step and prefill times per running
-    batch: positive milliseconds per row count and per prompt tokens."""
+    batch: positive milliseconds per row count and per prompt tokens; and its rounds' time, split into the passes'
+    and the scheduling's."""
     r = post(f"{server}/generate", json={"prompt": "abc", "max_new_tokens": 6, "temperature": 0, "mode": "both",
                                         "gamma": 2})
     assert r.status_code == 200, r.text
-    costs = requests.get(f"{server}/models/info", timeout=30).json()["costs"]
+    info = requests.get(f"{server}/models/info", timeout=30).json()
+    costs, timing = info["costs"], info["scheduling"]
+    # where the rounds' time went: the passes' and the scheduling's besides, per round (the rounds it ran)
+    assert timing["rounds"] >= 3 and timing["pass_us"] > 0 and timing["host_us"] > 0
+    assert timing["round_us"] == pytest.approx(timing["pass_us"] + timing["host_us"], abs=0.2)
+    assert 0 < timing["host_share"] < 1
     assert {"base", "speculative gamma=2"} <= set(costs)
     for batch in ("base", "speculative gamma=2"):
         assert costs[batch]["step_ms"]["1"] > 0 and costs[batch]["prefill_ms"]

@@ -1123,6 +1123,37 @@ class FakeCosts:
             self.now += self.step(len(jobs))
 
 
+def test_a_rounds_time_splits_into_its_passes_and_the_scheduling_besides():
+    """Passes that take known times (prefills, prefill chunks, steps of base and speculative batches, the
+    speculative batch released once it drained) and 0.25 of scheduling after every step (the ``observe`` callback,
+    outside the passes): the scheduler counts every pass's time as its passes', the rest as the host's, and
+    ``timing()`` gives both per round. Power: a prefill, a chunk or a released batch's passes counted as the
+    host's, or a batch timing its passes apart from the scheduler's, would fail it."""
+    target, draft = lm(0), lm(1, 1)
+    fake = FakeCosts(lambda rows: 1.0 + rows, STEEP)
+    passes = []
+    fake_hook = fake.hook
+    fake.hook = lambda kind, jobs: (passes.append(-fake.now), fake_hook(kind, jobs), passes.append(fake.now))
+
+    def host(kind, rows):
+        fake.now += 0.25
+
+    scheduler = Scheduler(target, draft, clock=fake.clock, hook=lambda k, j: fake.hook(k, j), observe=host,
+                          prefill_chunk=8)
+    plan = [(0, prompt(3, 1), 6, HOT, 1, None), (0, prompt(20, 2), 20, HOT, 2, None),
+            (2, prompt(5, 3), 4, HOT, 3, 2), (2, prompt(4, 4), 18, HOT, 4, None)]
+    jobs = run_rounds(scheduler, plan)
+    assert all(j.done and j.failure is None for j in jobs) and not scheduler.spec  # the speculative batch released
+    assert scheduler.round_seconds == fake.now  # the rounds' time: all the clock moved
+    assert scheduler.pass_seconds == pytest.approx(sum(passes)) and scheduler.pass_seconds > 0
+    assert scheduler.host_seconds == pytest.approx(0.25 * scheduler.steps)
+    timing = scheduler.timing()
+    assert timing["rounds"] == scheduler.rounds and timing["host_share"] == pytest.approx(
+        0.25 * scheduler.steps / fake.now, abs=1e-4)
+    assert timing["host_us"] == pytest.approx(0.25 * scheduler.steps / scheduler.rounds * 1e6, abs=0.1)
+    assert Scheduler(target).timing() is None
+
+
 STEEP = lambda tokens: 5.0 + tokens  # noqa: E731 - a CPU's prefill: its tokens' time and a little more per pass
 FLAT = lambda tokens: 1.0  # noqa: E731 - a GPU's: a pass of a few short prompts takes one's time
 

@@ -50,6 +50,9 @@ def test_the_inprocess_load_runs_with_torch_alone_and_marks_the_goals(tmp_path):
     for key, (r,) in runs.items():
         assert (r["ok"], r["errors"]) == (12, 0), key
         assert r["rps"] > 0 and r["seconds"] > 0 and set(r["unloaded"]) == {"8", "16"}
+        # the scheduler's rounds: their passes' time and its own besides
+        timing = r["timing"]
+        assert timing["rounds"] > 0 and timing["pass_us"] > 0 and timing["host_us"] > 0 and timing["host_share"] < 1
     for mode in ("base", "speculative"):
         # the baseline really decodes one row at a time; the batching policies share steps
         assert runs[f"unbatched/{mode}"][0]["rows"] == 1
@@ -57,6 +60,7 @@ def test_the_inprocess_load_runs_with_torch_alone_and_marks_the_goals(tmp_path):
         for goal in ("requests/s >= 3x unbatched", "short requests' p99 under load <= 2x", "no errors: 0"):
             assert any(line.startswith(("  [met] " + mode, "  [NOT met] " + mode)) and goal in line
                        for line in proc.stdout.splitlines()), (mode, goal, proc.stdout[-2000:])
+        assert f"[info] {mode}: the scheduling besides the passes, per round (wall clock): continuous " in proc.stdout
     assert "in-process on cpu (cpu clock, 1 torch thread)" in proc.stdout and "in-process decoding step, speculative" in proc.stdout
 
 

@@ -202,6 +202,26 @@ def _set_gen_states(jobs: Sequence[Job], states: list) -> None:
             job.generator.set_state(state)
 
 
+class PassTime:
+    """Seconds a scheduler's running batches spent in their passes, on ``clock``: prefills, prefill chunks and steps
+    (the models' forward passes, the draws and, on a GPU, the wait for the tokens read back), the containment's
+    row-by-row reruns included. What a scheduling round spends besides is the host's: choosing, moving rows between
+    slots and lanes, handing tokens to requests (:attr:`~efftx.serving.continuous.Scheduler.host_seconds`). One is
+    shared by a scheduler's batches, so a batch's time outlives the batch."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock, self.seconds, self.passes = clock, 0.0, 0
+
+    def run(self, fn: Callable, *args):
+        """``fn(*args)``, timed as a pass."""
+        t0 = self.clock()
+        try:
+            return fn(*args)
+        finally:
+            self.seconds += self.clock() - t0
+            self.passes += 1
+
+
 class _State:
     """Rows being prefilled or stepped: per model a :class:`Rows` (a range of the engine's :class:`Slots`, or rows
     prefilled apart), each row's last token (base: the token to feed next; speculative: the pending token) and its
@@ -234,8 +254,9 @@ class _Engine:
 
     def __init__(self, hook: Callable[[str, list[Job]], None] | None, models: list, batched: bool,
                  compile: str = "off", compile_rows: int | None = None, budget: CacheBudget | None = None,
-                 fit: bool = True):
+                 fit: bool = True, passes: PassTime | None = None):
         self.hook = hook
+        self.passes = passes if passes is not None else PassTime()  # its passes' time (the scheduler's, shared)
         self.batched = batched
         self.slots = [slots_for(m, compile, batched, max_rows=compile_rows, budget=budget, fit=fit) for m in models]
         self.device = _device(models[0])
@@ -383,7 +404,7 @@ class _Engine:
         self.reserve(len(self) + len(jobs), self.positions(jobs))
         batch = len(self) + len(jobs)
         try:
-            parts = [self.prefill(jobs)]
+            parts = [self.passes.run(self.prefill, jobs)]
         except Exception as exc:  # noqa: BLE001 - contained below
             parts = self._alone(jobs, exc)
         for state, result in parts:
@@ -415,7 +436,7 @@ class _Engine:
         state = self._view(a, b)
         snapshot, gens = state.snapshot(), _gen_states(state.jobs)
         try:
-            parts = [(state, self.compute(state))]
+            parts = [(state, self.passes.run(self.compute, state))]
         except Exception as exc:  # noqa: BLE001 - contained below
             state.restore(snapshot)
             _set_gen_states(state.jobs, gens)
@@ -444,12 +465,12 @@ class _Engine:
                 if state is None:
                     self._apart = True
                     try:
-                        parts.append(self.prefill([job]))
+                        parts.append(self.passes.run(self.prefill, [job]))
                     finally:
                         self._apart = False
                 else:
                     sub = self._view(state.start + i, state.start + i + 1)
-                    parts.append((sub, self.compute(sub)))
+                    parts.append((sub, self.passes.run(self.compute, sub)))
             except Exception as own:  # noqa: BLE001 - this row's own failure
                 job._fail(own, what)
         return parts
@@ -462,6 +483,10 @@ class _Engine:
             s.truncate(0)
 
     def prefill_chunk(self, job: Job, tokens: int) -> None:
+        """A pass (:class:`PassTime`) of :meth:`_prefill_chunk`."""
+        self.passes.run(self._prefill_chunk, job, tokens)
+
+    def _prefill_chunk(self, job: Job, tokens: int) -> None:
         """Feed the next ``tokens`` tokens of ``job``'s prompt (never its last one: its last chunk is fed by
         :meth:`prefill`, which then takes the job alone) into rows of its own (:attr:`Job.partial`, made as its
         prefill alone would make them): a long prompt is prefilled over several rounds, while the running rows
@@ -524,8 +549,8 @@ class BaseEngine(_Engine):
     kind = "base"
 
     def __init__(self, model, hook=None, compile: str = "off", compile_rows: int | None = None,
-                 budget: CacheBudget | None = None, fit: bool = True):
-        super().__init__(hook, [model], splittable(model), compile, compile_rows, budget, fit)
+                 budget: CacheBudget | None = None, fit: bool = True, passes: PassTime | None = None):
+        super().__init__(hook, [model], splittable(model), compile, compile_rows, budget, fit, passes)
         self.model = model
         self.name = _engine_name(self)
 
@@ -579,13 +604,14 @@ class SpeculativeEngine(_Engine):
     kind = "speculative"
 
     def __init__(self, target, draft, gamma: int, hook=None, max_gamma: int | None = None, compile: str = "off",
-                 compile_rows: int | None = None, budget: CacheBudget | None = None, fit: bool = True):
+                 compile_rows: int | None = None, budget: CacheBudget | None = None, fit: bool = True,
+                 passes: PassTime | None = None):
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
         if max_gamma is not None and max_gamma < gamma:
             raise ValueError(f"max_gamma ({max_gamma}) must be >= gamma ({gamma}), the starting value")
         super().__init__(hook, [target, draft], splittable(target) and splittable(draft), compile, compile_rows,
-                         budget, fit)
+                         budget, fit, passes)
         self.target, self.draft, self.gamma = target, draft, gamma
         self.max_gamma = max_gamma  # adaptive rows (:func:`~efftx.generation.speculative.next_gamma`), or None
         self.name = _engine_name(self)

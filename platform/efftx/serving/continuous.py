@@ -96,8 +96,8 @@ from efftx.generation.compiled import CompileOptions, CompileUnavailable
 from efftx.generation.decode import CacheBudget, free_memory, pool_widths
 from efftx.generation.device_slots import MIN_PREFILL, PREFILL_ROWS, PREFILL_TOKENS, eager_reason, slots_for
 # the running batches; Job, Sampling and DeviceMemoryFull are this module's API too (the app and benches use them)
-from efftx.serving.batches import (BaseEngine, DeviceMemoryFull, Job, Sampling, SpeculativeEngine, _call, _Engine,
-                                   _engine_name)
+from efftx.serving.batches import (BaseEngine, DeviceMemoryFull, Job, PassTime, Sampling, SpeculativeEngine, _call,
+                                   _Engine, _engine_name)
 
 __all__ = ["DeviceMemoryFull", "Job", "Sampling", "Scheduler", "StepCosts", "slowdown_ok", "warm_up"]
 
@@ -425,7 +425,10 @@ class Scheduler:
         self.budget = _budget(cache_budget, target, draft)
         self.fit_positions = bool(fit_positions)
         self.group_prefills = group_prefills
-        self.base = BaseEngine(target, hook, self.compile, compile_rows, self.budget, self.fit_positions)
+        self.pass_time = PassTime(clock)  # every batch's passes (see host_seconds)
+        self.round_seconds = 0.0  # the scheduling rounds' time on the clock, their passes included
+        self.base = BaseEngine(target, hook, self.compile, compile_rows, self.budget, self.fit_positions,
+                               self.pass_time)
         if draft is not None and self.compile == "on" and eager_reason(draft):  # now, not at the first request
             raise CompileUnavailable(f"compile='on' but compiled continuous batching cannot run the draft: "
                                      f"{eager_reason(draft)}")
@@ -488,7 +491,8 @@ class Scheduler:
         key = (job.gamma, job.max_gamma)  # a batch per fixed gamma, and per starting gamma and cap when adaptive
         if key not in self.spec:
             self.spec[key] = SpeculativeEngine(self.target, self.draft, job.gamma, self.hook, job.max_gamma,
-                                               self.compile, self.compile_rows, self.budget, self.fit_positions)
+                                               self.compile, self.compile_rows, self.budget, self.fit_positions,
+                                               self.pass_time)
         return self.spec[key]
 
     def _engines(self) -> list[_Engine]:
@@ -610,6 +614,37 @@ class Scheduler:
     def run_once(self) -> int:
         """One scheduling round: admit what may start now, one step of the fast lanes, and one step of the slow
         lanes when no short row runs, or else once every ``long_every`` rounds. Returns the rows still running."""
+        t0 = self.clock()
+        try:
+            return self._round()
+        finally:
+            self.round_seconds += self.clock() - t0
+
+    @property
+    def pass_seconds(self) -> float:
+        """Seconds the rounds spent in the batches' passes (:class:`~efftx.serving.batches.PassTime`)."""
+        return self.pass_time.seconds
+
+    @property
+    def host_seconds(self) -> float:
+        """Seconds the rounds spent besides their passes: the scheduling itself (choosing what runs, moving rows
+        between slots and lanes, handing tokens to requests). Where a pass takes a few hundred microseconds (a
+        GPU's compiled steps), this is what bounds a replica's rounds per second."""
+        return self.round_seconds - self.pass_time.seconds
+
+    def timing(self) -> dict[str, float] | None:
+        """Where the rounds' time went (any thread), per round on average: ``round_us`` in all, ``pass_us`` in the
+        batches' passes, ``host_us`` besides them (:attr:`host_seconds`), ``host_share`` of the rounds' time, and
+        the ``rounds``; None before the first round."""
+        rounds, total, passes = self.rounds, self.round_seconds, self.pass_time.seconds
+        if not rounds:
+            return None
+        per_round = lambda seconds: round(seconds / rounds * 1e6, 1)  # noqa: E731
+        return {"rounds": rounds, "round_us": per_round(total), "pass_us": per_round(passes),
+                "host_us": per_round(total - passes),
+                "host_share": round((total - passes) / total, 4) if total > 0 else 0.0}
+
+    def _round(self) -> int:
         self.rounds += 1
         for engine in self._engines():
             engine.drop_cancelled()

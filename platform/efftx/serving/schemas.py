@@ -175,6 +175,9 @@ class ModelsInfo(BaseModel):
     # continuous batching with cache_mib / cache_fraction: MiB of the budget (limit_mib), of what the running batches'
     # slots hold (held_mib) and of the caches kept for reuse (pooled_mib)
     cache_memory: dict[str, float] | None = None
+    # continuous batching: where its rounds' time went, per round (efftx.serving.continuous.Scheduler.timing):
+    # round_us, pass_us (the batches' passes), host_us (the scheduling besides them), host_share, rounds
+    scheduling: dict[str, float] | None = None
 
 
 class CompletionRequest(BaseModel):

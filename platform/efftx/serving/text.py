@@ -554,7 +554,8 @@ class TextGenerator:
                           image_limits=self.image_limits.model_dump() if info else None, batching=self.batching,
                           replica=self.replica, threads=self.threads,
                           costs=self.scheduler.measured() if self.scheduler is not None else None,
-                          cache_memory=self.scheduler.cache_memory() if self.scheduler is not None else None)
+                          cache_memory=self.scheduler.cache_memory() if self.scheduler is not None else None,
+                          scheduling=self.scheduler.timing() if self.scheduler is not None else None)
 
     @app.post("/generate/stream")
     async def generate_stream(self, req: StreamRequest) -> StreamingResponse:
