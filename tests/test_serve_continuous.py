@@ -1126,9 +1126,11 @@ class FakeCosts:
 def test_a_rounds_time_splits_into_its_passes_and_the_scheduling_besides():
     """Passes that take known times (prefills, prefill chunks, steps of base and speculative batches, the
     speculative batch released once it drained) and 0.25 of scheduling after every step (the ``observe`` callback,
-    outside the passes): the scheduler counts every pass's time as its passes', the rest as the host's, and
-    ``timing()`` gives both per round. Power: a prefill, a chunk or a released batch's passes counted as the
-    host's, or a batch timing its passes apart from the scheduler's, would fail it."""
+    outside the passes), and a device that finishes each pass 0.125 after it returned (a GPU's kernels run after
+    their launch: the pass waits for them): the scheduler counts every pass's time as its passes', the rest as the
+    host's, and ``timing()`` gives both per round. Power: a prefill, a chunk or a released batch's passes counted
+    as the host's, a batch timing its passes apart from the scheduler's, or the device's time left to the read
+    back after the pass, would fail it."""
     target, draft = lm(0), lm(1, 1)
     fake = FakeCosts(lambda rows: 1.0 + rows, STEEP)
     passes = []
@@ -1140,12 +1142,20 @@ def test_a_rounds_time_splits_into_its_passes_and_the_scheduling_besides():
 
     scheduler = Scheduler(target, draft, clock=fake.clock, hook=lambda k, j: fake.hook(k, j), observe=host,
                           prefill_chunk=8)
+    assert scheduler.pass_time.sync is None  # a CPU's passes are done when they return; a GPU's are waited for:
+
+    def device(seconds=0.125):  # as if each pass's kernels ran on after it returned
+        fake.now += seconds
+        passes.append(seconds)
+
+    scheduler.pass_time.sync = device
     plan = [(0, prompt(3, 1), 6, HOT, 1, None), (0, prompt(20, 2), 20, HOT, 2, None),
             (2, prompt(5, 3), 4, HOT, 3, 2), (2, prompt(4, 4), 18, HOT, 4, None)]
     jobs = run_rounds(scheduler, plan)
     assert all(j.done and j.failure is None for j in jobs) and not scheduler.spec  # the speculative batch released
     assert scheduler.round_seconds == fake.now  # the rounds' time: all the clock moved
     assert scheduler.pass_seconds == pytest.approx(sum(passes)) and scheduler.pass_seconds > 0
+    assert passes.count(0.125) == scheduler.pass_time.passes >= scheduler.steps + 4  # every pass synced
     assert scheduler.host_seconds == pytest.approx(0.25 * scheduler.steps)
     timing = scheduler.timing()
     assert timing["rounds"] == scheduler.rounds and timing["host_share"] == pytest.approx(

@@ -207,19 +207,31 @@ class PassTime:
     (the models' forward passes, the draws and, on a GPU, the wait for the tokens read back), the containment's
     row-by-row reruns included. What a scheduling round spends besides is the host's: choosing, moving rows between
     slots and lanes, handing tokens to requests (:attr:`~efftx.serving.continuous.Scheduler.host_seconds`). One is
-    shared by a scheduler's batches, so a batch's time outlives the batch."""
+    shared by a scheduler's batches, so a batch's time outlives the batch. ``sync``: waits for the device's work
+    (:func:`device_sync`), so that a pass's time on a GPU, whose kernels run after their launch, is the device's
+    too and not the first read back's after it (which comes at once after a pass anyway)."""
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter):
-        self.clock, self.seconds, self.passes = clock, 0.0, 0
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, sync: Callable[[], None] | None = None):
+        self.clock, self.sync, self.seconds, self.passes = clock, sync, 0.0, 0
 
     def run(self, fn: Callable, *args):
         """``fn(*args)``, timed as a pass."""
         t0 = self.clock()
         try:
-            return fn(*args)
+            out = fn(*args)
+            if self.sync is not None:
+                self.sync()
+            return out
         finally:
             self.seconds += self.clock() - t0
             self.passes += 1
+
+
+def device_sync(device: torch.device) -> Callable[[], None] | None:
+    """A wait for ``device``'s queued work (CUDA), None where work runs when it is called (a CPU)."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return None
 
 
 class _State:
@@ -256,10 +268,11 @@ class _Engine:
                  compile: str = "off", compile_rows: int | None = None, budget: CacheBudget | None = None,
                  fit: bool = True, passes: PassTime | None = None):
         self.hook = hook
-        self.passes = passes if passes is not None else PassTime()  # its passes' time (the scheduler's, shared)
         self.batched = batched
         self.slots = [slots_for(m, compile, batched, max_rows=compile_rows, budget=budget, fit=fit) for m in models]
         self.device = _device(models[0])
+        # its passes' time (the scheduler's, shared)
+        self.passes = passes if passes is not None else PassTime(sync=device_sync(self.device))
         self.order: list[Job] = []  # the job of each slot
         self.last: list[int] = []  # each slot's last token
         self.fast = 0  # slots 0 .. fast - 1: the fast lane; the rest: the slow lane

@@ -97,7 +97,7 @@ from efftx.generation.decode import CacheBudget, free_memory, pool_widths
 from efftx.generation.device_slots import MIN_PREFILL, PREFILL_ROWS, PREFILL_TOKENS, eager_reason, slots_for
 # the running batches; Job, Sampling and DeviceMemoryFull are this module's API too (the app and benches use them)
 from efftx.serving.batches import (BaseEngine, DeviceMemoryFull, Job, PassTime, Sampling, SpeculativeEngine, _call,
-                                   _Engine, _engine_name)
+                                   _device, _Engine, _engine_name, device_sync)
 
 __all__ = ["DeviceMemoryFull", "Job", "Sampling", "Scheduler", "StepCosts", "slowdown_ok", "warm_up"]
 
@@ -425,7 +425,7 @@ class Scheduler:
         self.budget = _budget(cache_budget, target, draft)
         self.fit_positions = bool(fit_positions)
         self.group_prefills = group_prefills
-        self.pass_time = PassTime(clock)  # every batch's passes (see host_seconds)
+        self.pass_time = PassTime(clock, device_sync(_device(target)))  # every batch's passes (see host_seconds)
         self.round_seconds = 0.0  # the scheduling rounds' time on the clock, their passes included
         self.base = BaseEngine(target, hook, self.compile, compile_rows, self.budget, self.fit_positions,
                                self.pass_time)
