@@ -204,7 +204,7 @@ def _set_gen_states(jobs: Sequence[Job], states: list) -> None:
 
 class PassTime:
     """Seconds a scheduler's running batches spent in their passes, on ``clock``: prefills, prefill chunks and steps
-    (the models' forward passes, the draws and, on a GPU, the wait for the tokens read back), the containment's
+    (the models' forward passes and the draws, on a GPU until the device has run them), the containment's
     row-by-row reruns included. What a scheduling round spends besides is the host's: choosing, moving rows between
     slots and lanes, handing tokens to requests (:attr:`~efftx.serving.continuous.Scheduler.host_seconds`). One is
     shared by a scheduler's batches, so a batch's time outlives the batch. ``sync``: waits for the device's work
@@ -266,13 +266,13 @@ class _Engine:
 
     def __init__(self, hook: Callable[[str, list[Job]], None] | None, models: list, batched: bool,
                  compile: str = "off", compile_rows: int | None = None, budget: CacheBudget | None = None,
-                 fit: bool = True, passes: PassTime | None = None):
+                 fit: bool = True, pass_time: PassTime | None = None):
         self.hook = hook
         self.batched = batched
         self.slots = [slots_for(m, compile, batched, max_rows=compile_rows, budget=budget, fit=fit) for m in models]
         self.device = _device(models[0])
         # its passes' time (the scheduler's, shared)
-        self.passes = passes if passes is not None else PassTime(sync=device_sync(self.device))
+        self.pass_time = pass_time if pass_time is not None else PassTime(sync=device_sync(self.device))
         self.order: list[Job] = []  # the job of each slot
         self.last: list[int] = []  # each slot's last token
         self.fast = 0  # slots 0 .. fast - 1: the fast lane; the rest: the slow lane
@@ -417,7 +417,7 @@ class _Engine:
         self.reserve(len(self) + len(jobs), self.positions(jobs))
         batch = len(self) + len(jobs)
         try:
-            parts = [self.passes.run(self.prefill, jobs)]
+            parts = [self.pass_time.run(self.prefill, jobs)]
         except Exception as exc:  # noqa: BLE001 - contained below
             parts = self._alone(jobs, exc)
         for state, result in parts:
@@ -449,7 +449,7 @@ class _Engine:
         state = self._view(a, b)
         snapshot, gens = state.snapshot(), _gen_states(state.jobs)
         try:
-            parts = [(state, self.passes.run(self.compute, state))]
+            parts = [(state, self.pass_time.run(self.compute, state))]
         except Exception as exc:  # noqa: BLE001 - contained below
             state.restore(snapshot)
             _set_gen_states(state.jobs, gens)
@@ -478,12 +478,12 @@ class _Engine:
                 if state is None:
                     self._apart = True
                     try:
-                        parts.append(self.passes.run(self.prefill, [job]))
+                        parts.append(self.pass_time.run(self.prefill, [job]))
                     finally:
                         self._apart = False
                 else:
                     sub = self._view(state.start + i, state.start + i + 1)
-                    parts.append((sub, self.passes.run(self.compute, sub)))
+                    parts.append((sub, self.pass_time.run(self.compute, sub)))
             except Exception as own:  # noqa: BLE001 - this row's own failure
                 job._fail(own, what)
         return parts
@@ -497,7 +497,7 @@ class _Engine:
 
     def prefill_chunk(self, job: Job, tokens: int) -> None:
         """A pass (:class:`PassTime`) of :meth:`_prefill_chunk`."""
-        self.passes.run(self._prefill_chunk, job, tokens)
+        self.pass_time.run(self._prefill_chunk, job, tokens)
 
     def _prefill_chunk(self, job: Job, tokens: int) -> None:
         """Feed the next ``tokens`` tokens of ``job``'s prompt (never its last one: its last chunk is fed by
@@ -562,8 +562,8 @@ class BaseEngine(_Engine):
     kind = "base"
 
     def __init__(self, model, hook=None, compile: str = "off", compile_rows: int | None = None,
-                 budget: CacheBudget | None = None, fit: bool = True, passes: PassTime | None = None):
-        super().__init__(hook, [model], splittable(model), compile, compile_rows, budget, fit, passes)
+                 budget: CacheBudget | None = None, fit: bool = True, pass_time: PassTime | None = None):
+        super().__init__(hook, [model], splittable(model), compile, compile_rows, budget, fit, pass_time)
         self.model = model
         self.name = _engine_name(self)
 
@@ -618,13 +618,13 @@ class SpeculativeEngine(_Engine):
 
     def __init__(self, target, draft, gamma: int, hook=None, max_gamma: int | None = None, compile: str = "off",
                  compile_rows: int | None = None, budget: CacheBudget | None = None, fit: bool = True,
-                 passes: PassTime | None = None):
+                 pass_time: PassTime | None = None):
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
         if max_gamma is not None and max_gamma < gamma:
             raise ValueError(f"max_gamma ({max_gamma}) must be >= gamma ({gamma}), the starting value")
         super().__init__(hook, [target, draft], splittable(target) and splittable(draft), compile, compile_rows,
-                         budget, fit, passes)
+                         budget, fit, pass_time)
         self.target, self.draft, self.gamma = target, draft, gamma
         self.max_gamma = max_gamma  # adaptive rows (:func:`~efftx.generation.speculative.next_gamma`), or None
         self.name = _engine_name(self)
