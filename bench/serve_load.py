@@ -24,7 +24,8 @@ For each configuration and mode (base, speculative with gamma 5):
   time to the first ``step`` event is its time to first token, the others ``POST /generate``).
 
 Before the load, the scheduler's step cost is measured in-process for 1, 4, 8 and ``--clients`` rows (best of 3,
-after a warm-up): a short request sharing a step of many rows cannot beat that ratio, which is why the scheduler
+after a warm-up; with the scheduler's own time in it, besides the passes): a short request sharing a step of many
+rows cannot beat that ratio, which is why the scheduler
 steps short requests apart (``fast_rows`` is best set where this cost stops being nearly flat). Printed per row:
 requests/s, p50/p99 latency, p50/p99 latency of the short requests (8..16 new tokens), each short request's
 latency over the unloaded latency at its own length (interpolated between the 8- and 16-token medians; p50/p99),
@@ -182,17 +183,20 @@ def short_ratios(shorts: list[tuple[int, float]], alone: dict[int, float]) -> li
 
 
 def step_costs(target, draft, counts: list[int], modes: list[str], repeats: int = 3,
-               compiled: dict | None = None) -> dict[str, dict[int, float]]:
+               compiled: dict | None = None, host: dict | None = None) -> dict[str, dict[int, float]]:
     """In-process, no HTTP: ms per decoding step of the continuous-batching scheduler (no priority: every row in
     every step) for each row count in ``counts`` (what a short request's latency scales with when it shares a
     step), after a warm-up; the counts are interleaved and each takes its best of ``repeats`` (the machine's
     other load inflates single timings). Every step reads its tokens back to the host, so on CUDA the wall clock
-    waits for the device. ``compiled``: the scheduler's ``compile`` / ``compile_rows`` (default: eager)."""
+    waits for the device. ``compiled``: the scheduler's ``compile`` / ``compile_rows`` (default: eager).
+    ``host``: filled per mode and row count with the scheduler's own us per round besides its passes (the same
+    best run's, :meth:`Scheduler.timing`)."""
     from efftx.serving.continuous import Job, Sampling, Scheduler
 
     out = {}
     for mode in modes:
         best: dict[int, float] = {}
+        own: dict[int, float] = {}
         for rep in range(repeats + 1):  # the first round warms up
             for n in counts:
                 scheduler = Scheduler(target, draft, max_rows=max(counts), short_tokens=0, prefill_rows=0,
@@ -201,13 +205,18 @@ def step_costs(target, draft, counts: list[int], modes: list[str], repeats: int 
                     scheduler.submit(Job(list(PROMPTS[i % len(PROMPTS)].encode()), 32, Sampling(0.8, 32), i,
                                          5 if mode == "speculative" else None))
                 scheduler.run_once()  # admission (prefill) and a first step, not timed
-                steps = scheduler.steps
+                steps, rounds = scheduler.steps, scheduler.rounds
+                round_s, pass_s = scheduler.round_seconds, scheduler.pass_seconds
                 t0 = time.perf_counter()
                 scheduler.drain()
                 ms = (time.perf_counter() - t0) * 1e3 / max(scheduler.steps - steps, 1)
-                if rep:
-                    best[n] = min(best.get(n, float("inf")), ms)
+                if rep and ms < best.get(n, float("inf")):
+                    best[n] = ms
+                    own[n] = ((scheduler.round_seconds - round_s) - (scheduler.pass_seconds - pass_s)) * 1e6 / max(
+                        scheduler.rounds - rounds, 1)
         out[mode] = best
+        if host is not None:
+            host[mode] = own
     return out
 
 
@@ -250,13 +259,15 @@ def print_prefill_costs(eager: dict[str, dict[int, float]], compiled: dict[str, 
 
 
 def print_step_costs(floors: dict[str, dict[int, float]], eager: dict[str, dict[int, float]] | None = None,
-                     what: str = "") -> None:
+                     what: str = "", host: dict[str, dict[int, float]] | None = None) -> None:
     """Each mode's step cost per row count (and its ratio to one row); with ``eager``, also each cost's ratio to
-    the eager step's of the same rows (measured in the same run)."""
+    the eager step's of the same rows (measured in the same run); with ``host``, the scheduler's own time per
+    round in it (:func:`step_costs`)."""
     for mode, costs in floors.items():
         print(f"in-process decoding step{what}, {mode}, best of 3: " + ", ".join(
             f"{n} rows {ms:.2f} ms ({ms / costs[1]:.2f}x"
-            + (f"; eager / this: {eager[mode][n] / ms:.2f}x" if eager else "") + ")"
+            + (f"; eager / this: {eager[mode][n] / ms:.2f}x" if eager else "")
+            + (f"; scheduling {host[mode][n]:.0f} us of it" if host else "") + ")"
             for n, ms in sorted(costs.items())), flush=True)
 
 
@@ -598,22 +609,23 @@ def main() -> None:
                for i in range(args.requests)]
     counts = sorted({1, 4, 8, args.clients})
     target, draft = load_models(paths, args.device, args.threads)  # in this process: the step costs (and --inprocess)
-    floors = step_costs(target, draft, counts, modes)
+    host: tuple[dict, dict] = ({}, {})  # the scheduler's own us per round in those steps: eager, compiled
+    floors = step_costs(target, draft, counts, modes, host=host[0])
     compiled = {}
     if args.compile != "off":  # the app's default rows: every pass (2 rows on a CPU without the attention kernel)
         from efftx.generation.device_slots import compile_knobs
 
         compiled = compile_knobs(args.compile, args.compile_rows, args.device)
         # side by side: every pass compiled (the row limit aside), and the passes the limit leaves eager
-        every = step_costs(target, draft, counts, modes, compiled={"compile": args.compile})
+        every = step_costs(target, draft, counts, modes, compiled={"compile": args.compile}, host=host[1])
         bursts = [1, 2, 4]  # up to device_slots.PREFILL_ROWS prompts prefill compiled; 4 shows the eager rule
         prefills = (prefill_costs(target, draft, bursts, modes),
                     prefill_costs(target, draft, bursts, modes, compiled={"compile": args.compile}))
     if args.inprocess:
         print(note)
-        print_step_costs(floors)
+        print_step_costs(floors, host=host[0])
         if compiled:
-            print_step_costs(every, floors, f" compiled ({args.compile}) at every row count")
+            print_step_costs(every, floors, f" compiled ({args.compile}) at every row count", host[1])
             print_prefill_costs(*prefills)
         write_json(args.json, inprocess(target, draft, modes, args.clients, lengths, args.unloaded, args.device,
                                         args.clock, args.rounds, args.timeout, args.threads, compiled, slowdown,
@@ -681,9 +693,9 @@ def main() -> None:
     print("(x p50 / x p99: a short request's latency under load over the unloaded latency at its own length, "
           "interpolated between the 8- and 16-token medians; fifo: continuous batching without priority, "
           "short_tokens=0)")
-    print_step_costs(floors)
+    print_step_costs(floors, host=host[0])
     if compiled:
-        print_step_costs(every, floors, f" compiled ({args.compile}) at every row count")
+        print_step_costs(every, floors, f" compiled ({args.compile}) at every row count", host[1])
         print_prefill_costs(*prefills)
     print(f"load average: {load_before} before, {' '.join(f'{x:.1f}' for x in os.getloadavg())} after")
     print("\ngoals (continuous batching" + (f"; the median over {args.rounds} rounds, each round's configurations "

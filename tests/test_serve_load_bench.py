@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -62,6 +63,11 @@ def test_the_inprocess_load_runs_with_torch_alone_and_marks_the_goals(tmp_path):
                        for line in proc.stdout.splitlines()), (mode, goal, proc.stdout[-2000:])
         assert f"[info] {mode}: the scheduling besides the passes, per round (wall clock): continuous " in proc.stdout
     assert "in-process on cpu (cpu clock, 1 torch thread)" in proc.stdout and "in-process decoding step, speculative" in proc.stdout
+    # each step cost with the scheduler's own time in it, at every row count (1, 4 and 8)
+    for mode in ("base", "speculative"):
+        line = next(x for x in proc.stdout.splitlines() if x.startswith(f"in-process decoding step, {mode}"))
+        shares = [float(v) for v in re.findall(r"scheduling (\d+) us of it", line)]
+        assert len(shares) == 3 and all(v > 0 for v in shares), line
 
 
 def test_the_inprocess_load_runs_compiled_passes_with_torch_alone(tmp_path):
@@ -78,7 +84,7 @@ def test_the_inprocess_load_runs_compiled_passes_with_torch_alone(tmp_path):
     assert all("short_slowdown" not in runs[f"{p}/base"][0]["knobs"] for p in ("unbatched", "fifo"))
     assert "compile=on up to 1 rows" in proc.stdout
     line = next(x for x in proc.stdout.splitlines() if x.startswith("in-process decoding step compiled (on)"))
-    assert line.count("eager / this: ") == 4  # rows 1, 2, 4, 8
+    assert line.count("eager / this: ") == 4 and line.count("; scheduling ") == 4  # rows 1, 2, 4, 8
 
 
 def test_long_prompts_in_chunks_and_in_one_pass_run_beside_whole_prompts_grouped(tmp_path):
