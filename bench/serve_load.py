@@ -25,8 +25,8 @@ For each configuration and mode (base, speculative with gamma 5):
 
 Before the load, the scheduler's step cost is measured in-process for 1, 4, 8 and ``--clients`` rows (best of 3,
 after a warm-up; with the scheduler's own time in it, besides the passes): a short request sharing a step of many
-rows cannot beat that ratio, which is why the scheduler
-steps short requests apart (``fast_rows`` is best set where this cost stops being nearly flat). Printed per row:
+rows cannot beat that ratio, which is why the scheduler steps short requests apart (``fast_rows`` is best set
+where this cost stops being nearly flat). Printed per row:
 requests/s, p50/p99 latency, p50/p99 latency of the short requests (8..16 new tokens), each short request's
 latency over the unloaded latency at its own length (interpolated between the 8- and 16-token medians; p50/p99),
 time to first token (streams, p50/p99), errors, and the load average. Then the goals, each met or not:
@@ -205,15 +205,13 @@ def step_costs(target, draft, counts: list[int], modes: list[str], repeats: int 
                     scheduler.submit(Job(list(PROMPTS[i % len(PROMPTS)].encode()), 32, Sampling(0.8, 32), i,
                                          5 if mode == "speculative" else None))
                 scheduler.run_once()  # admission (prefill) and a first step, not timed
-                steps, rounds = scheduler.steps, scheduler.rounds
-                round_s, pass_s = scheduler.round_seconds, scheduler.pass_seconds
+                steps, rounds, host_s = scheduler.steps, scheduler.rounds, scheduler.host_seconds
                 t0 = time.perf_counter()
                 scheduler.drain()
                 ms = (time.perf_counter() - t0) * 1e3 / max(scheduler.steps - steps, 1)
                 if rep and ms < best.get(n, float("inf")):
                     best[n] = ms
-                    own[n] = ((scheduler.round_seconds - round_s) - (scheduler.pass_seconds - pass_s)) * 1e6 / max(
-                        scheduler.rounds - rounds, 1)
+                    own[n] = (scheduler.host_seconds - host_s) * 1e6 / max(scheduler.rounds - rounds, 1)
         out[mode] = best
         if host is not None:
             host[mode] = own
@@ -478,8 +476,8 @@ def goals(runs: dict[tuple[str, str], list[dict]], modes: list[str], notes: dict
                              f"{statistics.median(a['rps'] / b['rps'] for a, b in zip(c, single)):.2f}x one pass's; "
                              f"short p99 {statistics.median(a['short_ratio_p99'] for a in single):.2f}x unloaded "
                              f"against {lat:.2f}x; errors {sum(a['errors'] for a in single)}")
-            host = [(name, runs[(name, mode)]) for name in ("continuous", "fifo", "unbatched")
-                    if all(r.get("timing") for r in runs.get((name, mode), [{}]))]
+            host = [(name, rs) for name in ("continuous", "fifo", "unbatched")
+                    if (rs := runs.get((name, mode))) and all(r.get("timing") for r in rs)]
             if host:  # in-process: the scheduler's own time besides its passes (a GPU's steps take little more)
                 lines.append(f"[info] {mode}: the scheduling besides the passes, per round (wall clock): " + ", ".join(
                     f"{name} {statistics.median(r['timing']['host_us'] for r in rs):.0f} us of a "

@@ -1133,15 +1133,17 @@ def test_a_rounds_time_splits_into_its_passes_and_the_scheduling_besides():
     back after the pass, would fail it."""
     target, draft = lm(0), lm(1, 1)
     fake = FakeCosts(lambda rows: 1.0 + rows, STEEP)
-    passes = []
-    fake_hook = fake.hook
-    fake.hook = lambda kind, jobs: (passes.append(-fake.now), fake_hook(kind, jobs), passes.append(fake.now))
+    passes = []  # each pass's cost, as its start (negated) and end on the fake clock
+
+    def hook(kind, jobs):  # inside every pass: its cost
+        passes.append(-fake.now)
+        fake.hook(kind, jobs)
+        passes.append(fake.now)
 
     def host(kind, rows):
         fake.now += 0.25
 
-    scheduler = Scheduler(target, draft, clock=fake.clock, hook=lambda k, j: fake.hook(k, j), observe=host,
-                          prefill_chunk=8)
+    scheduler = Scheduler(target, draft, clock=fake.clock, hook=hook, observe=host, prefill_chunk=8)
     assert scheduler.pass_time.sync is None  # a CPU's passes are done when they return; a GPU's are waited for:
 
     def device(seconds=0.125):  # as if each pass's kernels ran on after it returned
