@@ -22,6 +22,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m efftx.kernels.linear_cpu
 	@# full attention's few-token cached passes on a CPU (efftx/kernels/decode_attention_cpu.cpp)
 	$(BIN)/python -m efftx.kernels.decode_attention_cpu
+	@# sampling's counter-based noise, every row of a draw in one call (efftx/kernels/row_noise_cpu.cpp)
+	$(BIN)/python -m efftx.kernels.row_noise_cpu
 	touch $(STAMP)
 
 setup: $(STAMP)
