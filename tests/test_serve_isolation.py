@@ -193,7 +193,7 @@ def test_a_poisoned_text_request_fails_alone(apps, batching):
     assert shared, batches(apps["gate"], kind)[before:]
     assert all(ok), [(r.status_code, r.text[:200]) for r in results[:8]]
     seed_culprit, fault_culprit = results[8:]
-    assert seed_culprit.status_code == 422 and "Overflow" in seed_culprit.text, seed_culprit.text
+    assert seed_culprit.status_code == 422 and "a seed must be an integer" in seed_culprit.text, seed_culprit.text
     assert fault_culprit.status_code == 500 and "RuntimeError" in fault_culprit.text, fault_culprit.text
     for (path, body), res in zip(valid, results):
         alone = post(apps["real"] + path, json=body).json()
@@ -234,9 +234,10 @@ def test_a_failing_completion_stream_ends_with_an_error_event(apps, app):
     assert res.status_code == 200
     blocks = [b for b in res.text.split("\n\n") if b.strip()]
     last = dict(line.split(": ", 1) for line in blocks[-1].split("\n"))
-    assert last["event"] == "error" and "Overflow" in json.loads(last["data"])["error"]["message"], blocks
+    message = json.loads(last["data"])["error"]["message"]
+    assert last["event"] == "error" and "a seed must be an integer" in message, blocks
     client = OpenAI(base_url=apps[app] + "/v1", api_key="unused")
-    with pytest.raises(APIError, match="Overflow"):
+    with pytest.raises(APIError, match="a seed must be an integer"):
         list(client.completions.create(model="tiny", prompt="POISON-SEED", max_tokens=8, stream=True))
 
 

@@ -10,7 +10,7 @@ import torch
 
 from efftx.attention.cache import KVCache, ModelCache, RowLengths
 from efftx.generation import compiled
-from efftx.generation.sampling import draw, is_greedy, probabilities, sample
+from efftx.generation.sampling import Stream, draw, is_greedy, probabilities, sample
 
 
 @torch.no_grad()
@@ -715,13 +715,15 @@ class _SlotRows(Rows):
         raise TypeError("take rows of Slots with Slots.rows, not select")
 
 
-def generators(seed: int | Sequence[int | None] | None, n: int, device: torch.device) -> list[torch.Generator | None]:
-    """Row r draws from its own generator, seeded ``seed + r`` (or ``seed[r]`` when a seed is given per
-    row; None = the global RNG): a row's tokens do not depend on what else is in the batch."""
+def generators(seed: int | Sequence[int | None] | None, n: int, device: torch.device | None = None
+               ) -> list[Stream | None]:
+    """Row r draws from its own :class:`~efftx.generation.sampling.Stream`, seeded ``seed + r`` (or ``seed[r]`` when
+    a seed is given per row; None = the global RNG): a row's tokens do not depend on what else is in the batch, and
+    every row with a stream draws in one call a step. ``device`` is not needed (kept for callers that pass it)."""
     seeds = [None if seed is None else seed + r for r in range(n)] if not isinstance(seed, (list, tuple)) else seed
     if len(seeds) != n:
         raise ValueError(f"{len(seeds)} seeds for {n} rows")
-    return [None if s is None else torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+    return [None if s is None else Stream(int(s)) for s in seeds]
 
 
 @torch.no_grad()

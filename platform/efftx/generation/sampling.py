@@ -5,6 +5,11 @@
 float32's smallest subnormal, divides by zero), and the softmax of that is NaN; at any temperature this small
 the distribution is one-hot at the argmax anyway, up to exact ties. **top_p** always keeps the most probable
 token, so even a ``top_p`` that rounds to 0 in float32 (``1e-300``) leaves one token to draw.
+
+**Per-row randomness.** A row of a batch with its own seed draws from a :class:`Stream`: counter-based noise, a fixed
+function of the seed, the draw's number and the token's index, which one kernel call draws for every row of a step
+(:func:`race_noise`). A row's tokens are then those it gets alone, whatever else runs beside it.
+``torch.Generator`` rows (one ``exponential_`` call per row, exactly ``torch.multinomial``'s draw) stay supported.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from efftx.kernels.row_noise import M32, M64, row_noise, splitmix64
 
 MIN_TEMPERATURE = 1e-4  # temperatures below this (0 included) sample greedily
 
@@ -58,15 +65,70 @@ def _batch_race(probs: torch.Tensor, generator: torch.Generator | None) -> torch
     return race(probs, torch.empty_like(probs).exponential_(generator=generator))
 
 
-def race_noise(generators: list[torch.Generator | None], width: int, need: Sequence[bool] | None = None,
+class Stream:
+    """A row's random numbers, counter-based: the noise of its ``n``-th draw is a fixed function of its seed, ``n``
+    and the element's index (:mod:`efftx.kernels.row_noise`). So the rows of a batch draw in one call (one kernel
+    launch for every row, where a ``torch.Generator`` per row takes one per row), and a row draws the same values
+    alone or in any batch, on any device (up to the last bit of a log). ``get_state`` / ``set_state``: the draws
+    made so far, as a generator's state (a failed step is rewound by them)."""
+
+    __slots__ = ("seed", "draws", "_base")
+
+    def __init__(self, seed: int):
+        if isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**64:
+            raise ValueError(f"a seed must be an integer in [-2**63, 2**64), got {seed!r}")
+        self.seed, self.draws = seed, 0
+        self._base = splitmix64(seed & M64)
+
+    @classmethod
+    def fresh(cls) -> "Stream":
+        """A stream seeded from torch's global RNG (a row given no seed: ``torch.manual_seed`` still repeats it)."""
+        return cls(int(torch.randint(0, 2**62, ())))
+
+    def key(self) -> tuple[int, int]:
+        """The next draw's key (two 32-bit halves), counting the draw."""
+        z = splitmix64(self._base ^ self.draws)
+        self.draws += 1
+        return z & M32, z >> 32
+
+    def get_state(self) -> int:
+        return self.draws
+
+    def set_state(self, state: int) -> None:
+        self.draws = int(state)
+
+    def __repr__(self) -> str:
+        return f"Stream(seed={self.seed}, draws={self.draws})"
+
+
+def stream_noise(streams: Sequence[Stream | None], width: int, device: torch.device | str | None = None
+                 ) -> torch.Tensor:
+    """(B, width) float32 Exp(1) noise: row b the next draw of ``streams[b]`` (None: no draw, values never read),
+    every row in one :func:`~efftx.kernels.row_noise.row_noise` call."""
+    keys = [(0, 0) if s is None else s.key() for s in streams]
+    return row_noise(torch.tensor(keys, dtype=torch.int64, device=device).view(len(keys), 2), width)
+
+
+def race_noise(generators: list[torch.Generator | Stream | None], width: int, need: Sequence[bool] | None = None,
                device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """(B, width) Exp(1) noise for one draw per row (:func:`race`): row b filled by one ``exponential_`` call with
-    ``generators[b]`` (None = the global RNG), the noise ``torch.multinomial`` draws with that generator for one
-    sample; rows with ``need[b]`` False hold 1 and leave their generator alone. Drawing does not depend on the
-    distribution, so a step may draw its noise before the passes that use it."""
+    """(B, width) Exp(1) noise for one draw per row (:func:`race`), row b drawn from ``generators[b]``: a
+    :class:`Stream` (all such rows in one call), a ``torch.Generator`` (one ``exponential_`` call: the noise
+    ``torch.multinomial`` draws with that generator for one sample) or None (the global RNG, likewise); rows with
+    ``need[b]`` False hold 1 and leave their generator alone. Drawing does not depend on the distribution, so a
+    step may draw its noise before the passes that use it."""
+    wanted = [need is None or bool(need[b]) for b in range(len(generators))]
+    if all(isinstance(g, Stream) for g in generators):
+        noise = stream_noise([g if w else None for g, w in zip(generators, wanted)], width, device)
+        if not all(wanted):
+            noise = torch.where(torch.tensor(wanted, device=noise.device)[:, None], noise, 1.0)
+        return noise if dtype is None else noise.to(dtype)
     noise = torch.ones(len(generators), width, device=device, dtype=dtype)
+    streams = [b for b, g in enumerate(generators) if isinstance(g, Stream) and wanted[b]]
+    if streams:
+        rows = torch.tensor(streams, device=noise.device)
+        noise[rows] = stream_noise([generators[b] for b in streams], width, device).to(noise.dtype)
     for b, g in enumerate(generators):
-        if need is None or need[b]:
+        if wanted[b] and not isinstance(g, Stream):
             noise[b].exponential_(generator=g)
     return noise
 
@@ -76,17 +138,17 @@ def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return (probs / noise).argmax(-1)
 
 
-def draw(probs: torch.Tensor, generators: list[torch.Generator | None],
+def draw(probs: torch.Tensor, generators: list[torch.Generator | Stream | None],
          need: Sequence[bool] | None = None) -> torch.Tensor:
-    """(B, V) probabilities -> (B,) tokens, row b drawn with ``generators[b]`` (None = the global RNG): exactly the
-    token of ``torch.multinomial(probs[b][None], 1, generator=generators[b])``, which draws one sample as the
-    exponential race argmax(p / E), E ~ Exp(1) i.i.d. per token (with every generator None, of
-    ``torch.multinomial(probs, 1)``). Each row fills its own row of one noise tensor from its generator and one
-    batched divide and argmax pick every row's token: no per-row call of ``multinomial``, whose input checks read
-    two values back to the host per call (on a GPU, two synchronisations per row and step). Rows with ``need[b]``
-    False draw nothing (their generator is left alone) and get their argmax, a placeholder for the caller to
-    ignore. Unlike ``multinomial``, invalid probabilities (NaN, negative) are not checked: they come from
-    :func:`probabilities`, a softmax."""
+    """(B, V) probabilities -> (B,) tokens, row b drawn with ``generators[b]``, as the exponential race argmax(p / E),
+    E ~ Exp(1) i.i.d. per token (:func:`race`): with a :class:`Stream`, E is its next draw (the rows of streams draw
+    in one call); with a ``torch.Generator`` (None = the global RNG), exactly the token of
+    ``torch.multinomial(probs[b][None], 1, generator=generators[b])``, which draws one sample that way (with every
+    generator None, of ``torch.multinomial(probs, 1)``). One batched divide and argmax pick every row's token: no
+    per-row call of ``multinomial``, whose input checks read two values back to the host per call (on a GPU, two
+    synchronisations per row and step). Rows with ``need[b]`` False draw nothing (their generator is left alone) and
+    get their argmax, a placeholder for the caller to ignore. Unlike ``multinomial``, invalid probabilities (NaN,
+    negative) are not checked: they come from :func:`probabilities`, a softmax."""
     if need is None and all(g is None for g in generators):
         return _batch_race(probs, None)
     return race(probs, race_noise(generators, probs.shape[-1], need, probs.device, probs.dtype))

@@ -44,7 +44,7 @@ import torch
 
 from efftx.generation import compiled
 from efftx.generation.decode import Rows, as_rows, generators, splittable
-from efftx.generation.sampling import is_greedy, probabilities, race
+from efftx.generation.sampling import Stream, is_greedy, probabilities, race, stream_noise
 
 
 @dataclass
@@ -92,25 +92,34 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, r / total.clamp_min(1e-30), p)
 
 
-def step_noise(generators: list[torch.Generator | None], own: Sequence[int], width: int, vocab: int,
+def step_noise(generators: list[torch.Generator | Stream | None], own: Sequence[int], width: int, vocab: int,
                device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every random number of a sampled speculative step, in one draw per row: row b, which verifies ``own[b]``
     drafts (0: a finished row, which draws nothing), fills the first ``own[b] + 1`` rows of its
-    (``width`` + 1, ``vocab`` + 1) block of Exp(1) noise with one ``exponential_`` call from ``generators[b]``
-    (None: the global RNG). Its row i < ``own[b]`` holds the race noise of its draft i (the first ``vocab``
-    columns, :func:`~efftx.generation.sampling.race`) and, as exp(-E) (uniform on (0, 1]), the acceptance uniform
-    of that draft (the last column); its row ``own[b]`` the race noise of its last token. What a row draws depends
-    only on its generator and its own count, never on the batch around it. Returns (draft noise (width, B, V),
-    uniforms (B, width), last-token noise (B, V)); the values past a row's own drafts are never read (1, or
-    another draw of the row's block)."""
+    (``width`` + 1, ``vocab`` + 1) block of Exp(1) noise with its generator's next draw: a
+    :class:`~efftx.generation.sampling.Stream`'s (every stream row in one call; the values of a draw's first
+    elements do not depend on how many it has), or one ``exponential_`` call from a ``torch.Generator`` (None: the
+    global RNG). Its row i < ``own[b]`` holds the race noise of its draft i (the first ``vocab`` columns,
+    :func:`~efftx.generation.sampling.race`) and, as exp(-E) (uniform on (0, 1]), the acceptance uniform of that
+    draft (the last column); its row ``own[b]`` the race noise of its last token. What a row draws depends only on
+    its generator and its own count, never on the batch around it. Returns (draft noise (width, B, V), uniforms
+    (B, width), last-token noise (B, V)); the values past a row's own drafts are never read (1, or another draw of
+    the row's block)."""
     rows = len(generators)
-    block = torch.ones(rows, width + 1, vocab + 1, device=device)
-    if all(g is None for g in generators):
-        block.exponential_()
+    if rows and all(isinstance(g, Stream) for g in generators):
+        block = stream_noise([g if n else None for g, n in zip(generators, own)], (width + 1) * (vocab + 1), device)
+        block = block.view(rows, width + 1, vocab + 1)
     else:
-        for b, (g, n) in enumerate(zip(generators, own)):
-            if n:
-                block[b, :n + 1].exponential_(generator=g)
+        block = torch.ones(rows, width + 1, vocab + 1, device=device)
+        if all(g is None for g in generators):
+            block.exponential_()
+        else:
+            for b, (g, n) in enumerate(zip(generators, own)):
+                if n:
+                    if isinstance(g, Stream):
+                        block[b] = stream_noise([g], (width + 1) * (vocab + 1), device).view(width + 1, vocab + 1)
+                    else:
+                        block[b, :n + 1].exponential_(generator=g)
     at = torch.tensor(list(own), device=device)
     return (block[:, :width, :vocab].transpose(0, 1).contiguous(), torch.exp(-block[:, :width, vocab]),
             block[torch.arange(rows, device=device), at, :vocab])

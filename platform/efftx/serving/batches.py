@@ -22,7 +22,7 @@ import torch
 
 from efftx.generation.decode import CacheBudget, CacheBudgetFull, Rows, free_memory, kv_only, splittable
 from efftx.generation.device_slots import slots_for
-from efftx.generation.sampling import draw, is_greedy, probabilities, race
+from efftx.generation.sampling import Stream, draw, is_greedy, probabilities, race
 from efftx.generation.speculative import SpecStats, accept_sampled, kept_tokens, next_gamma, step_noise
 
 if TYPE_CHECKING:  # the scheduler runs with torch alone (bench/serve_load.py --inprocess on a bare GPU image)
@@ -110,7 +110,7 @@ class Job:
         self.stats = SpecStats(gamma=max_gamma or gamma) if gamma is not None else None
         self.steps = 0
         self.draft_tail: int | None = None  # speculative: the last kept draft, not fed to the draft model yet
-        self.generator: torch.Generator | None = None
+        self.generator: Stream | None = None
         self.batch_size = 0  # the most rows it shared a step with (itself included)
         self.submitted = time.perf_counter()
         self.queued_round: int | None = None  # the scheduling round that first saw it queued
@@ -188,8 +188,10 @@ def _call(fn, *args) -> None:
         logger.exception("a continuous-batching callback failed")
 
 
-def _generator(seed: int | None, device: torch.device) -> torch.Generator | None:
-    return None if seed is None else torch.Generator(device=device).manual_seed(int(seed))
+def _generator(seed: int | None) -> Stream:
+    """A request's random numbers: its seed's :class:`~efftx.generation.sampling.Stream`, or one seeded from torch's
+    global RNG (a request without a seed), so that every row of a step draws in one call."""
+    return Stream.fresh() if seed is None else Stream(int(seed))
 
 
 def _gen_states(jobs: Sequence[Job]) -> list:
@@ -526,12 +528,12 @@ class _Engine:
 
     def _start(self, jobs: list[Job], model) -> torch.device:
         """A prefill's start: the hook, then each job checked (a ``ValueError`` fails it alone) and given its
-        generator on ``model``'s device (returned)."""
+        random numbers (:func:`_generator`); -> ``model``'s device."""
         self._hook(jobs)
         device = _device(model)
         for job in jobs:
             self.check(job)
-            job.generator = _generator(job.seed, device)
+            job.generator = _generator(job.seed)
         return device
 
     def prefill(self, jobs: list[Job]) -> tuple[_State, Any]:

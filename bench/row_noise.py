@@ -1,0 +1,151 @@
+"""Sampling's per-row noise: counter-based streams (one call for every row) against a torch.Generator per row.
+
+    python bench/row_noise.py [--device cpu|cuda] [--rows 1 4 16 32] [--repeats 200] [--steps]
+
+Two parts, each measured side by side in one run:
+
+* **a draw's noise** for ``rows`` rows, as base decoding draws it (a vocabulary of 256) and as a speculative step
+  draws it (gamma 5: a block of 6 x 257 per row): one ``exponential_`` call per row with its own generator (what
+  sampling did before :class:`efftx.generation.sampling.Stream`) against one call for every row
+  (:func:`~efftx.generation.sampling.stream_noise`: the C++ kernel on a CPU, the Triton kernel on a GPU), and the
+  torch reference of the same function. Best of ``--repeats`` (on CUDA each timed with a device synchronisation).
+  Goal: at 16 rows the streams' draw is at least 4x faster than the generators' (marked met or not);
+* ``--steps``: the continuous-batching scheduler's decoding steps (every row in every step, after a warm-up, best
+  of 3) at each row count, base and speculative, on untrained ``spec_{target,draft}_small`` models, its rows
+  drawing from streams against torch generators (the same scheduler, its requests' generators swapped): the
+  draws' share of whole steps, as time per row stepped (a speculative row's acceptance, so how many rows each
+  step holds, follows its noise, which differs between the two). Printed, no goal: on a CPU a step costs milliseconds and the draws tens of
+  microseconds; on a GPU each generator call is a kernel launch, the step a few hundred microseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
+
+from efftx.generation.sampling import Stream, stream_noise  # noqa: E402
+from efftx.kernels import row_noise as rn  # noqa: E402
+
+SHAPES = (("base (V=256)", 256), ("speculative (6 x 257)", 6 * 257))
+
+
+def best_us(fn, repeats: int, device: str) -> float:
+    """Best time of ``fn()`` in microseconds (after one warm-up call)."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e6
+
+
+def generator_draw(gens: list[torch.Generator], width: int, device: str) -> torch.Tensor:
+    noise = torch.ones(len(gens), width, device=device)
+    for b, g in enumerate(gens):
+        noise[b].exponential_(generator=g)
+    return noise
+
+
+def reference_draw(streams: list[Stream], width: int, device: str) -> torch.Tensor:
+    keys = torch.tensor([s.key() for s in streams], dtype=torch.int64, device=device)
+    return rn.row_noise_reference(keys, width)
+
+
+def draws(rows: list[int], repeats: int, device: str) -> dict[tuple[str, int], dict[str, float]]:
+    out = {}
+    for name, width in SHAPES:
+        for n in rows:
+            gens = [torch.Generator(device=device).manual_seed(s) for s in range(n)]
+            streams = [Stream(s) for s in range(n)]
+            times = {"generators": best_us(lambda: generator_draw(gens, width, device), repeats, device),
+                     "streams": best_us(lambda: stream_noise(streams, width, device), repeats, device),
+                     "reference": best_us(lambda: reference_draw(streams, width, device), repeats, device)}
+            out[(name, n)] = times
+            print(f"  {name:22s} {n:3d} rows: generators {times['generators']:8.1f} us, streams "
+                  f"{times['streams']:7.1f} us ({times['generators'] / times['streams']:5.1f}x), torch reference "
+                  f"{times['reference']:7.1f} us ({times['generators'] / times['reference']:4.1f}x)", flush=True)
+    return out
+
+
+def steps(rows: list[int], device: str) -> None:
+    """The scheduler's decoding step, streams against per-row torch generators (see the module docstring)."""
+    import serve_load
+
+    from efftx.serving import batches
+    from efftx.serving.continuous import Job, Sampling, Scheduler
+
+    paths, note = serve_load.export_models("small")
+    print(f"  ({note})")
+    target, draft = serve_load.load_models(paths, device)
+    real = batches._generator
+
+    def torch_generator(seed):
+        return torch.Generator(device=device).manual_seed(int(seed))
+
+    for mode in ("base", "speculative"):
+        best: dict[tuple[str, int], float] = {}
+        for rep in range(4):  # the first round warms up
+            for n in rows:
+                for kind, make in (("generators", torch_generator), ("streams", real)):
+                    batches._generator = make
+                    stepped = [0]  # rows stepped (a speculative row's acceptance, so its steps, follow its noise)
+                    try:
+                        scheduler = Scheduler(target, draft, max_rows=max(rows), short_tokens=0, prefill_rows=0,
+                                              observe=lambda kind, r: stepped.__setitem__(0, stepped[0] + r))
+                        for i in range(n):
+                            scheduler.submit(Job(list(serve_load.PROMPTS[i % 10].encode()), 48, Sampling(0.8, 32),
+                                                 i, 5 if mode == "speculative" else None))
+                        scheduler.run_once()
+                        before = stepped[0]
+                        t0 = time.perf_counter()
+                        scheduler.drain()
+                        us = (time.perf_counter() - t0) * 1e6 / max(stepped[0] - before, 1)
+                    finally:
+                        batches._generator = real
+                    if rep:
+                        best[(kind, n)] = min(best.get((kind, n), float("inf")), us)
+        line = ", ".join(f"{n} rows {best[('generators', n)]:.0f} / {best[('streams', n)]:.0f} us "
+                         f"({best[('generators', n)] / best[('streams', n)]:.3f}x)" for n in rows)
+        print(f"  {mode:12s} per row stepped, generators / streams: {line}", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32])
+    p.add_argument("--repeats", type=int, default=200)
+    p.add_argument("--steps", action="store_true", help="also the scheduler's decoding step, both ways")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    args = p.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here")
+    if any(n < 1 for n in args.rows) or args.repeats < 1:
+        p.error("--rows and --repeats must be >= 1")
+    torch.set_num_threads(args.threads)
+    print(f"a draw's noise on {args.device} ({torch.get_num_threads()} torch threads), best of {args.repeats}:")
+    out = draws(args.rows, args.repeats, args.device)
+    if args.steps:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        print("the scheduler's decoding step (best of 3):")
+        steps(args.rows, args.device)
+    print("\ngoals:")
+    for name, _ in SHAPES:
+        if (name, 16) in out:
+            t = out[(name, 16)]
+            ratio = t["generators"] / t["streams"]
+            print(f"  [{'met' if ratio >= 4 else 'NOT met'}] {name}: a 16-row draw with streams >= 4x faster than "
+                  f"per-row generators: {ratio:.1f}x ({t['streams']:.1f} vs {t['generators']:.1f} us)")
+
+
+if __name__ == "__main__":
+    main()
