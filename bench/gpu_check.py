@@ -43,7 +43,8 @@ Sections (each row: pass / FAIL / skip with the reason, and its figures):
   (``--compile on --quick``: CUDA graphs per power-of-two row count, 8 clients), the compiled step costs beside
   the eager ones (``OUT/serveload-compiled.log``), and base decoding with the fixed priority lanes alone
   (``--short-slowdown 0 --quick``: what the scheduler's measured costs change on the GPU,
-  ``OUT/serveload-fixed-lanes.log``).
+  ``OUT/serveload-fixed-lanes.log``); and ``bench/row_sampling.py --device cuda --steps`` (sampling's per-row noise
+  and distributions, one call for every row against one per row or setting, ``OUT/rowsampling.log``).
 * ``decodeattn``: ``bench/decode_attention.py --device cuda``: compiled decode steps (CUDA graphs) with the Triton
   decode attention kernel against attention over the whole capacity, rows of 128 and 1024 keys in a 2048-slot
   cache, batch 1 and 16, 1 and 6 tokens per row; eager passes over a KVCache with the kernel against SDPA; the
@@ -460,6 +461,10 @@ def check_serveload(args, out: Path) -> list[Row]:
     rows += bench_section("serveload", "bench/serve_load.py --inprocess --device cuda --compile on --quick",
                           ["bench/serve_load.py", "--inprocess", "--device", "cuda", "--compile", "on", "--quick",
                            "--rounds", "1"], args, out, log="serveload-compiled")
+    # sampling's per-row work on the device: counter-based noise against a generator per row, one pass of mixed
+    # settings against a pass per setting, and the scheduler's steps both ways
+    rows += bench_section("serveload", "bench/row_sampling.py --device cuda --steps",
+                          ["bench/row_sampling.py", "--device", "cuda", "--steps"], args, out, log="rowsampling")
     # and base decoding with the fixed lanes alone (short_slowdown=0): what the measured costs change on this device
     return rows + bench_section("serveload", "bench/serve_load.py --inprocess --device cuda --short-slowdown 0",
                                 ["bench/serve_load.py", "--inprocess", "--device", "cuda", "--short-slowdown", "0",

@@ -3,7 +3,7 @@ import torch
 
 from efftx import recipes
 from efftx.generation.decode import generate
-from efftx.generation.sampling import draw, filter_logits, probabilities, sample
+from efftx.generation.sampling import draw, filter_logits, probabilities, probabilities_per_row, sample
 from efftx.models import build as build_model
 
 
@@ -47,6 +47,42 @@ def _multinomial_rows(probs, generators):
 
 def _gens(seeds):
     return [torch.Generator().manual_seed(s) for s in seeds]
+
+
+# (temperature, top_k, top_p): greedy (0 and below the floor), plain, top-k (1, some, the vocabulary, past it),
+# nucleus (some, tiny: the top token alone)
+SETTINGS = [(t, k, p) for t in (0.0, 1e-5, 0.7, 1.0, 2.5) for k in (0, 1, 5, 64, 67) for p in (1.0, 0.9, 0.3, 1e-300)]
+
+
+@pytest.mark.parametrize("trial", range(24))
+def test_probabilities_per_row_are_each_rows_own_bit_for_bit(trial):
+    """One pass over rows of different settings gives every row exactly the distribution :func:`probabilities`
+    gives it alone (continuous batching's rows of mixed settings share this pass)."""
+    import random
+
+    rng = random.Random(trial)
+    rows = rng.choice([1, 2, 5, 16])
+    shape = (rows, 64) if trial % 2 else (rows, 3, 64)  # a speculative verify's (B, G + 1, V) too
+    logits = torch.randn(*shape, generator=torch.Generator().manual_seed(trial)) * 3
+    if trial % 6 == 0:
+        logits = logits.to(torch.bfloat16)
+    picked = [rng.choice(SETTINGS) for _ in range(rows)]
+    t, k, p = (torch.tensor(col) for col in zip(*picked))
+    for kmax, nucleus in ((max(k.tolist()), any(x < 1 for x in p.tolist())), (None, True)):
+        got = probabilities_per_row(logits, t, k, p, kmax=kmax, nucleus=nucleus)
+        assert got.shape == logits.shape and got.dtype == torch.float32
+        for b, (tb, kb, pb) in enumerate(picked):
+            assert torch.equal(got[b], probabilities(logits[b:b + 1], tb, kb, pb)[0].float()), (b, tb, kb, pb)
+
+
+def test_probabilities_per_row_keep_each_rows_own_top_k_and_nucleus():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0]] * 4)
+    got = probabilities_per_row(logits, torch.tensor([1.0, 1.0, 1.0, 0.0]), torch.tensor([2, 0, 0, 0]),
+                                torch.tensor([1.0, 1.0, 0.5, 1.0]))
+    assert (got[0] > 0).tolist() == [True, True, False, False]  # top-2
+    assert (got[1] > 0).all()  # nothing filtered
+    assert (got[2] > 0).tolist() == [True, False, False, False]  # the nucleus of 0.5: the top token (p = 0.64)
+    assert got[3].tolist() == [1.0, 0.0, 0.0, 0.0]  # greedy
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -198,3 +198,27 @@ def test_stream_noise_on_the_reference_path_is_the_kernels_within_an_ulp():
     for s in streams:
         s.set_state(0)
     torch.testing.assert_close(stream_noise(streams, 300), ref, rtol=2.5e-7, atol=0)
+
+
+def test_a_gpu_kernel_that_fails_leaves_the_draws_to_the_reference(monkeypatch, caplog):
+    """Where the Triton kernel cannot build or launch (a GPU machine without its compiler), draws take the torch
+    reference from then on, said once in the log, and no request fails for it."""
+    from efftx.kernels import row_noise_gpu
+
+    tried = []
+
+    def broken(keys, width):
+        tried.append(width)
+        raise RuntimeError("ptxas not found")
+
+    monkeypatch.setattr(row_noise_gpu, "_state", {"enabled": True})
+    monkeypatch.setattr(row_noise_gpu, "takes", lambda keys: row_noise_gpu._state["enabled"])
+    monkeypatch.setattr(row_noise_gpu, "row_noise", broken)
+    keys = _keys(3)
+    with caplog.at_level("WARNING", logger="efftx.kernels.row_noise"):
+        first = rn._on_gpu(keys, 40)
+        second = rn._on_gpu(keys, 40)
+    assert torch.equal(first, rn.row_noise_reference(keys, 40)) and torch.equal(second, first)
+    assert tried == [40] and not row_noise_gpu._state["enabled"]  # not tried again
+    assert [r.getMessage() for r in caplog.records] == [
+        "efftx's Triton row noise kernel failed (RuntimeError: ptxas not found): draws take the torch reference"]

@@ -50,6 +50,37 @@ def probabilities(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0
     return filter_logits(logits.float() / temperature, top_k, top_p).softmax(-1)
 
 
+def probabilities_per_row(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                          *, kmax: int | None = None, nucleus: bool = True) -> torch.Tensor:
+    """:func:`probabilities` with settings per row, in one pass for every row: (B, ..., V) logits, (B,) temperature
+    (float), top_k (int, 0: none) and top_p (float) -> (B, ..., V) float32 distributions, row b's exactly
+    ``probabilities(logits[b], temperature[b], top_k[b], top_p[b])`` (as float32): the same operations per row,
+    a row's top-k threshold and nucleus taken from its own settings. ``kmax``: the largest top_k among the rows
+    (None: work it out, a read from the device; 0: no row has one); ``nucleus`` False: no row has top_p < 1 (the
+    sort is skipped). Greedy rows (:func:`is_greedy`) are one-hot at their argmax."""
+    v = logits.shape[-1]
+    shape = (logits.shape[0],) + (1,) * (logits.dim() - 1)
+    greedy = (temperature < MIN_TEMPERATURE).view(shape)
+    x = logits.float() / torch.where(greedy, 1.0, temperature.view(shape).float())
+    if kmax is None:
+        kmax = int(top_k.max()) if top_k.numel() else 0
+    kmax = min(kmax, v)
+    if kmax > 0:
+        k = top_k.view(shape)
+        has_k = (k > 0) & (k < v)  # rows without a top-k (or one past the vocabulary) keep every token
+        kth = torch.topk(x, kmax, dim=-1).values.gather(-1, (torch.where(has_k, k, kmax) - 1).expand(*x.shape[:-1], 1))
+        x = x.masked_fill(x < torch.where(has_k, kth, float("-inf")), float("-inf"))
+    if nucleus:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        p = sorted_x.softmax(-1)
+        drop = (p.cumsum(-1) - p >= top_p.view(shape).float()) & (top_p.view(shape) < 1.0)
+        drop[..., 0] = False
+        x = torch.full_like(x, float("-inf")).scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
+    probs = x.softmax(-1)
+    onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)  # one_hot reads its input
+    return torch.where(greedy, onehot, probs)
+
+
 def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
            generator: torch.Generator | None = None) -> torch.Tensor:
     """(B, V) logits -> (B,) tokens, every row from ``generator``: ``torch.multinomial(probs, 1, generator=...)``'s

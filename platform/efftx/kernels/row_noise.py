@@ -16,11 +16,14 @@ The function, per element ``j`` of a row with key halves ``(k0, k1)`` (each belo
 :func:`row_noise_reference` is that in torch integer operations (values below 2**32 in int64; each product of a
 32-bit value and a constant below 2**31 stays below 2**63), the oracle and the fallback. :func:`row_noise` hands CPU
 tensors to the C++ kernel (:mod:`efftx.kernels.row_noise_cpu`) and CUDA tensors to the Triton kernel
-(:mod:`efftx.kernels.row_noise_gpu`) where they are available, else to the reference. The integer bits are the same
+(:mod:`efftx.kernels.row_noise_gpu`) where they are available, else to the reference (also, from then on, where
+the Triton kernel fails to build or launch: said once in the log). The integer bits are the same
 in all three; the log may differ in the last bit between implementations (tests/test_row_noise.py).
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -30,6 +33,8 @@ M64 = 0xFFFFFFFFFFFFFFFF
 # integer finalizer of low bias (a bijection: an xorshift and an odd multiplication mod 2**32 are each invertible)
 C1, C2 = 0x21F0AAAD, 0x735A2D97
 SCALE = 2.0 ** -23
+
+log = logging.getLogger(__name__)
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
@@ -89,8 +94,19 @@ def row_noise(keys: torch.Tensor, width: int) -> torch.Tensor:
             if module is not None:
                 return module.row_noise(keys, width)
     elif keys.is_cuda:
-        from efftx.kernels import row_noise_gpu
+        return _on_gpu(keys, width)
+    return row_noise_reference(keys, width)
 
-        if row_noise_gpu.takes(keys):
+
+def _on_gpu(keys: torch.Tensor, width: int) -> torch.Tensor:
+    """The Triton kernel's noise where it takes ``keys``; the reference where it does not, or fails (for good)."""
+    from efftx.kernels import row_noise_gpu
+
+    if row_noise_gpu.takes(keys):
+        try:
             return row_noise_gpu.row_noise(keys, width)
+        except Exception as exc:  # noqa: BLE001 - a kernel that cannot build or launch here: the reference
+            row_noise_gpu._state["enabled"] = False
+            log.warning("efftx's Triton row noise kernel failed (%s: %s): draws take the torch reference",
+                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
     return row_noise_reference(keys, width)

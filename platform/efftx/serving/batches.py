@@ -22,7 +22,7 @@ import torch
 
 from efftx.generation.decode import CacheBudget, CacheBudgetFull, Rows, free_memory, kv_only, splittable
 from efftx.generation.device_slots import slots_for
-from efftx.generation.sampling import Stream, draw, is_greedy, probabilities, race
+from efftx.generation.sampling import Stream, draw, is_greedy, probabilities, probabilities_per_row, race
 from efftx.generation.speculative import SpecStats, accept_sampled, kept_tokens, next_gamma, step_noise
 
 if TYPE_CHECKING:  # the scheduler runs with torch alone (bench/serve_load.py --inprocess on a bare GPU image)
@@ -42,50 +42,40 @@ class Sampling:
     top_p: float = 1.0
 
 
-def _groups(samplings: Sequence[Sampling]) -> dict[Sampling, list[int]]:
-    groups: dict[Sampling, list[int]] = {}
-    for i, s in enumerate(samplings):
-        groups.setdefault(s, []).append(i)
-    return groups
+def _per_row(logits: torch.Tensor, samplings: Sequence[Sampling]) -> torch.Tensor:
+    """Every row's distribution in one pass (:func:`~efftx.generation.sampling.probabilities_per_row`): the
+    settings go to the device as three small tensors, and what no row asks for (top-k, a nucleus) is skipped."""
+    device = logits.device
+    ks = [s.top_k for s in samplings]
+    return probabilities_per_row(
+        logits, torch.tensor([s.temperature for s in samplings], dtype=torch.float32, device=device),
+        torch.tensor(ks, dtype=torch.long, device=device),
+        torch.tensor([s.top_p for s in samplings], dtype=torch.float32, device=device),
+        kmax=max(max(ks), 0), nucleus=any(s.top_p < 1.0 for s in samplings))
 
 
 def row_probabilities(logits: torch.Tensor, samplings: Sequence[Sampling]) -> torch.Tensor:
-    """(B, ..., V) logits -> distributions, row b with ``samplings[b]`` (rows of equal settings in one call, so a
-    row's distribution is the one it gets alone)."""
-    groups = _groups(samplings)
-    if len(groups) == 1:
+    """(B, ..., V) logits -> distributions, row b with ``samplings[b]``: exactly the distribution it gets alone.
+    Rows of one setting take :func:`~efftx.generation.sampling.probabilities`; rows of several settings one pass
+    with per-row settings (not a pass per setting: on a GPU each is a dozen kernel launches)."""
+    if len(set(samplings)) == 1:
         s = samplings[0]
         return probabilities(logits, s.temperature, s.top_k, s.top_p)
-    parts = []
-    for s, idx in groups.items():
-        rows = torch.tensor(idx, device=logits.device)
-        parts.append((rows, probabilities(logits.index_select(0, rows), s.temperature, s.top_k, s.top_p)))
-    dtype = parts[0][1].dtype
-    for _, p in parts[1:]:
-        dtype = torch.promote_types(dtype, p.dtype)
-    out = torch.empty(logits.shape, dtype=dtype, device=logits.device)
-    for rows, p in parts:
-        out[rows] = p.to(dtype)
-    return out
+    return _per_row(logits, samplings)
 
 
 def row_tokens(logits: torch.Tensor, samplings: Sequence[Sampling], gens: Sequence[torch.Generator | None]
                ) -> torch.Tensor:
     """(B, V) logits -> (B,) next tokens as :func:`~efftx.generation.decode.iter_generate` picks them, per row:
-    the argmax for greedy settings, else a draw from the row's distribution with the row's generator."""
-    groups = _groups(samplings)
-    out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-    for s, idx in groups.items():
-        rows = torch.tensor(idx, device=logits.device)
-        part = logits if len(groups) == 1 else logits.index_select(0, rows)
-        if is_greedy(s.temperature):
-            picked = part.argmax(-1)
-        else:
-            picked = draw(probabilities(part, s.temperature, s.top_k, s.top_p), [gens[i] for i in idx])
-        if len(groups) == 1:
-            return picked
-        out[rows] = picked
-    return out
+    the argmax for greedy settings, else a draw from the row's distribution with the row's generator (greedy rows
+    draw nothing)."""
+    greedy = [is_greedy(s.temperature) for s in samplings]
+    if all(greedy):
+        return logits.argmax(-1)
+    if len(set(samplings)) == 1:
+        s = samplings[0]
+        return draw(probabilities(logits, s.temperature, s.top_k, s.top_p), list(gens))
+    return draw(_per_row(logits, samplings), list(gens), need=[not g for g in greedy])
 
 
 # ---------------------------------------------------------------------------------------------- jobs

@@ -19,7 +19,7 @@ loop) that repeats rounds: admit the requests that may start, then run one decod
   starting gamma and cap, whose step drafts as many tokens as its longest-drafting row: each row draws for and
   verifies only its own drafts. Sampling settings (temperature, top-k, top-p)
   are per row: rows share every forward pass whatever their settings, and the logits are turned into
-  distributions per group of rows with equal settings. Every row draws from its own counter-based stream
+  distributions in one pass with per-row settings (:func:`~efftx.generation.sampling.probabilities_per_row`). Every row draws from its own counter-based stream
   (:class:`~efftx.generation.sampling.Stream`, from its ``seed``; every row of a step in one kernel call), so
   each request's tokens, and in speculative decoding its acceptance, are exactly those it gets alone.
 * **Priority to short requests.** A decoding step of many rows costs more than one of a few (on a CPU a 16-row

@@ -1,5 +1,6 @@
-"""bench/row_noise.py: a draw's noise with counter-based streams against a torch.Generator per row, side by side,
-and the scheduler's steps both ways (run as a command, as a user runs it)."""
+"""bench/row_sampling.py: a draw's noise with counter-based streams against a torch.Generator per row, a step's
+distributions for rows of mixed settings in one pass against a pass per setting, side by side, and the scheduler's
+steps both ways (run as a command, as a user runs it)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def bench(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "platform"), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "bench/row_noise.py", *args], cwd=REPO, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "bench/row_sampling.py", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=600)
 
 
@@ -28,6 +29,16 @@ def test_the_bench_times_both_draws_and_steps_and_marks_its_goals():
     for _, _, gens, streams, ratio, ref in draws:
         assert float(gens) > 0 and float(streams) > 0 and float(ref) > 0
         assert abs(float(ratio) - float(gens) / float(streams)) <= 0.05 + 0.01 * float(ratio)
+    dists = re.findall(r"^\s+(\d+) rows,\s+(\d+) settings: a pass per setting\s+[\d.]+ us \((\d+) operations\), "
+                       r"one pass\s+[\d.]+ us \((\d+) operations\): +[\d.]+x the time, +([\d.]+)x the operations; "
+                       r"the same distributions$", run.stdout, re.M)
+    assert [(int(n), int(k)) for n, k, *_ in dists] == [(1, 1), (16, 16)], run.stdout
+    for _, _, grouped, one, ratio in dists:
+        assert abs(float(ratio) - int(grouped) / int(one)) < 0.06
+    assert int(dists[1][2]) > int(dists[0][2])  # a pass per setting runs more operations with more settings...
+    assert int(dists[1][3]) == int(dists[0][3]) + 12  # ...one pass as many (12 more for a top-k and a nucleus)
+    assert re.search(r"^\s+\[(met|NOT met)\] distributions of 16 rows of 16 settings in one pass: at most a third of "
+                     r"the operations", run.stdout, re.M), run.stdout
     for mode in ("base", "speculative"):
         line = re.search(rf"^\s+{mode}\s+per row stepped, generators / streams: (.*)$", run.stdout, re.M)
         assert line, run.stdout

@@ -1,8 +1,8 @@
-"""Sampling's per-row noise: counter-based streams (one call for every row) against a torch.Generator per row.
+"""Sampling's per-row work in one call for every row, against a call per row or per setting.
 
-    python bench/row_noise.py [--device cpu|cuda] [--rows 1 4 16 32] [--repeats 200] [--steps]
+    python bench/row_sampling.py [--device cpu|cuda] [--rows 1 4 16 32] [--repeats 200] [--steps]
 
-Two parts, each measured side by side in one run:
+Three parts, each measured side by side in one run:
 
 * **a draw's noise** for ``rows`` rows, as base decoding draws it (a vocabulary of 256) and as a speculative step
   draws it (gamma 5: a block of 6 x 257 per row): one ``exponential_`` call per row with its own generator (what
@@ -10,6 +10,14 @@ Two parts, each measured side by side in one run:
   (:func:`~efftx.generation.sampling.stream_noise`: the C++ kernel on a CPU, the Triton kernel on a GPU), and the
   torch reference of the same function. Best of ``--repeats`` (on CUDA each timed with a device synchronisation).
   Goal: at 16 rows the streams' draw is at least 4x faster than the generators' (marked met or not);
+* **a step's distributions** for ``rows`` rows of mixed sampling settings (every row its own temperature, half
+  of them a top-k, a third a nucleus: what many clients send), over a vocabulary of 256: a pass per setting (rows
+  gathered by setting, each group through :func:`~efftx.generation.sampling.probabilities`, scattered back: what
+  continuous batching did before) against one pass with per-row settings
+  (:func:`~efftx.generation.sampling.probabilities_per_row`), whose rows are bit for bit the grouped ones
+  (checked here), and the torch operations each runs (views aside: on a GPU each is a kernel launch, the cost
+  that matters beside a step of a few hundred microseconds). Goal: at 16 rows of 16 settings the one pass runs at
+  most a third of the operations of a pass per setting (its time is printed beside);
 * ``--steps``: the continuous-batching scheduler's decoding steps (every row in every step, after a warm-up, best
   of 3) at each row count, base and speculative, on untrained ``spec_{target,draft}_small`` models, its rows
   drawing from streams against torch generators (the same scheduler, its requests' generators swapped): the
@@ -29,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
 
-from efftx.generation.sampling import Stream, stream_noise  # noqa: E402
+from efftx.generation.sampling import Stream, probabilities, probabilities_per_row, stream_noise  # noqa: E402
 from efftx.kernels import row_noise as rn  # noqa: E402
 
 SHAPES = (("base (V=256)", 256), ("speculative (6 x 257)", 6 * 257))
@@ -74,6 +82,65 @@ def draws(rows: list[int], repeats: int, device: str) -> dict[tuple[str, int], d
             print(f"  {name:22s} {n:3d} rows: generators {times['generators']:8.1f} us, streams "
                   f"{times['streams']:7.1f} us ({times['generators'] / times['streams']:5.1f}x), torch reference "
                   f"{times['reference']:7.1f} us ({times['generators'] / times['reference']:4.1f}x)", flush=True)
+    return out
+
+
+def operations(fn) -> int:
+    """The torch operations ``fn()`` runs, views aside (what launches kernels on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+def mixed_settings(n: int) -> list[tuple[float, int, float]]:
+    """``n`` rows' (temperature, top_k, top_p): every row its own temperature, every other row a top-k, every
+    third a nucleus."""
+    return [(0.5 + 0.05 * i, 20 + i if i % 2 else 0, 0.9 if i % 3 == 0 else 1.0) for i in range(n)]
+
+
+def grouped(logits: torch.Tensor, settings: list[tuple[float, int, float]]) -> torch.Tensor:
+    """A pass per setting: each group's rows gathered, through :func:`probabilities`, and scattered back."""
+    groups: dict[tuple, list[int]] = {}
+    for i, s in enumerate(settings):
+        groups.setdefault(s, []).append(i)
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    for (t, k, p), idx in groups.items():
+        rows = torch.tensor(idx, device=logits.device)
+        out[rows] = probabilities(logits.index_select(0, rows), t, k, p).float()
+    return out
+
+
+def distributions(rows: list[int], repeats: int, device: str) -> dict[int, dict[str, float]]:
+    out = {}
+    for n in rows:
+        settings = mixed_settings(n)
+        logits = torch.randn(n, 256, generator=torch.Generator().manual_seed(n)).to(device) * 3
+
+        def one_pass():
+            t, k, p = (torch.tensor(col, device=device) for col in zip(*settings))
+            return probabilities_per_row(logits, t.float(), k, p.float(), kmax=max(k.tolist()),
+                                         nucleus=any(x < 1 for x in p.tolist()))
+
+        if not torch.equal(one_pass(), grouped(logits, settings)):
+            raise SystemExit(f"{n} rows: the one pass's distributions are not the grouped ones")
+        times = {"grouped": best_us(lambda: grouped(logits, settings), repeats, device),
+                 "one pass": best_us(one_pass, repeats, device),
+                 "grouped ops": operations(lambda: grouped(logits, settings)), "one pass ops": operations(one_pass)}
+        out[n] = times
+        print(f"  {n:3d} rows, {len(set(settings)):2d} settings: a pass per setting {times['grouped']:8.1f} us "
+              f"({times['grouped ops']} operations), one pass {times['one pass']:7.1f} us ({times['one pass ops']} "
+              f"operations): {times['grouped'] / times['one pass']:4.1f}x the time, "
+              f"{times['grouped ops'] / times['one pass ops']:4.1f}x the operations; the same distributions", flush=True)
     return out
 
 
@@ -134,6 +201,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"a draw's noise on {args.device} ({torch.get_num_threads()} torch threads), best of {args.repeats}:")
     out = draws(args.rows, args.repeats, args.device)
+    print(f"a step's distributions, rows of mixed settings (V=256), best of {args.repeats}:")
+    dists = distributions(args.rows, args.repeats, args.device)
     if args.steps:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         print("the scheduler's decoding step (best of 3):")
@@ -145,6 +214,12 @@ def main() -> None:
             ratio = t["generators"] / t["streams"]
             print(f"  [{'met' if ratio >= 4 else 'NOT met'}] {name}: a 16-row draw with streams >= 4x faster than "
                   f"per-row generators: {ratio:.1f}x ({t['streams']:.1f} vs {t['generators']:.1f} us)")
+    if 16 in dists:
+        t = dists[16]
+        ratio = t["grouped ops"] / t["one pass ops"]
+        print(f"  [{'met' if ratio >= 3 else 'NOT met'}] distributions of 16 rows of 16 settings in one pass: at most "
+              f"a third of the operations (kernel launches on a GPU) of a pass per setting: {ratio:.1f}x fewer "
+              f"({t['one pass ops']} vs {t['grouped ops']}; time {t['grouped'] / t['one pass']:.1f}x here)")
 
 
 if __name__ == "__main__":
