@@ -117,6 +117,12 @@ def test_a_streams_draws_follow_one_another_and_rewind():
     assert Stream(43).key() != first
     assert all(0 <= half < 2**32 for half in first)
     assert Stream(-1).key() == Stream(2**64 - 1).key()  # seeds are taken mod 2**64, as torch's manual_seed does
+    # the key written out is splitmix64(splitmix64(seed) ^ draws), halves low first
+    for seed, draws in ((0, 0), (42, 1), (2**63 - 1, 12345), (-5, 7)):
+        s = Stream(seed)
+        s.set_state(draws)
+        z = rn.splitmix64(rn.splitmix64(seed & rn.M64) ^ draws)
+        assert s.key() == (z & rn.M32, z >> 32) and s.get_state() == draws + 1
 
 
 @pytest.mark.parametrize("seed", [2**64, -2**63 - 1, 1.5, True, "3"])
@@ -222,3 +228,13 @@ def test_a_gpu_kernel_that_fails_leaves_the_draws_to_the_reference(monkeypatch, 
     assert tried == [40] and not row_noise_gpu._state["enabled"]  # not tried again
     assert [r.getMessage() for r in caplog.records] == [
         "efftx's Triton row noise kernel failed (RuntimeError: ptxas not found): draws take the torch reference"]
+
+
+def test_host_values_are_torch_tensors_of_them():
+    from efftx.generation.sampling import host_values
+
+    for values, dtype in (([1, 2, 3], torch.long), ([[0, 2**32 - 1], [5, 6]], torch.int64),
+                          ([0.5, 1e-300], torch.float32), ([True, False], torch.bool)):
+        got = host_values(values, dtype, "cpu")
+        assert got.dtype == dtype and got.device.type == "cpu" and torch.equal(got, torch.tensor(values, dtype=dtype))
+    assert host_values([], torch.long).shape == (0,)

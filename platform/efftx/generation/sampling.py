@@ -117,7 +117,7 @@ class Stream:
         return cls(int(torch.randint(0, 2**62, ())))
 
     def key(self) -> tuple[int, int]:
-        """The next draw's key (two 32-bit halves), counting the draw."""
+        """The next draw's key (two 32-bit halves), counting the draw: ``splitmix64(splitmix64(seed) ^ draws)``."""
         z = splitmix64(self._base ^ self.draws)
         self.draws += 1
         return z & M32, z >> 32
@@ -132,12 +132,22 @@ class Stream:
         return f"Stream(seed={self.seed}, draws={self.draws})"
 
 
+def host_values(values: Sequence, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
+    """A tensor of host values on ``device``, copied without waiting for the device (a plain ``torch.tensor(...,
+    device="cuda")`` waits for every kernel queued before it: mid-step, the host could not queue the step's next
+    kernels while the device runs its pass)."""
+    out = torch.tensor(values, dtype=dtype)
+    if device is None or torch.device(device).type == "cpu":
+        return out
+    return out.to(device, non_blocking=True)
+
+
 def stream_noise(streams: Sequence[Stream | None], width: int, device: torch.device | str | None = None
                  ) -> torch.Tensor:
     """(B, width) float32 Exp(1) noise: row b the next draw of ``streams[b]`` (None: no draw, values never read),
     every row in one :func:`~efftx.kernels.row_noise.row_noise` call."""
     keys = [(0, 0) if s is None else s.key() for s in streams]
-    return row_noise(torch.tensor(keys, dtype=torch.int64, device=device).view(len(keys), 2), width)
+    return row_noise(host_values(keys, torch.int64, device).view(len(keys), 2), width)
 
 
 def race_noise(generators: list[torch.Generator | Stream | None], width: int, need: Sequence[bool] | None = None,
@@ -151,12 +161,12 @@ def race_noise(generators: list[torch.Generator | Stream | None], width: int, ne
     if all(isinstance(g, Stream) for g in generators):
         noise = stream_noise([g if w else None for g, w in zip(generators, wanted)], width, device)
         if not all(wanted):
-            noise = torch.where(torch.tensor(wanted, device=noise.device)[:, None], noise, 1.0)
+            noise = torch.where(host_values(wanted, torch.bool, noise.device)[:, None], noise, 1.0)
         return noise if dtype is None else noise.to(dtype)
     noise = torch.ones(len(generators), width, device=device, dtype=dtype)
     streams = [b for b, g in enumerate(generators) if isinstance(g, Stream) and wanted[b]]
     if streams:
-        rows = torch.tensor(streams, device=noise.device)
+        rows = host_values(streams, torch.long, noise.device)
         noise[rows] = stream_noise([generators[b] for b in streams], width, device).to(noise.dtype)
     for b, g in enumerate(generators):
         if wanted[b] and not isinstance(g, Stream):

@@ -44,7 +44,7 @@ import torch
 
 from efftx.generation import compiled
 from efftx.generation.decode import Rows, as_rows, generators, splittable
-from efftx.generation.sampling import Stream, is_greedy, probabilities, race, stream_noise
+from efftx.generation.sampling import Stream, host_values, is_greedy, probabilities, race, stream_noise
 
 
 @dataclass
@@ -120,7 +120,7 @@ def step_noise(generators: list[torch.Generator | Stream | None], own: Sequence[
                         block[b] = stream_noise([g], (width + 1) * (vocab + 1), device).view(width + 1, vocab + 1)
                     else:
                         block[b, :n + 1].exponential_(generator=g)
-    at = torch.tensor(list(own), device=device)
+    at = host_values(list(own), torch.long, device)
     return (block[:, :width, :vocab].transpose(0, 1).contiguous(), torch.exp(-block[:, :width, vocab]),
             block[torch.arange(rows, device=device), at, :vocab])
 

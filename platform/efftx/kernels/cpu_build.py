@@ -115,3 +115,18 @@ def switched_off(state: dict):
         yield
     finally:
         state["enabled"] = before
+
+
+@contextlib.contextmanager
+def interpreted_on_cpu(state: dict, interpreted: bool, module: str):
+    """A Triton kernel module's ``on_cpu()``: inside, ``state["on"]`` is set, so that CPU tensors take its kernels
+    through Triton's interpreter (tests on a machine without a GPU); raises where the module was imported without
+    ``TRITON_INTERPRET=1`` (``interpreted`` False)."""
+    if not interpreted:
+        raise RuntimeError(f"on_cpu() needs TRITON_INTERPRET=1 set before {module} is imported")
+    before = state["on"]
+    state["on"] = True
+    try:
+        yield
+    finally:
+        state["on"] = before

@@ -48,7 +48,7 @@ import os
 
 import torch
 
-from efftx.kernels.cpu_build import switch, switched_off
+from efftx.kernels.cpu_build import interpreted_on_cpu, switch, switched_off
 
 try:  # Triton is an optional extra (`pip install efftx[triton]`); without it every pass takes the matmul path
     import triton
@@ -96,18 +96,10 @@ def everywhere():
         _state["eager"] = before
 
 
-@contextlib.contextmanager
 def on_cpu():
     """Inside, CPU tensors take the kernel too, through Triton's interpreter (``TRITON_INTERPRET=1`` before import;
     raises otherwise): the tests run model passes through it on a machine without a GPU."""
-    if not INTERPRETED:
-        raise RuntimeError("on_cpu() needs TRITON_INTERPRET=1 set before efftx.kernels.decode_attention is imported")
-    before = _cpu["on"]
-    _cpu["on"] = True
-    try:
-        yield
-    finally:
-        _cpu["on"] = before
+    return interpreted_on_cpu(_cpu, INTERPRETED, __name__)
 
 
 # ------------------------------------------------------------------------------------------------ reference

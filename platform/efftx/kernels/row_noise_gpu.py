@@ -17,7 +17,7 @@ import contextlib
 
 import torch
 
-from efftx.kernels.cpu_build import switch, switched_off
+from efftx.kernels.cpu_build import interpreted_on_cpu, switch, switched_off
 from efftx.kernels.row_noise import C1, C2, check_keys
 
 try:  # Triton is an optional extra (`pip install efftx[triton]`); without it draws take the torch reference
@@ -44,18 +44,10 @@ def disabled():
     return switched_off(_state)
 
 
-@contextlib.contextmanager
 def on_cpu():
     """Inside, CPU tensors take the kernel too, through Triton's interpreter (``TRITON_INTERPRET=1`` before import;
     raises otherwise)."""
-    if not INTERPRETED:
-        raise RuntimeError("on_cpu() needs TRITON_INTERPRET=1 set before efftx.kernels.row_noise_gpu is imported")
-    before = _cpu["on"]
-    _cpu["on"] = True
-    try:
-        yield
-    finally:
-        _cpu["on"] = before
+    return interpreted_on_cpu(_cpu, INTERPRETED, __name__)
 
 
 # ------------------------------------------------------------------------------------------------ kernel

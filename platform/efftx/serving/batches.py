@@ -22,7 +22,8 @@ import torch
 
 from efftx.generation.decode import CacheBudget, CacheBudgetFull, Rows, free_memory, kv_only, splittable
 from efftx.generation.device_slots import slots_for
-from efftx.generation.sampling import Stream, draw, is_greedy, probabilities, probabilities_per_row, race
+from efftx.generation.sampling import (Stream, draw, host_values, is_greedy, probabilities,
+                                       probabilities_per_row, race)
 from efftx.generation.speculative import SpecStats, accept_sampled, kept_tokens, next_gamma, step_noise
 
 if TYPE_CHECKING:  # the scheduler runs with torch alone (bench/serve_load.py --inprocess on a bare GPU image)
@@ -48,9 +49,8 @@ def _per_row(logits: torch.Tensor, samplings: Sequence[Sampling]) -> torch.Tenso
     device = logits.device
     ks = [s.top_k for s in samplings]
     return probabilities_per_row(
-        logits, torch.tensor([s.temperature for s in samplings], dtype=torch.float32, device=device),
-        torch.tensor(ks, dtype=torch.long, device=device),
-        torch.tensor([s.top_p for s in samplings], dtype=torch.float32, device=device),
+        logits, host_values([s.temperature for s in samplings], torch.float32, device),
+        host_values(ks, torch.long, device), host_values([s.top_p for s in samplings], torch.float32, device),
         kmax=max(max(ks), 0), nucleus=any(s.top_p < 1.0 for s in samplings))
 
 
@@ -681,7 +681,7 @@ class SpeculativeEngine(_Engine):
         if any(t is not None for t in tails):
             first = torch.tensor([[pad, p] if pad is not None else [p, 0] for pad, p in zip(tails, pending.tolist())],
                                  device=device)
-            at = torch.tensor([int(t is not None) for t in tails], device=device)
+            at = host_values([int(t is not None) for t in tails], torch.long, device)
             logits = d_rows.forward(first)[torch.arange(len(jobs), device=device), at]
             d_rows.rewind([int(t is None) for t in tails])
         else:
@@ -703,7 +703,7 @@ class SpeculativeEngine(_Engine):
             verify = torch.cat([verify, verify.new_zeros(len(jobs), pad)], 1)
         p = row_probabilities(t_rows.forward(verify)[:, :gamma + 1], samplings)
         # every row's acceptance and last token at once; the host reads one (B, gamma + 2) tensor
-        packed = accept_sampled(p, q, drafted, u, last_noise, torch.tensor(own, device=device)).tolist()
+        packed = accept_sampled(p, q, drafted, u, last_noise, host_values(own, torch.long, device)).tolist()
         emitted, accepted, keep, tails = [], [], [], []
         for job, g, (n_r, last_r, *drafts) in zip(jobs, own, packed):
             out = (drafts[:n_r] + [last_r])[: job.max_new - len(job.out)]
