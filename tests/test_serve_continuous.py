@@ -849,6 +849,41 @@ def test_a_move_or_a_shrink_without_device_memory_changes_nothing(monkeypatch, p
     assert_alone(target, draft, jobs)
 
 
+def test_every_rows_noise_of_a_step_is_one_call(monkeypatch):
+    """Rows of mixed settings (greedy among them), base and speculative, joining at different rounds: each step's
+    sampled rows draw their noise in one call of the row noise kernel (not a call per row), and still get their
+    solo tokens."""
+    from efftx.generation import sampling
+
+    calls: list[int] = []
+    real_noise = sampling.row_noise
+
+    def counted(keys, width):
+        calls.append(keys.shape[0])
+        return real_noise(keys, width)
+
+    monkeypatch.setattr(sampling, "row_noise", counted)
+    steps = []
+    for cls in (batches.BaseEngine, batches.SpeculativeEngine):
+        def compute(self, state, real=cls.compute):
+            before = len(calls)
+            out = real(self, state)
+            steps.append((self.kind, len(state.jobs), calls[before:],
+                          any(not sampling.is_greedy(j.sampling.temperature) for j in state.jobs)))
+            return out
+
+        monkeypatch.setattr(cls, "compute", compute)
+    target, draft = lm(0), lm(1, 1)
+    jobs = run_rounds(Scheduler(target, draft), MIXED)
+    sampled = [(kind, rows, got) for kind, rows, got, any_sampled in steps if any_sampled]
+    assert {kind for kind, _, _ in sampled} == {"base", "speculative"}
+    assert max(rows for _, rows, _ in sampled) >= 3  # steps of several rows, or one call per row would pass too
+    for kind, rows, got in sampled:
+        assert got == [rows], (kind, rows, got)  # one call, every row of the step in it
+    monkeypatch.undo()
+    assert_alone(target, draft, jobs)
+
+
 def test_a_failing_row_fails_alone_and_the_others_keep_their_tokens(monkeypatch):
     """Three culprits share the running batches with valid rows: a seed the generator refuses (422, at its
     prefill), a fault raised by the step hook (500), and faults raised *after* the batched forward passes wrote

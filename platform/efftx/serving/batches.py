@@ -64,7 +64,7 @@ def row_probabilities(logits: torch.Tensor, samplings: Sequence[Sampling]) -> to
     return _per_row(logits, samplings)
 
 
-def row_tokens(logits: torch.Tensor, samplings: Sequence[Sampling], gens: Sequence[torch.Generator | None]
+def row_tokens(logits: torch.Tensor, samplings: Sequence[Sampling], gens: Sequence[Stream | torch.Generator | None]
                ) -> torch.Tensor:
     """(B, V) logits -> (B,) next tokens as :func:`~efftx.generation.decode.iter_generate` picks them, per row:
     the argmax for greedy settings, else a draw from the row's distribution with the row's generator (greedy rows
