@@ -851,8 +851,9 @@ def test_a_move_or_a_shrink_without_device_memory_changes_nothing(monkeypatch, p
 
 def test_every_rows_noise_of_a_step_is_one_call(monkeypatch):
     """Rows of mixed settings (greedy among them), base and speculative, joining at different rounds: each step's
-    sampled rows draw their noise in one call of the row noise kernel (not a call per row), and still get their
-    solo tokens."""
+    sampled rows draw their noise in one call of the row noise kernel (not a call per row), their settings go to
+    the device once per step (every draft and verify pass of a speculative step reuses them), and they still get
+    their solo tokens."""
     from efftx.generation import sampling
 
     calls: list[int] = []
@@ -862,14 +863,31 @@ def test_every_rows_noise_of_a_step_is_one_call(monkeypatch):
         calls.append(keys.shape[0])
         return real_noise(keys, width)
 
+    settings = [0]  # per step, how often the rows' settings were built (prefills count toward the last one)
+    passes = [0]  # per step, how many distributions were taken from them
+    real_distributions = batches.distributions
+
+    def counted_distributions(samplings, device):
+        settings[-1] += 1
+        of = real_distributions(samplings, device)
+
+        def counted_of(logits):
+            passes[-1] += 1
+            return of(logits)
+        return counted_of
+
     monkeypatch.setattr(sampling, "row_noise", counted)
+    monkeypatch.setattr(batches, "distributions", counted_distributions)
     steps = []
     for cls in (batches.BaseEngine, batches.SpeculativeEngine):
         def compute(self, state, real=cls.compute):
             before = len(calls)
+            settings.append(0)
+            passes.append(0)
             out = real(self, state)
             steps.append((self.kind, len(state.jobs), calls[before:],
                           any(not sampling.is_greedy(j.sampling.temperature) for j in state.jobs)))
+            assert settings[-1] <= 1, (self.kind, settings[-1])
             return out
 
         monkeypatch.setattr(cls, "compute", compute)
@@ -880,6 +898,7 @@ def test_every_rows_noise_of_a_step_is_one_call(monkeypatch):
     assert max(rows for _, rows, _ in sampled) >= 3  # steps of several rows, or one call per row would pass too
     for kind, rows, got in sampled:
         assert got == [rows], (kind, rows, got)  # one call, every row of the step in it
+    assert max(passes) >= 3  # a speculative step's draft and verify passes shared one build of the settings
     monkeypatch.undo()
     assert_alone(target, draft, jobs)
 

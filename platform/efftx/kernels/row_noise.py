@@ -46,15 +46,6 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 15)
 
 
-def mix32_int(x: int) -> int:
-    """:func:`mix32` of one Python int in [0, 2**32) (tests; the kernels' scalar form)."""
-    x ^= x >> 16
-    x = (x * C1) & M32
-    x ^= x >> 15
-    x = (x * C2) & M32
-    return x ^ (x >> 15)
-
-
 def splitmix64(z: int) -> int:
     """A 64-bit mix (the SplitMix64 output function, its golden-ratio increment included) of a Python int."""
     z = (z + 0x9E3779B97F4A7C15) & M64

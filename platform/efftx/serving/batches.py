@@ -43,25 +43,20 @@ class Sampling:
     top_p: float = 1.0
 
 
-def _per_row(logits: torch.Tensor, samplings: Sequence[Sampling]) -> torch.Tensor:
-    """Every row's distribution in one pass (:func:`~efftx.generation.sampling.probabilities_per_row`): the
-    settings go to the device as three small tensors, and what no row asks for (top-k, a nucleus) is skipped."""
-    device = logits.device
-    ks = [s.top_k for s in samplings]
-    return probabilities_per_row(
-        logits, host_values([s.temperature for s in samplings], torch.float32, device),
-        host_values(ks, torch.long, device), host_values([s.top_p for s in samplings], torch.float32, device),
-        kmax=max(max(ks), 0), nucleus=any(s.top_p < 1.0 for s in samplings))
-
-
-def row_probabilities(logits: torch.Tensor, samplings: Sequence[Sampling]) -> torch.Tensor:
-    """(B, ..., V) logits -> distributions, row b with ``samplings[b]``: exactly the distribution it gets alone.
-    Rows of one setting take :func:`~efftx.generation.sampling.probabilities`; rows of several settings one pass
-    with per-row settings (not a pass per setting: on a GPU each is a dozen kernel launches)."""
+def distributions(samplings: Sequence[Sampling], device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """(B, ..., V) logits -> distributions, row b with ``samplings[b]``: exactly the distribution it gets alone. Rows
+    of one setting take :func:`~efftx.generation.sampling.probabilities`; rows of several settings one pass with
+    per-row settings (:func:`~efftx.generation.sampling.probabilities_per_row`; not a pass per setting: on a GPU each
+    is a dozen kernel launches), their settings sent to ``device`` once, here, for every pass of a step to use, and
+    what no row asks for (top-k, a nucleus) skipped."""
     if len(set(samplings)) == 1:
         s = samplings[0]
-        return probabilities(logits, s.temperature, s.top_k, s.top_p)
-    return _per_row(logits, samplings)
+        return lambda logits: probabilities(logits, s.temperature, s.top_k, s.top_p)
+    ks = [s.top_k for s in samplings]
+    settings = (host_values([s.temperature for s in samplings], torch.float32, device),
+                host_values(ks, torch.long, device), host_values([s.top_p for s in samplings], torch.float32, device))
+    kmax, nucleus = max(max(ks), 0), any(s.top_p < 1.0 for s in samplings)
+    return lambda logits: probabilities_per_row(logits, *settings, kmax=kmax, nucleus=nucleus)
 
 
 def row_tokens(logits: torch.Tensor, samplings: Sequence[Sampling], gens: Sequence[Stream | torch.Generator | None]
@@ -72,10 +67,10 @@ def row_tokens(logits: torch.Tensor, samplings: Sequence[Sampling], gens: Sequen
     greedy = [is_greedy(s.temperature) for s in samplings]
     if all(greedy):
         return logits.argmax(-1)
-    if len(set(samplings)) == 1:
-        s = samplings[0]
-        return draw(probabilities(logits, s.temperature, s.top_k, s.top_p), list(gens))
-    return draw(_per_row(logits, samplings), list(gens), need=[not g for g in greedy])
+    probs = distributions(samplings, logits.device)(logits)
+    if not any(greedy):
+        return draw(probs, list(gens))
+    return draw(probs, list(gens), need=[not g for g in greedy])
 
 
 # ---------------------------------------------------------------------------------------------- jobs
@@ -666,6 +661,7 @@ class SpeculativeEngine(_Engine):
         t_rows, d_rows = state.rows
         jobs = state.jobs
         samplings, gens = [j.sampling for j in jobs], [j.generator for j in jobs]
+        dist_of = distributions(samplings, state.last.device)  # every pass of the step: settings sent once
         pending, device, vocab = state.last, state.last.device, self.target.vocab_size
         # each row drafts its own number of tokens (all alike but with an adaptive gamma); the step drafts as many
         # as its longest-drafting row, and a row verifies only its own (its extra drafts are never looked at)
@@ -690,7 +686,7 @@ class SpeculativeEngine(_Engine):
         for i in range(gamma):
             if i:
                 logits = d_rows.forward(token[:, None])[:, -1]
-            dist = row_probabilities(logits, samplings)  # (B, V)
+            dist = dist_of(logits)  # (B, V)
             token = race(dist, noises[i])
             tokens.append(token)
             q.append(dist)
@@ -701,7 +697,7 @@ class SpeculativeEngine(_Engine):
         pad = self.cap - gamma if t_rows.compiles(len(jobs)) else 0
         if pad:
             verify = torch.cat([verify, verify.new_zeros(len(jobs), pad)], 1)
-        p = row_probabilities(t_rows.forward(verify)[:, :gamma + 1], samplings)
+        p = dist_of(t_rows.forward(verify)[:, :gamma + 1])
         # every row's acceptance and last token at once; the host reads one (B, gamma + 2) tensor
         packed = accept_sampled(p, q, drafted, u, last_noise, host_values(own, torch.long, device)).tolist()
         emitted, accepted, keep, tails = [], [], [], []
