@@ -5,7 +5,7 @@
                                [--short-slowdown X]
     python bench/serve_load.py --inprocess [--device cpu|cuda] [--clock cpu|wall] [--threads N] [--adaptive-gamma]
                                [--compile off|on|auto] [--compile-rows N] [--long-prompts BYTES]
-                               [--prefill-chunk TOKENS] [--one-pass] [the load options]
+                               [--prefill-chunk TOKENS] [--one-pass] [--steps-per-round N] [the load options]
 
 Starts a local Ray cluster and Serve on 127.0.0.1 and deploys the text app several ways, one after another, in
 one run: ``unbatched`` (``batching=static``, ``max_batch_size=1``), ``static`` (``@serve.batch``, 8 per batch),
@@ -52,6 +52,10 @@ line per mode with the scheduler's own time per round besides its passes (:meth:
 ``--long-prompts BYTES``: every other long request's prompt has that many bytes (a prefill of many decoding
 steps' cost); ``--prefill-chunk TOKENS``: a fourth policy, ``chunked`` (the scheduler's ``prefill_chunk``: long
 prompts prefilled that many tokens a round), beside ``continuous`` with whole prompts, compared in an [info] line.
+``--steps-per-round N``: another policy, ``multi-step`` (the scheduler's ``steps_per_round=N``: a base batch runs
+up to N steps a round while nothing waits; base mode only, as speculative batches step once a round), beside
+``continuous``, compared in an [info] line: requests/s, the short
+requests' p99, time to first token and the scheduling's time per round.
 ``--one-pass``: another policy, ``one-pass`` (the scheduler's ``group_prefills=False``: a round's arrivals for a
 lane are prefilled in one pass, padded to the longest prompt), beside ``continuous`` (arrivals grouped into the
 passes the measured costs say cost least), compared in an [info] line: the prefills' time, passes and padded
@@ -363,7 +367,7 @@ def inprocess_load(target, draft, mode: str, knobs: dict, clients: int, lengths:
 def inprocess(target, draft, modes: list[str], clients: int, lengths: list[int], unloaded: int, device: str = "cpu",
               clock: str = "cpu", rounds: int = 1, timeout: float = 300.0, threads: int = 1,
               compiled: dict | None = None, continuous: dict | None = None, long_prompt: int = 0,
-              prefill_chunk: int | None = None, one_pass: bool = False) -> dict:
+              prefill_chunk: int | None = None, one_pass: bool = False, steps_per_round: int | None = None) -> dict:
     """``--inprocess``: the same closed-loop load on the scheduler itself (no HTTP, no Ray: torch alone), for each
     of :data:`POLICIES`, the policies alternated round after round. ``clock="cpu"``: timed on the decoding
     thread's CPU clock (a request's "latency" is the CPU time the decoding thread spent from its submission to
@@ -375,7 +379,8 @@ def inprocess(target, draft, modes: list[str], clients: int, lengths: list[int],
     (``--short-slowdown``). ``long_prompt``: every other long request's prompt has that many bytes
     (:func:`prompt_of`); ``prefill_chunk``: a fourth policy, ``chunked``, continuous batching with that
     ``prefill_chunk`` beside ``continuous`` with whole prompts (``prefill_chunk=0``); ``one_pass``: another,
-    ``one-pass``, continuous batching with ``group_prefills=False``. Returns the figures per
+    ``one-pass``, continuous batching with ``group_prefills=False``; ``steps_per_round``: another, ``multi-step``,
+    continuous batching with that ``steps_per_round``. Returns the figures per
     (policy, mode)."""
     from efftx.serving.continuous import warm_up
 
@@ -396,10 +401,14 @@ def inprocess(target, draft, modes: list[str], clients: int, lengths: list[int],
         policies.append(("chunked", {"prefill_chunk": prefill_chunk}))
     if one_pass:  # side by side: arrivals in the passes that cost least, and in one pass
         policies.append(("one-pass", {"group_prefills": False}))
+    if steps_per_round is not None:  # side by side: a step a round, and several while nothing waits
+        policies.append(("multi-step", {"steps_per_round": steps_per_round}))
     for rnd in range(rounds):
         for mode in modes:
             for name, knobs in policies:
-                extra = (continuous or {}) if name in ("continuous", "chunked", "one-pass") else {}
+                if name == "multi-step" and mode != "base":  # speculative batches step once a round regardless
+                    continue
+                extra = (continuous or {}) if name in ("continuous", "chunked", "one-pass", "multi-step") else {}
                 r = inprocess_load(target, draft, mode, {**knobs, **compiled, **extra}, clients, lengths, unloaded,
                                    clock, timeout, long_prompt, warmed.get("costs"))
                 runs.setdefault((name, mode), []).append(r)
@@ -476,6 +485,21 @@ def goals(runs: dict[tuple[str, str], list[dict]], modes: list[str], notes: dict
                              f"{statistics.median(a['rps'] / b['rps'] for a, b in zip(c, single)):.2f}x one pass's; "
                              f"short p99 {statistics.median(a['short_ratio_p99'] for a in single):.2f}x unloaded "
                              f"against {lat:.2f}x; errors {sum(a['errors'] for a in single)}")
+            multi = runs.get(("multi-step", mode))
+            if multi:  # --steps-per-round: several steps a round while nothing waits, beside one
+                rps = [a["rps"] / b["rps"] for a, b in zip(multi, c)]
+                p99 = [a["short_ratio_p99"] for a in multi]
+                lines.append(f"[info] {mode}: {multi[0]['knobs']['steps_per_round']} steps a round while nothing "
+                             f"waits: requests/s {statistics.median(rps):.2f}x one step's{rounds_of(rps, '.2f')}; "
+                             f"short p99 {statistics.median(p99):.2f}x unloaded against {lat:.2f}x; "
+                             + (f"first token p99 {statistics.median(a['ttft_p99'] for a in multi):.0f} ms against "
+                                f"{statistics.median(a['ttft_p99'] for a in c):.0f} ms; " if u else "")
+                             + (f"scheduling {statistics.median(a['timing']['host_us'] for a in multi):.0f} us of a "
+                                f"{statistics.median(a['timing']['round_us'] for a in multi):.0f} us round against "
+                                f"{statistics.median(a['timing']['host_us'] for a in c):.0f} of "
+                                f"{statistics.median(a['timing']['round_us'] for a in c):.0f}; "
+                                if all(a.get("timing") for a in (*multi, *c)) else "")
+                             + f"errors {sum(a['errors'] for a in multi)}")
             host = [(name, rs) for name in ("continuous", "fifo", "unbatched")
                     if (rs := runs.get((name, mode))) and all(r.get("timing") for r in rs)]
             if host:  # in-process: the scheduler's own time besides its passes (a GPU's steps take little more)
@@ -553,6 +577,9 @@ def main() -> None:
     p.add_argument("--one-pass", action="store_true",
                    help="--inprocess: another policy, continuous batching with each round's arrivals for a lane "
                         "prefilled in one pass (group_prefills off), beside continuous (grouped by measured cost)")
+    p.add_argument("--steps-per-round", type=int, default=None, metavar="N",
+                   help="--inprocess: another policy, continuous batching with a base batch's N steps a round while "
+                        "nothing waits (steps_per_round), beside continuous (one)")
     p.add_argument("--short-slowdown", type=float, default=None,
                    help="the continuous configuration's short_slowdown (the scheduler's measured-cost priority; "
                         "default: the scheduler's, 1.5; 0: only long_every)")
@@ -571,8 +598,11 @@ def main() -> None:
     if args.compile_rows is not None and (args.compile == "off" or args.compile_rows < 1):
         p.error(f"--compile-rows takes a count >= 1 with --compile on|auto, got {args.compile_rows} with --compile "
                 f"{args.compile}")
-    if (args.long_prompts or args.prefill_chunk is not None or args.one_pass) and not args.inprocess:
-        p.error("--long-prompts, --prefill-chunk and --one-pass are --inprocess options")
+    if (args.long_prompts or args.prefill_chunk is not None or args.one_pass or args.steps_per_round is not None) \
+            and not args.inprocess:
+        p.error("--long-prompts, --prefill-chunk, --one-pass and --steps-per-round are --inprocess options")
+    if args.steps_per_round is not None and args.steps_per_round < 2:
+        p.error(f"--steps-per-round takes a count >= 2 (1 is the continuous policy), got {args.steps_per_round}")
     if args.long_prompts < 0 or (args.prefill_chunk is not None and args.prefill_chunk < 1):
         p.error(f"--long-prompts takes bytes >= 0 and --prefill-chunk tokens >= 1, got {args.long_prompts} and "
                 f"{args.prefill_chunk}")
@@ -627,7 +657,7 @@ def main() -> None:
             print_prefill_costs(*prefills)
         write_json(args.json, inprocess(target, draft, modes, args.clients, lengths, args.unloaded, args.device,
                                         args.clock, args.rounds, args.timeout, args.threads, compiled, slowdown,
-                                        args.long_prompts, args.prefill_chunk, args.one_pass))
+                                        args.long_prompts, args.prefill_chunk, args.one_pass, args.steps_per_round))
         return
     del target, draft  # the replicas load their own
     import ray

@@ -148,8 +148,9 @@ def test_bench_sections_pass_through_what_ran_and_fail_what_crashed_or_hung(tmp_
 
 def test_the_serveload_section_runs_the_inprocess_load_on_cuda(monkeypatch, tmp_path):
     """``--only serveload`` needs torch alone (no Ray): on CUDA it runs bench/serve_load.py's in-process load on the
-    device, two rounds (one with --quick), then with compiled passes, sampling's per-row bench and the fixed priority
-    lanes (their own logs); without CUDA it is skipped, saying so."""
+    device, two rounds (one with --quick), then with compiled passes, sampling's per-row bench, several steps a round
+    against one (eager and compiled) and the fixed priority lanes (their own logs); without CUDA it is skipped,
+    saying so."""
     ran = []
     monkeypatch.setattr(gpu_check, "bench_section", lambda section, name, cmd, args, out, log=None: ran.append(
         (cmd, log)) or [gpu_check.Row(section, name, "pass")])
@@ -162,10 +163,13 @@ def test_the_serveload_section_runs_the_inprocess_load_on_cuda(monkeypatch, tmp_
     fixed = (["bench/serve_load.py", "--inprocess", "--device", "cuda", "--short-slowdown", "0", "--modes", "base",
               "--quick", "--rounds", "1"], "serveload-fixed-lanes")
     sampling = (["bench/row_sampling.py", "--device", "cuda", "--steps"], "rowsampling")
+    steps = [(["bench/steps_per_round.py", "--device", "cuda", "--rows", "1", "16", "64"], "stepsperround"),
+             (["bench/steps_per_round.py", "--device", "cuda", "--rows", "1", "16", "--compile", "on"],
+              "stepsperround-compiled")]
     assert ran == [(["bench/serve_load.py", "--inprocess", "--device", "cuda", "--rounds", "2"], None), compiled,
-                   sampling, fixed,
+                   sampling, *steps, fixed,
                    (["bench/serve_load.py", "--inprocess", "--device", "cuda", "--rounds", "1", "--quick"], None),
-                   compiled, sampling, fixed]
+                   compiled, sampling, *steps, fixed]
     monkeypatch.undo()
     code, rows = gpu_check.run(["--device", "cpu", "--only", "serveload", "--out", str(tmp_path)])
     assert code == 0 and [(r.section, r.status, r.detail) for r in rows if r.section == "serveload"] == [

@@ -4,19 +4,13 @@ steps both ways (run as a command, as a user runs it)."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from bench_command import assert_refuses, run_bench
 
 
-def bench(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "platform"), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "bench/row_sampling.py", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
+def bench(*args: str):
+    return run_bench("row_sampling.py", *args)
 
 
 def test_the_bench_times_both_draws_and_steps_and_marks_its_goals():
@@ -49,7 +43,5 @@ def test_the_bench_times_both_draws_and_steps_and_marks_its_goals():
 
 
 def test_the_bench_refuses_bad_arguments():
-    run = bench("--rows", "0")
-    assert run.returncode == 2 and "--rows and --repeats must be >= 1" in run.stderr
-    run = bench("--device", "tpu")
-    assert run.returncode == 2 and "invalid choice" in run.stderr
+    assert_refuses("row_sampling.py", [(["--rows", "0"], "--rows and --repeats must be >= 1"),
+                                       (["--device", "tpu"], "invalid choice")])

@@ -200,6 +200,17 @@ def test_prefill_chunk_reaches_the_scheduler_and_needs_continuous_batching():
             build({"target": "/nowhere/target", **bad})
 
 
+def test_steps_per_round_reaches_the_scheduler_and_needs_continuous_batching():
+    _, kwargs, _ = bound(serve_run("target=/nowhere/target", "steps_per_round=4"))["TextGenerator"]
+    assert kwargs["priority"] == {"steps_per_round": 4}
+    for bad, message in (({"steps_per_round": 0}, named("steps_per_round", "Input should be greater than 0")),
+                         ({"steps_per_round": "many"}, named("steps_per_round", "Input should be a valid integer")),
+                         ({"steps_per_round": 4, "batching": "static"},
+                          "steps_per_round: only with batching=continuous")):
+        with pytest.raises(ValidationError, match=message):
+            build({"target": "/nowhere/target", **bad})
+
+
 def test_cache_memory_settings_reach_the_replica_and_resolve_to_bytes():
     """``cache_mib`` / ``cache_fraction``: the decoding caches' budget (constructor arguments), one of them, with
     continuous batching; the replica turns them into bytes of its device's memory."""

@@ -20,7 +20,7 @@ from efftx.generation.device_slots import CompiledSlots, bucket
 from efftx.serving import batches, continuous
 from efftx.serving.continuous import Job, Scheduler
 
-from test_serve_continuous import ADAPTIVE, GREEDY, HOT, MIXED, assert_alone, lm, run_rounds
+from test_serve_continuous import ADAPTIVE, GREEDY, HOT, MIXED, record_base_steps, assert_alone, lm, run_rounds
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
@@ -341,6 +341,19 @@ def test_a_compiled_app_answers_as_the_library_decodes(ray_cluster, debug_export
         assert done["text"] == answers[0].json()["results"]["speculative"]["text"]
     finally:
         serve.shutdown()
+
+
+def test_several_steps_a_round_run_compiled_and_give_every_request_its_solo_output(models, passes, monkeypatch):
+    """``steps_per_round=4`` with compiled passes: a base batch's steps back to back through the compiled graphs
+    (each step's tokens fed to the next on the device), with speculative rows beside it stepping once a round;
+    every request gets its solo output."""
+    target, draft = models
+    scheduler = Scheduler(target, draft, max_rows=8, short_tokens=0, compile="on", compile_rows=4, steps_per_round=4)
+    seen = record_base_steps(monkeypatch)
+    jobs = run_rounds(scheduler, MIXED)
+    monkeypatch.undo()
+    assert_alone(target, draft, jobs)
+    assert max(steps for steps, _, _ in seen) == 4 and passes["compiled"]
 
 
 def test_chunked_prefills_join_compiled_slots_with_their_eager_tokens(models):

@@ -203,6 +203,93 @@ def test_a_chunked_prefill_checks_the_request_first_and_a_failing_chunk_fails_on
         assert job.out == solo_job.out
 
 
+def record_base_steps(monkeypatch, scheduler=None) -> list[tuple[int, int, list[int]]]:
+    """Every base compute's (steps, queued requests, the rows' tokens left), as it starts."""
+    seen: list[tuple[int, int, list[int]]] = []
+    real = batches.BaseEngine.compute
+
+    def compute(self, state):
+        queued = len(scheduler._queue) if scheduler is not None else 0
+        seen.append((state.steps, queued, [j.max_new - len(j.out) for j in state.jobs]))
+        return real(self, state)
+
+    monkeypatch.setattr(batches.BaseEngine, "compute", compute)
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["full", "performer", "sinkhorn", "nsa"])
+def test_base_rows_taking_several_steps_a_round_get_their_solo_output(pairs, kind, monkeypatch):
+    """``steps_per_round=4``: a base batch with nothing queued runs up to four steps in one compute, each feeding the
+    last one's tokens on the device (the host reads them once). Rows joining at different rounds (speculative ones
+    beside them, one step a round), every backend: each request gets exactly its solo tokens, and no row ever
+    computes past its own tokens."""
+    target, draft = pair(pairs, kind)
+    scheduler = Scheduler(target, draft, max_rows=8, short_tokens=0, steps_per_round=4)
+    seen = record_base_steps(monkeypatch)
+    jobs = run_rounds(scheduler, MIXED)
+    monkeypatch.undo()
+    assert_alone(target, draft, jobs)
+    assert max(steps for steps, _, _ in seen) == 4  # several steps at once really ran
+    assert any(steps > 1 and len(left) >= 2 for steps, _, left in seen)  # with several rows
+    assert all(steps <= min(left) for steps, _, left in seen)
+    assert all(job.steps == len(job.out) for job in jobs if job.gamma is None)  # every token a step of its own
+    assert scheduler.steps > scheduler.rounds  # counted as steps, not rounds
+
+
+def test_several_steps_a_round_only_while_nothing_waits(pairs, monkeypatch):
+    """While requests wait in the queue (one row at a time here), the running batch takes one step a round, so
+    an arrival is admitted as soon as it would be without ``steps_per_round``; once the queue is empty, several."""
+    target, draft = pair(pairs, "full")
+    scheduler = Scheduler(target, draft, max_rows=1, short_tokens=0, steps_per_round=3)
+    seen = record_base_steps(monkeypatch, scheduler)
+    plan = [(0, [3, 4], 7, HOT, 1, None), (0, [5], 9, GREEDY, 2, None), (0, [6, 6], 8, NUCLEUS, 3, None)]
+    jobs = run_rounds(scheduler, plan)
+    monkeypatch.undo()
+    assert_alone(target, draft, jobs)
+    assert all(steps == 1 for steps, queued, _ in seen if queued)
+    assert max(steps for steps, queued, _ in seen if not queued) == 3
+    with pytest.raises(ValueError, match="steps_per_round must be an integer >= 1"):
+        Scheduler(target, draft, steps_per_round=0)
+    with pytest.raises(ValueError, match="exceed what the base rows allow"):  # never past a row's tokens
+        engine = batches.BaseEngine(target)
+        engine.admit([Job([1, 2], 2, GREEDY)])
+        engine.step("fast", 3)
+
+
+def test_a_fault_inside_several_steps_rewinds_all_of_them(pairs, monkeypatch):
+    """A fault raised at the second of four steps of one compute, after the first wrote the caches and drew from
+    every stream: the caches and streams are rewound to before the first, the rows run alone (each its four
+    steps), only the culprit fails, and the others keep their solo tokens."""
+    target, draft = pair(pairs, "full")
+    real_draw = batches.draw
+    culprit: list[Job] = []
+
+    def faulty_draw(probs, gens, **kw):
+        # the culprit's seventh draw (its stream's count: the prefill's, four of its first compute, one of its
+        # second): the second step of a compute of four, in the batch and again alone
+        if culprit and culprit[0].generator in gens and culprit[0].generator.get_state() == 6:
+            raise RuntimeError("late fault inside several steps")
+        return real_draw(probs, gens, **kw)
+
+    monkeypatch.setattr(batches, "draw", faulty_draw)
+    scheduler = Scheduler(target, draft, max_rows=8, short_tokens=0, steps_per_round=4)
+    seen = record_base_steps(monkeypatch)
+    valid = [(0, [5, 6, 7], 14, HOT, 1, None), (0, [9] * 5, 11, NUCLEUS, 2, None), (0, [4], 9, GREEDY, 3, None)]
+
+    def make(p):
+        job = Job(p[1], p[2], p[3], p[4], p[5], tag=p)
+        if p[4] == 9:
+            culprit.append(job)
+        return job
+
+    jobs = run_rounds(scheduler, [*valid, (0, [6, 6, 6], 12, HOT, 9, None)], make)
+    monkeypatch.undo()
+    assert culprit[0].failure.status == 500 and "late fault" in str(culprit[0].error)
+    assert len(culprit[0].out) == 5  # its prefill's token and the four steps of its first compute
+    assert max(steps for steps, _, _ in seen) == 4
+    assert_alone(target, draft, [j for j in jobs if j is not culprit[0]])
+
+
 def test_a_draft_equal_to_the_target_keeps_every_draft_and_feeds_the_last_in_the_next_first_pass():
     """With the target's own weights as the draft every draft is accepted, so after every step each row lacks its
     last draft in the draft's cache: the next step's first draft pass feeds it (one pass, no extra one), and the

@@ -88,15 +88,16 @@ def test_the_inprocess_load_runs_compiled_passes_with_torch_alone(tmp_path):
 
 
 def test_long_prompts_in_chunks_and_in_one_pass_run_beside_whole_prompts_grouped(tmp_path):
-    """``--long-prompts N --prefill-chunk C --one-pass``: every other long request gets an N-byte prompt, and two
-    more policies, ``chunked`` (``prefill_chunk=C``) and ``one-pass`` (``group_prefills=False``), run beside
-    ``continuous`` (whole prompts, grouped by cost), each with an [info] line comparing them."""
+    """``--long-prompts N --prefill-chunk C --one-pass --steps-per-round 4``: every other long request gets an
+    N-byte prompt, and three more policies, ``chunked`` (``prefill_chunk=C``), ``one-pass``
+    (``group_prefills=False``) and ``multi-step`` (``steps_per_round=4``), run beside ``continuous`` (whole prompts,
+    grouped by cost, a step a round), each with an [info] line comparing them."""
     assert len(serve_load.prompt_of(1, 40, 60)) == 60 and len(serve_load.prompt_of(3, 40, 60)) == 60
     assert len(serve_load.prompt_of(2, 40, 60)) < 30 and len(serve_load.prompt_of(1, 8, 60)) < 30  # short: as ever
     out = tmp_path / "figures.json"
     proc = bench("--inprocess", "--size", "debug", "--modes", "base", "--requests", "8", "--clients", "2",
                  "--max-new", "32", "--unloaded", "1", "--long-prompts", "60", "--prefill-chunk", "16",
-                 "--one-pass", "--json", str(out))
+                 "--one-pass", "--steps-per-round", "4", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = json.loads(out.read_text())
     assert runs["chunked/base"][0]["knobs"]["prefill_chunk"] == 16 and runs["chunked/base"][0]["errors"] == 0
@@ -106,10 +107,18 @@ def test_long_prompts_in_chunks_and_in_one_pass_run_beside_whole_prompts_grouped
     assert single["knobs"]["group_prefills"] is False and "group_prefills" not in grouped["knobs"]
     assert single["errors"] == 0 and all(r["prefills"] > 0 and r["prefill_tokens"] > 0 for r in (single, grouped))
     assert "[info] base: arrivals in one pass per lane (group_prefills off) against grouped by cost" in proc.stdout
-    for flag in (["--prefill-chunk", "16"], ["--one-pass"]):
+    multi = runs["multi-step/base"][0]
+    assert multi["knobs"]["steps_per_round"] == 4 and "steps_per_round" not in grouped["knobs"]
+    assert multi["errors"] == 0 and multi["timing"]["rounds"] > 0
+    assert re.search(r"^\s+\[info\] base: 4 steps a round while nothing waits: requests/s [\d.]+x one step's; short "
+                     r"p99 [\d.]+x unloaded against [\d.]+x; first token p99 \d+ ms against \d+ ms; scheduling \d+ "
+                     r"us of a \d+ us round against \d+ of \d+; errors 0$", proc.stdout, re.M), proc.stdout
+    for flag in (["--prefill-chunk", "16"], ["--one-pass"], ["--steps-per-round", "4"]):
         proc = bench(*flag)
-        assert proc.returncode == 2 and "--long-prompts, --prefill-chunk and --one-pass are --inprocess options" in \
-            proc.stderr
+        assert proc.returncode == 2 and "--long-prompts, --prefill-chunk, --one-pass and --steps-per-round are " \
+            "--inprocess options" in proc.stderr
+    proc = bench("--inprocess", "--steps-per-round", "1")
+    assert proc.returncode == 2 and "--steps-per-round takes a count >= 2" in proc.stderr
 
 
 def run(rps: float, p99: float, errors: int = 0) -> dict:

@@ -139,6 +139,8 @@ def soak(target, draft, seed: int, n: int = 16, **extra) -> tuple[dict, list[Job
     """One seed's load on a scheduler with the seed's knobs (and ``extra`` ones), checked as the module says."""
     rng = random.Random(seed)
     settings = knobs(rng, target, draft)
+    # several base steps a round on about half the seeds (drawn apart, so that each seed's plan stays what it was)
+    settings["steps_per_round"] = random.Random(~seed).choice([1, 4])
     requests = plan(rng, target.max_seq_len, n)
     decode.free_memory()  # no caches pooled by earlier tests (a budget counts its own)
     rows = settings.pop("warm_up")

@@ -3,19 +3,13 @@ side by side, under a cache budget (run as a command, as a user runs it)."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from bench_command import run_bench
 
 
-def bench(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "platform"), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "bench/slot_positions.py", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
+def bench(*args: str):
+    return run_bench("slot_positions.py", *args)
 
 
 def test_the_bench_holds_more_short_rows_in_fitted_slots_and_marks_its_goal():

@@ -38,7 +38,7 @@ assert get_args(Device) == DEVICES, "Device and efftx.serving.devices.DEVICES di
 
 # efftx.serving.continuous.Scheduler's knobs, as given
 PRIORITY = ("short_tokens", "fast_rows", "long_every", "prefill_rows", "short_slowdown", "prefill_chunk",
-            "group_prefills")
+            "group_prefills", "steps_per_round")
 CONTINUOUS_ONLY = (*PRIORITY, "warm_up_rows", "compile", "compile_rows", "cache_mib",
                    "cache_fraction")  # settings of continuous batching alone
 Compile = Literal["auto", "on", "off"]
@@ -98,6 +98,11 @@ class TextAppArgs(BaseModel):
         "continuous: the requests that join in one decoding round are prefilled in the passes the replica's measured "
         "prefill times say cost least, prompts of like length together (default true); false: in one pass, every "
         "prompt padded to the longest. A request's output is the same either way."))
+    steps_per_round: int | None = Field(None, gt=0, description=(
+        "continuous: while nothing waits to join and every row steps, the base decoding batch runs up to this many "
+        "decoding steps back to back (never past a row's last token), each fed the last one's tokens on the device: "
+        "the host reads them, and schedules, once per round (default 1). A request's output is the same; an "
+        "arrival waits for the round's steps to end before it joins."))
     warm_up_rows: int | None = Field(None, ge=0, description=(
         "continuous: at start, each replica decodes throwaway batches of this many requests, half as many, ..., 1 "
         "(default 16, at most max_batch_size; 0: none), so that its first burst of real requests does not pay a "

@@ -59,18 +59,25 @@ def distributions(samplings: Sequence[Sampling], device: torch.device) -> Callab
     return lambda logits: probabilities_per_row(logits, *settings, kmax=kmax, nucleus=nucleus)
 
 
-def row_tokens(logits: torch.Tensor, samplings: Sequence[Sampling], gens: Sequence[Stream | torch.Generator | None]
-               ) -> torch.Tensor:
+def token_picker(samplings: Sequence[Sampling], gens: Sequence[Stream | torch.Generator | None],
+                 device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
     """(B, V) logits -> (B,) next tokens as :func:`~efftx.generation.decode.iter_generate` picks them, per row:
     the argmax for greedy settings, else a draw from the row's distribution with the row's generator (greedy rows
-    draw nothing)."""
+    draw nothing). Built once for a step's passes (the rows' settings go to ``device`` once)."""
     greedy = [is_greedy(s.temperature) for s in samplings]
     if all(greedy):
-        return logits.argmax(-1)
-    probs = distributions(samplings, logits.device)(logits)
+        return lambda logits: logits.argmax(-1)
+    dist_of, gens = distributions(samplings, device), list(gens)
     if not any(greedy):
-        return draw(probs, list(gens))
-    return draw(probs, list(gens), need=[not g for g in greedy])
+        return lambda logits: draw(dist_of(logits), gens)
+    need = [not g for g in greedy]
+    return lambda logits: draw(dist_of(logits), gens, need=need)
+
+
+def row_tokens(logits: torch.Tensor, samplings: Sequence[Sampling], gens: Sequence[Stream | torch.Generator | None]
+               ) -> torch.Tensor:
+    """:func:`token_picker` for one pass."""
+    return token_picker(samplings, gens, logits.device)(logits)
 
 
 # ---------------------------------------------------------------------------------------------- jobs
@@ -228,6 +235,7 @@ class _State:
 
     def __init__(self, rows: list[Rows], last: torch.Tensor, jobs: list[Job], start: int | None = None):
         self.rows, self.last, self.jobs, self.start = rows, last, jobs, start
+        self.steps = 1  # the decoding steps its next compute runs (see _Engine.steps_for)
 
     def snapshot(self) -> list:
         return [r.snapshot() for r in self.rows]
@@ -420,20 +428,30 @@ class _Engine:
                 job._finish()
         self._leave()
 
-    def step(self, lane: str = "fast") -> None:
-        """One decoding step of every row of ``lane`` (``fast``, ``slow`` or ``all``) in one batched pass; finished
-        rows leave."""
+    def steps_for(self, jobs: Sequence[Job], wanted: int) -> int:
+        """How many decoding steps (at most ``wanted``) a :meth:`step` of ``jobs``' rows may run at once: 1 here
+        (speculative decoding reads every step's acceptance); see :meth:`BaseEngine.steps_for`."""
+        return 1
+
+    def step(self, lane: str = "fast", steps: int = 1) -> None:
+        """One decoding step of every row of ``lane`` (``fast``, ``slow`` or ``all``) in one batched pass, or
+        ``steps`` steps back to back (at most :meth:`steps_for` the lane's rows: the tokens are read once, after
+        the last); finished rows leave."""
         self.drop_cancelled()
         a, b = self._bounds(lane)
+        if steps != 1 and steps > self.steps_for(self.order[a:b], steps):
+            raise ValueError(f"{steps} steps at once exceed what the {self.kind} rows allow "
+                             f"({self.steps_for(self.order[a:b], steps)})")
         size = min(b - a, self.step_rows or b - a)  # after a pass ran out of device memory: passes of fewer rows
         for start in range(a, b, max(size, 1)):
-            self._step_range(start, min(start + size, b))
+            self._step_range(start, min(start + size, b), steps)
         self._leave()
 
-    def _step_range(self, a: int, b: int) -> None:
-        """One batched pass over rows ``a .. b - 1``; if it raises, it is undone and run row by row (one that ran
-        out of device memory also halves the rows of this batch's later passes, :attr:`step_rows`)."""
+    def _step_range(self, a: int, b: int, steps: int = 1) -> None:
+        """One batched pass (or ``steps``) over rows ``a .. b - 1``; if it raises, it is undone and run row by row
+        (one that ran out of device memory also halves the rows of this batch's later passes, :attr:`step_rows`)."""
         state = self._view(a, b)
+        state.steps = steps
         snapshot, gens = state.snapshot(), _gen_states(state.jobs)
         try:
             parts = [(state, self.pass_time.run(self.compute, state))]
@@ -470,6 +488,7 @@ class _Engine:
                         self._apart = False
                 else:
                     sub = self._view(state.start + i, state.start + i + 1)
+                    sub.steps = state.steps
                     parts.append((sub, self.pass_time.run(self.compute, sub)))
             except Exception as own:  # noqa: BLE001 - this row's own failure
                 job._fail(own, what)
@@ -587,14 +606,32 @@ class BaseEngine(_Engine):
         tokens = row_tokens(logits, [j.sampling for j in jobs], [j.generator for j in jobs])
         return _State([rows], tokens, list(jobs)), tokens
 
+    def steps_for(self, jobs, wanted):
+        """At most ``wanted``, and no more than any of ``jobs`` has tokens left: no row ever computes a token past
+        its own (so its tokens, its stream's draws and its cache are exactly those of steps one at a time)."""
+        return max(1, min([wanted, *(j.max_new - len(j.out) for j in jobs)]))
+
     def compute(self, state):
+        """``state.steps`` steps: each feeds the last one's tokens, still on the device; -> (B, steps) tokens."""
         self._hook(state.jobs)
-        logits = state.rows[0].forward(state.last[:, None])[:, -1]
-        return row_tokens(logits, [j.sampling for j in state.jobs], [j.generator for j in state.jobs])
+        pick = token_picker([j.sampling for j in state.jobs], [j.generator for j in state.jobs], state.last.device)
+        token, tokens = state.last, []
+        for _ in range(state.steps):
+            token = pick(state.rows[0].forward(token[:, None])[:, -1])
+            tokens.append(token)
+        return torch.stack(tokens, 1)
 
     def commit(self, state, tokens, batch):
-        state.last = tokens
-        return [job._push([t], None, batch) for job, t in zip(state.jobs, tokens.tolist())]
+        """``tokens``: (B,) from a prefill, (B, steps) from :meth:`compute`; each token is a step of its job."""
+        tokens = tokens.reshape(len(state.jobs), -1)
+        state.last = tokens[:, -1]
+        finished = []
+        for job, row in zip(state.jobs, tokens.tolist()):
+            done = False
+            for t in row:
+                done = job._push([t], None, batch)
+            finished.append(done)
+        return finished
 
 
 class SpeculativeEngine(_Engine):

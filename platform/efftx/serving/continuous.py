@@ -43,6 +43,13 @@ loop) that repeats rounds: admit the requests that may start, then run one decod
   changes a request's latency, never its output.
 * **Streams** are rows like any other: their ``on_step`` callback receives each step's tokens as they are
   produced.
+* **Several steps a round** (``steps_per_round``, default 1): while no request waits in the queue and every row
+  steps, the base decoding batch runs up to that many steps in one pass of the scheduler, each step fed the last
+  one's tokens where they already are (on a GPU the device runs the steps back to back; the host reads the tokens,
+  and does its scheduling, once for all of them). No row computes past its own last token
+  (:meth:`~efftx.serving.batches.BaseEngine.steps_for`), so its tokens, its stream's draws and its cache are those
+  of steps one at a time. An arrival joins at the end of the round's steps; speculative batches take one step a
+  round (each step's acceptance is read before the next).
 * **Caches.** A running batch keeps its rows in preallocated slots of each model's cache
   (:class:`~efftx.generation.decode.Slots`), the fast lane's rows first: a step runs a lane, or all rows when both
   lanes step in the same round, as one batched forward pass over a range of the slots, written in place; a row
@@ -369,6 +376,8 @@ class Scheduler:
       (``bench/serve_load.py --inprocess --long-prompts 120 --prefill-chunk 32``): the priority already defers long
       arrivals' prefills, and small chunks prefill less efficiently. It is meant for contexts whose prefills cost
       far more than a step (thousands of tokens on a GPU).
+    * ``steps_per_round`` (default 1): a base batch's steps per round while the queue is empty and every row steps
+      (see *Several steps a round* in the module docstring). The measured step costs stay per step.
     * ``group_prefills`` (default True): a round's arrivals for one lane are prefilled in the passes the measured
       costs say cost least, rather than always in one. A pass runs its prompts right-padded to the longest, so a
       short prompt beside a long one pays for the long one's tokens. The arrivals, ordered by prompt length, are cut
@@ -398,13 +407,13 @@ class Scheduler:
                  observe: Callable[[str, int], None] | None = None, compile: str = "off",
                  compile_rows: int | None = None, clock: Callable[[], float] = time.perf_counter,
                  cache_budget: int | None = None, fit_positions: bool = True, group_prefills: bool = True,
-                 costs: dict[str, StepCosts] | None = None):
+                 costs: dict[str, StepCosts] | None = None, steps_per_round: int = 1):
         if not isinstance(group_prefills, bool):
             raise ValueError(f"group_prefills must be True or False, got {group_prefills!r}")
         for name, value, least in (("max_rows", max_rows, 1), ("short_tokens", short_tokens, 0),
                                    ("fast_rows", fast_rows, 1), ("long_every", long_every, 1),
                                    ("max_wait_rounds", max_wait_rounds, 0), ("prefill_rows", prefill_rows, 0),
-                                   ("prefill_chunk", prefill_chunk, 0),
+                                   ("prefill_chunk", prefill_chunk, 0), ("steps_per_round", steps_per_round, 1),
                                    *((("compile_rows", compile_rows, 1),) if compile_rows is not None else ())):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
@@ -426,6 +435,7 @@ class Scheduler:
         self.budget = _budget(cache_budget, target, draft)
         self.fit_positions = bool(fit_positions)
         self.group_prefills = group_prefills
+        self.steps_per_round = steps_per_round
         self.pass_time = PassTime(clock, device_sync(_device(target)))  # every batch's passes (see host_seconds)
         self.round_seconds = 0.0  # the scheduling rounds' time on the clock, their passes included
         self.base = BaseEngine(target, hook, self.compile, compile_rows, self.budget, self.fit_positions,
@@ -686,18 +696,25 @@ class Scheduler:
             self._long_round = self.rounds
         else:
             lanes = ("fast",)
+        many = 1  # steps a batch takes in this round (steps_per_round): only while every row steps, nothing waits
+        if self.steps_per_round > 1 and lanes == ("all",):
+            with self._cv:
+                many = 1 if self._queue else self.steps_per_round
         for lane in lanes:
             for engine in engines:
                 rows = engine.rows(lane)
                 if rows:
                     jobs = engine.jobs(lane)
+                    steps = engine.steps_for(jobs, many)
                     before = sum(len(j.out) for j in jobs)
                     t0 = self.clock()
-                    self._guarded(engine, engine.step, lane)
-                    self._costs(engine.name).add_step(rows, self.clock() - t0, sum(len(j.out) for j in jobs) - before)
-                    self.steps += 1
+                    self._guarded(engine, engine.step, lane, steps)
+                    seconds, tokens = self.clock() - t0, sum(len(j.out) for j in jobs) - before
+                    self._costs(engine.name).add_step(rows, seconds / steps, tokens / steps)  # per step, as measured
+                    self.steps += steps
                     if self.observe is not None:
-                        _call(self.observe, engine.kind, rows)
+                        for _ in range(steps):
+                            _call(self.observe, engine.kind, rows)
         with self._cv:  # a speculative batch that queued requests wait for stays (its slots emptied), not made anew
             wanted = {(j.gamma, j.max_gamma) for j in self._queue if j.speculative}
         released = [k for k, e in self.spec.items() if not len(e) and k not in wanted]

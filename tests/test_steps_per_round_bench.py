@@ -1,0 +1,37 @@
+"""bench/steps_per_round.py: continuous batching's base decoding with several steps a round against one, side by
+side, the same tokens both ways (run as a command, as a user runs it)."""
+
+from __future__ import annotations
+
+import re
+
+from bench_command import assert_refuses, run_bench
+
+
+def bench(*args: str):
+    return run_bench("steps_per_round.py", *args)
+
+
+def test_the_bench_compares_both_settings_and_marks_its_goal():
+    run = bench("--size", "debug", "--rows", "1", "3", "--tokens", "10", "--rounds", "1")
+    assert run.returncode == 0, run.stderr
+    rows = re.findall(r"^\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+[\d.]+$", run.stdout, re.M)
+    # 10 new tokens: the prefill's and 9 steps, in 9 rounds one at a time, in 3 (4 + 4 + 1) four at a time
+    assert [(int(n), int(k), int(r)) for n, k, _, r, _, _ in rows] == [(1, 1, 9), (1, 4, 3), (3, 1, 9), (3, 4, 3)]
+    assert all(float(t) > 0 and float(p) > 0 and float(h) > 0 for _, _, t, _, p, h in rows)
+    ratios = re.findall(r"^\s+(\d+)\s+4 steps a round / 1: ([\d.]+)x the tokens/s, ([\d.]+)x the host time per "
+                        r"token; the same tokens$", run.stdout, re.M)
+    assert [int(n) for n, _, _ in ratios] == [1, 3], run.stdout
+    by = {(int(n), int(k)): (float(t), float(h)) for n, k, t, _, _, h in rows}
+    for n, speed, host in ratios:
+        (t1, h1), (t4, h4) = by[(int(n), 1)], by[(int(n), 4)]
+        assert abs(float(speed) - t4 / t1) <= 0.01 + 0.02 * t4 / t1
+        assert abs(float(host) - h4 / h1) <= 0.01 + 0.05 * h4 / h1
+        assert re.search(rf"^\s+\[(met|NOT met)\] {n} rows: the scheduler's own time per token with 4 steps a round "
+                         rf"at most 0.5x one step's: {host}x$", run.stdout, re.M), run.stdout
+
+
+def test_the_bench_refuses_bad_arguments():
+    assert_refuses("steps_per_round.py", [(["--steps", "1"], "--steps >= 2"),
+                                          (["--rows", "0"], "--rows, --tokens and --rounds must be >= 1"),
+                                          (["--device", "tpu"], "invalid choice")])
