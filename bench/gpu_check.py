@@ -44,7 +44,7 @@ Sections (each row: pass / FAIL / skip with the reason, and its figures):
   the eager ones (``OUT/serveload-compiled.log``), and base decoding with the fixed priority lanes alone
   (``--short-slowdown 0 --quick``: what the scheduler's measured costs change on the GPU,
   ``OUT/serveload-fixed-lanes.log``); and ``bench/row_sampling.py --device cuda --steps`` (sampling's per-row noise
-  and distributions, one call for every row against one per row or setting, ``OUT/rowsampling.log``); and
+  and distributions, one call for every row against one per row or setting, ``OUT/rowsampling.log``); and last
   ``bench/steps_per_round.py --device cuda`` (base decoding with 4 steps a round against 1, eager and compiled:
   ``OUT/stepsperround.log``, ``OUT/stepsperround-compiled.log``).
 * ``decodeattn``: ``bench/decode_attention.py --device cuda``: compiled decode steps (CUDA graphs) with the Triton
@@ -467,18 +467,18 @@ def check_serveload(args, out: Path) -> list[Row]:
     # settings against a pass per setting, and the scheduler's steps both ways
     rows += bench_section("serveload", "bench/row_sampling.py --device cuda --steps",
                           ["bench/row_sampling.py", "--device", "cuda", "--steps"], args, out, log="rowsampling")
-    # base decoding with several steps a round against one (the host's share of a round), eager and compiled
+    # base decoding with the fixed lanes alone (short_slowdown=0): what the measured costs change on this device
+    rows += bench_section("serveload", "bench/serve_load.py --inprocess --device cuda --short-slowdown 0",
+                          ["bench/serve_load.py", "--inprocess", "--device", "cuda", "--short-slowdown", "0",
+                           "--modes", "base", "--quick", "--rounds", "1"], args, out, log="serveload-fixed-lanes")
+    # last (the newest): base decoding with several steps a round against one (the host's share of a round), eager
+    # and compiled
     rows += bench_section("serveload", "bench/steps_per_round.py --device cuda",
                           ["bench/steps_per_round.py", "--device", "cuda", "--rows", "1", "16", "64"], args, out,
                           log="stepsperround")
-    rows += bench_section("serveload", "bench/steps_per_round.py --device cuda --compile on",
-                          ["bench/steps_per_round.py", "--device", "cuda", "--rows", "1", "16", "--compile", "on"],
-                          args, out, log="stepsperround-compiled")
-    # and base decoding with the fixed lanes alone (short_slowdown=0): what the measured costs change on this device
-    return rows + bench_section("serveload", "bench/serve_load.py --inprocess --device cuda --short-slowdown 0",
-                                ["bench/serve_load.py", "--inprocess", "--device", "cuda", "--short-slowdown", "0",
-                                 "--modes", "base", "--quick", "--rounds", "1"], args, out,
-                                log="serveload-fixed-lanes")
+    return rows + bench_section("serveload", "bench/steps_per_round.py --device cuda --compile on",
+                                ["bench/steps_per_round.py", "--device", "cuda", "--rows", "1", "16", "--compile",
+                                 "on"], args, out, log="stepsperround-compiled")
 
 
 # ------------------------------------------------------------------------------------------------ serve

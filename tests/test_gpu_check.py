@@ -148,8 +148,8 @@ def test_bench_sections_pass_through_what_ran_and_fail_what_crashed_or_hung(tmp_
 
 def test_the_serveload_section_runs_the_inprocess_load_on_cuda(monkeypatch, tmp_path):
     """``--only serveload`` needs torch alone (no Ray): on CUDA it runs bench/serve_load.py's in-process load on the
-    device, two rounds (one with --quick), then with compiled passes, sampling's per-row bench, several steps a round
-    against one (eager and compiled) and the fixed priority lanes (their own logs); without CUDA it is skipped,
+    device, two rounds (one with --quick), then with compiled passes, sampling's per-row bench, the fixed priority
+    lanes and several steps a round against one (eager and compiled; their own logs); without CUDA it is skipped,
     saying so."""
     ran = []
     monkeypatch.setattr(gpu_check, "bench_section", lambda section, name, cmd, args, out, log=None: ran.append(
@@ -167,9 +167,9 @@ def test_the_serveload_section_runs_the_inprocess_load_on_cuda(monkeypatch, tmp_
              (["bench/steps_per_round.py", "--device", "cuda", "--rows", "1", "16", "--compile", "on"],
               "stepsperround-compiled")]
     assert ran == [(["bench/serve_load.py", "--inprocess", "--device", "cuda", "--rounds", "2"], None), compiled,
-                   sampling, *steps, fixed,
+                   sampling, fixed, *steps,
                    (["bench/serve_load.py", "--inprocess", "--device", "cuda", "--rounds", "1", "--quick"], None),
-                   compiled, sampling, *steps, fixed]
+                   compiled, sampling, fixed, *steps]
     monkeypatch.undo()
     code, rows = gpu_check.run(["--device", "cpu", "--only", "serveload", "--out", str(tmp_path)])
     assert code == 0 and [(r.section, r.status, r.detail) for r in rows if r.section == "serveload"] == [

@@ -256,6 +256,34 @@ def test_several_steps_a_round_only_while_nothing_waits(pairs, monkeypatch):
         engine.step("fast", 3)
 
 
+def test_an_arrival_ends_a_rounds_several_steps_after_the_one_running(pairs, monkeypatch):
+    """A request submitted while a base batch is about to run four steps (planned with nothing queued): the batch
+    stops after its first step, the arrival joins in the next round, and every request gets its solo tokens; the
+    scheduler counts the steps that ran."""
+    target, draft = pair(pairs, "full")
+    late = Job([7, 8], 6, HOT, 5, tag=(0, [7, 8], 6, HOT, 5, None))
+    ran: list[tuple[int, int]] = []  # each base compute's steps: planned, run
+    real = batches.BaseEngine.compute
+
+    def compute(self, state):
+        planned = state.steps
+        if len(ran) == 1:
+            scheduler.submit(late)  # arrives as the second compute starts
+        out = real(self, state)
+        ran.append((planned, state.steps))
+        return out
+
+    monkeypatch.setattr(batches.BaseEngine, "compute", compute)
+    scheduler = Scheduler(target, draft, max_rows=8, short_tokens=0, steps_per_round=4)
+    plan = [(0, [5, 6, 7], 20, HOT, 1, None), (0, [9] * 4, 18, NUCLEUS, 2, None)]
+    jobs = run_rounds(scheduler, plan)
+    monkeypatch.undo()
+    assert ran[0] == (4, 4) and ran[1] == (4, 1)  # the arrival stopped the second compute after one step
+    assert late.done and late.batch_size == 3  # it shared steps with both
+    assert_alone(target, draft, [*jobs, late])
+    assert scheduler.steps == sum(r for _, r in ran)
+
+
 def test_a_fault_inside_several_steps_rewinds_all_of_them(pairs, monkeypatch):
     """A fault raised at the second of four steps of one compute, after the first wrote the caches and drew from
     every stream: the caches and streams are rewound to before the first, the rows run alone (each its four

@@ -102,7 +102,7 @@ class TextAppArgs(BaseModel):
         "continuous: while nothing waits to join and every row steps, the base decoding batch runs up to this many "
         "decoding steps back to back (never past a row's last token), each fed the last one's tokens on the device: "
         "the host reads them, and schedules, once per round (default 1). A request's output is the same; an "
-        "arrival waits for the round's steps to end before it joins."))
+        "arrival ends the round's steps after the one running, and joins in the next round."))
     warm_up_rows: int | None = Field(None, ge=0, description=(
         "continuous: at start, each replica decodes throwaway batches of this many requests, half as many, ..., 1 "
         "(default 16, at most max_batch_size; 0: none), so that its first burst of real requests does not pay a "

@@ -275,6 +275,8 @@ class _Engine:
         self.row_limit: int | None = None  # rows whose caches the device had memory for, when more had none
         self.limited_at = 0  # the scheduling round that set row_limit
         self.step_rows: int | None = None  # the most rows of a pass, after a larger one ran out of device memory
+        # several steps at once stop after the one running when this says so (the scheduler: a request arrived)
+        self.interrupt: Callable[[], bool] | None = None
 
     def __len__(self) -> int:
         return len(self.order)
@@ -433,23 +435,26 @@ class _Engine:
         (speculative decoding reads every step's acceptance); see :meth:`BaseEngine.steps_for`."""
         return 1
 
-    def step(self, lane: str = "fast", steps: int = 1) -> None:
+    def step(self, lane: str = "fast", steps: int = 1) -> int:
         """One decoding step of every row of ``lane`` (``fast``, ``slow`` or ``all``) in one batched pass, or
         ``steps`` steps back to back (at most :meth:`steps_for` the lane's rows: the tokens are read once, after
-        the last); finished rows leave."""
+        the last); finished rows leave. -> the most steps a row ran (fewer than ``steps`` where :attr:`interrupt`
+        stopped them)."""
         self.drop_cancelled()
         a, b = self._bounds(lane)
         if steps != 1 and steps > self.steps_for(self.order[a:b], steps):
             raise ValueError(f"{steps} steps at once exceed what the {self.kind} rows allow "
                              f"({self.steps_for(self.order[a:b], steps)})")
         size = min(b - a, self.step_rows or b - a)  # after a pass ran out of device memory: passes of fewer rows
-        for start in range(a, b, max(size, 1)):
-            self._step_range(start, min(start + size, b), steps)
+        ran = max([self._step_range(start, min(start + size, b), steps) for start in range(a, b, max(size, 1))],
+                  default=0)
         self._leave()
+        return ran
 
-    def _step_range(self, a: int, b: int, steps: int = 1) -> None:
+    def _step_range(self, a: int, b: int, steps: int = 1) -> int:
         """One batched pass (or ``steps``) over rows ``a .. b - 1``; if it raises, it is undone and run row by row
-        (one that ran out of device memory also halves the rows of this batch's later passes, :attr:`step_rows`)."""
+        (one that ran out of device memory also halves the rows of this batch's later passes, :attr:`step_rows`).
+        -> the most steps its rows ran (0: every row failed)."""
         state = self._view(a, b)
         state.steps = steps
         snapshot, gens = state.snapshot(), _gen_states(state.jobs)
@@ -467,6 +472,7 @@ class _Engine:
         for part, result in parts:
             self.commit(part, result, b - a)
             self.last[part.start:part.start + len(part.jobs)] = part.last.tolist()
+        return max((part.steps for part, _ in parts), default=0)
 
     def _alone(self, jobs: list[Job], exc: Exception, state: _State | None = None) -> list[tuple[_State, Any]]:
         """A batched prefill (``state`` None) or step raised: run it for each row alone; a row that fails alone
@@ -612,13 +618,17 @@ class BaseEngine(_Engine):
         return max(1, min([wanted, *(j.max_new - len(j.out) for j in jobs)]))
 
     def compute(self, state):
-        """``state.steps`` steps: each feeds the last one's tokens, still on the device; -> (B, steps) tokens."""
+        """``state.steps`` steps (fewer where :attr:`interrupt` says so after one): each feeds the last one's tokens,
+        still on the device; -> (B, steps run) tokens."""
         self._hook(state.jobs)
         pick = token_picker([j.sampling for j in state.jobs], [j.generator for j in state.jobs], state.last.device)
         token, tokens = state.last, []
-        for _ in range(state.steps):
+        for i in range(state.steps):
+            if i and self.interrupt is not None and self.interrupt():
+                break
             token = pick(state.rows[0].forward(token[:, None])[:, -1])
             tokens.append(token)
+        state.steps = len(tokens)  # those that ran
         return torch.stack(tokens, 1)
 
     def commit(self, state, tokens, batch):

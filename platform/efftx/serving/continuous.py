@@ -48,8 +48,10 @@ loop) that repeats rounds: admit the requests that may start, then run one decod
   one's tokens where they already are (on a GPU the device runs the steps back to back; the host reads the tokens,
   and does its scheduling, once for all of them). No row computes past its own last token
   (:meth:`~efftx.serving.batches.BaseEngine.steps_for`), so its tokens, its stream's draws and its cache are those
-  of steps one at a time. An arrival joins at the end of the round's steps; speculative batches take one step a
-  round (each step's acceptance is read before the next).
+  of steps one at a time. An arrival ends the round's steps after the one running (the host checks the queue
+  before it starts each step: on a GPU, where the host runs ahead of the device, the steps it already queued still
+  run), and joins in the next round; speculative batches take one step a round (each step's acceptance is read
+  before the next).
 * **Caches.** A running batch keeps its rows in preallocated slots of each model's cache
   (:class:`~efftx.generation.decode.Slots`), the fast lane's rows first: a step runs a lane, or all rows when both
   lanes step in the same round, as one batched forward pass over a range of the slots, written in place; a row
@@ -440,6 +442,7 @@ class Scheduler:
         self.round_seconds = 0.0  # the scheduling rounds' time on the clock, their passes included
         self.base = BaseEngine(target, hook, self.compile, compile_rows, self.budget, self.fit_positions,
                                self.pass_time)
+        self.base.interrupt = self._arrived  # an arrival ends a round's several steps after the one running
         if draft is not None and self.compile == "on" and eager_reason(draft):  # now, not at the first request
             raise CompileUnavailable(f"compile='on' but compiled continuous batching cannot run the draft: "
                                      f"{eager_reason(draft)}")
@@ -622,6 +625,10 @@ class Scheduler:
             return False
         return more <= (1 + NEGLIGIBLE) * base and bigger <= (1 + NEGLIGIBLE) * step
 
+    def _arrived(self) -> bool:
+        """Whether a request waits in the queue (read without the lock: a deque's length is read atomically)."""
+        return bool(self._queue)
+
     def run_once(self) -> int:
         """One scheduling round: admit what may start now, one step of the fast lanes, and one step of the slow
         lanes when no short row runs, or else once every ``long_every`` rounds. Returns the rows still running."""
@@ -708,7 +715,7 @@ class Scheduler:
                     steps = engine.steps_for(jobs, many)
                     before = sum(len(j.out) for j in jobs)
                     t0 = self.clock()
-                    self._guarded(engine, engine.step, lane, steps)
+                    steps = self._guarded(engine, engine.step, lane, steps) or steps  # those that ran
                     seconds, tokens = self.clock() - t0, sum(len(j.out) for j in jobs) - before
                     self._costs(engine.name).add_step(rows, seconds / steps, tokens / steps)  # per step, as measured
                     self.steps += steps
@@ -973,9 +980,10 @@ class Scheduler:
         return False
 
     @staticmethod
-    def _guarded(engine: _Engine, fn, *args, jobs: Sequence[Job] = ()) -> None:
+    def _guarded(engine: _Engine, fn, *args, jobs: Sequence[Job] = ()) -> Any:
+        """``fn(*args)``'s result; None where it raised (then the batch, and ``jobs``, fail)."""
         try:
-            fn(*args)
+            return fn(*args)
         except Exception as exc:  # noqa: BLE001 - a fault outside the contained passes: fail this batch, go on
             logger.exception("continuous batching: the %s batch failed outside its rows' passes", engine.kind)
             for job in jobs:
