@@ -294,7 +294,8 @@ def test_auto_decodes_eagerly_over_the_same_buffers_when_compiling_fails(models,
 def test_a_compiled_app_answers_as_the_library_decodes(ray_cluster, debug_exports):
     """``compile=on``: the replica compiles as it warms up, /models/info says so, and requests of both modes
     (plain, streamed and concurrent: passes of one to three rows, compiled up to ``compile_rows`` 1, the others
-    eager over the same slots; the default gamma) get the library's eager tokens and acceptance. One compiled row
+    eager over the same slots; the default gamma; base rows up to four steps a round, ``steps_per_round=4``) get the
+    library's eager tokens and acceptance. One compiled row
     keeps the replica's graphs few (each takes seconds to compile on a CPU); the tests above run buckets of more
     rows in-process."""
     import json
@@ -313,12 +314,14 @@ def test_a_compiled_app_answers_as_the_library_decodes(ray_cluster, debug_export
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         serve.run(build({"target": debug_exports["target"], "draft": debug_exports["draft"], "name": "tiny",
-                         "compile": "on", "compile_rows": 1, "warm_up_rows": 1}), name="compiled", route_prefix="/")
+                         "compile": "on", "compile_rows": 1, "warm_up_rows": 1, "steps_per_round": "4"}),
+                  name="compiled", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         info = requests.get(f"{url}/models/info", timeout=30).json()["batching"]
         # base, speculative (gamma 5) and adaptive speculative (cap: the limits' max_gamma): a row each with a
         # prompt of up to 16 tokens and one with 32 (the compiled prefills' shapes)
         assert (info["compile"], info["compile_rows"], info["warm_up_rows"]) == ("on", 1, 3 * 2 * 1)
+        assert info["steps_per_round"] == 4  # base rows take up to four steps a round while nothing waits
         target, draft = load_export(debug_exports["target"])[0], load_export(debug_exports["draft"])[0]
         bodies = [{"prompt": p, "max_new_tokens": 12, "temperature": 1.0, "top_k": 20, "seed": i, "mode": "both"}
                   for i, p in enumerate(["x = ", "def f(", "import os"])]  # gamma 5, as the warm-up: no new graph
@@ -339,6 +342,12 @@ def test_a_compiled_app_answers_as_the_library_decodes(ray_cluster, debug_export
             blocks = [b for b in "\n".join(r.iter_lines(decode_unicode=True)).split("\n\n") if b.strip()]
         done = json.loads(blocks[-1].split("data: ", 1)[1])
         assert done["text"] == answers[0].json()["results"]["speculative"]["text"]
+        with requests.post(f"{url}/generate/stream", json={**bodies[1], "mode": "base"}, stream=True,
+                           timeout=120) as r:  # alone: several steps a round, each token still a step event
+            blocks = [b for b in "\n".join(r.iter_lines(decode_unicode=True)).split("\n\n") if b.strip()]
+        done = json.loads(blocks[-1].split("data: ", 1)[1])
+        assert done["text"] == answers[1].json()["results"]["base"]["text"] and done["steps"] == 12
+        assert sum(b.startswith("event: step") for b in blocks) == 12
     finally:
         serve.shutdown()
 

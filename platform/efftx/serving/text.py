@@ -300,6 +300,7 @@ class TextGenerator:
                                        cache_budget=budget, costs=warmed.get("costs"),  # measured while warming up
                                        hook=lambda kind, jobs: self._step_hook(kind, [j.tag for j in jobs]),
                                        observe=lambda kind, rows: metrics.batch("continuous", kind, rows)).start()
+            self.batching["steps_per_round"] = self.scheduler.steps_per_round
         else:
             self._batched.set_max_batch_size(max_batch_size)
             self._batched.set_batch_wait_timeout_s(batch_wait_timeout_s)
