@@ -21,7 +21,8 @@ Sections (each row: pass / FAIL / skip with the reason, and its figures):
   against the float64 reference with the same-dtype error rule, every accepted block size, GQA 1-8, head dims
   64/128, T to 65536, forward and backward; decode passes of 1-16 tokens per row over ragged rows, every split
   count, the model's passes and compiled decoding through the kernel (CUDA graphs); and
-  ``tests/test_row_noise_gpu.py`` (sampling's counter-based noise, its integer bits exactly). One row per test group.
+  ``tests/test_row_noise_gpu.py`` (sampling's counter-based noise, its integer bits exactly); and ``tests/test_host.py``
+  (host values, and a ragged cache's step, with kernels still queued: no wait for the device). One row per test group.
 * ``train``: one short run per model family (LM, Sinkhorn, Performer, NSA with the Triton kernel, the speculative
   pair, dVAE + DALL-E) through the real job scripts (TorchTrainer + DeepSpeed; nccl on CUDA), in bf16 and in fp16
   with loss scaling: the validation loss must fall and no optimizer step may be skipped for overflow after the
@@ -77,7 +78,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 # Triton kernels vs their references
-KERNEL_TESTS = ("tests/test_kernels.py", "tests/test_decode_attention.py", "tests/test_row_noise_gpu.py")
+KERNEL_TESTS = ("tests/test_kernels.py", "tests/test_decode_attention.py", "tests/test_row_noise_gpu.py",
+                "tests/test_host.py")
 SECTIONS = ("kernels", "train", "decode", "nsa", "scaling", "cost", "serveload", "decodeattn", "serve")
 
 # family -> (job script, recipe, extra overrides); the speculative and DALL-E jobs train two models each.

@@ -237,13 +237,3 @@ def test_a_gpu_kernel_that_fails_leaves_the_draws_to_the_reference(monkeypatch, 
     assert tried == [40] and not row_noise_gpu._state["enabled"]  # not tried again
     assert [r.getMessage() for r in caplog.records] == [
         "efftx's Triton row noise kernel failed (RuntimeError: ptxas not found): draws take the torch reference"]
-
-
-def test_host_values_are_torch_tensors_of_them():
-    from efftx.generation.sampling import host_values
-
-    for values, dtype in (([1, 2, 3], torch.long), ([[0, 2**32 - 1], [5, 6]], torch.int64),
-                          ([0.5, 1e-300], torch.float32), ([True, False], torch.bool)):
-        got = host_values(values, dtype, "cpu")
-        assert got.dtype == dtype and got.device.type == "cpu" and torch.equal(got, torch.tensor(values, dtype=dtype))
-    assert host_values([], torch.long).shape == (0,)

@@ -17,6 +17,8 @@ from typing import Any, Sequence
 
 import torch
 
+from efftx.host import host_values
+
 
 class RaggedCacheError(RuntimeError):
     """A cache whose rows differ in length reached code that needs equal rows."""
@@ -49,7 +51,7 @@ class RowLengths:
         """Position of each row's next token: an int when rows are equal, else (B, 1) long."""
         if not self.ragged:
             return self.length
-        return torch.tensor(self.lengths, device=self.device).unsqueeze(1)
+        return host_values(self.lengths, torch.long, self.device).unsqueeze(1)
 
     def _grow(self, t: int, capacity: int, what: str) -> None:
         if self.end + t > capacity:
@@ -76,7 +78,7 @@ class RowLengths:
 def visible_keys(lengths: Sequence[int], t: int, causal: bool, device: torch.device) -> torch.Tensor:
     """(B, t, L) bool, True = query i of row b may read key slot j, for ``t`` new tokens written at
     each row's own position (``lengths`` before the write); L = the longest row after it."""
-    before = torch.tensor(lengths, device=device)[:, None, None]  # (B, 1, 1)
+    before = host_values(lengths, torch.long, device)[:, None, None]  # (B, 1, 1)
     end = max(lengths) + t
     j = torch.arange(end, device=device)[None, None, :]
     if causal:
@@ -136,7 +138,7 @@ class KVCache(RowLengths):
         """Write new keys/values (B, T, Hkv, D) at each row's own position and advance the rows; -> the rows'
         lengths before, a (B,) long tensor on the cache's device. Raises, nothing written, when they do not fit."""
         t = k.shape[1]
-        before = torch.tensor(self.lengths, device=self.k.device)
+        before = host_values(self.lengths, torch.long, self.k.device)
         self._grow(t, self.max_len, "KV cache")
         slots = before[:, None] + torch.arange(t, device=self.k.device)
         rows = torch.arange(k.shape[0], device=self.k.device)[:, None]

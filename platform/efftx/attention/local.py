@@ -22,6 +22,7 @@ from efftx.attention.base import AttentionBackend, AttentionSpec
 from efftx.attention.cache import KVCache
 from efftx.attention.registry import register
 from efftx.errors import ConfigError
+from efftx.host import host_values
 
 MIN_QUERY_BLOCK = 16  # queries per block at least: tiny windows would otherwise mean one SDPA call per token
 
@@ -61,7 +62,7 @@ class LocalAttention(AttentionBackend):
         if cache is not None:
             k, v, rows = cache.append_rows(k, v, True)  # (B, L, Hkv, D), L = longest row so far
         if rows is not None:  # rows of different lengths: their visibility, narrowed to each row's window
-            q_pos = torch.tensor(cache.lengths, device=q.device)[:, None] - t_q + torch.arange(t_q, device=q.device)
+            q_pos = host_values(cache.lengths, torch.long, q.device)[:, None] - t_q + torch.arange(t_q, device=q.device)
             mask = rows & band_mask(q_pos[..., None], torch.arange(k.shape[1], device=q.device), self.window)
             return self._attend(q, k, v, mask[:, None])  # (B, 1, T, L)
         start = k.shape[1] - t_q  # absolute position of the first query

@@ -104,6 +104,7 @@ from efftx.attention.cache import RowLengths, cache_limit, cache_offset
 from efftx.attention.nsa_cpu import CPU_KERNEL_MODES, _to_selection, logit_importance, nsa_attention
 from efftx.attention.registry import register
 from efftx.errors import ConfigError
+from efftx.host import host_values
 from efftx.kernels.linear_cpu import Linear
 
 # Elements of the (B, H, query chunk, blocks) float32 scores held at once while selecting: 32 MiB on a CPU,
@@ -593,15 +594,15 @@ class NSACache(RowLengths):
             return
         pairs = [(b, j) for b, (s, e) in enumerate(zip(starts, ends)) for j in range(s, e)]
         dev = self.row_pos.device
-        rows = torch.tensor([b for b, _ in pairs], device=dev)
-        cols = torch.tensor([j for _, j in pairs], device=dev)
+        rows = host_values([b for b, _ in pairs], torch.long, dev)
+        cols = host_values([j for _, j in pairs], torch.long, dev)
         tok = cols[:, None] * d + torch.arange(l, device=dev)  # (N, l)
         for net, src, dst in ((compress_k, kc, self.ck), (compress_v, vc, self.cv)):
             blocks = src[rows[:, None], :, tok].transpose(1, 2)  # (N, Hkv, l, D)
             dst[rows, :, m + cols] = net._compress(blocks[None])[0].to(dst.dtype)  # (N, Hkv, D)
 
     def _rewound(self, old: list[int]) -> None:
-        self.row_pos = torch.tensor(self.lengths, dtype=torch.long).to(self.row_pos.device, non_blocking=True)
+        self.row_pos = host_values(self.lengths, torch.long, self.row_pos.device)
 
 
 @register("nsa", options=NSAOptions)

@@ -62,6 +62,7 @@ from efftx.attention.base import AttentionBackend, AttentionSpec, is_recomputing
 from efftx.attention.cache import RowLengths
 from efftx.attention.registry import register
 from efftx.errors import ConfigError
+from efftx.host import host_values
 
 KEY_EXP_MAX = 50.0  # cap on a key feature's exponent: exp(50) * tokens stays far below float32 max
 EPS = 1e-6  # floor of the attention denominator phi(q)·z
@@ -504,7 +505,8 @@ class PerformerCache(RowLengths):
         ragged = self.ragged
         self._grow(t, self.max_len, "performer cache")
         if ragged:
-            slots = torch.tensor(before, device=self.phi_k.device)[:, None] + torch.arange(t, device=self.phi_k.device)
+            device = self.phi_k.device
+            slots = host_values(before, torch.long, device)[:, None] + torch.arange(t, device=device)
             rows = torch.arange(phi_k.shape[0], device=self.phi_k.device)[:, None]
             self.phi_k[rows, slots] = phi_k
             self.v[rows, slots] = v

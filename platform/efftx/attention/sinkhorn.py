@@ -109,6 +109,7 @@ from efftx.attention.base import AttentionBackend, AttentionSpec
 from efftx.attention.cache import KVCache
 from efftx.attention.registry import register
 from efftx.errors import ConfigError
+from efftx.host import host_values
 
 _MASKED = -1e9  # log-space "zero" of the sort matrix: finite, so masked rows/columns stay NaN-free
 
@@ -559,7 +560,7 @@ class SinkhornAttention(AttentionBackend):
         :meth:`_forward`. q (B, 1, H, D); k, v (B, L, Hkv, D), the cache's keys after the write."""
         n, nl, h = self.bucket_size, self.n_local, q.shape[2]
         b, dev, last = q.shape[0], q.device, k.shape[1] - 1
-        pos = torch.tensor(before, device=dev)[:, None]  # (B, 1)
+        pos = host_values(before, torch.long, dev)[:, None]  # (B, 1)
         start = pos - pos % n  # each row's own bucket
         rows = torch.arange(b, device=dev)[:, None]
         qb = q[:, None]  # (B, nq=1, r=1, H, D)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from efftx.host import host_values
 from efftx.kernels.row_noise import M32, M64, row_noise, splitmix64
 
 MIN_TEMPERATURE = 1e-4  # temperatures below this (0 included) sample greedily
@@ -130,16 +131,6 @@ class Stream:
 
     def __repr__(self) -> str:
         return f"Stream(seed={self.seed}, draws={self.draws})"
-
-
-def host_values(values: Sequence, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
-    """A tensor of host values on ``device``, copied without waiting for the device (a plain ``torch.tensor(...,
-    device="cuda")`` waits for every kernel queued before it: mid-step, the host could not queue the step's next
-    kernels while the device runs its pass)."""
-    out = torch.tensor(values, dtype=dtype)
-    if device is None or torch.device(device).type == "cpu":
-        return out
-    return out.to(device, non_blocking=True)
 
 
 def stream_noise(streams: Sequence[Stream | None], width: int, device: torch.device | str | None = None

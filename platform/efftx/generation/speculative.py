@@ -44,7 +44,8 @@ import torch
 
 from efftx.generation import compiled
 from efftx.generation.decode import Rows, as_rows, generators, splittable
-from efftx.generation.sampling import Stream, host_values, is_greedy, probabilities, race, stream_noise
+from efftx.generation.sampling import Stream, is_greedy, probabilities, race, stream_noise
+from efftx.host import host_values
 
 
 @dataclass
@@ -398,7 +399,7 @@ def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy,
                 q.append(dist)
             drafted = torch.stack(tokens, 1)  # (B, gamma_step)
             q = None if greedy else torch.stack(q, 1)  # (B, gamma_step, V)
-        own_t = torch.tensor(own, device=device)
+        own_t = host_values(own, torch.long, device)  # mid-step: no wait for the draft passes queued before it
         if width > gamma_step:  # padding after every row's real drafts: causal attention keeps it out of their
             pad = width - gamma_step  # logits, `own` out of their acceptance, and the rewind drops it
             drafted = torch.cat([drafted, drafted.new_zeros(len(live), pad)], 1)

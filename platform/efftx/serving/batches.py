@@ -22,9 +22,9 @@ import torch
 
 from efftx.generation.decode import CacheBudget, CacheBudgetFull, Rows, free_memory, kv_only, splittable
 from efftx.generation.device_slots import slots_for
-from efftx.generation.sampling import (Stream, draw, host_values, is_greedy, probabilities,
-                                       probabilities_per_row, race)
+from efftx.generation.sampling import Stream, draw, is_greedy, probabilities, probabilities_per_row, race
 from efftx.generation.speculative import SpecStats, accept_sampled, kept_tokens, next_gamma, step_noise
+from efftx.host import host_values
 
 if TYPE_CHECKING:  # the scheduler runs with torch alone (bench/serve_load.py --inprocess on a bare GPU image)
     from efftx.serving.isolation import RowFailure
