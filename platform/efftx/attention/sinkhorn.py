@@ -581,7 +581,8 @@ class SinkhornAttention(AttentionBackend):
             idx = idx.clamp(max=last)
             heads = self.kv_of_head[nl:]
             m = cache.sel_k.shape[1]
-            held = (cache.sel_bucket == torch.tensor(bucket)).to(dev)  # blend rows in bucket 0 have none
+            # blend rows in bucket 0 have none; host values: no wait for the device
+            held = host_values([int(s) == i for s, i in zip(cache.sel_bucket.tolist(), bucket)], torch.bool, dev)
             keys, vals = (torch.cat([z[rows, idx][:, :, heads], sel.to(z.dtype)], 1)[:, None]
                           for z, sel in ((k, cache.sel_k), (v, cache.sel_v)))  # (B, 1, n + m, Hs, D)
             mask = torch.cat([ok, held[:, None].expand(b, m)], 1)
