@@ -442,9 +442,9 @@ class _Engine:
         stopped them)."""
         self.drop_cancelled()
         a, b = self._bounds(lane)
-        if steps != 1 and steps > self.steps_for(self.order[a:b], steps):
-            raise ValueError(f"{steps} steps at once exceed what the {self.kind} rows allow "
-                             f"({self.steps_for(self.order[a:b], steps)})")
+        allowed = self.steps_for(self.order[a:b], steps)
+        if steps > allowed:
+            raise ValueError(f"{steps} steps at once exceed what the {self.kind} rows allow ({allowed})")
         size = min(b - a, self.step_rows or b - a)  # after a pass ran out of device memory: passes of fewer rows
         ran = max([self._step_range(start, min(start + size, b), steps) for start in range(a, b, max(size, 1))],
                   default=0)

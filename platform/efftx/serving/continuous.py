@@ -703,10 +703,8 @@ class Scheduler:
             self._long_round = self.rounds
         else:
             lanes = ("fast",)
-        many = 1  # steps a batch takes in this round (steps_per_round): only while every row steps, nothing waits
-        if self.steps_per_round > 1 and lanes == ("all",):
-            with self._cv:
-                many = 1 if self._queue else self.steps_per_round
+        # steps a batch takes in this round (steps_per_round): only while every row steps and nothing waits
+        many = self.steps_per_round if lanes == ("all",) and not self._arrived() else 1
         for lane in lanes:
             for engine in engines:
                 rows = engine.rows(lane)
