@@ -22,7 +22,8 @@ Sections (each row: pass / FAIL / skip with the reason, and its figures):
   64/128, T to 65536, forward and backward; decode passes of 1-16 tokens per row over ragged rows, every split
   count, the model's passes and compiled decoding through the kernel (CUDA graphs); and
   ``tests/test_row_noise_gpu.py`` (sampling's counter-based noise, its integer bits exactly); and ``tests/test_host.py``
-  (host values, and a ragged cache's step, with kernels still queued: no wait for the device). One row per test group.
+  (host values, a ragged cache's step, and continuous batching's base steps eager and compiled, with kernels still
+  queued: no wait for the device before the tokens are read). One row per test group.
 * ``train``: one short run per model family (LM, Sinkhorn, Performer, NSA with the Triton kernel, the speculative
   pair, dVAE + DALL-E) through the real job scripts (TorchTrainer + DeepSpeed; nccl on CUDA), in bf16 and in fp16
   with loss scaling: the validation loss must fall and no optimizer step may be skipped for overflow after the

@@ -6,8 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from efftx import recipes
 from efftx.attention.cache import KVCache, visible_keys
+from efftx.generation import compiled
 from efftx.host import host_values
+from efftx.models import build as build_model
+from efftx.serving.batches import BaseEngine, Job, Sampling, SpeculativeEngine
+
+from device_waits import DeviceWaits, on_device
 
 
 def test_host_values_are_torch_tensors_of_them():
@@ -60,3 +66,139 @@ def test_on_cuda_neither_host_values_nor_a_ragged_caches_step_waits_for_queued_k
     torch.cuda._sleep(500_000_000)
     torch.tensor([3, 1, 2], device="cuda")
     assert stream.query()  # it waited
+
+
+# ---------------------------------------------------------------------------------------------- whole steps
+# Every decoding step of continuous batching, audited on this CPU for what would make the host wait for a CUDA
+# device (tests/device_waits.py): the step's passes, draws and cache bookkeeping must queue without a wait, and read
+# back only what the host needs: base decoding its tokens, once per step (or per round's several steps), speculative
+# decoding its acceptance, once per step.
+
+GREEDY, HOT, NUCLEUS = Sampling(0.0), Sampling(1.0, 20, 1.0), Sampling(0.8, 0, 0.9)
+CONTRACT = {  # small blocks, so that the short rows cross several (as tests/test_serve_continuous.py)
+    "sinkhorn": {"attention.sinkhorn.bucket_size": 8, "attention.sinkhorn.n_local_attn_heads": 2},
+    "performer": {"attention.performer.nb_features": 32, "attention.performer.chunk_size": 8},
+    "nsa": {"attention.nsa.compress_block_size": 4, "attention.nsa.compress_stride": 2,
+            "attention.nsa.selection_block_size": 4, "attention.nsa.num_selected_blocks": 2,
+            "attention.nsa.sliding_window_size": 6, "attention.nsa.compress_mlp_mult": 0.5},
+}
+
+
+def tiny(kind: str = "full", depth: int = 2, seed: int = 0, device: str = "cpu"):
+    cfg = recipes.get("lm_debug").override({"model.depth": depth, "attention.kind": kind, **CONTRACT.get(kind, {})})
+    torch.manual_seed(seed)
+    return build_model(cfg).eval().to(device)
+
+
+def jobs(gamma: int | None = None) -> list[Job]:
+    """Ragged rows of every sampling kind (greedy, top-k, nucleus)."""
+    return [Job([1, 2, 3, 4, 5], 12, HOT, seed=1, gamma=gamma), Job([4, 5], 12, NUCLEUS, seed=2, gamma=gamma),
+            Job([7], 12, GREEDY, seed=3, gamma=gamma)]
+
+
+def compiled_on_device(monkeypatch, compile: str) -> None:
+    """Compiled passes run their traced function eagerly, unaudited: on a GPU it is a graph's replay (no host code)."""
+    if compile == "on":
+        monkeypatch.setattr(compiled, "compiled_function", lambda fn, device_type: on_device(fn))
+
+
+def since(audit: DeviceWaits, fn, *args) -> tuple[object, list[str]]:
+    """``fn(*args)``'s result and the waits it added to ``audit``'s (what each would wait for)."""
+    n = len(audit.waits)
+    out = fn(*args)
+    return out, audit.waits[n:]
+
+
+@pytest.mark.parametrize("kind, compile", [("full", "off"), ("performer", "off"), ("sinkhorn", "off"),
+                                           ("nsa", "off"), ("full", "on")])
+def test_a_base_step_reads_the_device_once_for_its_tokens_and_queues_everything_else(kind, compile, monkeypatch,
+                                                                                      one_thread):
+    """The engine audited from its start (its caches made under the audit: those on the host are known)."""
+    compiled_on_device(monkeypatch, compile)
+    model, running = tiny(kind), jobs()
+    with torch.no_grad(), DeviceWaits() as audit:
+        engine = BaseEngine(model, compile=compile)
+        _, waits = since(audit, engine.admit, running)  # the prefill, its first tokens read back
+        assert [w for w, _ in waits] == ["reads a device value (tolist)"], waits
+        for steps in (1, 3):  # one step, and a round's several: the tokens read back once, after the last
+            before = [len(j.out) for j in running]
+            ran, waits = since(audit, engine.step, "all", steps)
+            assert ran == steps and [len(j.out) - n for j, n in zip(running, before)] == [steps] * 3
+            assert [w for w, _ in waits] == ["reads a device value (tolist)"], waits
+            assert "batches.py" in waits[0][1]  # the commit's, not one inside the passes
+
+
+@pytest.mark.parametrize("compile", ["off", "on"])
+@pytest.mark.parametrize("same_draft", [False, True], ids=["draft", "draft=target"])
+def test_a_speculative_step_reads_the_device_once_for_its_acceptance(compile, same_draft, monkeypatch, one_thread):
+    """With the target as its own draft every row keeps every draft: the next step's first draft pass feeds each
+    row's last draft beside its pending token (built from the host's tokens, not read back)."""
+    compiled_on_device(monkeypatch, compile)
+    target = tiny()
+    draft, running = target if same_draft else tiny(depth=1, seed=1), jobs(gamma=3)
+    with torch.no_grad(), DeviceWaits() as audit:
+        engine = SpeculativeEngine(target, draft, 3, compile=compile)
+        _, waits = since(audit, engine.admit, running)
+        assert waits == [], waits  # speculative prefills draw nothing: no read at all
+        for _ in range(3):
+            _, waits = since(audit, engine.step, "all")
+            assert [w for w, _ in waits] == ["reads a device value (tolist)"], waits
+    if same_draft:
+        assert all(j.draft_tail is not None for j in running) and all(a == 3 for j in running
+                                                                      for a in j.stats.accepted)
+
+
+def test_the_audit_finds_every_kind_of_wait():
+    """tests/device_waits.py finds what would wait on a GPU, and only that (else the tests above prove nothing)."""
+    computed = torch.arange(4) * 2  # made before the audit: taken for a device tensor (the model's weights are)
+    with DeviceWaits() as mode:
+        host = torch.tensor([1, 2])  # built from host values
+        host = (torch.full((2,), 3) + host)[host > 0]  # ... or computed from host tensors only: on the host
+        (torch.ones(2, device="cpu") + host).tolist()  # made on the device, so computed there
+        computed.tolist()
+        int(computed[0])
+        bool(computed[1])
+        computed[computed > 2]  # a boolean mask as an index: sized by device values
+        computed.nonzero()
+        torch.tensor([1, 2], device="cpu")
+        host.to("cpu", non_blocking=True)
+        computed.copy_(torch.tensor([0, 1, 2, 3]))
+        host.tolist()  # free: already on the host
+        host.to(torch.float32)  # a dtype, not a device
+        values = host_values([5, 6], torch.long, "cpu")  # the way without a wait ...
+        on_device(lambda: computed.sum().item())()  # ... and a compiled graph's inside
+        values.tolist()  # ... but host values made device tensors are device tensors
+    assert [w for w, _ in mode.waits] == [
+        "reads a device value (tolist)", "reads a device value (tolist)", "reads a device value (__int__)", "reads a device value (__bool__)",
+        "__getitem__: a result sized by device values", "nonzero: a result sized by device values",
+        "torch.tensor(..., device=...)", "a host tensor's .to(device)", "device.copy_(host tensor)",
+        "reads a device value (tolist)"], mode.waits
+    assert all(where.startswith("tests/test_host.py:") for _, where in mode.waits)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: bench/gpu_check.py's kernels "
+                                                          "section runs it")
+@pytest.mark.parametrize("compile", ["off", "on"])
+def test_on_cuda_a_rounds_base_steps_queue_without_waiting_until_their_tokens_are_read(compile):
+    """Continuous batching's base steps on a GPU, eager and compiled (CUDA graphs): with some 0.3 s of device work
+    queued before them, a round's two steps (their passes, draws and cache bookkeeping) are all queued while the
+    stream is still busy; only then are the tokens read. Compiled, the graphs are recorded by earlier steps."""
+    stream = torch.cuda.current_stream()
+    engine, running = BaseEngine(tiny(device="cuda"), compile=compile), jobs()
+    busy = []
+    real = engine.compute
+
+    def compute(state):
+        out = real(state)
+        busy.append(not stream.query())  # before anything reads the tokens back
+        return out
+
+    with torch.no_grad():
+        engine.admit(running)
+        for _ in range(3):
+            engine.step("all")
+        engine.compute = compute
+        torch.cuda.synchronize()
+        torch.cuda._sleep(500_000_000)
+        assert engine.step("all", 2) == 2
+    assert busy == [True] and all(len(j.out) == 6 for j in running)

@@ -45,6 +45,7 @@ from typing import Callable
 import torch
 
 from efftx.errors import ConfigError, EfftxError
+from efftx.host import host_values
 from efftx.kernels import decode_attention_cpu, linear_cpu
 
 log = logging.getLogger(__name__)
@@ -166,7 +167,7 @@ class DeviceCache:
             n = min(theirs.k.shape[1], self.capacity)
             mine.k[:, :n].copy_(theirs.k[:, :n])
             mine.v[:, :n].copy_(theirs.v[:, :n])
-        self.lengths.copy_(torch.tensor(lengths, dtype=torch.long))
+        self.lengths.copy_(host_values(lengths, torch.long, self.lengths.device))
 
 
 def new_cache(model, batch: int, capacity: int) -> DeviceCache:
@@ -385,8 +386,7 @@ class StaticDecoder(CompiledRunner):
                 raise ValueError(f"cannot rewind {c} tokens from a cache holding {have}")
         self.row_lengths = [n - c for n, c in zip(self.row_lengths, counts)]
         if any(counts):
-            self.cache.lengths.sub_(torch.tensor(counts, dtype=torch.long).to(self.cache.lengths.device,
-                                                                              non_blocking=True))
+            self.cache.lengths.sub_(host_values(counts, torch.long, self.cache.lengths.device))
 
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
         """(B,) tokens -> (B, V) next-token logits."""

@@ -11,6 +11,7 @@ import torch
 from efftx.attention.cache import KVCache, ModelCache, RowLengths
 from efftx.generation import compiled
 from efftx.generation.sampling import Stream, draw, is_greedy, probabilities, sample
+from efftx.host import host_values
 
 
 @torch.no_grad()
@@ -192,10 +193,10 @@ class Rows:
             self.forward_calls += 1
             return torch.cat(out)
         # one pass over right-padded rows; the padding is rewound, so later tokens overwrite it
-        padded = torch.tensor([r + [0] * (longest - len(r)) for r in rows], device=device)
+        padded = host_values([r + [0] * (longest - len(r)) for r in rows], torch.long, device)
         logits = self.forward(padded)  # (B, T, V)
         self.rewind([longest - len(r) for r in rows])
-        last = torch.tensor([max(len(r) - 1, 0) for r in rows], device=device)
+        last = host_values([max(len(r) - 1, 0) for r in rows], torch.long, device)
         return logits[torch.arange(len(rows), device=device), last]
 
 

@@ -42,6 +42,7 @@ from efftx.generation import compiled as _compiled
 from efftx.generation.compiled import CompiledRunner, DeviceCache, forward_step, mark_static
 from efftx.attention.cache import KVCache, ModelCache
 from efftx.generation.decode import CacheBudget, Rows, Slots, _SlotRows, bucket, splittable
+from efftx.host import host_values
 from efftx.kernels import decode_attention_cpu
 
 
@@ -121,8 +122,8 @@ class CompiledSlots(Slots):
         runner = self._prefill_runner(size, length)
         padded = [list(p) + [0] * (length - len(p)) for p in prompts] + [[0] * length] * (size - n)
         runner.cache.lengths.zero_()
-        logits = runner._run(forward_step, torch.tensor(padded, device=self.device))  # (size, length, V)
-        last = torch.tensor([max(len(p) - 1, 0) for p in prompts], device=self.device)
+        logits = runner._run(forward_step, host_values(padded, torch.long, self.device))  # (size, length, V)
+        last = host_values([max(len(p) - 1, 0) for p in prompts], torch.long, self.device)
         logits = logits[torch.arange(n, device=self.device), last]  # a copy: the graph's next replay overwrites its own
         lengths = [len(p) for p in prompts]  # the padding past each row's length is never read, then overwritten
         layers = [KVCache.over(layer.k[:n], layer.v[:n], lengths) for layer in runner.cache.layers]
@@ -169,7 +170,7 @@ class _CompiledRows(_SlotRows):
             return super().forward(tokens)  # one of them has no room past its length: this pass eagerly
         lengths = list(mine) + list(live) + [0] * (size - n - len(live))
         runner = slots.runner(size)
-        runner.cache.lengths.copy_(torch.tensor(lengths, dtype=torch.long), non_blocking=True)
+        runner.cache.lengths.copy_(host_values(lengths, torch.long, slots.device))  # no wait: the step before runs on
         if size > n:
             tokens = torch.cat([tokens, tokens.new_zeros(size - n, t)])
         self.forward_calls += 1

@@ -346,7 +346,7 @@ def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy,
     live = list(range(n_rows))  # the rows in the batch, by their index in ``rows``
     # finished rows may leave: eager states whose caches' rows can be taken apart (or per-row caches)
     leave = not static and all(not s.batched or splittable(s.model) for s in (t_rows, d_rows))
-    pending = torch.tensor([r[-1] for r in rows], device=device)
+    pending = host_values([r[-1] for r in rows], torch.long, device)
     produced = [0] * n_rows
     vocab = t_rows.model.vocab_size
     knobs = (sampling["temperature"], sampling["top_k"], sampling["top_p"])
@@ -368,7 +368,7 @@ def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy,
         if leave and any(produced[r] >= limits[r] for r in live):  # finished rows leave the batch
             kept = [i for i, r in enumerate(live) if produced[r] < limits[r]]
             t_rows, d_rows = t_rows.select(kept), d_rows.select(kept)
-            at = torch.tensor(kept, device=device)
+            at = host_values(kept, torch.long, device)
             pending = pending[at]
             prev = prev[at] if catch_up else prev
             live = [live[i] for i in kept]
@@ -431,7 +431,7 @@ def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy,
         catch_up = gamma_step in keep
         d_rows.rewind([fed_draft if k < 0 else gamma_step - 1 - k + catch_up for k in keep])
         if catch_up:  # each row's token before its next pending: [pending, drafts][kept drafts]
-            at = torch.tensor([max(k, 0) for k in keep], device=device)
+            at = host_values([max(k, 0) for k in keep], torch.long, device)
             prev = torch.cat([pending[:, None], drafted], 1).gather(1, at[:, None])[:, 0]
         for s in [stats] + [row_stats[r] for r, a in zip(live, active) if a]:
             s.draft_calls += gamma_step

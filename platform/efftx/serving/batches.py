@@ -231,11 +231,19 @@ def device_sync(device: torch.device) -> Callable[[], None] | None:
 class _State:
     """Rows being prefilled or stepped: per model a :class:`Rows` (a range of the engine's :class:`Slots`, or rows
     prefilled apart), each row's last token (base: the token to feed next; speculative: the pending token) and its
-    job; ``start``: the slot of its first row (None: not in the slots yet)."""
+    job; ``start``: the slot of its first row (None: not in the slots yet). ``lasts``: the last tokens on the host
+    too, where the host has them (None: read them from ``last``, a wait for the device on a GPU)."""
 
-    def __init__(self, rows: list[Rows], last: torch.Tensor, jobs: list[Job], start: int | None = None):
-        self.rows, self.last, self.jobs, self.start = rows, last, jobs, start
+    def __init__(self, rows: list[Rows], last: torch.Tensor, jobs: list[Job], start: int | None = None,
+                 lasts: list[int] | None = None):
+        self.rows, self.last, self.jobs, self.start, self.lasts = rows, last, jobs, start, lasts
         self.steps = 1  # the decoding steps its next compute runs (see _Engine.steps_for)
+
+    def host_lasts(self) -> list[int]:
+        """Each row's last token on the host (read from the device only where the host does not have them)."""
+        if self.lasts is None:
+            self.lasts = self.last.tolist()
+        return self.lasts
 
     def snapshot(self) -> list:
         return [r.snapshot() for r in self.rows]
@@ -309,8 +317,9 @@ class _Engine:
             self.hook(self.kind, jobs)
 
     def _view(self, a: int, b: int) -> _State:
-        return _State([s.rows(a, b) for s in self.slots], torch.tensor(self.last[a:b], device=self.device),
-                      self.order[a:b], a)
+        lasts = self.last[a:b]
+        return _State([s.rows(a, b) for s in self.slots], host_values(lasts, torch.long, self.device),
+                      self.order[a:b], a, lasts)
 
     # -- slot surgery (every model's slots, the jobs and last tokens alike)
     def _place(self, slot: int, job: Job, last: int) -> None:
@@ -336,7 +345,7 @@ class _Engine:
 
     def _insert(self, state: _State, lane: str) -> None:
         """The rows of a prefilled ``state`` whose jobs are not done join ``lane``."""
-        lasts = state.last.tolist()
+        lasts = state.host_lasts()
         for i, job in enumerate(state.jobs):
             if job.done:
                 continue
@@ -471,7 +480,7 @@ class _Engine:
             parts = self._alone(state.jobs, exc, state)
         for part, result in parts:
             self.commit(part, result, b - a)
-            self.last[part.start:part.start + len(part.jobs)] = part.last.tolist()
+            self.last[part.start:part.start + len(part.jobs)] = part.host_lasts()
         return max((part.steps for part, _ in parts), default=0)
 
     def _alone(self, jobs: list[Job], exc: Exception, state: _State | None = None) -> list[tuple[_State, Any]]:
@@ -634,9 +643,10 @@ class BaseEngine(_Engine):
     def commit(self, state, tokens, batch):
         """``tokens``: (B,) from a prefill, (B, steps) from :meth:`compute`; each token is a step of its job."""
         tokens = tokens.reshape(len(state.jobs), -1)
-        state.last = tokens[:, -1]
+        rows = tokens.tolist()  # the one read back of a step (or of a round's several)
+        state.last, state.lasts = tokens[:, -1], [row[-1] for row in rows]
         finished = []
-        for job, row in zip(state.jobs, tokens.tolist()):
+        for job, row in zip(state.jobs, rows):
             done = False
             for t in row:
                 done = job._push([t], None, batch)
@@ -700,8 +710,8 @@ class SpeculativeEngine(_Engine):
             d = Rows.concat([Rows(self.draft, 1, c, False) for c in caps])
             t.prefill(prefixes)
             d.prefill(prefixes)
-        pending = torch.tensor([j.prompt[-1] for j in jobs], device=device)
-        return _State([t, d], pending, list(jobs)), None
+        lasts = [j.prompt[-1] for j in jobs]
+        return _State([t, d], host_values(lasts, torch.long, device), list(jobs), lasts=lasts), None
 
     def compute(self, state):
         self._hook(state.jobs)
@@ -722,8 +732,8 @@ class SpeculativeEngine(_Engine):
         # logits at pending, the padding rewound): one pass instead of a separate pass for the tails.
         tails = [j.draft_tail for j in jobs]
         if any(t is not None for t in tails):
-            first = torch.tensor([[pad, p] if pad is not None else [p, 0] for pad, p in zip(tails, pending.tolist())],
-                                 device=device)
+            first = host_values([[pad, p] if pad is not None else [p, 0] for pad, p in zip(tails, state.host_lasts())],
+                                torch.long, device)
             at = host_values([int(t is not None) for t in tails], torch.long, device)
             logits = d_rows.forward(first)[torch.arange(len(jobs), device=device), at]
             d_rows.rewind([int(t is None) for t in tails])
@@ -779,6 +789,6 @@ class SpeculativeEngine(_Engine):
             if self.max_gamma is not None:
                 job.draft_gamma = next_gamma(g, g, n, self.max_gamma)
             finished.append(job._push(out, n, batch))
-        state.last = torch.tensor([e[-1] if e else int(t) for e, t in zip(emitted, state.last.tolist())],
-                                  device=state.last.device)
+        state.lasts = [e[-1] if e else t for e, t in zip(emitted, state.host_lasts())]
+        state.last = host_values(state.lasts, torch.long, state.last.device)
         return finished
