@@ -42,8 +42,8 @@ def _name(func) -> str:
 
 
 class DeviceWaits(TorchFunctionMode):
-    """Records (in :attr:`waits`: what, and the line of efftx or test code that asked) every call that would wait for
-    a CUDA device; see the module docstring."""
+    """Records (in :attr:`waits`: what, and the line and function of efftx or test code that asked) every call that
+    would wait for a CUDA device; see the module docstring."""
 
     active: "DeviceWaits | None" = None  # the mode recording now
 
@@ -75,7 +75,8 @@ class DeviceWaits(TorchFunctionMode):
             for root in ("/platform/", "/tests/"):
                 if root in frame.filename and ("/efftx/" in frame.filename or root == "/tests/"):
                     name = frame.filename.split(root)[-1]
-                    self.waits.append((what, f"{'tests/' if root == '/tests/' else ''}{name}:{frame.lineno}"))
+                    where = f"{'tests/' if root == '/tests/' else ''}{name}:{frame.lineno} ({frame.name})"
+                    self.waits.append((what, where))
                     return
         self.waits.append((what, "?"))
 

@@ -11,7 +11,10 @@ from efftx.attention.cache import KVCache, visible_keys
 from efftx.generation import compiled
 from efftx.host import host_values
 from efftx.models import build as build_model
+from efftx.generation.decode import iter_generate
+from efftx.generation.speculative import iter_speculative_rows
 from efftx.serving.batches import BaseEngine, Job, Sampling, SpeculativeEngine
+from efftx.serving.continuous import Scheduler
 
 from device_waits import DeviceWaits, on_device
 
@@ -125,7 +128,7 @@ def test_a_base_step_reads_the_device_once_for_its_tokens_and_queues_everything_
             ran, waits = since(audit, engine.step, "all", steps)
             assert ran == steps and [len(j.out) - n for j, n in zip(running, before)] == [steps] * 3
             assert [w for w, _ in waits] == ["reads a device value (tolist)"], waits
-            assert "batches.py" in waits[0][1]  # the commit's, not one inside the passes
+            assert waits[0][1].endswith("(commit)")  # the commit's, not one inside the passes
 
 
 @pytest.mark.parametrize("compile", ["off", "on"])
@@ -143,9 +146,50 @@ def test_a_speculative_step_reads_the_device_once_for_its_acceptance(compile, sa
         for _ in range(3):
             _, waits = since(audit, engine.step, "all")
             assert [w for w, _ in waits] == ["reads a device value (tolist)"], waits
+            assert waits[0][1].endswith("(compute)")  # after the verify pass: the acceptance
     if same_draft:
         assert all(j.draft_tail is not None for j in running) and all(a == 3 for j in running
                                                                       for a in j.stats.accepted)
+
+
+@pytest.mark.parametrize("compile", ["off", "on"])
+def test_a_schedulers_rounds_read_the_device_only_for_its_tokens_and_acceptance(compile, monkeypatch, one_thread):
+    """Whole rounds (arrivals, prefills, several steps a round, rows leaving, base and speculative batches): each
+    base pass reads its tokens once, each speculative step its acceptance once, and nothing else reads or waits."""
+    compiled_on_device(monkeypatch, compile)
+    target, draft = tiny(), tiny(depth=1, seed=1)
+    plan = [(0, [1, 2, 3], 12, HOT, None), (0, [4, 5], 20, NUCLEUS, 3), (1, [7], 6, GREEDY, None),
+            (3, [7, 8], 16, GREEDY, 2), (4, [9] * 9, 9, HOT, None)]
+    with torch.no_grad(), DeviceWaits() as audit:
+        scheduler = Scheduler(target, draft, compile=compile, steps_per_round=2)
+        r = 0
+        while r < 5 or scheduler.running or scheduler._queue:
+            for at, prompt, n, sampling, gamma in plan:
+                if at == r:
+                    scheduler.submit(Job(prompt, n, sampling, seed=r, gamma=gamma))
+            scheduler.run_once()
+            r += 1
+    spec_prefills = sum(c.prefill_passes for name, c in scheduler.costs.items() if name != "base")
+    assert {(w, where.split(" ")[-1]) for w, where in audit.waits} == {
+        ("reads a device value (tolist)", "(commit)"), ("reads a device value (tolist)", "(compute)")}, audit.waits
+    assert len(audit.waits) == scheduler.pass_time.passes - spec_prefills  # one per pass; none in a spec prefill
+    assert scheduler.steps > scheduler.rounds  # several steps a round ran
+
+
+@pytest.mark.parametrize("compile", ["off", "on"])
+def test_the_librarys_decoding_loops_read_the_device_once_a_speculative_step_and_never_a_base_step(compile,
+                                                                                                  monkeypatch,
+                                                                                                  one_thread):
+    compiled_on_device(monkeypatch, compile)
+    target, draft = tiny(), tiny(depth=1, seed=1)
+    prompts, sampling = [[1, 2, 3], [4, 5]], {"temperature": 1.0, "top_k": 20, "seed": 1}
+    with torch.no_grad(), DeviceWaits() as audit:
+        tokens = list(iter_generate(target, prompts, 10, compile=compile, **sampling))  # (B,) device tensors
+        assert audit.waits == [] and len(tokens) == 10
+        steps = list(iter_speculative_rows(target, draft, [[1, 2, 3], [4, 5, 6, 7]], [10, 4], gamma=3,
+                                           compile=compile, **sampling))
+    assert [w for w, _ in audit.waits] == ["reads a device value (tolist)"] * len(steps), audit.waits
+    assert all(where.endswith("(_steps)") for _, where in audit.waits)
 
 
 def test_the_audit_finds_every_kind_of_wait():
@@ -173,7 +217,8 @@ def test_the_audit_finds_every_kind_of_wait():
         "__getitem__: a result sized by device values", "nonzero: a result sized by device values",
         "torch.tensor(..., device=...)", "a host tensor's .to(device)", "device.copy_(host tensor)",
         "reads a device value (tolist)"], mode.waits
-    assert all(where.startswith("tests/test_host.py:") for _, where in mode.waits)
+    assert all(where.startswith("tests/test_host.py:") and where.endswith("(test_the_audit_finds_every_kind_of_wait)")
+               for _, where in mode.waits)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: bench/gpu_check.py's kernels "

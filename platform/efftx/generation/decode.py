@@ -47,15 +47,15 @@ def _split_layer(layer, index: list[int]):
         raise TypeError(f"a {type(layer).__name__} does not keep per-row lengths: its rows cannot be split")
     batch = len(layer.lengths)
     out = copy.copy(layer)
-    rows = None
+    rows: dict[torch.device, torch.Tensor] = {}  # the index on each device the layer's tensors are on (no waits)
     for name, value in vars(layer).items():
         if isinstance(value, torch.Tensor):
             if value.dim() == 0 or value.shape[0] != batch:
                 raise TypeError(f"the rows of a {type(layer).__name__} cannot be split: its {name!r} "
                                 f"{tuple(value.shape)} is not one entry per row ({batch} rows)")
-            if rows is None:
-                rows = torch.tensor(index, dtype=torch.long, device=value.device)
-            setattr(out, name, value.index_select(0, rows.to(value.device)))
+            if value.device not in rows:
+                rows[value.device] = host_values(index, torch.long, value.device)
+            setattr(out, name, value.index_select(0, rows[value.device]))
     out.lengths = [layer.lengths[i] for i in index]
     return out
 
