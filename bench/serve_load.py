@@ -52,9 +52,8 @@ line per mode with the scheduler's own time per round besides its passes (:meth:
 ``--long-prompts BYTES``: every other long request's prompt has that many bytes (a prefill of many decoding
 steps' cost); ``--prefill-chunk TOKENS``: a fourth policy, ``chunked`` (the scheduler's ``prefill_chunk``: long
 prompts prefilled that many tokens a round), beside ``continuous`` with whole prompts, compared in an [info] line.
-``--steps-per-round N``: another policy, ``multi-step`` (the scheduler's ``steps_per_round=N``: a base batch runs
-up to N steps a round while nothing waits; base mode only, as speculative batches step once a round), beside
-``continuous``, compared in an [info] line: requests/s, the short
+``--steps-per-round N``: another policy, ``multi-step`` (the scheduler's ``steps_per_round=N``: a batch runs up to
+N steps a round while nothing waits), beside ``continuous``, compared in an [info] line: requests/s, the short
 requests' p99, time to first token and the scheduling's time per round.
 ``--one-pass``: another policy, ``one-pass`` (the scheduler's ``group_prefills=False``: a round's arrivals for a
 lane are prefilled in one pass, padded to the longest prompt), beside ``continuous`` (arrivals grouped into the
@@ -406,8 +405,6 @@ def inprocess(target, draft, modes: list[str], clients: int, lengths: list[int],
     for rnd in range(rounds):
         for mode in modes:
             for name, knobs in policies:
-                if name == "multi-step" and mode != "base":  # speculative batches step once a round regardless
-                    continue
                 extra = (continuous or {}) if name in ("continuous", "chunked", "one-pass", "multi-step") else {}
                 r = inprocess_load(target, draft, mode, {**knobs, **compiled, **extra}, clients, lengths, unloaded,
                                    clock, timeout, long_prompt, warmed.get("costs"))
@@ -578,7 +575,7 @@ def main() -> None:
                    help="--inprocess: another policy, continuous batching with each round's arrivals for a lane "
                         "prefilled in one pass (group_prefills off), beside continuous (grouped by measured cost)")
     p.add_argument("--steps-per-round", type=int, default=None, metavar="N",
-                   help="--inprocess: another policy, continuous batching with a base batch's N steps a round while "
+                   help="--inprocess: another policy, continuous batching with a batch's N steps a round while "
                         "nothing waits (steps_per_round), beside continuous (one)")
     p.add_argument("--short-slowdown", type=float, default=None,
                    help="the continuous configuration's short_slowdown (the scheduler's measured-cost priority; "

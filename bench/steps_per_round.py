@@ -1,14 +1,17 @@
-"""Continuous batching's base decoding with several steps a round against one, side by side.
+"""Continuous batching's decoding with several steps a round against one, side by side.
 
     python bench/steps_per_round.py [--device cpu|cuda] [--rows 1 4 16] [--tokens 128] [--steps 4] [--rounds 3]
                                     [--size small|debug] [--threads 1] [--compile off|on|auto]
+                                    [--mode base|speculative] [--gamma 5]
 
-For each row count, that many base decoding requests (``--tokens`` new tokens each, temperature 0.8, top-k 32,
+For each row count, that many base decoding requests (``--mode speculative``: speculative, gamma ``--gamma``) (``--tokens`` new tokens each, temperature 0.8, top-k 32,
 each its own seed) start together on the continuous-batching scheduler (:class:`efftx.serving.continuous.Scheduler`,
 every row stepped every round, nothing queued once they joined), which decodes them to the end on this thread,
 once with ``steps_per_round=1`` and once with ``--steps``: the batch then runs that many steps per scheduling round,
-each fed the last one's tokens on the device, and the host reads the tokens and schedules once per round. Untrained
-``spec_target_{size}`` weights (the load, not the text, is measured). The two take turns, ``--rounds`` times after
+each fed the last one's tokens, and the host schedules once per round (base decoding: the steps run on the device
+back to back and the host reads their tokens once; speculative decoding reads each step's acceptance, and stops a
+round's steps after the one in which a row got its last token). Untrained ``spec_target_{size}`` weights (and
+``spec_draft_{size}``'s; the load, not the text, is measured). The two take turns, ``--rounds`` times after
 a warm-up round; each figure is the best of the rounds, on the wall clock (on CUDA every pass ends with a device
 synchronisation, as the scheduler times it). Printed per row count and setting: tokens/s, scheduling rounds,
 per token the time in the passes and the scheduler's own time besides them (:meth:`Scheduler.timing`'s
@@ -38,16 +41,18 @@ sys.path.insert(0, str(HERE))
 HOST_GOAL = 0.5  # the scheduler's own time per token with several steps a round, at most this share of one's
 
 
-def decode(target, rows: int, tokens: int, steps: int, compile: str = "off") -> dict:
-    """``rows`` requests decoded together to the end with ``steps_per_round=steps``: their tokens and timings."""
+def decode(target, rows: int, tokens: int, steps: int, compile: str = "off", draft=None, gamma: int | None = None
+           ) -> dict:
+    """``rows`` requests decoded together to the end with ``steps_per_round=steps`` (speculative with ``gamma``
+    over ``draft``; None: base): their tokens and timings."""
     import serve_load
 
     from efftx.serving.continuous import Job, Sampling, Scheduler
 
-    scheduler = Scheduler(target, None, max_rows=rows, short_tokens=0, prefill_rows=0, steps_per_round=steps,
+    scheduler = Scheduler(target, draft, max_rows=rows, short_tokens=0, prefill_rows=0, steps_per_round=steps,
                           compile=compile)
     jobs = [scheduler.submit(Job(list(serve_load.PROMPTS[i % len(serve_load.PROMPTS)].encode()), tokens,
-                                 Sampling(0.8, 32), seed=i)) for i in range(rows)]
+                                 Sampling(0.8, 32), seed=i, gamma=gamma)) for i in range(rows)]
     t0 = time.perf_counter()
     scheduler.drain()
     seconds = time.perf_counter() - t0
@@ -56,7 +61,8 @@ def decode(target, rows: int, tokens: int, steps: int, compile: str = "off") -> 
         raise RuntimeError(f"a request failed: {failed[0]}")
     timing = scheduler.timing()
     made = sum(len(j.out) for j in jobs)
-    return {"out": [j.out for j in jobs], "tokens_s": made / seconds, "rounds": timing["rounds"],
+    accepted = [n for j in jobs if j.stats is not None for n in j.stats.accepted]
+    return {"out": [j.out for j in jobs], "accepted": accepted, "tokens_s": made / seconds, "rounds": timing["rounds"],
             "host_us": timing["host_us"] * timing["rounds"] / made,
             "pass_us": timing["pass_us"] * timing["rounds"] / made, "host_round_us": timing["host_us"]}
 
@@ -71,17 +77,23 @@ def main() -> None:
     p.add_argument("--size", default="small", choices=["small", "debug"])
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--compile", default="off", choices=["off", "on", "auto"], help="the scheduler's compiled passes")
+    p.add_argument("--mode", default="base", choices=["base", "speculative"], help="the requests' decoding")
+    p.add_argument("--gamma", type=int, default=5, help="--mode speculative: drafts per step")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here")
     if min(args.rows) < 1 or args.tokens < 1 or args.steps < 2 or args.rounds < 1:
         p.error("--rows, --tokens and --rounds must be >= 1, --steps >= 2")
+    if args.gamma < 1:
+        p.error("--gamma must be >= 1")
     torch.set_num_threads(args.threads)
     import serve_load
 
     paths, note = serve_load.export_models(args.size)
-    target, _ = serve_load.load_models(paths, args.device, args.threads)
-    print(f"base decoding, {args.tokens} new tokens per request, steps per round 1 against {args.steps} "
+    target, draft = serve_load.load_models(paths, args.device, args.threads)
+    spec = args.mode == "speculative"
+    draft, gamma = (draft, args.gamma) if spec else (None, None)
+    print(f"{f'speculative decoding (gamma {gamma})' if spec else 'base decoding'}, {args.tokens} new tokens per request, steps per round 1 against {args.steps} "
           f"({note}; {args.device}, {args.threads} torch thread(s), compile {args.compile}; best of {args.rounds} "
           "rounds after a warm-up)")
     print(f"{'rows':>4}  {'steps/round':>11}  {'tokens/s':>9}  {'rounds':>6}  {'pass us/token':>13}  "
@@ -93,11 +105,11 @@ def main() -> None:
             first = None  # the tokens of the first run: every other run, either way, must give the same
             for rep in range(args.rounds + 1):  # the first round warms up
                 for steps in (1, args.steps):
-                    got = decode(target, rows, args.tokens, steps, args.compile)
-                    first = first if first is not None else got["out"]
-                    if got["out"] != first:
-                        raise SystemExit(f"{rows} rows: steps_per_round={steps} gave other tokens than "
-                                         "steps_per_round=1")
+                    got = decode(target, rows, args.tokens, steps, args.compile, draft, gamma)
+                    first = first if first is not None else (got["out"], got["accepted"])
+                    if (got["out"], got["accepted"]) != first:
+                        raise SystemExit(f"{rows} rows: steps_per_round={steps} gave other tokens (or acceptance) "
+                                         "than steps_per_round=1")
                     if rep and (steps not in best or got["tokens_s"] > best[steps]["tokens_s"]):
                         best[steps] = got
             for steps in (1, args.steps):
@@ -108,7 +120,7 @@ def main() -> None:
             host = many["host_us"] / one["host_us"] if one["host_us"] > 0 else float("inf")
             speed = many["tokens_s"] / one["tokens_s"]
             print(f"{rows:>4}  {args.steps} steps a round / 1: {speed:.3f}x the tokens/s, {host:.3f}x the host time "
-                  f"per token; the same tokens", flush=True)
+                  f"per token; the same tokens{' and acceptance' if spec else ''}", flush=True)
             goals.append((rows, host))
     print("\ngoals:")
     for rows, host in goals:

@@ -146,7 +146,7 @@ def test_a_speculative_step_reads_the_device_once_for_its_acceptance(compile, sa
         for _ in range(3):
             _, waits = since(audit, engine.step, "all")
             assert [w for w, _ in waits] == ["reads a device value (tolist)"], waits
-            assert waits[0][1].endswith("(compute)")  # after the verify pass: the acceptance
+            assert waits[0][1].endswith("(_step)")  # after the verify pass: the acceptance
     if same_draft:
         assert all(j.draft_tail is not None for j in running) and all(a == 3 for j in running
                                                                       for a in j.stats.accepted)
@@ -155,13 +155,22 @@ def test_a_speculative_step_reads_the_device_once_for_its_acceptance(compile, sa
 @pytest.mark.parametrize("compile", ["off", "on"])
 def test_a_schedulers_rounds_read_the_device_only_for_its_tokens_and_acceptance(compile, monkeypatch, one_thread):
     """Whole rounds (arrivals, prefills, several steps a round, rows leaving, base and speculative batches): each
-    base pass reads its tokens once, each speculative step its acceptance once, and nothing else reads or waits."""
+    base pass (a prefill, or a round's steps) reads its tokens once, each speculative step its acceptance once, and
+    nothing else reads or waits."""
     compiled_on_device(monkeypatch, compile)
+    computes = {"base": [], "speculative": []}  # the steps each compute ran
+    for engine in (BaseEngine, SpeculativeEngine):
+        def compute(self, state, real=engine.compute):
+            out = real(self, state)
+            computes[self.kind].append(state.steps)
+            return out
+
+        monkeypatch.setattr(engine, "compute", compute)
     target, draft = tiny(), tiny(depth=1, seed=1)
     plan = [(0, [1, 2, 3], 12, HOT, None), (0, [4, 5], 20, NUCLEUS, 3), (1, [7], 6, GREEDY, None),
             (3, [7, 8], 16, GREEDY, 2), (4, [9] * 9, 9, HOT, None)]
     with torch.no_grad(), DeviceWaits() as audit:
-        scheduler = Scheduler(target, draft, compile=compile, steps_per_round=2)
+        scheduler = Scheduler(target, draft, compile=compile, steps_per_round=2, short_tokens=0)  # all rows step
         r = 0
         while r < 5 or scheduler.running or scheduler._queue:
             for at, prompt, n, sampling, gamma in plan:
@@ -169,11 +178,12 @@ def test_a_schedulers_rounds_read_the_device_only_for_its_tokens_and_acceptance(
                     scheduler.submit(Job(prompt, n, sampling, seed=r, gamma=gamma))
             scheduler.run_once()
             r += 1
-    spec_prefills = sum(c.prefill_passes for name, c in scheduler.costs.items() if name != "base")
-    assert {(w, where.split(" ")[-1]) for w, where in audit.waits} == {
-        ("reads a device value (tolist)", "(commit)"), ("reads a device value (tolist)", "(compute)")}, audit.waits
-    assert len(audit.waits) == scheduler.pass_time.passes - spec_prefills  # one per pass; none in a spec prefill
-    assert scheduler.steps > scheduler.rounds  # several steps a round ran
+    where = [(w, at.split(" ")[-1]) for w, at in audit.waits]
+    read = "reads a device value (tolist)"
+    assert set(where) == {(read, "(commit)"), (read, "(_step)")}, audit.waits
+    assert where.count((read, "(commit)")) == scheduler.costs["base"].prefill_passes + len(computes["base"])
+    assert where.count((read, "(_step)")) == sum(computes["speculative"])  # a speculative prefill reads nothing
+    assert max(computes["base"]) == max(computes["speculative"]) == 2  # several steps a round ran, in both modes
 
 
 @pytest.mark.parametrize("compile", ["off", "on"])

@@ -294,7 +294,7 @@ def test_auto_decodes_eagerly_over_the_same_buffers_when_compiling_fails(models,
 def test_a_compiled_app_answers_as_the_library_decodes(ray_cluster, debug_exports):
     """``compile=on``: the replica compiles as it warms up, /models/info says so, and requests of both modes
     (plain, streamed and concurrent: passes of one to three rows, compiled up to ``compile_rows`` 1, the others
-    eager over the same slots; the default gamma; base rows up to four steps a round, ``steps_per_round=4``) get the
+    eager over the same slots; the default gamma; up to four steps a round, ``steps_per_round=4``) get the
     library's eager tokens and acceptance. One compiled row
     keeps the replica's graphs few (each takes seconds to compile on a CPU); the tests above run buckets of more
     rows in-process."""
@@ -321,7 +321,7 @@ def test_a_compiled_app_answers_as_the_library_decodes(ray_cluster, debug_export
         # base, speculative (gamma 5) and adaptive speculative (cap: the limits' max_gamma): a row each with a
         # prompt of up to 16 tokens and one with 32 (the compiled prefills' shapes)
         assert (info["compile"], info["compile_rows"], info["warm_up_rows"]) == ("on", 1, 3 * 2 * 1)
-        assert info["steps_per_round"] == 4  # base rows take up to four steps a round while nothing waits
+        assert info["steps_per_round"] == 4  # rows take up to four steps a round while nothing waits
         target, draft = load_export(debug_exports["target"])[0], load_export(debug_exports["draft"])[0]
         bodies = [{"prompt": p, "max_new_tokens": 12, "temperature": 1.0, "top_k": 20, "seed": i, "mode": "both"}
                   for i, p in enumerate(["x = ", "def f(", "import os"])]  # gamma 5, as the warm-up: no new graph
@@ -354,15 +354,16 @@ def test_a_compiled_app_answers_as_the_library_decodes(ray_cluster, debug_export
 
 def test_several_steps_a_round_run_compiled_and_give_every_request_its_solo_output(models, passes, monkeypatch):
     """``steps_per_round=4`` with compiled passes: a base batch's steps back to back through the compiled graphs
-    (each step's tokens fed to the next on the device), with speculative rows beside it stepping once a round;
-    every request gets its solo output."""
+    (each step's tokens fed to the next on the device), and speculative batches' steps (each fed the one before's
+    pending tokens and kept drafts) beside it; every request gets its solo output."""
     target, draft = models
     scheduler = Scheduler(target, draft, max_rows=8, short_tokens=0, compile="on", compile_rows=4, steps_per_round=4)
     seen = record_base_steps(monkeypatch)
+    seen_spec = record_base_steps(monkeypatch, engine=batches.SpeculativeEngine)
     jobs = run_rounds(scheduler, MIXED)
     monkeypatch.undo()
     assert_alone(target, draft, jobs)
-    assert max(steps for steps, _, _ in seen) == 4 and passes["compiled"]
+    assert max(steps for steps, _, _ in seen) == max(steps for steps, _, _ in seen_spec) == 4 and passes["compiled"]
 
 
 def test_chunked_prefills_join_compiled_slots_with_their_eager_tokens(models):

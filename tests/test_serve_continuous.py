@@ -203,18 +203,56 @@ def test_a_chunked_prefill_checks_the_request_first_and_a_failing_chunk_fails_on
         assert job.out == solo_job.out
 
 
-def record_base_steps(monkeypatch, scheduler=None) -> list[tuple[int, int, list[int]]]:
-    """Every base compute's (steps, queued requests, the rows' tokens left), as it starts."""
+def record_base_steps(monkeypatch, scheduler=None, engine=batches.BaseEngine) -> list[tuple[int, int, list[int]]]:
+    """Every base (or ``engine``) compute's (steps, queued requests, the rows' tokens left), as it starts."""
     seen: list[tuple[int, int, list[int]]] = []
-    real = batches.BaseEngine.compute
+    real = engine.compute
 
     def compute(self, state):
         queued = len(scheduler._queue) if scheduler is not None else 0
         seen.append((state.steps, queued, [j.max_new - len(j.out) for j in state.jobs]))
         return real(self, state)
 
-    monkeypatch.setattr(batches.BaseEngine, "compute", compute)
+    monkeypatch.setattr(engine, "compute", compute)
     return seen
+
+
+SPECULATIVE = [  # speculative rows only, fixed and adaptive gammas, arriving at different rounds
+    (0, [5, 6, 7], 30, HOT, 1, 3),
+    (0, [9] * 12, 26, GREEDY, 2, 3),
+    (1, [1, 2], 21, NUCLEUS, 3, 3),
+    (2, [42], 17, HOT, 4, 2, 4),
+    (2, [3, 1, 4, 1, 5], 25, HOT, 5, 2, 4),
+    (6, [8, 8], 9, GREEDY, 6, 3),
+]
+
+
+@pytest.mark.parametrize("kind", ["full", "performer", "sinkhorn", "nsa", "full-self"])
+def test_speculative_rows_taking_several_steps_a_round_get_their_solo_output(pairs, kind, monkeypatch):
+    """``steps_per_round=4`` for speculative batches: up to four steps in one compute, each reading its acceptance
+    and feeding the next its pending tokens, drafts per row (adaptive gammas) and kept drafts; the compute stops
+    after the step in which a row got its last token. Every request gets its solo tokens, acceptance and passes.
+    ``full-self``: the target drafts for itself, so every row keeps every draft and feeds it in the next step."""
+    target, draft = pair(pairs, kind.removesuffix("-self"))
+    if kind.endswith("-self"):
+        draft = target
+    scheduler = Scheduler(target, draft, max_rows=8, short_tokens=0, steps_per_round=4)
+    ran: list[tuple[int, int]] = []  # each speculative compute's steps: planned, run
+    real = batches.SpeculativeEngine.compute
+
+    def compute(self, state):
+        planned = state.steps
+        out = real(self, state)
+        ran.append((planned, state.steps))
+        return out
+
+    monkeypatch.setattr(batches.SpeculativeEngine, "compute", compute)
+    jobs = run_rounds(scheduler, SPECULATIVE)
+    monkeypatch.undo()
+    assert_alone(target, draft, jobs)
+    assert max(r for _, r in ran) == 4  # several steps at once really ran
+    assert any(r < p for p, r in ran)  # ... and stopped early where a row got its last token
+    assert scheduler.steps == sum(r for _, r in ran) > scheduler.rounds
 
 
 @pytest.mark.parametrize("kind", ["full", "performer", "sinkhorn", "nsa"])
@@ -316,6 +354,55 @@ def test_a_fault_inside_several_steps_rewinds_all_of_them(pairs, monkeypatch):
     assert len(culprit[0].out) == 5  # its prefill's token and the four steps of its first compute
     assert max(steps for steps, _, _ in seen) == 4
     assert_alone(target, draft, [j for j in jobs if j is not culprit[0]])
+
+
+@pytest.mark.parametrize("drafter", ["draft", "target"])
+def test_an_arrival_or_a_fault_inside_a_speculative_batchs_several_steps(pairs, drafter, monkeypatch):
+    """Speculative batches with ``steps_per_round=4``: a request submitted as the second compute starts stops it
+    after its first step (the arrival joins next round, and shares steps with the others); a fault at the second
+    step of the third compute, after the first step wrote the caches and drew from every stream, rewinds the
+    caches and streams to before the first, the rows run alone (each its steps), only the culprit fails, and every
+    other request keeps its solo tokens and acceptance. With the target as its own draft every step keeps every
+    draft: the rerun starts from each row's kept draft as it was before the failed compute."""
+    target, draft = pair(pairs, "full")
+    draft = target if drafter == "target" else draft
+    late = Job([7, 8], 12, HOT, 5, gamma=3, tag=(0, [7, 8], 12, HOT, 5, 3))
+    ran: list[tuple[int, int]] = []  # each compute's steps: planned, run
+    real_compute, real_noise = batches.SpeculativeEngine.compute, batches.step_noise
+    culprit: list[Job] = []
+
+    def compute(self, state):
+        planned = state.steps
+        if len(ran) == 1:
+            scheduler.submit(late)  # arrives as the second compute starts
+        out = real_compute(self, state)
+        ran.append((planned, state.steps))
+        return out
+
+    def faulty_noise(gens, own, *args):
+        # one draw per row and step: the culprit's seventh is the second step of the third compute (4 + 1 + 1
+        # steps before it), in the batch and again alone
+        if culprit and culprit[0].generator in gens and culprit[0].generator.get_state() == 6:
+            raise RuntimeError("late fault inside several speculative steps")
+        return real_noise(gens, own, *args)
+
+    def make(p):
+        job = Job(p[1], p[2], p[3], p[4], p[5], tag=p)
+        if p[4] == 9:
+            culprit.append(job)
+        return job
+
+    monkeypatch.setattr(batches.SpeculativeEngine, "compute", compute)
+    monkeypatch.setattr(batches, "step_noise", faulty_noise)
+    scheduler = Scheduler(target, draft, max_rows=8, short_tokens=0, prefill_rows=0, steps_per_round=4)
+    valid = [(0, [5, 6, 7], 40, HOT, 1, 3), (0, [9] * 4, 36, NUCLEUS, 2, 3), (0, [4], 38, GREEDY, 3, 3)]
+    jobs = run_rounds(scheduler, [*valid, (0, [6, 6, 6], 40, HOT, 9, 3)], make)
+    monkeypatch.undo()
+    assert ran[0] == (4, 4) and ran[1] == (4, 1)  # the arrival stopped the second compute after one step
+    assert late.done and late.batch_size == 5  # it shared steps with all four
+    assert culprit[0].failure.status == 500 and "late fault" in str(culprit[0].error)
+    assert len(culprit[0].stats.accepted) == 5  # its steps of the computes before: four, one (it failed in the third)
+    assert_alone(target, draft, [*(j for j in jobs if j is not culprit[0]), late])
 
 
 def test_a_draft_equal_to_the_target_keeps_every_draft_and_feeds_the_last_in_the_next_first_pass():

@@ -1,5 +1,5 @@
-"""bench/steps_per_round.py: continuous batching's base decoding with several steps a round against one, side by
-side, the same tokens both ways (run as a command, as a user runs it)."""
+"""bench/steps_per_round.py: continuous batching's decoding (base, speculative) with several steps a round against
+one, side by side, the same tokens (and acceptance) both ways (run as a command, as a user runs it)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,20 @@ def test_the_bench_compares_both_settings_and_marks_its_goal():
                          rf"at most 0.5x one step's: {host}x$", run.stdout, re.M), run.stdout
 
 
+def test_speculative_batches_take_several_steps_a_round_with_the_same_tokens_and_acceptance():
+    run = bench("--size", "debug", "--rows", "2", "--tokens", "24", "--rounds", "1", "--mode", "speculative",
+                "--gamma", "3")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("speculative decoding (gamma 3), 24 new tokens per request")
+    rows = re.findall(r"^\s+2\s+(\d+)\s+\d+\s+(\d+)\s+[\d.]+\s+[\d.]+\s+[\d.]+$", run.stdout, re.M)
+    (one, k1), (four, k4) = [(int(s), int(r)) for s, r in rows]
+    assert (one, four) == (1, 4) and 0 < k4 < k1  # fewer scheduling rounds for the same steps
+    assert re.search(r"^\s+2\s+4 steps a round / 1: [\d.]+x the tokens/s, [\d.]+x the host time per token; the "
+                     r"same tokens and acceptance$", run.stdout, re.M), run.stdout
+
+
 def test_the_bench_refuses_bad_arguments():
     assert_refuses("steps_per_round.py", [(["--steps", "1"], "--steps >= 2"),
                                           (["--rows", "0"], "--rows, --tokens and --rounds must be >= 1"),
-                                          (["--device", "tpu"], "invalid choice")])
+                                          (["--device", "tpu"], "invalid choice"),
+                                          (["--mode", "speculative", "--gamma", "0"], "--gamma must be >= 1")])

@@ -99,10 +99,11 @@ class TextAppArgs(BaseModel):
         "prefill times say cost least, prompts of like length together (default true); false: in one pass, every "
         "prompt padded to the longest. A request's output is the same either way."))
     steps_per_round: int | None = Field(None, gt=0, description=(
-        "continuous: while nothing waits to join and every row steps, the base decoding batch runs up to this many "
-        "decoding steps back to back (never past a row's last token), each fed the last one's tokens on the device: "
-        "the host reads them, and schedules, once per round (default 1). A request's output is the same; an "
-        "arrival ends the round's steps after the one running, and joins in the next round."))
+        "continuous: while nothing waits to join and every row steps, a batch runs up to this many decoding steps "
+        "in one scheduling round (never past a row's last token), each fed the last one's tokens: the host "
+        "schedules once per round, and reads base decoding's tokens once per round (speculative decoding reads "
+        "each step's acceptance) (default 1). A request's output is the same; an arrival ends the round's steps "
+        "after the one running, and joins in the next round."))
     warm_up_rows: int | None = Field(None, ge=0, description=(
         "continuous: at start, each replica decodes throwaway batches of this many requests, half as many, ..., 1 "
         "(default 16, at most max_batch_size; 0: none), so that its first burst of real requests does not pay a "

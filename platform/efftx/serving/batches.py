@@ -440,14 +440,14 @@ class _Engine:
         self._leave()
 
     def steps_for(self, jobs: Sequence[Job], wanted: int) -> int:
-        """How many decoding steps (at most ``wanted``) a :meth:`step` of ``jobs``' rows may run at once: 1 here
-        (speculative decoding reads every step's acceptance); see :meth:`BaseEngine.steps_for`."""
+        """How many decoding steps (at most ``wanted``) a :meth:`step` of ``jobs``' rows may run at once: 1 here;
+        see :meth:`BaseEngine.steps_for` and :meth:`SpeculativeEngine.steps_for`."""
         return 1
 
     def step(self, lane: str = "fast", steps: int = 1) -> int:
         """One decoding step of every row of ``lane`` (``fast``, ``slow`` or ``all``) in one batched pass, or
-        ``steps`` steps back to back (at most :meth:`steps_for` the lane's rows: the tokens are read once, after
-        the last); finished rows leave. -> the most steps a row ran (fewer than ``steps`` where :attr:`interrupt`
+        ``steps`` steps back to back (at most :meth:`steps_for` the lane's rows; base decoding reads the tokens once,
+        after the last); finished rows leave. -> the most steps a row ran (fewer than ``steps`` where :attr:`interrupt`
         stopped them)."""
         self.drop_cancelled()
         a, b = self._bounds(lane)
@@ -713,16 +713,48 @@ class SpeculativeEngine(_Engine):
         lasts = [j.prompt[-1] for j in jobs]
         return _State([t, d], host_values(lasts, torch.long, device), list(jobs), lasts=lasts), None
 
+    def steps_for(self, jobs, wanted):
+        """``wanted``: every step reads its acceptance, so :meth:`compute` stops after the step in which a row got its
+        last token (a row never steps past it)."""
+        return max(1, wanted)
+
     def compute(self, state):
+        """``state.steps`` speculative steps (fewer where a row got its last token, or :attr:`interrupt` said so,
+        after one), each fed the one before's tokens, drafts per row and kept drafts, as :meth:`commit` would leave
+        them: the jobs are left alone until the commit (a failing step is rerun from the first). -> the steps'
+        results, in order."""
         self._hook(state.jobs)
+        jobs = state.jobs
+        dist_of = distributions([j.sampling for j in jobs], state.last.device)  # every pass: settings sent once
+        pending, lasts = state.last, state.host_lasts()
+        own, tails = [j.draft_gamma for j in jobs], [j.draft_tail for j in jobs]
+        left = [j.max_new - len(j.out) for j in jobs]
+        results = []
+        for i in range(state.steps):
+            if i and self.interrupt is not None and self.interrupt():
+                break
+            if i:  # the next step's rows as the commit of this one will leave them
+                lasts = [e[-1] for e in results[-1][0]]
+                pending = host_values(lasts, torch.long, pending.device)
+                tails = results[-1][3]
+                if self.max_gamma is not None:
+                    own = [next_gamma(g, g, n, self.max_gamma) for g, n in zip(own, results[-1][1])]
+            results.append(self._step(state, pending, lasts, own, tails, left, dist_of))
+            left = [n - len(e) for n, e in zip(left, results[-1][0])]
+            if min(left) <= 0:  # a row has its tokens: it leaves before another step
+                break
+        state.steps = len(results)  # those that ran
+        return results
+
+    def _step(self, state, pending, lasts, own, tails, left, dist_of):
+        """One speculative step of ``state``'s rows: ``pending`` tokens (``lasts`` on the host), drafts per row
+        ``own``, kept drafts not fed yet ``tails``, tokens ``left`` -> (emitted, accepted, kept, next tails, own)."""
         t_rows, d_rows = state.rows
         jobs = state.jobs
-        samplings, gens = [j.sampling for j in jobs], [j.generator for j in jobs]
-        dist_of = distributions(samplings, state.last.device)  # every pass of the step: settings sent once
-        pending, device, vocab = state.last, state.last.device, self.target.vocab_size
+        gens = [j.generator for j in jobs]
+        device, vocab = pending.device, self.target.vocab_size
         # each row drafts its own number of tokens (all alike but with an adaptive gamma); the step drafts as many
         # as its longest-drafting row, and a row verifies only its own (its extra drafts are never looked at)
-        own = [j.draft_gamma for j in jobs]
         gamma = max(own)
         # every random number of the step first, each row's one draw as it makes it alone
         # (speculative.iter_speculative_rows): the races of its own drafts and of its last token, its uniforms
@@ -730,9 +762,8 @@ class SpeculativeEngine(_Engine):
         # A row that kept every draft of its previous step has not fed the last one to the draft model (its "tail"):
         # the first draft pass feeds [tail, pending] to such rows and [pending, padding] to the others (their
         # logits at pending, the padding rewound): one pass instead of a separate pass for the tails.
-        tails = [j.draft_tail for j in jobs]
         if any(t is not None for t in tails):
-            first = host_values([[pad, p] if pad is not None else [p, 0] for pad, p in zip(tails, state.host_lasts())],
+            first = host_values([[pad, p] if pad is not None else [p, 0] for pad, p in zip(tails, lasts)],
                                 torch.long, device)
             at = host_values([int(t is not None) for t in tails], torch.long, device)
             logits = d_rows.forward(first)[torch.arange(len(jobs), device=device), at]
@@ -758,8 +789,8 @@ class SpeculativeEngine(_Engine):
         # every row's acceptance and last token at once; the host reads one (B, gamma + 2) tensor
         packed = accept_sampled(p, q, drafted, u, last_noise, host_values(own, torch.long, device)).tolist()
         emitted, accepted, keep, tails = [], [], [], []
-        for job, g, (n_r, last_r, *drafts) in zip(jobs, own, packed):
-            out = (drafts[:n_r] + [last_r])[: job.max_new - len(job.out)]
+        for g, room, (n_r, last_r, *drafts) in zip(own, left, packed):
+            out = (drafts[:n_r] + [last_r])[:room]
             emitted.append(out)
             accepted.append(n_r)
             keep.append(kept_tokens(n_r, len(out), g))  # tokens the caches keep after pending
@@ -770,25 +801,26 @@ class SpeculativeEngine(_Engine):
         return emitted, accepted, keep, tails, own
 
     def commit(self, state, result, batch):
+        """``result``: None from a prefill, else the steps' results from :meth:`compute`, applied in order."""
         if result is None:  # the prefill: counted as a pass of each model when there was a prompt prefix
             for job in state.jobs:
                 if len(job.prompt) > 1:
                     job.stats.target_calls += 1
                     job.stats.draft_calls += 1
             return [False] * len(state.jobs)
-        emitted, accepted, keep, tails, own = result
-        finished = []
-        for job, out, n, k, tail, g in zip(state.jobs, emitted, accepted, keep, tails, own):
-            job.draft_tail = tail
-            st = job.stats
-            st.steps += 1
-            st.accepted.append(n)
-            st.drafted.append(g)
-            st.target_calls += 1
-            st.draft_calls += g  # as alone: its draft passes a step (a tail rides on the next step's first)
-            if self.max_gamma is not None:
-                job.draft_gamma = next_gamma(g, g, n, self.max_gamma)
-            finished.append(job._push(out, n, batch))
-        state.lasts = [e[-1] if e else t for e, t in zip(emitted, state.host_lasts())]
+        finished = [False] * len(state.jobs)
+        for emitted, accepted, keep, tails, own in result:
+            for r, (job, out, n, tail, g) in enumerate(zip(state.jobs, emitted, accepted, tails, own)):
+                job.draft_tail = tail
+                st = job.stats
+                st.steps += 1
+                st.accepted.append(n)
+                st.drafted.append(g)
+                st.target_calls += 1
+                st.draft_calls += g  # as alone: its draft passes a step (a tail rides on the next step's first)
+                if self.max_gamma is not None:
+                    job.draft_gamma = next_gamma(g, g, n, self.max_gamma)
+                finished[r] = job._push(out, n, batch)
+            state.lasts = [e[-1] if e else t for e, t in zip(emitted, state.host_lasts())]
         state.last = host_values(state.lasts, torch.long, state.last.device)
         return finished

@@ -44,14 +44,14 @@ loop) that repeats rounds: admit the requests that may start, then run one decod
 * **Streams** are rows like any other: their ``on_step`` callback receives each step's tokens as they are
   produced.
 * **Several steps a round** (``steps_per_round``, default 1): while no request waits in the queue and every row
-  steps, the base decoding batch runs up to that many steps in one pass of the scheduler, each step fed the last
-  one's tokens where they already are (on a GPU the device runs the steps back to back; the host reads the tokens,
-  and does its scheduling, once for all of them). No row computes past its own last token
-  (:meth:`~efftx.serving.batches.BaseEngine.steps_for`), so its tokens, its stream's draws and its cache are those
-  of steps one at a time. An arrival ends the round's steps after the one running (the host checks the queue
-  before it starts each step: on a GPU, where the host runs ahead of the device, the steps it already queued still
-  run), and joins in the next round; speculative batches take one step a round (each step's acceptance is read
-  before the next).
+  steps, a batch runs up to that many steps in one pass of the scheduler, each step fed the last one's tokens where
+  they already are (base decoding: on a GPU the device runs the steps back to back, and the host reads the tokens
+  once for all of them) and the host does its scheduling once for all of them. No row computes past its own last
+  token (:meth:`~efftx.serving.batches.BaseEngine.steps_for`; a speculative batch, whose every step reads its
+  acceptance, stops after the step in which a row got its last token), so its tokens, its stream's draws, its
+  acceptance and its cache are those of steps one at a time. An arrival ends the round's steps after the one
+  running (the host checks the queue before it starts each step: on a GPU, where the host runs ahead of the device,
+  the base steps it already queued still run), and joins in the next round.
 * **Caches.** A running batch keeps its rows in preallocated slots of each model's cache
   (:class:`~efftx.generation.decode.Slots`), the fast lane's rows first: a step runs a lane, or all rows when both
   lanes step in the same round, as one batched forward pass over a range of the slots, written in place; a row
@@ -378,7 +378,7 @@ class Scheduler:
       (``bench/serve_load.py --inprocess --long-prompts 120 --prefill-chunk 32``): the priority already defers long
       arrivals' prefills, and small chunks prefill less efficiently. It is meant for contexts whose prefills cost
       far more than a step (thousands of tokens on a GPU).
-    * ``steps_per_round`` (default 1): a base batch's steps per round while the queue is empty and every row steps
+    * ``steps_per_round`` (default 1): a batch's steps per round while the queue is empty and every row steps
       (see *Several steps a round* in the module docstring). The measured step costs stay per step.
     * ``group_prefills`` (default True): a round's arrivals for one lane are prefilled in the passes the measured
       costs say cost least, rather than always in one. A pass runs its prompts right-padded to the longest, so a
@@ -507,6 +507,7 @@ class Scheduler:
             self.spec[key] = SpeculativeEngine(self.target, self.draft, job.gamma, self.hook, job.max_gamma,
                                                self.compile, self.compile_rows, self.budget, self.fit_positions,
                                                self.pass_time)
+            self.spec[key].interrupt = self._arrived  # as the base batch's
         return self.spec[key]
 
     def _engines(self) -> list[_Engine]:

@@ -33,7 +33,7 @@ Endpoints (FastAPI; OpenAPI docs at /docs and /openapi.json):
   how long the first request of an idle replica waits for others to start with it. Short requests get priority
   (``short_tokens``, ``fast_rows``, ``long_every``, ``prefill_rows``, ``short_slowdown``: the scheduler's knobs;
   ``prefill_chunk`` prefills long prompts a chunk a round; ``group_prefills`` prefills a round's arrivals in the
-  passes their measured costs say cost least; ``steps_per_round`` runs several base decoding steps a round while
+  passes their measured costs say cost least; ``steps_per_round`` runs several decoding steps a round while
   nothing waits). A replica warms up before it takes requests: throwaway batches of ``warm_up_rows`` (default 16), half
   as many, ..., 1 requests
   (:func:`efftx.serving.continuous.warm_up`), so its first burst does not pay a fresh model's one-time costs.
