@@ -126,6 +126,20 @@ def run(rps: float, p99: float, errors: int = 0) -> dict:
             "ttft_p50": 1.0, "ttft_p99": 2.0}
 
 
+def test_speculative_batches_take_several_steps_a_round_under_the_load(tmp_path):
+    """``--steps-per-round 4`` in speculative mode: the ``multi-step`` policy beside ``continuous``, compared."""
+    out = tmp_path / "figures.json"
+    proc = bench("--inprocess", "--size", "debug", "--modes", "speculative", "--requests", "6", "--clients", "2",
+                 "--max-new", "24", "--unloaded", "1", "--steps-per-round", "4", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    multi, one = json.loads(out.read_text())["multi-step/speculative"][0], \
+        json.loads(out.read_text())["continuous/speculative"][0]
+    assert multi["knobs"]["steps_per_round"] == 4 and multi["errors"] == 0 and multi["ok"] == 6
+    assert multi["timing"]["rounds"] < one["timing"]["rounds"]  # the same work in fewer scheduling rounds
+    assert re.search(r"^\s+\[info\] speculative: 4 steps a round while nothing waits: requests/s [\d.]+x one step's; ",
+                     proc.stdout, re.M), proc.stdout
+
+
 @pytest.mark.parametrize("rps, p99, errors, marks", [
     (3.0, 2.0, 0, ["met", "met", "met"]),
     (2.99, 2.01, 0, ["NOT met", "NOT met", "met"]),
