@@ -48,7 +48,8 @@ Sections (each row: pass / FAIL / skip with the reason, and its figures):
   ``OUT/serveload-fixed-lanes.log``); and ``bench/row_sampling.py --device cuda --steps`` (sampling's per-row noise
   and distributions, one call for every row against one per row or setting, ``OUT/rowsampling.log``); and last
   ``bench/steps_per_round.py --device cuda`` (base decoding with 4 steps a round against 1, eager and compiled:
-  ``OUT/stepsperround.log``, ``OUT/stepsperround-compiled.log``).
+  ``OUT/stepsperround.log``, ``OUT/stepsperround-compiled.log``; speculative decoding eager,
+  ``OUT/stepsperround-speculative.log``).
 * ``decodeattn``: ``bench/decode_attention.py --device cuda``: compiled decode steps (CUDA graphs) with the Triton
   decode attention kernel against attention over the whole capacity, rows of 128 and 1024 keys in a 2048-slot
   cache, batch 1 and 16, 1 and 6 tokens per row; eager passes over a KVCache with the kernel against SDPA; the
@@ -479,9 +480,13 @@ def check_serveload(args, out: Path) -> list[Row]:
     rows += bench_section("serveload", "bench/steps_per_round.py --device cuda",
                           ["bench/steps_per_round.py", "--device", "cuda", "--rows", "1", "16", "64"], args, out,
                           log="stepsperround")
-    return rows + bench_section("serveload", "bench/steps_per_round.py --device cuda --compile on",
-                                ["bench/steps_per_round.py", "--device", "cuda", "--rows", "1", "16", "--compile",
-                                 "on"], args, out, log="stepsperround-compiled")
+    rows += bench_section("serveload", "bench/steps_per_round.py --device cuda --compile on",
+                          ["bench/steps_per_round.py", "--device", "cuda", "--rows", "1", "16", "--compile", "on"],
+                          args, out, log="stepsperround-compiled")
+    # speculative batches' several steps a round (each step still reads its acceptance), eager
+    return rows + bench_section("serveload", "bench/steps_per_round.py --device cuda --mode speculative",
+                                ["bench/steps_per_round.py", "--device", "cuda", "--rows", "1", "16", "--mode",
+                                 "speculative"], args, out, log="stepsperround-speculative")
 
 
 # ------------------------------------------------------------------------------------------------ serve

@@ -149,7 +149,7 @@ def test_bench_sections_pass_through_what_ran_and_fail_what_crashed_or_hung(tmp_
 def test_the_serveload_section_runs_the_inprocess_load_on_cuda(monkeypatch, tmp_path):
     """``--only serveload`` needs torch alone (no Ray): on CUDA it runs bench/serve_load.py's in-process load on the
     device, two rounds (one with --quick), then with compiled passes, sampling's per-row bench, the fixed priority
-    lanes and several steps a round against one (eager and compiled; their own logs); without CUDA it is skipped,
+    lanes and several steps a round against one (base eager and compiled, speculative eager; their own logs); without CUDA it is skipped,
     saying so."""
     ran = []
     monkeypatch.setattr(gpu_check, "bench_section", lambda section, name, cmd, args, out, log=None: ran.append(
@@ -165,7 +165,9 @@ def test_the_serveload_section_runs_the_inprocess_load_on_cuda(monkeypatch, tmp_
     sampling = (["bench/row_sampling.py", "--device", "cuda", "--steps"], "rowsampling")
     steps = [(["bench/steps_per_round.py", "--device", "cuda", "--rows", "1", "16", "64"], "stepsperround"),
              (["bench/steps_per_round.py", "--device", "cuda", "--rows", "1", "16", "--compile", "on"],
-              "stepsperround-compiled")]
+              "stepsperround-compiled"),
+             (["bench/steps_per_round.py", "--device", "cuda", "--rows", "1", "16", "--mode", "speculative"],
+              "stepsperround-speculative")]
     assert ran == [(["bench/serve_load.py", "--inprocess", "--device", "cuda", "--rounds", "2"], None), compiled,
                    sampling, fixed, *steps,
                    (["bench/serve_load.py", "--inprocess", "--device", "cuda", "--rounds", "1", "--quick"], None),
