@@ -217,6 +217,23 @@ def record_base_steps(monkeypatch, scheduler=None, engine=batches.BaseEngine) ->
     return seen
 
 
+def record_computes(monkeypatch, engine, arrive=None) -> list[tuple[int, int]]:
+    """Every ``engine`` compute's steps: (planned, run); ``arrive()`` is called as the second compute starts."""
+    ran: list[tuple[int, int]] = []
+    real = engine.compute
+
+    def compute(self, state):
+        planned = state.steps
+        if arrive is not None and len(ran) == 1:
+            arrive()
+        out = real(self, state)
+        ran.append((planned, state.steps))
+        return out
+
+    monkeypatch.setattr(engine, "compute", compute)
+    return ran
+
+
 SPECULATIVE = [  # speculative rows only, fixed and adaptive gammas, arriving at different rounds
     (0, [5, 6, 7], 30, HOT, 1, 3),
     (0, [9] * 12, 26, GREEDY, 2, 3),
@@ -237,16 +254,7 @@ def test_speculative_rows_taking_several_steps_a_round_get_their_solo_output(pai
     if kind.endswith("-self"):
         draft = target
     scheduler = Scheduler(target, draft, max_rows=8, short_tokens=0, steps_per_round=4)
-    ran: list[tuple[int, int]] = []  # each speculative compute's steps: planned, run
-    real = batches.SpeculativeEngine.compute
-
-    def compute(self, state):
-        planned = state.steps
-        out = real(self, state)
-        ran.append((planned, state.steps))
-        return out
-
-    monkeypatch.setattr(batches.SpeculativeEngine, "compute", compute)
+    ran = record_computes(monkeypatch, batches.SpeculativeEngine)
     jobs = run_rounds(scheduler, SPECULATIVE)
     monkeypatch.undo()
     assert_alone(target, draft, jobs)
@@ -300,18 +308,7 @@ def test_an_arrival_ends_a_rounds_several_steps_after_the_one_running(pairs, mon
     scheduler counts the steps that ran."""
     target, draft = pair(pairs, "full")
     late = Job([7, 8], 6, HOT, 5, tag=(0, [7, 8], 6, HOT, 5, None))
-    ran: list[tuple[int, int]] = []  # each base compute's steps: planned, run
-    real = batches.BaseEngine.compute
-
-    def compute(self, state):
-        planned = state.steps
-        if len(ran) == 1:
-            scheduler.submit(late)  # arrives as the second compute starts
-        out = real(self, state)
-        ran.append((planned, state.steps))
-        return out
-
-    monkeypatch.setattr(batches.BaseEngine, "compute", compute)
+    ran = record_computes(monkeypatch, batches.BaseEngine, lambda: scheduler.submit(late))  # each compute's steps
     scheduler = Scheduler(target, draft, max_rows=8, short_tokens=0, steps_per_round=4)
     plan = [(0, [5, 6, 7], 20, HOT, 1, None), (0, [9] * 4, 18, NUCLEUS, 2, None)]
     jobs = run_rounds(scheduler, plan)
@@ -367,17 +364,9 @@ def test_an_arrival_or_a_fault_inside_a_speculative_batchs_several_steps(pairs, 
     target, draft = pair(pairs, "full")
     draft = target if drafter == "target" else draft
     late = Job([7, 8], 12, HOT, 5, gamma=3, tag=(0, [7, 8], 12, HOT, 5, 3))
-    ran: list[tuple[int, int]] = []  # each compute's steps: planned, run
-    real_compute, real_noise = batches.SpeculativeEngine.compute, batches.step_noise
+    ran = record_computes(monkeypatch, batches.SpeculativeEngine, lambda: scheduler.submit(late))
+    real_noise = batches.step_noise
     culprit: list[Job] = []
-
-    def compute(self, state):
-        planned = state.steps
-        if len(ran) == 1:
-            scheduler.submit(late)  # arrives as the second compute starts
-        out = real_compute(self, state)
-        ran.append((planned, state.steps))
-        return out
 
     def faulty_noise(gens, own, *args):
         # one draw per row and step: the culprit's seventh is the second step of the third compute (4 + 1 + 1
@@ -392,7 +381,6 @@ def test_an_arrival_or_a_fault_inside_a_speculative_batchs_several_steps(pairs, 
             culprit.append(job)
         return job
 
-    monkeypatch.setattr(batches.SpeculativeEngine, "compute", compute)
     monkeypatch.setattr(batches, "step_noise", faulty_noise)
     scheduler = Scheduler(target, draft, max_rows=8, short_tokens=0, prefill_rows=0, steps_per_round=4)
     valid = [(0, [5, 6, 7], 40, HOT, 1, 3), (0, [9] * 4, 36, NUCLEUS, 2, 3), (0, [4], 38, GREEDY, 3, 3)]
