@@ -417,6 +417,32 @@ def test_a_draft_equal_to_the_target_keeps_every_draft_and_feeds_the_last_in_the
         assert all(n == 3 for n in job.stats.accepted[:-1]), job.stats.accepted
 
 
+def test_a_dense_models_slot_ranges_are_kept_for_the_next_pass_with_their_lengths_taken_again():
+    """A range of a dense model's slots is built once (its views of the slots' tensors) and kept while the slots
+    keep their cache; each later pass takes the rows' lengths again (steps, swaps, rows leaving moved them). Slots
+    given a new cache (grown), and models with other caches, build their ranges anew."""
+    model = lm(0)
+    with torch.no_grad():
+        slots = decode.Slots(model, model.max_seq_len, rows=2)
+        prefilled = Rows(model, 2, model.max_seq_len)
+        prefilled.prefill([[1, 2, 3], [4, 5]])
+        slots.put(prefilled, 0, 0)
+        slots.put(prefilled, 1, 1)
+        first = slots.rows(0, 2)
+        first.forward(torch.tensor([[7], [8]]))
+        again = slots.rows(0, 2)
+        assert again is first and again.caches[0].layers[0].lengths == [4, 3] == slots.lengths()[:2]
+        slots.swap(0, 1)
+        assert slots.rows(0, 2) is first and first.caches[0].layers[-1].lengths == [3, 4]
+        assert slots.rows(1, 2) is not first and slots.rows(1, 2).caches[0].layers[0].lengths == [4]
+        slots.reserve(8)  # a new cache of 8 slots: the kept range's views are of the old one
+        grown = slots.rows(0, 2)
+        assert grown is not first and grown.caches[0].layers[0].k.data_ptr() != first.caches[0].layers[0].k.data_ptr()
+        other = decode.Slots(pair({}, "performer")[0], 64, rows=2)
+        other.put(Rows(other.model, 1, 64), 0, 0)
+        assert other.rows(0, 1) is not other.rows(0, 1)  # not only key/value caches: built every time
+
+
 def test_rows_leave_at_once_and_stream_their_tokens():
     target, draft = lm(0), lm(1, 1)
     # no priority: every row steps every round; the three arrivals of round 0 start together

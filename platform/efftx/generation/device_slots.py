@@ -142,7 +142,7 @@ class CompiledSlots(Slots):
     def rows(self, start: int, stop: int) -> _SlotRows:
         if not 0 <= start <= stop <= self.n:
             raise IndexError(f"rows {start}..{stop} of {self.n}")
-        return _CompiledRows(self, start, stop)
+        return self._range_rows(_CompiledRows, start, stop)
 
 
 class _CompiledRows(_SlotRows):
