@@ -152,11 +152,12 @@ def test_a_speculative_step_reads_the_device_once_for_its_acceptance(compile, sa
                                                                       for a in j.stats.accepted)
 
 
-@pytest.mark.parametrize("compile", ["off", "on"])
-def test_a_schedulers_rounds_read_the_device_only_for_its_tokens_and_acceptance(compile, monkeypatch, one_thread):
-    """Whole rounds (arrivals, prefills, several steps a round, rows leaving, base and speculative batches): each
-    base pass (a prefill, or a round's steps) reads its tokens once, each speculative step its acceptance once, and
-    nothing else reads or waits."""
+@pytest.mark.parametrize("compile, chunk", [("off", 0), ("on", 0), ("off", 4)])
+def test_a_schedulers_rounds_read_the_device_only_for_its_tokens_and_acceptance(compile, chunk, monkeypatch,
+                                                                                 one_thread):
+    """Whole rounds (arrivals, prefills, several steps a round, rows leaving, base and speculative batches; prompts
+    prefilled in chunks of ``chunk`` tokens): each base pass (a prefill, or a round's steps) reads its tokens once,
+    each speculative step its acceptance once, and nothing else reads or waits (a prefill's chunks read nothing)."""
     compiled_on_device(monkeypatch, compile)
     computes = {"base": [], "speculative": []}  # the steps each compute ran
     for engine in (BaseEngine, SpeculativeEngine):
@@ -170,7 +171,8 @@ def test_a_schedulers_rounds_read_the_device_only_for_its_tokens_and_acceptance(
     plan = [(0, [1, 2, 3], 12, HOT, None), (0, [4, 5], 20, NUCLEUS, 3), (1, [7], 6, GREEDY, None),
             (3, [7, 8], 16, GREEDY, 2), (4, [9] * 9, 9, HOT, None)]
     with torch.no_grad(), DeviceWaits() as audit:
-        scheduler = Scheduler(target, draft, compile=compile, steps_per_round=2, short_tokens=0)  # all rows step
+        scheduler = Scheduler(target, draft, compile=compile, steps_per_round=2, short_tokens=0,  # all rows step
+                              prefill_chunk=chunk)
         r = 0
         while r < 5 or scheduler.running or scheduler._queue:
             for at, prompt, n, sampling, gamma in plan:
@@ -181,7 +183,8 @@ def test_a_schedulers_rounds_read_the_device_only_for_its_tokens_and_acceptance(
     where = [(w, at.split(" ")[-1]) for w, at in audit.waits]
     read = "reads a device value (tolist)"
     assert set(where) == {(read, "(commit)"), (read, "(_step)")}, audit.waits
-    assert where.count((read, "(commit)")) == scheduler.costs["base"].prefill_passes + len(computes["base"])
+    chunks = 2 if chunk else 0  # the 9-token prompt's first two chunks of 4 (its last joins as a prefill)
+    assert where.count((read, "(commit)")) == scheduler.costs["base"].prefill_passes - chunks + len(computes["base"])
     assert where.count((read, "(_step)")) == sum(computes["speculative"])  # a speculative prefill reads nothing
     assert max(computes["base"]) == max(computes["speculative"]) == 2  # several steps a round ran, in both modes
 
