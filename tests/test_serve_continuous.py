@@ -573,6 +573,31 @@ def test_the_slots_grow_for_a_burst_and_give_memory_back_when_it_is_gone():
     assert_alone(target, draft, jobs)
 
 
+def test_rows_leaving_work_out_the_slots_needs_only_after_a_change(monkeypatch):
+    """An engine's ``_leave`` (three calls a round) gives memory back only after rows joined, moved, left or were
+    reserved since it last ran; in between it does nothing (the rows' needs are not worked out again)."""
+    target = lm(0)
+    shrinks = []
+    real = decode.Slots.shrink
+    monkeypatch.setattr(decode.Slots, "shrink", lambda self, positions=None: shrinks.append(positions) or
+                        real(self, positions))
+    engine = batches.BaseEngine(target)
+    with torch.no_grad():
+        engine.admit([Job([1, 2, 3], 6, GREEDY), Job([4], 9, GREEDY)])
+        engine.drop_cancelled()  # rows joined since: worked out once
+        settled = len(shrinks)
+        assert settled == 1
+        engine.step("all")  # nothing changed: its _leave calls (cancelled rows, then finished ones) do nothing
+        engine.drop_cancelled()
+        assert len(shrinks) == settled
+        engine.move(engine.order[0], "slow")  # rows swapped: the next call works it out again
+        engine.drop_cancelled()
+        assert len(shrinks) == settled + 1
+        while len(engine):
+            engine.step("all")
+    assert len(shrinks) == settled + 3  # once for each row that left (the first, then the second)
+
+
 def test_slots_shrink_into_a_size_they_grew_through():
     """Twelve rows in slots grown 4 -> 8 -> 16; three stay: the slots shrink to eight (a power of two at least
     twice the rows), taking the eight-slot cache given back on the way up, not a new six-slot one."""

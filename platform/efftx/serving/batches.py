@@ -283,6 +283,8 @@ class _Engine:
         self.row_limit: int | None = None  # rows whose caches the device had memory for, when more had none
         self.limited_at = 0  # the scheduling round that set row_limit
         self.step_rows: int | None = None  # the most rows of a pass, after a larger one ran out of device memory
+        # rows placed, swapped, left or reserved (each counts): _leave does nothing while nothing changed since it ran
+        self._changes, self._settled = 0, -1
         # several steps at once stop after the one running when this says so (the scheduler: a request arrived)
         self.interrupt: Callable[[], bool] | None = None
 
@@ -324,6 +326,7 @@ class _Engine:
     # -- slot surgery (every model's slots, the jobs and last tokens alike)
     def _place(self, slot: int, job: Job, last: int) -> None:
         """``job`` and its last token at ``slot`` (a row, or one past the last)."""
+        self._changes += 1
         if slot == len(self.order):
             self.order.append(job)
             self.last.append(last)
@@ -341,6 +344,7 @@ class _Engine:
         for s in self.slots:
             s.swap(a, b)
         self.order[a], self.order[b] = self.order[b], self.order[a]
+        self._changes += 1
         self.last[a], self.last[b] = self.last[b], self.last[a]
 
     def _insert(self, state: _State, lane: str) -> None:
@@ -360,8 +364,13 @@ class _Engine:
             self._place(slot, job, lasts[i])
 
     def _leave(self) -> None:
-        """Rows whose jobs are done leave (the highest slot first, so that only kept rows fill the holes)."""
-        for i in reversed([i for i, job in enumerate(self.order) if job.done]):
+        """Rows whose jobs are done leave (the highest slot first, so that only kept rows fill the holes), and the
+        slots give back what their rows no longer need. Nothing to do where no row is done and no row was placed,
+        moved or reserved since the last call (three calls a round: the rows' needs are not worked out again)."""
+        gone = [i for i, job in enumerate(self.order) if job.done]
+        if not gone and self.order and self._settled == self._changes:
+            return
+        for i in reversed(gone):
             last = len(self.order) - 1
             if i < self.fast:
                 self._copy(self.fast - 1, i)
@@ -377,6 +386,7 @@ class _Engine:
             s.shrink(positions)  # after a burst (or the long rows): slots a quarter full or less give memory back
         if not self.order:  # drained: the next burst may try to grow the slots again, in passes of any size
             self.row_limit = self.step_rows = None
+        self._settled = self._changes
 
     # -- what the scheduler calls
     def move(self, job: Job, lane: str) -> None:
@@ -405,6 +415,7 @@ class _Engine:
         """Room in every model's slots for ``rows`` rows of up to ``positions`` positions
         (:meth:`~efftx.generation.decode.Slots.reserve`: raises ``torch.OutOfMemoryError``, the rows unchanged,
         where the device has no memory for them)."""
+        self._changes += 1
         try:
             for s in self.slots:
                 s.reserve(rows, positions, fill=len(self.slots) == 1)
