@@ -4,20 +4,21 @@
                                     [--size small|debug] [--threads 1] [--compile off|on|auto]
                                     [--mode base|speculative] [--gamma 5]
 
-For each row count, that many base decoding requests (``--mode speculative``: speculative, gamma ``--gamma``) (``--tokens`` new tokens each, temperature 0.8, top-k 32,
-each its own seed) start together on the continuous-batching scheduler (:class:`efftx.serving.continuous.Scheduler`,
-every row stepped every round, nothing queued once they joined), which decodes them to the end on this thread,
-once with ``steps_per_round=1`` and once with ``--steps``: the batch then runs that many steps per scheduling round,
-each fed the last one's tokens, and the host schedules once per round (base decoding: the steps run on the device
-back to back and the host reads their tokens once; speculative decoding reads each step's acceptance, and stops a
-round's steps after the one in which a row got its last token). Untrained ``spec_target_{size}`` weights (and
-``spec_draft_{size}``'s; the load, not the text, is measured). The two take turns, ``--rounds`` times after
-a warm-up round; each figure is the best of the rounds, on the wall clock (on CUDA every pass ends with a device
-synchronisation, as the scheduler times it). Printed per row count and setting: tokens/s, scheduling rounds,
-per token the time in the passes and the scheduler's own time besides them (:meth:`Scheduler.timing`'s
-``host_us``: choosing what runs, handing tokens to requests, and once per request its admission: its slots
-reserved, its row placed), and that own time per round. Each request's tokens must be the same both ways
-(checked; the bench fails otherwise). ``--compile on|auto``: the scheduler's compiled passes (CUDA graphs on a GPU).
+For each row count, that many base decoding requests (``--mode speculative``: speculative, gamma ``--gamma``;
+``--tokens`` new tokens each, temperature 0.8, top-k 32, each its own seed) start together on the
+continuous-batching scheduler (:class:`efftx.serving.continuous.Scheduler`, every row stepped every round, nothing
+queued once they joined), which decodes them to the end on this thread, once with ``steps_per_round=1`` and once
+with ``--steps``: the batch then runs that many steps per scheduling round, each fed the last one's tokens, and the
+host schedules once per round (base decoding: the steps run on the device back to back and the host reads their
+tokens once; speculative decoding reads each step's acceptance, and stops a round's steps after the one in which a
+row got its last token). Untrained ``spec_target_{size}`` weights (and ``spec_draft_{size}``'s; the load, not the
+text, is measured). The two take turns, ``--rounds`` times after a warm-up round; each figure is the best of the
+rounds, on the wall clock (on CUDA every pass ends with a device synchronisation, as the scheduler times it).
+Printed per row count and setting: tokens/s, scheduling rounds, per token the time in the passes and the scheduler's
+own time besides them (:meth:`Scheduler.timing`'s ``host_us``: choosing what runs, handing tokens to requests, and
+once per request its admission: its slots reserved, its row placed), and that own time per round. Each request's
+tokens must be the same both ways (checked; the bench fails otherwise). ``--compile on|auto``: the scheduler's
+compiled passes (CUDA graphs on a GPU).
 
 Goal (marked met or not at every row count): with ``--steps`` 4, the scheduler's own time per token at most half
 of one step a round's. The tokens/s ratio is printed beside it, with no goal here: on a CPU a step costs
@@ -62,7 +63,8 @@ def decode(target, rows: int, tokens: int, steps: int, compile: str = "off", dra
     timing = scheduler.timing()
     made = sum(len(j.out) for j in jobs)
     accepted = [n for j in jobs if j.stats is not None for n in j.stats.accepted]
-    return {"out": [j.out for j in jobs], "accepted": accepted, "tokens_s": made / seconds, "rounds": timing["rounds"],
+    return {"out": [j.out for j in jobs], "accepted": accepted, "tokens_s": made / seconds,
+            "rounds": timing["rounds"],
             "host_us": timing["host_us"] * timing["rounds"] / made,
             "pass_us": timing["pass_us"] * timing["rounds"] / made, "host_round_us": timing["host_us"]}
 
@@ -93,7 +95,8 @@ def main() -> None:
     target, draft = serve_load.load_models(paths, args.device, args.threads)
     spec = args.mode == "speculative"
     draft, gamma = (draft, args.gamma) if spec else (None, None)
-    print(f"{f'speculative decoding (gamma {gamma})' if spec else 'base decoding'}, {args.tokens} new tokens per request, steps per round 1 against {args.steps} "
+    what = f"speculative decoding (gamma {gamma})" if spec else "base decoding"
+    print(f"{what}, {args.tokens} new tokens per request, steps per round 1 against {args.steps} "
           f"({note}; {args.device}, {args.threads} torch thread(s), compile {args.compile}; best of {args.rounds} "
           "rounds after a warm-up)")
     print(f"{'rows':>4}  {'steps/round':>11}  {'tokens/s':>9}  {'rounds':>6}  {'pass us/token':>13}  "

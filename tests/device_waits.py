@@ -9,13 +9,14 @@ size to allocate), or a copy of a tensor built on the host into device memory fr
 mid-step waits for the kernels queued before it, so the host cannot queue the next layer (or the next step) while
 the device runs.
 
-On a CPU nothing waits, but the same calls are made: :class:`DeviceWaits` (a ``TorchFunctionMode``) records each
-of them while it is active. Every tensor counts as a device tensor but those on the host: made in the audited
-run without a device (``torch.tensor(values)``, ``torch.full(...)``: the default device is the host's), or computed
-from such tensors only. Reading those is free, copying them to the device is a wait. :func:`efftx.host.host_values` (pinned memory and a non-blocking copy on CUDA) is the way to make host
-values into device tensors without a wait: what it does inside is not recorded, and what it returns counts as a
-device tensor. What runs inside a compiled graph runs on the device (its replay launches kernels and reads
-nothing): a test runs the traced function eagerly through :func:`on_device`, which records nothing of it.
+On a CPU nothing waits, but the same calls are made: :class:`DeviceWaits` (a ``TorchFunctionMode``) records each of
+them while it is active. Every tensor counts as a device tensor but those on the host: made in the audited run
+without a device (``torch.tensor(values)``, ``torch.full(...)``: the default device is the host's), or computed from
+such tensors only. Reading those is free, copying them to the device is a wait. :func:`efftx.host.host_values`
+(pinned memory and a non-blocking copy on CUDA) is the way to make host values into device tensors without a wait:
+what it does inside is not recorded, and what it returns counts as a device tensor. What runs inside a compiled
+graph runs on the device (its replay launches kernels and reads nothing): a test runs the traced function eagerly
+through :func:`on_device`, which records nothing of it.
 """
 
 from __future__ import annotations

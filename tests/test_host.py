@@ -6,17 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from efftx import recipes
 from efftx.attention.cache import KVCache, visible_keys
 from efftx.generation import compiled
 from efftx.host import host_values
-from efftx.models import build as build_model
 from efftx.generation.decode import iter_generate
 from efftx.generation.speculative import iter_speculative_rows
-from efftx.serving.batches import BaseEngine, Job, Sampling, SpeculativeEngine
+from efftx.serving.batches import BaseEngine, Job, SpeculativeEngine
 from efftx.serving.continuous import Scheduler
 
 from device_waits import DeviceWaits, on_device
+from test_serve_continuous import GREEDY, HOT, NUCLEUS, lm
 
 
 def test_host_values_are_torch_tensors_of_them():
@@ -77,20 +76,9 @@ def test_on_cuda_neither_host_values_nor_a_ragged_caches_step_waits_for_queued_k
 # back only what the host needs: base decoding its tokens, once per step (or per round's several steps), speculative
 # decoding its acceptance, once per step.
 
-GREEDY, HOT, NUCLEUS = Sampling(0.0), Sampling(1.0, 20, 1.0), Sampling(0.8, 0, 0.9)
-CONTRACT = {  # small blocks, so that the short rows cross several (as tests/test_serve_continuous.py)
-    "sinkhorn": {"attention.sinkhorn.bucket_size": 8, "attention.sinkhorn.n_local_attn_heads": 2},
-    "performer": {"attention.performer.nb_features": 32, "attention.performer.chunk_size": 8},
-    "nsa": {"attention.nsa.compress_block_size": 4, "attention.nsa.compress_stride": 2,
-            "attention.nsa.selection_block_size": 4, "attention.nsa.num_selected_blocks": 2,
-            "attention.nsa.sliding_window_size": 6, "attention.nsa.compress_mlp_mult": 0.5},
-}
-
-
 def tiny(kind: str = "full", depth: int = 2, seed: int = 0, device: str = "cpu"):
-    cfg = recipes.get("lm_debug").override({"model.depth": depth, "attention.kind": kind, **CONTRACT.get(kind, {})})
-    torch.manual_seed(seed)
-    return build_model(cfg).eval().to(device)
+    """The continuous-batching tests' tiny model (small blocks, so that short rows cross several), on ``device``."""
+    return lm(seed, depth, kind).to(device)
 
 
 def jobs(gamma: int | None = None) -> list[Job]:
@@ -226,7 +214,8 @@ def test_the_audit_finds_every_kind_of_wait():
         on_device(lambda: computed.sum().item())()  # ... and a compiled graph's inside
         values.tolist()  # ... but host values made device tensors are device tensors
     assert [w for w, _ in mode.waits] == [
-        "reads a device value (tolist)", "reads a device value (tolist)", "reads a device value (__int__)", "reads a device value (__bool__)",
+        "reads a device value (tolist)", "reads a device value (tolist)", "reads a device value (__int__)",
+        "reads a device value (__bool__)",
         "__getitem__: a result sized by device values", "nonzero: a result sized by device values",
         "torch.tensor(..., device=...)", "a host tensor's .to(device)", "device.copy_(host tensor)",
         "reads a device value (tolist)"], mode.waits

@@ -507,7 +507,7 @@ class PerformerCache(RowLengths):
         if ragged:
             device = self.phi_k.device
             slots = host_values(before, torch.long, device)[:, None] + torch.arange(t, device=device)
-            rows = torch.arange(phi_k.shape[0], device=self.phi_k.device)[:, None]
+            rows = torch.arange(phi_k.shape[0], device=device)[:, None]
             self.phi_k[rows, slots] = phi_k
             self.v[rows, slots] = v
         else:
