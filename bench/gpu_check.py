@@ -49,7 +49,8 @@ Sections (each row: pass / FAIL / skip with the reason, and its figures):
   and distributions, one call for every row against one per row or setting, ``OUT/rowsampling.log``); and last
   ``bench/steps_per_round.py --device cuda`` (base decoding with 4 steps a round against 1, eager and compiled:
   ``OUT/stepsperround.log``, ``OUT/stepsperround-compiled.log``; speculative decoding eager,
-  ``OUT/stepsperround-speculative.log``).
+  ``OUT/stepsperround-speculative.log``), then its ``--pipeline --steps 1`` (pipelined base steps against
+  unpipelined, eager and compiled: ``OUT/pipeline.log``, ``OUT/pipeline-compiled.log``).
 * ``decodeattn``: ``bench/decode_attention.py --device cuda``: compiled decode steps (CUDA graphs) with the Triton
   decode attention kernel against attention over the whole capacity, rows of 128 and 1024 keys in a 2048-slot
   cache, batch 1 and 16, 1 and 6 tokens per row; eager passes over a KVCache with the kernel against SDPA; the
@@ -484,9 +485,17 @@ def check_serveload(args, out: Path) -> list[Row]:
                           ["bench/steps_per_round.py", "--device", "cuda", "--rows", "1", "16", "--compile", "on"],
                           args, out, log="stepsperround-compiled")
     # speculative batches' several steps a round (each step still reads its acceptance), eager
-    return rows + bench_section("serveload", "bench/steps_per_round.py --device cuda --mode speculative",
-                                ["bench/steps_per_round.py", "--device", "cuda", "--rows", "1", "16", "--mode",
-                                 "speculative"], args, out, log="stepsperround-speculative")
+    rows += bench_section("serveload", "bench/steps_per_round.py --device cuda --mode speculative",
+                          ["bench/steps_per_round.py", "--device", "cuda", "--rows", "1", "16", "--mode",
+                           "speculative"], args, out, log="stepsperround-speculative")
+    # pipelined base steps (the next step queued before the last one's tokens are read) against unpipelined, a step
+    # a round, eager and compiled
+    rows += bench_section("serveload", "bench/steps_per_round.py --device cuda --pipeline --steps 1",
+                          ["bench/steps_per_round.py", "--device", "cuda", "--rows", "1", "16", "64", "--pipeline",
+                           "--steps", "1"], args, out, log="pipeline")
+    return rows + bench_section("serveload", "bench/steps_per_round.py --device cuda --pipeline --steps 1 --compile on",
+                                ["bench/steps_per_round.py", "--device", "cuda", "--rows", "1", "16", "--pipeline",
+                                 "--steps", "1", "--compile", "on"], args, out, log="pipeline-compiled")
 
 
 # ------------------------------------------------------------------------------------------------ serve

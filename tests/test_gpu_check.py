@@ -149,8 +149,8 @@ def test_bench_sections_pass_through_what_ran_and_fail_what_crashed_or_hung(tmp_
 def test_the_serveload_section_runs_the_inprocess_load_on_cuda(monkeypatch, tmp_path):
     """``--only serveload`` needs torch alone (no Ray): on CUDA it runs bench/serve_load.py's in-process load on the
     device, two rounds (one with --quick), then with compiled passes, sampling's per-row bench, the fixed priority
-    lanes and several steps a round against one (base eager and compiled, speculative eager; their own logs); without CUDA it is skipped,
-    saying so."""
+    lanes, several steps a round against one (base eager and compiled, speculative eager) and pipelined base steps
+    against unpipelined (eager and compiled), each in its own log; without CUDA it is skipped, saying so."""
     ran = []
     monkeypatch.setattr(gpu_check, "bench_section", lambda section, name, cmd, args, out, log=None: ran.append(
         (cmd, log)) or [gpu_check.Row(section, name, "pass")])
@@ -167,7 +167,11 @@ def test_the_serveload_section_runs_the_inprocess_load_on_cuda(monkeypatch, tmp_
              (["bench/steps_per_round.py", "--device", "cuda", "--rows", "1", "16", "--compile", "on"],
               "stepsperround-compiled"),
              (["bench/steps_per_round.py", "--device", "cuda", "--rows", "1", "16", "--mode", "speculative"],
-              "stepsperround-speculative")]
+              "stepsperround-speculative"),
+             (["bench/steps_per_round.py", "--device", "cuda", "--rows", "1", "16", "64", "--pipeline", "--steps", "1"],
+              "pipeline"),
+             (["bench/steps_per_round.py", "--device", "cuda", "--rows", "1", "16", "--pipeline", "--steps", "1",
+               "--compile", "on"], "pipeline-compiled")]
     assert ran == [(["bench/serve_load.py", "--inprocess", "--device", "cuda", "--rounds", "2"], None), compiled,
                    sampling, fixed, *steps,
                    (["bench/serve_load.py", "--inprocess", "--device", "cuda", "--rounds", "1", "--quick"], None),

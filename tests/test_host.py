@@ -140,12 +140,14 @@ def test_a_speculative_step_reads_the_device_once_for_its_acceptance(compile, sa
                                                                       for a in j.stats.accepted)
 
 
-@pytest.mark.parametrize("compile, chunk", [("off", 0), ("on", 0), ("off", 4)])
-def test_a_schedulers_rounds_read_the_device_only_for_its_tokens_and_acceptance(compile, chunk, monkeypatch,
+@pytest.mark.parametrize("compile, chunk, pipeline", [("off", 0, False), ("on", 0, False), ("off", 4, False),
+                                                      ("off", 0, True), ("on", 0, True)])
+def test_a_schedulers_rounds_read_the_device_only_for_its_tokens_and_acceptance(compile, chunk, pipeline, monkeypatch,
                                                                                  one_thread):
     """Whole rounds (arrivals, prefills, several steps a round, rows leaving, base and speculative batches; prompts
-    prefilled in chunks of ``chunk`` tokens): each base pass (a prefill, or a round's steps) reads its tokens once,
-    each speculative step its acceptance once, and nothing else reads or waits (a prefill's chunks read nothing)."""
+    prefilled in chunks of ``chunk`` tokens; base steps pipelined or not): each base pass (a prefill, or a round's
+    steps) reads its tokens once (a pipelined step where it is settled), each speculative step its acceptance once,
+    and nothing else reads or waits (a prefill's chunks read nothing)."""
     compiled_on_device(monkeypatch, compile)
     computes = {"base": [], "speculative": []}  # the steps each compute ran
     for engine in (BaseEngine, SpeculativeEngine):
@@ -160,7 +162,7 @@ def test_a_schedulers_rounds_read_the_device_only_for_its_tokens_and_acceptance(
             (3, [7, 8], 16, GREEDY, 2), (4, [9] * 9, 9, HOT, None)]
     with torch.no_grad(), DeviceWaits() as audit:
         scheduler = Scheduler(target, draft, compile=compile, steps_per_round=2, short_tokens=0,  # all rows step
-                              prefill_chunk=chunk)
+                              prefill_chunk=chunk, pipeline=pipeline)
         r = 0
         while r < 5 or scheduler.running or scheduler._queue:
             for at, prompt, n, sampling, gamma in plan:
@@ -170,9 +172,12 @@ def test_a_schedulers_rounds_read_the_device_only_for_its_tokens_and_acceptance(
             r += 1
     where = [(w, at.split(" ")[-1]) for w, at in audit.waits]
     read = "reads a device value (tolist)"
-    assert set(where) == {(read, "(commit)"), (read, "(_step)")}, audit.waits
+    steps_read = (read, "(_read)" if pipeline else "(commit)")  # a pipelined step's tokens: read when settled
+    assert set(where) == {(read, "(commit)"), steps_read, (read, "(_step)")}, audit.waits
     chunks = 2 if chunk else 0  # the 9-token prompt's first two chunks of 4 (its last joins as a prefill)
-    assert where.count((read, "(commit)")) == scheduler.costs["base"].prefill_passes - chunks + len(computes["base"])
+    prefills = scheduler.costs["base"].prefill_passes - chunks
+    assert where.count((read, "(commit)")) + where.count((read, "(_read)")) == prefills + len(computes["base"])
+    assert where.count((read, "(_read)")) == (len(computes["base"]) if pipeline else 0)
     assert where.count((read, "(_step)")) == sum(computes["speculative"])  # a speculative prefill reads nothing
     assert max(computes["base"]) == max(computes["speculative"]) == 2  # several steps a round ran, in both modes
 
@@ -249,3 +254,29 @@ def test_on_cuda_a_rounds_base_steps_queue_without_waiting_until_their_tokens_ar
         torch.cuda._sleep(500_000_000)
         assert engine.step("all", 2) == 2
     assert busy == [True] and all(len(j.out) == 6 for j in running)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: bench/gpu_check.py's kernels "
+                                                          "section runs it")
+@pytest.mark.parametrize("compile", ["off", "on"])
+def test_on_cuda_a_pipelined_round_returns_with_its_step_still_queued(compile):
+    """Pipelined base steps on a GPU (the scheduler's default there), eager and compiled: with some 0.3 s of device
+    work queued before a round, the round queues its step behind it, reads the step before (finished already) and
+    returns while the stream is still busy; unpipelined, the round waits for its own step's tokens. Both give every
+    request the same tokens."""
+    stream = torch.cuda.current_stream()
+    target, outs = tiny(device="cuda"), []
+    for pipeline in (True, False):
+        scheduler = Scheduler(target, compile=compile, short_tokens=0, pipeline=None if pipeline else False)
+        assert scheduler.pipeline is pipeline
+        running = [scheduler.submit(j) for j in jobs()]
+        with torch.no_grad():
+            for _ in range(4):  # the prefill and steps (compiled: the graphs recorded)
+                scheduler.run_once()
+            torch.cuda.synchronize()
+            torch.cuda._sleep(500_000_000)
+            scheduler.run_once()
+            assert (not stream.query()) is pipeline
+            scheduler.drain()
+        outs.append([j.out for j in running])
+    assert outs[0] == outs[1] and all(len(out) == 12 for out in outs[0])

@@ -56,7 +56,7 @@ def test_models_info_names_the_device_and_the_batching(server):
     warmed = info["batching"].pop("warm_up_s")
     assert info["batching"] == {"mode": "continuous", "max_batch_size": 32, "batch_wait_timeout_s": 0.25,
                                 "warm_up_rows": 2 * (16 + 8 + 4 + 2 + 1),  # base and speculative: 16, 8, ..., 1
-                                "compile": "off", "steps_per_round": 1}
+                                "compile": "off", "steps_per_round": 1, "pipeline": False}
     assert warmed > 0
     assert info["threads"] == 1  # the replica's torch threads (the default)
 

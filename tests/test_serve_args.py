@@ -211,6 +211,17 @@ def test_steps_per_round_reaches_the_scheduler_and_needs_continuous_batching():
             build({"target": "/nowhere/target", **bad})
 
 
+def test_pipeline_reaches_the_scheduler_and_needs_continuous_batching():
+    _, kwargs, _ = bound(serve_run("target=/nowhere/target", "pipeline=true"))["TextGenerator"]
+    assert kwargs["priority"] == {"pipeline": True}
+    _, kwargs, _ = bound(serve_run("target=/nowhere/target", "pipeline=false"))["TextGenerator"]
+    assert kwargs["priority"] == {"pipeline": False}
+    for bad, message in (({"pipeline": "sometimes"}, named("pipeline", "Input should be a valid boolean")),
+                         ({"pipeline": True, "batching": "static"}, "pipeline: only with batching=continuous")):
+        with pytest.raises(ValidationError, match=message):
+            build({"target": "/nowhere/target", **bad})
+
+
 def test_cache_memory_settings_reach_the_replica_and_resolve_to_bytes():
     """``cache_mib`` / ``cache_fraction``: the decoding caches' budget (constructor arguments), one of them, with
     continuous batching; the replica turns them into bytes of its device's memory."""

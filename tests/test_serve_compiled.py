@@ -352,12 +352,16 @@ def test_a_compiled_app_answers_as_the_library_decodes(ray_cluster, debug_export
         serve.shutdown()
 
 
-def test_several_steps_a_round_run_compiled_and_give_every_request_its_solo_output(models, passes, monkeypatch):
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_several_steps_a_round_run_compiled_and_give_every_request_its_solo_output(models, passes, monkeypatch,
+                                                                                   pipeline):
     """``steps_per_round=4`` with compiled passes: a base batch's steps back to back through the compiled graphs
     (each step's tokens fed to the next on the device), and speculative batches' steps (each fed the one before's
-    pending tokens and kept drafts) beside it; every request gets its solo output."""
+    pending tokens and kept drafts) beside it; every request gets its solo output. Pipelined too: a round's base
+    steps fed the tokens of the round before on the device, read after them."""
     target, draft = models
-    scheduler = Scheduler(target, draft, max_rows=8, short_tokens=0, compile="on", compile_rows=4, steps_per_round=4)
+    scheduler = Scheduler(target, draft, max_rows=8, short_tokens=0, compile="on", compile_rows=4, steps_per_round=4,
+                          pipeline=pipeline)
     seen = record_base_steps(monkeypatch)
     seen_spec = record_base_steps(monkeypatch, engine=batches.SpeculativeEngine)
     jobs = run_rounds(scheduler, MIXED)

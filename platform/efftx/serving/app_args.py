@@ -38,7 +38,7 @@ assert get_args(Device) == DEVICES, "Device and efftx.serving.devices.DEVICES di
 
 # efftx.serving.continuous.Scheduler's knobs, as given
 PRIORITY = ("short_tokens", "fast_rows", "long_every", "prefill_rows", "short_slowdown", "prefill_chunk",
-            "group_prefills", "steps_per_round")
+            "group_prefills", "steps_per_round", "pipeline")
 CONTINUOUS_ONLY = (*PRIORITY, "warm_up_rows", "compile", "compile_rows", "cache_mib",
                    "cache_fraction")  # settings of continuous batching alone
 Compile = Literal["auto", "on", "off"]
@@ -104,6 +104,11 @@ class TextAppArgs(BaseModel):
         "schedules once per round, and reads base decoding's tokens once per round (speculative decoding reads "
         "each step's acceptance) (default 1). A request's output is the same; an arrival ends the round's steps "
         "after the one running, and joins in the next round."))
+    pipeline: bool | None = Field(None, description=(
+        "continuous: base decoding's next step is queued on the device, fed the tokens of the step before, before "
+        "the host reads those tokens, so that the device runs while the host hands tokens over and schedules "
+        "(default: on where the replica decodes on a CUDA device, off on a CPU, where nothing runs ahead of the "
+        "host). A request's output is the same; its tokens reach it one decoding round later."))
     warm_up_rows: int | None = Field(None, ge=0, description=(
         "continuous: at start, each replica decodes throwaway batches of this many requests, half as many, ..., 1 "
         "(default 16, at most max_batch_size; 0: none), so that its first burst of real requests does not pay a "

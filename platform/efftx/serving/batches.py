@@ -99,6 +99,7 @@ class Job:
         self.draft_gamma = gamma  # this step's draft length (speculative decoding)
         self.on_step, self.on_done, self.tag = on_step, on_done, tag
         self.out: list[int] = []
+        self.ahead = 0  # tokens its row computed that the host has not read yet (a pipelined step, _Engine.settle)
         self.stats = SpecStats(gamma=max_gamma or gamma) if gamma is not None else None
         self.steps = 0
         self.draft_tail: int | None = None  # speculative: the last kept draft, not fed to the draft model yet
@@ -125,6 +126,11 @@ class Job:
     @property
     def mode(self) -> str:
         return "speculative" if self.speculative else "base"
+
+    @property
+    def left(self) -> int:
+        """The new tokens its row has still to compute (those computed but not read yet count as made)."""
+        return self.max_new - len(self.out) - self.ahead
 
     @property
     def latency_s(self) -> float:
@@ -208,12 +214,13 @@ class PassTime:
     def __init__(self, clock: Callable[[], float] = time.perf_counter, sync: Callable[[], None] | None = None):
         self.clock, self.sync, self.seconds, self.passes = clock, sync, 0.0, 0
 
-    def run(self, fn: Callable, *args):
-        """``fn(*args)``, timed as a pass."""
+    def run(self, fn: Callable, *args, sync: bool = True):
+        """``fn(*args)``, timed as a pass (``sync`` False: without waiting for the device, a pipelined step's launch,
+        whose wait is timed where its tokens are read, :meth:`_Engine.settle`)."""
         t0 = self.clock()
         try:
             out = fn(*args)
-            if self.sync is not None:
+            if sync and self.sync is not None:
                 self.sync()
             return out
         finally:
@@ -266,6 +273,7 @@ class _Engine:
     jobs)."""
 
     kind = "?"
+    pipelines = False  # whether its steps can be pipelined (the next one fed on the device, see settle)
 
     def __init__(self, hook: Callable[[str, list[Job]], None] | None, models: list, batched: bool,
                  compile: str = "off", compile_rows: int | None = None, budget: CacheBudget | None = None,
@@ -287,6 +295,10 @@ class _Engine:
         self._changes, self._settled = 0, -1
         # several steps at once stop after the one running when this says so (the scheduler: a request arrived)
         self.interrupt: Callable[[], bool] | None = None
+        # pipelined steps (engines that allow it, :attr:`pipelines`): a step's tokens are read once the next step is
+        # queued behind it (or at the next change of the rows); the step in flight: (its state, its result, rows)
+        self.pipeline = False
+        self._flight: tuple[_State, Any, int] | None = None
 
     def __len__(self) -> int:
         return len(self.order)
@@ -318,14 +330,57 @@ class _Engine:
         if self.hook is not None:
             self.hook(self.kind, jobs)
 
-    def _view(self, a: int, b: int) -> _State:
+    def _view(self, a: int, b: int, last: torch.Tensor | None = None) -> _State:
+        """Rows ``a .. b - 1`` to step, fed their last tokens (``last``: those still on the device, of the step in
+        flight)."""
+        if last is not None:
+            return _State([s.rows(a, b) for s in self.slots], last, self.order[a:b], a)
         lasts = self.last[a:b]
         return _State([s.rows(a, b) for s in self.slots], host_values(lasts, torch.long, self.device),
                       self.order[a:b], a, lasts)
 
+    # -- pipelining: a step's tokens read while the next step runs
+    def _follows(self, a: int, b: int) -> bool:
+        """Whether a step of rows ``a .. b - 1`` can follow the step in flight, fed its tokens on the device: the
+        same rows in the same slots (every row with tokens left after it: :meth:`drop_cancelled` saw to that)."""
+        flight = self._flight
+        return (flight is not None and flight[0].start == a and len(flight[0].jobs) == b - a
+                and all(x is y for x, y in zip(flight[0].jobs, self.order[a:b])))
+
+    def settle(self) -> None:
+        """Read the step in flight and hand its tokens over (nothing where none is in flight). Whatever moves rows,
+        or needs their tokens, settles first."""
+        flight, self._flight = self._flight, None
+        if flight is None:
+            return
+        state, result, batch = flight
+        for job in state.jobs:
+            job.ahead = 0
+        result = self.pass_time.run(self._read, state, result, sync=False)  # the wait for the device: the pass's
+        self.commit(state, result, batch)
+        for i, (job, last) in enumerate(zip(state.jobs, state.host_lasts())):
+            if self.order[state.start + i] is job:  # always (rows move only settled), kept safe
+                self.last[state.start + i] = last
+
+    def land(self) -> None:
+        """:meth:`settle`, and the rows it finished leave (a batch not stepped in a round: its step in flight is
+        read at the round's end, not held back)."""
+        if self._flight is not None:
+            self.settle()
+            self._leave()
+
+    def _read(self, state: _State, result: Any) -> Any:
+        """A result as :meth:`commit` takes it, read back to the host where it is on the device."""
+        return result
+
+    def _carry(self, result: Any) -> torch.Tensor:
+        """The rows' last tokens in a step's result, on the device (engines whose steps are pipelined)."""
+        raise NotImplementedError
+
     # -- slot surgery (every model's slots, the jobs and last tokens alike)
     def _place(self, slot: int, job: Job, last: int) -> None:
         """``job`` and its last token at ``slot`` (a row, or one past the last)."""
+        self.settle()
         self._changes += 1
         if slot == len(self.order):
             self.order.append(job)
@@ -334,6 +389,7 @@ class _Engine:
             self.order[slot], self.last[slot] = job, last
 
     def _copy(self, source: int, slot: int) -> None:
+        self.settle()
         if source == slot:
             return
         for s in self.slots:
@@ -341,6 +397,7 @@ class _Engine:
         self._place(slot, self.order[source], self.last[source])
 
     def _swap(self, a: int, b: int) -> None:
+        self.settle()
         for s in self.slots:
             s.swap(a, b)
         self.order[a], self.order[b] = self.order[b], self.order[a]
@@ -349,6 +406,7 @@ class _Engine:
 
     def _insert(self, state: _State, lane: str) -> None:
         """The rows of a prefilled ``state`` whose jobs are not done join ``lane``."""
+        self.settle()
         lasts = state.host_lasts()
         for i, job in enumerate(state.jobs):
             if job.done:
@@ -370,6 +428,9 @@ class _Engine:
         gone = [i for i, job in enumerate(self.order) if job.done]
         if not gone and self.order and self._settled == self._changes:
             return
+        if gone and self._flight is not None:  # the rows of the step in flight stay where it left them till it is read
+            self.settle()
+            gone = [i for i, job in enumerate(self.order) if job.done]
         for i in reversed(gone):
             last = len(self.order) - 1
             if i < self.fast:
@@ -444,7 +505,10 @@ class _Engine:
             self._leave()
 
     def drop_cancelled(self) -> None:
-        """Cancelled rows leave (whichever lane they are in)."""
+        """Cancelled rows leave (whichever lane they are in); so do rows that got their last tokens in the step in
+        flight (it is read first: no step follows it)."""
+        if self._flight is not None and any(j.left <= 0 for j in self._flight[0].jobs):
+            self.settle()
         for job in self.order:
             if job.cancelled:
                 job._finish()
@@ -466,29 +530,45 @@ class _Engine:
         if steps > allowed:
             raise ValueError(f"{steps} steps at once exceed what the {self.kind} rows allow ({allowed})")
         size = min(b - a, self.step_rows or b - a)  # after a pass ran out of device memory: passes of fewer rows
-        ran = max([self._step_range(start, min(start + size, b), steps) for start in range(a, b, max(size, 1))],
-                  default=0)
+        starts = range(a, b, max(size, 1))
+        defer = self.pipeline and self.pipelines and len(starts) == 1  # one pass: its tokens read after the next's
+        ran = max([self._step_range(start, min(start + size, b), steps, defer) for start in starts], default=0)
         self._leave()
         return ran
 
-    def _step_range(self, a: int, b: int, steps: int = 1) -> int:
+    def _step_range(self, a: int, b: int, steps: int = 1, defer: bool = False) -> int:
         """One batched pass (or ``steps``) over rows ``a .. b - 1``; if it raises, it is undone and run row by row
         (one that ran out of device memory also halves the rows of this batch's later passes, :attr:`step_rows`).
-        -> the most steps its rows ran (0: every row failed)."""
-        state = self._view(a, b)
+        ``defer``: its tokens are left on the device, read later (:meth:`settle`); where the step in flight has the
+        same rows, this one is fed its tokens there, queued behind it, and only then is that one read (pipelined
+        steps: on a GPU the device runs the next step while the host reads and hands over the last one's tokens and
+        schedules). -> the most steps its rows ran (0: every row failed)."""
+        follow = self._follows(a, b)
+        if not follow:
+            self.settle()
+        state = self._view(a, b, self._carry(self._flight[1]) if follow else None)
         state.steps = steps
         snapshot, gens = state.snapshot(), _gen_states(state.jobs)
         try:
-            parts = [(state, self.pass_time.run(self.compute, state))]
+            result = self.pass_time.run(self.compute, state, sync=not defer)
         except Exception as exc:  # noqa: BLE001 - contained below
             state.restore(snapshot)
             _set_gen_states(state.jobs, gens)
+            self.settle()  # the step before (if in flight) read: its tokens are the rows' last ones, to run them alone
             if isinstance(exc, torch.OutOfMemoryError) and b - a > 1:
                 free_memory()
                 self.step_rows = half = max((b - a) // 2, 1)
                 logger.warning("continuous batching: a %s pass of %d rows ran out of device memory; passes of at "
                                "most %d rows from now on", self.kind, b - a, half)
             parts = self._alone(state.jobs, exc, state)
+        else:
+            self.settle()  # the step before (if in flight: this one followed it) read, while this one runs
+            if defer:
+                for job in state.jobs:
+                    job.ahead += state.steps
+                self._flight = (state, result, b - a)
+                return state.steps
+            parts = [(state, result)]
         for part, result in parts:
             self.commit(part, result, b - a)
             self.last[part.start:part.start + len(part.jobs)] = part.host_lasts()
@@ -521,7 +601,9 @@ class _Engine:
         return parts
 
     def fail_all(self, exc: BaseException) -> None:
+        self._flight = None  # its tokens are never read: every row fails
         for job in self.jobs():
+            job.ahead = 0
             job._fail(exc, f"{self.kind} decoding")
         self.order, self.last, self.fast, self.row_limit, self.step_rows = [], [], 0, None, None
         for s in self.slots:
@@ -592,6 +674,7 @@ class BaseEngine(_Engine):
     """Base decoding: one target pass per step, one new token per row."""
 
     kind = "base"
+    pipelines = True
 
     def __init__(self, model, hook=None, compile: str = "off", compile_rows: int | None = None,
                  budget: CacheBudget | None = None, fit: bool = True, pass_time: PassTime | None = None):
@@ -635,7 +718,7 @@ class BaseEngine(_Engine):
     def steps_for(self, jobs, wanted):
         """At most ``wanted``, and no more than any of ``jobs`` has tokens left: no row ever computes a token past
         its own (so its tokens, its stream's draws and its cache are exactly those of steps one at a time)."""
-        return max(1, min([wanted, *(j.max_new - len(j.out) for j in jobs)]))
+        return max(1, min([wanted, *(j.left for j in jobs)]))
 
     def compute(self, state):
         """``state.steps`` steps (fewer where :attr:`interrupt` says so after one): each feeds the last one's tokens,
@@ -651,14 +734,28 @@ class BaseEngine(_Engine):
         state.steps = len(tokens)  # those that ran
         return torch.stack(tokens, 1)
 
+    def _read(self, state, tokens):
+        return tokens.reshape(len(state.jobs), -1).tolist()
+
+    def _carry(self, tokens):
+        return tokens[:, -1]
+
     def commit(self, state, tokens, batch):
-        """``tokens``: (B,) from a prefill, (B, steps) from :meth:`compute`; each token is a step of its job."""
-        tokens = tokens.reshape(len(state.jobs), -1)
-        rows = tokens.tolist()  # the one read back of a step (or of a round's several)
-        state.last, state.lasts = tokens[:, -1], [row[-1] for row in rows]
+        """``tokens``: (B,) from a prefill, (B, steps) from :meth:`compute` (or read already: a list per row, from
+        :meth:`settle`); each token is a step of its job (a job done meanwhile, cancelled or failed, takes none)."""
+        if isinstance(tokens, torch.Tensor):
+            tokens = tokens.reshape(len(state.jobs), -1)
+            rows = tokens.tolist()  # the one read back of a step (or of a round's several)
+            state.last = tokens[:, -1]
+        else:
+            rows = tokens
+        state.lasts = [row[-1] for row in rows]
         finished = []
         for job, row in zip(state.jobs, rows):
             done = False
+            if job.done:
+                finished.append(True)
+                continue
             for t in row:
                 done = job._push([t], None, batch)
             finished.append(done)

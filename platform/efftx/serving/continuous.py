@@ -52,6 +52,15 @@ loop) that repeats rounds: admit the requests that may start, then run one decod
   acceptance and its cache are those of steps one at a time. An arrival ends the round's steps after the one
   running (the host checks the queue before it starts each step: on a GPU, where the host runs ahead of the device,
   the base steps it already queued still run), and joins in the next round.
+* **Pipelined steps** (``pipeline``, default on where the target is on a CUDA device): a base batch's step is fed
+  the tokens of the step before while they are still on the device, and queued behind it; only then does the host
+  read that step's tokens and hand them to their requests. So on a GPU the device runs the next step while the host
+  reads, hands over and schedules, instead of waiting for it. A step follows the one in flight only over the same
+  rows in the same slots; whatever changes the rows (a row joining, leaving, moving between lanes, cancelled, a
+  batch not stepped in a round) reads the step in flight first, and a row whose last token is in flight is read
+  before the next step (no row computes past its own last token). A request's tokens and its stream's draws are
+  exactly those of unpipelined steps; its tokens reach it (and its stream) one round later. A step that raises is
+  undone as any other, after the step before is read.
 * **Caches.** A running batch keeps its rows in preallocated slots of each model's cache
   (:class:`~efftx.generation.decode.Slots`), the fast lane's rows first: a step runs a lane, or all rows when both
   lanes step in the same round, as one batched forward pass over a range of the slots, written in place; a row
@@ -380,6 +389,9 @@ class Scheduler:
       far more than a step (thousands of tokens on a GPU).
     * ``steps_per_round`` (default 1): a batch's steps per round while the queue is empty and every row steps
       (see *Several steps a round* in the module docstring). The measured step costs stay per step.
+    * ``pipeline`` (None: on where the target is on a CUDA device): base decoding's steps are pipelined (see
+      *Pipelined steps* in the module docstring). A pipelined step's measured cost is its launch and the wait for
+      the step before it (on a GPU about a step's device time), and its tokens count in the round that reads them.
     * ``group_prefills`` (default True): a round's arrivals for one lane are prefilled in the passes the measured
       costs say cost least, rather than always in one. A pass runs its prompts right-padded to the longest, so a
       short prompt beside a long one pays for the long one's tokens. The arrivals, ordered by prompt length, are cut
@@ -409,9 +421,11 @@ class Scheduler:
                  observe: Callable[[str, int], None] | None = None, compile: str = "off",
                  compile_rows: int | None = None, clock: Callable[[], float] = time.perf_counter,
                  cache_budget: int | None = None, fit_positions: bool = True, group_prefills: bool = True,
-                 costs: dict[str, StepCosts] | None = None, steps_per_round: int = 1):
+                 costs: dict[str, StepCosts] | None = None, steps_per_round: int = 1, pipeline: bool | None = None):
         if not isinstance(group_prefills, bool):
             raise ValueError(f"group_prefills must be True or False, got {group_prefills!r}")
+        if pipeline is not None and not isinstance(pipeline, bool):
+            raise ValueError(f"pipeline must be True, False or None (on a GPU), got {pipeline!r}")
         for name, value, least in (("max_rows", max_rows, 1), ("short_tokens", short_tokens, 0),
                                    ("fast_rows", fast_rows, 1), ("long_every", long_every, 1),
                                    ("max_wait_rounds", max_wait_rounds, 0), ("prefill_rows", prefill_rows, 0),
@@ -443,6 +457,8 @@ class Scheduler:
         self.base = BaseEngine(target, hook, self.compile, compile_rows, self.budget, self.fit_positions,
                                self.pass_time)
         self.base.interrupt = self._arrived  # an arrival ends a round's several steps after the one running
+        self.pipeline = _device(target).type == "cuda" if pipeline is None else pipeline
+        self.base.pipeline = self.pipeline
         if draft is not None and self.compile == "on" and eager_reason(draft):  # now, not at the first request
             raise CompileUnavailable(f"compile='on' but compiled continuous batching cannot run the draft: "
                                      f"{eager_reason(draft)}")
@@ -706,10 +722,12 @@ class Scheduler:
             lanes = ("fast",)
         # steps a batch takes in this round (steps_per_round): only while every row steps and nothing waits
         many = self.steps_per_round if lanes == ("all",) and not self._arrived() else 1
+        stepped = set()
         for lane in lanes:
             for engine in engines:
                 rows = engine.rows(lane)
                 if rows:
+                    stepped.add(id(engine))
                     jobs = engine.jobs(lane)
                     steps = engine.steps_for(jobs, many)
                     before = sum(len(j.out) for j in jobs)
@@ -721,6 +739,9 @@ class Scheduler:
                     if self.observe is not None:
                         for _ in range(steps):
                             _call(self.observe, engine.kind, rows)
+        for engine in self._engines():  # a pipelined step not followed in this round is read now, not held back
+            if id(engine) not in stepped:
+                engine.land()
         with self._cv:  # a speculative batch that queued requests wait for stays (its slots emptied), not made anew
             wanted = {(j.gamma, j.max_gamma) for j in self._queue if j.speculative}
         released = [k for k, e in self.spec.items() if not len(e) and k not in wanted]

@@ -34,9 +34,10 @@ Endpoints (FastAPI; OpenAPI docs at /docs and /openapi.json):
   (``short_tokens``, ``fast_rows``, ``long_every``, ``prefill_rows``, ``short_slowdown``: the scheduler's knobs;
   ``prefill_chunk`` prefills long prompts a chunk a round; ``group_prefills`` prefills a round's arrivals in the
   passes their measured costs say cost least; ``steps_per_round`` runs several decoding steps a round while
-  nothing waits). A replica warms up before it takes requests: throwaway batches of ``warm_up_rows`` (default 16), half
-  as many, ..., 1 requests
-  (:func:`efftx.serving.continuous.warm_up`), so its first burst does not pay a fresh model's one-time costs.
+  nothing waits; ``pipeline`` queues base decoding's next step before the host reads the last one's tokens, by
+  default on a CUDA device). A replica warms up before it takes requests: throwaway batches of ``warm_up_rows``
+  (default 16), half as many, ..., 1 requests (:func:`efftx.serving.continuous.warm_up`), so its first burst does
+  not pay a fresh model's one-time costs.
   ``compile=on|auto`` runs decoding passes of up to ``compile_rows`` rows compiled (CUDA graphs on a GPU; dense
   models; :mod:`efftx.generation.device_slots`), the graphs compiled as the replica warms up. ``cache_mib`` (or
   ``cache_fraction`` of the device's memory) bounds what the decoding caches hold: requests beyond it wait for
@@ -301,6 +302,7 @@ class TextGenerator:
                                        hook=lambda kind, jobs: self._step_hook(kind, [j.tag for j in jobs]),
                                        observe=lambda kind, rows: metrics.batch("continuous", kind, rows)).start()
             self.batching["steps_per_round"] = self.scheduler.steps_per_round
+            self.batching["pipeline"] = self.scheduler.pipeline
         else:
             self._batched.set_max_batch_size(max_batch_size)
             self._batched.set_batch_wait_timeout_s(batch_wait_timeout_s)

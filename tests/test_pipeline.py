@@ -1,0 +1,198 @@
+"""Pipelined base steps (``Scheduler(pipeline=True)``; on by default on a CUDA device): a base batch's step is fed the
+tokens of the step before on the device and queued behind it, and only then are that step's tokens read.
+
+On a CPU nothing runs ahead of the host, so these tests hold the order (the next step queued before the last one's
+tokens are read), the exactness (every request's tokens, acceptance and stream exactly as alone) and the edges (rows
+joining, leaving, moving, cancelled, failing while a step is in flight); the speed is the GPU check's
+(``bench/steps_per_round.py --pipeline``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from device_waits import DeviceWaits
+from efftx.serving import batches
+from efftx.serving.continuous import Job, Scheduler
+from test_serve_continuous import GREEDY, HOT, MIXED, NUCLEUS, assert_alone, pair, run_rounds
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def pairs():
+    return {}  # the tiny target and draft per backend, built once (test_serve_continuous.pair)
+
+
+def spy(monkeypatch) -> dict:
+    """Counts the steps that followed the step in flight, and checks at every base compute that no row is asked for
+    a token past its own (its tokens read, and those in flight, counted)."""
+    seen = {"follows": 0, "computes": 0, "past": []}
+    real_follows, real_compute = batches._Engine._follows, batches.BaseEngine.compute
+
+    def follows(self, a, b):
+        out = real_follows(self, a, b)
+        seen["follows"] += out
+        return out
+
+    def compute(self, state):
+        seen["computes"] += 1
+        made = [len(j.out) + j.ahead for j in state.jobs]
+        seen["past"] += [j.tag for j, m in zip(state.jobs, made) if m + state.steps > j.max_new]
+        return real_compute(self, state)
+
+    monkeypatch.setattr(batches._Engine, "_follows", follows)
+    monkeypatch.setattr(batches.BaseEngine, "compute", compute)
+    return seen
+
+
+def streamed(plan):
+    """Jobs of ``plan`` (as in MIXED) that stream: their ``on_step`` tokens are kept, to compare with their output."""
+    def make(p):
+        job = Job(p[1], p[2], p[3], p[4], p[5], tag=p, on_step=lambda tokens, accepted: job.streamed.extend(tokens))
+        job.streamed = []
+        return job
+    return make
+
+
+@pytest.mark.parametrize("kind, steps, priority", [("full", 1, False), ("full", 4, False), ("full", 1, True),
+                                                   ("full", 4, True), ("performer", 2, False),
+                                                   ("sinkhorn", 2, True), ("nsa", 1, False)])
+def test_pipelined_steps_give_every_request_its_solo_output(pairs, kind, steps, priority, monkeypatch):
+    """The mixed plan (base and speculative rows arriving over ten rounds, every sampling, streams), pipelined: every
+    request gets exactly its solo tokens (and acceptance), its stream every token in order, no row computes past its
+    own tokens, and most base steps followed the step in flight. With priority (two lanes stepped in turn, long rows
+    moved to the slow lane) and with several steps a round."""
+    target, draft = pair(pairs, kind)
+    knobs = {"short_tokens": 8, "fast_rows": 2, "long_every": 2, "short_slowdown": 0} if priority else \
+        {"short_tokens": 0}
+    scheduler = Scheduler(target, draft, max_rows=8, steps_per_round=steps, pipeline=True, **knobs)
+    seen = spy(monkeypatch)
+    jobs = run_rounds(scheduler, MIXED, streamed(MIXED))
+    monkeypatch.undo()
+    assert_alone(target, draft, jobs)
+    assert all(j.streamed == j.out for j in jobs)
+    assert not seen["past"]
+    assert all(j.ahead == 0 for j in jobs) and scheduler.base._flight is None
+    assert seen["follows"] >= seen["computes"] // 3 > 0, seen  # pipelined, not settled before every step
+
+
+def events(scheduler: Scheduler, plan) -> list[str]:
+    """The order of a scheduler's base steps (``step``) and reads of the device (``read``) over ``plan``."""
+    order: list[str] = []
+    real = batches.BaseEngine.compute
+
+    def compute(self, state):
+        order.append("step")
+        return real(self, state)
+
+    batches.BaseEngine.compute = compute
+    try:
+        with DeviceWaits() as audit:
+            real_wait = audit._wait
+            audit._wait = lambda what: (order.append("read"), real_wait(what))
+            run_rounds(scheduler, plan)
+    finally:
+        batches.BaseEngine.compute = real
+    return order
+
+
+def test_the_next_step_is_queued_before_the_last_ones_tokens_are_read(pairs):
+    """One request of five new tokens (the prefill's and four steps'): unpipelined, each step's tokens are read
+    before the next step; pipelined, each step is queued before the one before is read, and the last step is read
+    in the round after it, before its row leaves. Nothing else reads the device."""
+    target, draft = pair(pairs, "full")
+    plan = [(0, [5, 6, 7], 5, HOT, 1, None)]
+    assert events(Scheduler(target, pipeline=False), plan) == ["read"] + ["step", "read"] * 4
+    piped = Scheduler(target, pipeline=True)
+    assert events(piped, plan) == ["read", "step", "step", "read", "step", "read", "step", "read", "read"]
+    assert piped.rounds == 5 and not piped.running
+
+
+def test_a_fault_while_a_step_is_in_flight_fails_only_its_row(pairs, monkeypatch):
+    """A step that raises while the step before is in flight: the caches and streams are rewound, the step in
+    flight is read (its tokens stay), the rows run alone from there, only the culprit fails, the others keep their
+    solo tokens; so do requests cancelled while their tokens are in flight (none comes after the cancel)."""
+    target, draft = pair(pairs, "full")
+    real_draw = batches.draw
+    culprit: list[Job] = []
+    faults: list[bool] = []  # whether a step was in flight at each fault
+    scheduler = Scheduler(target, draft, max_rows=8, short_tokens=0, pipeline=True)
+
+    def faulty_draw(probs, gens, **kw):
+        if culprit and culprit[0].generator in gens and culprit[0].generator.get_state() >= 4:
+            faults.append(scheduler.base._flight is not None)
+            raise RuntimeError("fault with a step in flight")
+        return real_draw(probs, gens, **kw)
+
+    monkeypatch.setattr(batches, "draw", faulty_draw)
+    valid = [(0, [5, 6, 7], 14, HOT, 1, None), (0, [9] * 5, 11, NUCLEUS, 2, None), (0, [4], 9, GREEDY, 3, None),
+             (1, [1, 2], 12, HOT, 4, 2)]
+
+    def make(p):
+        job = Job(p[1], p[2], p[3], p[4], p[5], tag=p)
+        if p[4] == 9:
+            culprit.append(job)
+        return job
+
+    cancelled = Job([8, 8], 20, HOT, 7, tag="cancelled")
+    jobs = run_rounds(scheduler, [*valid, (0, [2, 3], 12, HOT, 9, None)], make)
+    monkeypatch.undo()
+    assert culprit[0].failure is not None and culprit[0].failure.status == 500
+    assert faults[0] is True  # the batch's step raised with the step before in flight
+    assert len(culprit[0].out) == 4  # its stream's fifth draw raised: the prefill's token and three steps' stay
+    assert_alone(target, draft, [j for j in jobs if j is not culprit[0]])
+    # a cancel while the row's tokens are in flight: it takes none after
+    keep = Job([1, 2], 12, HOT, 3, tag=(0, [1, 2], 12, HOT, 3, None))
+    scheduler.submit(keep)
+    scheduler.submit(cancelled)
+    with torch.no_grad():
+        for _ in range(3):
+            scheduler.run_once()
+        assert scheduler.base._flight is not None
+        scheduler.cancel(cancelled)
+        taken = len(cancelled.out)
+        scheduler.drain()
+    assert cancelled.done and cancelled.cancelled and len(cancelled.out) == taken
+    assert_alone(target, draft, [keep])
+
+
+def test_pipeline_is_on_by_default_only_on_a_cuda_device_and_checked(pairs, monkeypatch):
+    target, _ = pair(pairs, "full")
+    assert Scheduler(target).pipeline is False and Scheduler(target, pipeline=True).base.pipeline is True
+    monkeypatch.setattr("efftx.serving.continuous._device", lambda model: torch.device("cuda", 0))
+    assert Scheduler(target).pipeline is True and Scheduler(target, pipeline=False).pipeline is False
+    for bad in (1, "yes"):
+        with pytest.raises(ValueError, match="pipeline must be True, False or None"):
+            Scheduler(target, pipeline=bad)
+
+
+def test_a_batch_not_stepped_in_a_round_has_its_step_in_flight_read_by_the_rounds_end(pairs, monkeypatch):
+    """Long base rows wait in the slow lane while short speculative rows step: a base step in flight is read at the
+    end of the first round that does not step its batch (its tokens are not held back for ``long_every`` rounds),
+    and every request still gets its solo output."""
+    target, draft = pair(pairs, "full")
+    scheduler = Scheduler(target, draft, max_rows=8, short_tokens=8, fast_rows=1, long_every=4, short_slowdown=0,
+                          pipeline=True)
+    landed = []
+    real = batches._Engine.land
+
+    def land(self):
+        landed.append(self._flight is not None)
+        real(self)
+
+    monkeypatch.setattr(batches._Engine, "land", land)
+    plan = [(0, [5, 6, 7], 30, HOT, 1, None), (0, [9] * 5, 26, NUCLEUS, 2, None), (2, [1, 2], 8, HOT, 3, 2),
+            (3, [4], 6, GREEDY, 4, 2), (5, [3, 3], 8, HOT, 5, 2)]
+    jobs, r = [], 0
+    with torch.no_grad():
+        while r < 6 or scheduler.running:
+            jobs += [scheduler.submit(Job(p[1], p[2], p[3], p[4], p[5], tag=p)) for p in plan if p[0] == r]
+            launched = scheduler.base._flight
+            scheduler.run_once()
+            assert scheduler.base._flight is None or scheduler.base._flight is not launched  # read by the round's end
+            r += 1
+    monkeypatch.undo()
+    assert any(landed)  # such rounds happened, with a base step in flight
+    assert_alone(target, draft, jobs)
