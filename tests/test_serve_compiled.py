@@ -384,13 +384,14 @@ def test_chunked_prefills_join_compiled_slots_with_their_eager_tokens(models):
     assert all(j.failure is None for j in jobs)
 
 
-@pytest.mark.parametrize("seed", [1, 8])
-def test_random_load_with_compiled_passes_gets_every_request_its_solo_output(models, seed):
+@pytest.mark.parametrize("seed, pipeline", [(1, False), (8, True)])
+def test_random_load_with_compiled_passes_gets_every_request_its_solo_output(models, seed, pipeline):
     """tests/test_serve_random.py's load and checks with compiled passes, under a cache budget of one speculative
-    row (these seeds' draws). Power: both fail with device_slots.py as it was (61798ab; run and seen): drained
-    compiled slots kept a bucket of one slot, and idle replicas answered speculative requests with a 503."""
+    row (these seeds' draws); seed 8's base steps pipelined. Power: both fail with device_slots.py as it was
+    (61798ab; run and seen): drained compiled slots kept a bucket of one slot, and idle replicas answered speculative
+    requests with a 503."""
     from test_serve_random import soak
 
     target, draft = models
-    settings, _ = soak(target, draft, seed, compile="on")
+    settings, _ = soak(target, draft, seed, compile="on", pipeline=pipeline)
     assert settings["cache_budget"] is not None

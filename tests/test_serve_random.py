@@ -6,8 +6,8 @@ features meet in combinations nobody wrote down: requests arriving at random rou
 (chunked prefills), short and long outputs (slots that widen and narrow), base, fixed-gamma and adaptive
 speculative decoding, greedy and sampled, some cancelled while queued, running or after they finished, some that
 the models cannot hold (refused alone), some whose passes raise a fault (contained: they fail alone); the
-priority lanes, prefill limits, a cache budget or none, fitted or whole-context slots; a replica's warm-up first,
-or none. The scheduler runs on a counting clock, so a seed replays the same rounds.
+priority lanes, prefill limits, a cache budget or none, fitted or whole-context slots, several steps a round or
+one, pipelined base steps or not; a replica's warm-up first, or none. The scheduler runs on a counting clock, so a seed replays the same rounds.
 
 What each run must show:
 
@@ -141,6 +141,8 @@ def soak(target, draft, seed: int, n: int = 16, **extra) -> tuple[dict, list[Job
     settings = knobs(rng, target, draft)
     # several base steps a round on about half the seeds (drawn apart, so that each seed's plan stays what it was)
     settings["steps_per_round"] = random.Random(~seed).choice([1, 4])
+    drawn = random.Random(seed + 1000).random() < 0.5  # pipelined base steps, likewise (or as ``extra`` says)
+    settings["pipeline"] = extra.pop("pipeline", drawn)
     requests = plan(rng, target.max_seq_len, n)
     decode.free_memory()  # no caches pooled by earlier tests (a budget counts its own)
     rows = settings.pop("warm_up")
