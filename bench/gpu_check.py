@@ -38,10 +38,13 @@ Sections (each row: pass / FAIL / skip with the reason, and its figures):
   kernel vs its torch reference; a train step; torch.profiler's table of the layer), its tables passed through.
 * ``scaling``: ``bench/attention_scaling.py --device cuda``: every backend's layer against SDPA flash, bf16.
 * ``cost``: ``bench/decode_cost.py --device cuda``: one cached decoding step per backend at contexts 2048 / 8192.
-* ``serveload``: ``bench/serve_load.py --inprocess --device cuda --rounds 2``: the continuous-batching scheduler
-  under the load of 16 clients (8..128 new tokens), one row at a time vs without priority vs continuous batching,
-  on the wall clock, its goals (requests/s >= 3x unbatched, short requests' p99 <= 2x unloaded, no errors) marked
-  met or not: torch alone (no Ray, no HTTP), so it runs on a bare GPU image. Then the same with compiled passes
+* ``serveload``: ``bench/serve_load.py --inprocess --device cuda --rounds 2 --unpipelined``: the
+  continuous-batching scheduler under the load of 16 clients (8..128 new tokens), one row at a time vs without
+  priority vs continuous batching (and continuous batching with base steps unpipelined beside it), on the wall
+  clock, its goals (requests/s >= 3x unbatched, short requests' p99 <= 2x unloaded, no errors) marked met or not:
+  torch alone (no Ray, no HTTP), so it runs on a bare GPU image. Then ``bench/steps_per_round.py --device cuda
+  --pipeline --steps 1`` (pipelined base steps against unpipelined, eager: ``OUT/pipeline.log``). Then the same
+  load with compiled passes
   (``--compile on --quick``: CUDA graphs per power-of-two row count, 8 clients), the compiled step costs beside
   the eager ones (``OUT/serveload-compiled.log``), and base decoding with the fixed priority lanes alone
   (``--short-slowdown 0 --quick``: what the scheduler's measured costs change on the GPU,
@@ -49,8 +52,8 @@ Sections (each row: pass / FAIL / skip with the reason, and its figures):
   and distributions, one call for every row against one per row or setting, ``OUT/rowsampling.log``); and last
   ``bench/steps_per_round.py --device cuda`` (base decoding with 4 steps a round against 1, eager and compiled:
   ``OUT/stepsperround.log``, ``OUT/stepsperround-compiled.log``; speculative decoding eager,
-  ``OUT/stepsperround-speculative.log``), then its ``--pipeline --steps 1`` (pipelined base steps against
-  unpipelined, eager and compiled: ``OUT/pipeline.log``, ``OUT/pipeline-compiled.log``).
+  ``OUT/stepsperround-speculative.log``), then its ``--pipeline --steps 1 --compile on``
+  (``OUT/pipeline-compiled.log``).
 * ``decodeattn``: ``bench/decode_attention.py --device cuda``: compiled decode steps (CUDA graphs) with the Triton
   decode attention kernel against attention over the whole capacity, rows of 128 and 1024 keys in a 2048-slot
   cache, batch 1 and 16, 1 and 6 tokens per row; eager passes over a KVCache with the kernel against SDPA; the
@@ -459,11 +462,17 @@ def check_decodeattn(args, out: Path) -> list[Row]:
 def check_serveload(args, out: Path) -> list[Row]:
     """bench/serve_load.py --inprocess on CUDA: the continuous-batching scheduler's load and its goals (torch
     alone: no Ray, no HTTP)."""
-    cmd = ["bench/serve_load.py", "--inprocess", "--device", "cuda", "--rounds", "1" if args.quick else "2"]
+    cmd = ["bench/serve_load.py", "--inprocess", "--device", "cuda", "--rounds", "1" if args.quick else "2",
+           "--unpipelined"]
     if args.device != "cuda":
         return [Row("serveload", "bench/serve_load.py --inprocess", "skip", "no CUDA device")]
-    rows = bench_section("serveload", "bench/serve_load.py --inprocess --device cuda",
+    rows = bench_section("serveload", "bench/serve_load.py --inprocess --device cuda --unpipelined",
                          cmd + (["--quick"] if args.quick else []), args, out)
+    # pipelined base steps (the next step queued before the last one's tokens are read) against unpipelined, a step
+    # a round, eager (early: the newest work)
+    rows += bench_section("serveload", "bench/steps_per_round.py --device cuda --pipeline --steps 1",
+                          ["bench/steps_per_round.py", "--device", "cuda", "--rows", "1", "16", "64", "--pipeline",
+                           "--steps", "1"], args, out, log="pipeline")
     # then with compiled passes (CUDA graphs per power-of-two row count; 8 clients keep the graphs to 1..8 rows)
     rows += bench_section("serveload", "bench/serve_load.py --inprocess --device cuda --compile on --quick",
                           ["bench/serve_load.py", "--inprocess", "--device", "cuda", "--compile", "on", "--quick",
@@ -488,11 +497,7 @@ def check_serveload(args, out: Path) -> list[Row]:
     rows += bench_section("serveload", "bench/steps_per_round.py --device cuda --mode speculative",
                           ["bench/steps_per_round.py", "--device", "cuda", "--rows", "1", "16", "--mode",
                            "speculative"], args, out, log="stepsperround-speculative")
-    # pipelined base steps (the next step queued before the last one's tokens are read) against unpipelined, a step
-    # a round, eager and compiled
-    rows += bench_section("serveload", "bench/steps_per_round.py --device cuda --pipeline --steps 1",
-                          ["bench/steps_per_round.py", "--device", "cuda", "--rows", "1", "16", "64", "--pipeline",
-                           "--steps", "1"], args, out, log="pipeline")
+    # pipelined base steps against unpipelined, compiled
     return rows + bench_section("serveload", "bench/steps_per_round.py --device cuda --pipeline --steps 1 --compile on",
                                 ["bench/steps_per_round.py", "--device", "cuda", "--rows", "1", "16", "--pipeline",
                                  "--steps", "1", "--compile", "on"], args, out, log="pipeline-compiled")

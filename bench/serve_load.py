@@ -55,6 +55,9 @@ prompts prefilled that many tokens a round), beside ``continuous`` with whole pr
 ``--steps-per-round N``: another policy, ``multi-step`` (the scheduler's ``steps_per_round=N``: a batch runs up to
 N steps a round while nothing waits), beside ``continuous``, compared in an [info] line: requests/s, the short
 requests' p99, time to first token and the scheduling's time per round.
+``--unpipelined``: another policy, ``unpipelined`` (the scheduler's ``pipeline=False``), beside ``continuous`` (the
+scheduler's default: base decoding's steps pipelined on CUDA, not on a CPU), compared in an [info] line as
+``multi-step`` is.
 ``--one-pass``: another policy, ``one-pass`` (the scheduler's ``group_prefills=False``: a round's arrivals for a
 lane are prefilled in one pass, padded to the longest prompt), beside ``continuous`` (arrivals grouped into the
 passes the measured costs say cost least), compared in an [info] line: the prefills' time, passes and padded
@@ -366,7 +369,8 @@ def inprocess_load(target, draft, mode: str, knobs: dict, clients: int, lengths:
 def inprocess(target, draft, modes: list[str], clients: int, lengths: list[int], unloaded: int, device: str = "cpu",
               clock: str = "cpu", rounds: int = 1, timeout: float = 300.0, threads: int = 1,
               compiled: dict | None = None, continuous: dict | None = None, long_prompt: int = 0,
-              prefill_chunk: int | None = None, one_pass: bool = False, steps_per_round: int | None = None) -> dict:
+              prefill_chunk: int | None = None, one_pass: bool = False, steps_per_round: int | None = None,
+              unpipelined: bool = False) -> dict:
     """``--inprocess``: the same closed-loop load on the scheduler itself (no HTTP, no Ray: torch alone), for each
     of :data:`POLICIES`, the policies alternated round after round. ``clock="cpu"``: timed on the decoding
     thread's CPU clock (a request's "latency" is the CPU time the decoding thread spent from its submission to
@@ -379,7 +383,8 @@ def inprocess(target, draft, modes: list[str], clients: int, lengths: list[int],
     (:func:`prompt_of`); ``prefill_chunk``: a fourth policy, ``chunked``, continuous batching with that
     ``prefill_chunk`` beside ``continuous`` with whole prompts (``prefill_chunk=0``); ``one_pass``: another,
     ``one-pass``, continuous batching with ``group_prefills=False``; ``steps_per_round``: another, ``multi-step``,
-    continuous batching with that ``steps_per_round``. Returns the figures per
+    continuous batching with that ``steps_per_round``; ``unpipelined``: another, ``unpipelined``, continuous batching
+    with ``pipeline=False``. Returns the figures per
     (policy, mode)."""
     from efftx.serving.continuous import warm_up
 
@@ -402,10 +407,15 @@ def inprocess(target, draft, modes: list[str], clients: int, lengths: list[int],
         policies.append(("one-pass", {"group_prefills": False}))
     if steps_per_round is not None:  # side by side: a step a round, and several while nothing waits
         policies.append(("multi-step", {"steps_per_round": steps_per_round}))
+    if unpipelined:  # side by side: the scheduler's default (pipelined on CUDA), and no pipelining
+        policies.append(("unpipelined", {"pipeline": False}))
     for rnd in range(rounds):
         for mode in modes:
             for name, knobs in policies:
-                extra = (continuous or {}) if name in ("continuous", "chunked", "one-pass", "multi-step") else {}
+                if name == "unpipelined" and mode != "base":  # only base decoding's steps are pipelined
+                    continue
+                tuned = ("continuous", "chunked", "one-pass", "multi-step", "unpipelined")  # take --short-slowdown
+                extra = (continuous or {}) if name in tuned else {}
                 r = inprocess_load(target, draft, mode, {**knobs, **compiled, **extra}, clients, lengths, unloaded,
                                    clock, timeout, long_prompt, warmed.get("costs"))
                 runs.setdefault((name, mode), []).append(r)
@@ -482,12 +492,17 @@ def goals(runs: dict[tuple[str, str], list[dict]], modes: list[str], notes: dict
                              f"{statistics.median(a['rps'] / b['rps'] for a, b in zip(c, single)):.2f}x one pass's; "
                              f"short p99 {statistics.median(a['short_ratio_p99'] for a in single):.2f}x unloaded "
                              f"against {lat:.2f}x; errors {sum(a['errors'] for a in single)}")
-            multi = runs.get(("multi-step", mode))
-            if multi:  # --steps-per-round: several steps a round while nothing waits, beside one
+            # --steps-per-round: several steps a round while nothing waits, beside one; --unpipelined: base steps
+            # unpipelined, beside the scheduler's default
+            for other, what, against in (("multi-step", "{} steps a round while nothing waits", "one step's"),
+                                         ("unpipelined", "unpipelined", "continuous's (the default)")):
+                multi = runs.get((other, mode))
+                if not multi:
+                    continue
                 rps = [a["rps"] / b["rps"] for a, b in zip(multi, c)]
                 p99 = [a["short_ratio_p99"] for a in multi]
-                lines.append(f"[info] {mode}: {multi[0]['knobs']['steps_per_round']} steps a round while nothing "
-                             f"waits: requests/s {statistics.median(rps):.2f}x one step's{rounds_of(rps, '.2f')}; "
+                lines.append(f"[info] {mode}: {what.format(multi[0]['knobs'].get('steps_per_round'))}: requests/s "
+                             f"{statistics.median(rps):.2f}x {against}{rounds_of(rps, '.2f')}; "
                              f"short p99 {statistics.median(p99):.2f}x unloaded against {lat:.2f}x; "
                              + (f"first token p99 {statistics.median(a['ttft_p99'] for a in multi):.0f} ms against "
                                 f"{statistics.median(a['ttft_p99'] for a in c):.0f} ms; " if u else "")
@@ -577,6 +592,9 @@ def main() -> None:
     p.add_argument("--steps-per-round", type=int, default=None, metavar="N",
                    help="--inprocess: another policy, continuous batching with a batch's N steps a round while "
                         "nothing waits (steps_per_round), beside continuous (one)")
+    p.add_argument("--unpipelined", action="store_true",
+                   help="--inprocess: another policy, continuous batching with base steps unpipelined "
+                        "(pipeline=False), beside continuous (the scheduler's default: pipelined on CUDA)")
     p.add_argument("--short-slowdown", type=float, default=None,
                    help="the continuous configuration's short_slowdown (the scheduler's measured-cost priority; "
                         "default: the scheduler's, 1.5; 0: only long_every)")
@@ -595,9 +613,10 @@ def main() -> None:
     if args.compile_rows is not None and (args.compile == "off" or args.compile_rows < 1):
         p.error(f"--compile-rows takes a count >= 1 with --compile on|auto, got {args.compile_rows} with --compile "
                 f"{args.compile}")
-    if (args.long_prompts or args.prefill_chunk is not None or args.one_pass or args.steps_per_round is not None) \
-            and not args.inprocess:
-        p.error("--long-prompts, --prefill-chunk, --one-pass and --steps-per-round are --inprocess options")
+    if (args.long_prompts or args.prefill_chunk is not None or args.one_pass or args.steps_per_round is not None
+            or args.unpipelined) and not args.inprocess:
+        p.error("--long-prompts, --prefill-chunk, --one-pass, --steps-per-round and --unpipelined are --inprocess "
+                "options")
     if args.steps_per_round is not None and args.steps_per_round < 2:
         p.error(f"--steps-per-round takes a count >= 2 (1 is the continuous policy), got {args.steps_per_round}")
     if args.long_prompts < 0 or (args.prefill_chunk is not None and args.prefill_chunk < 1):
@@ -654,7 +673,8 @@ def main() -> None:
             print_prefill_costs(*prefills)
         write_json(args.json, inprocess(target, draft, modes, args.clients, lengths, args.unloaded, args.device,
                                         args.clock, args.rounds, args.timeout, args.threads, compiled, slowdown,
-                                        args.long_prompts, args.prefill_chunk, args.one_pass, args.steps_per_round))
+                                        args.long_prompts, args.prefill_chunk, args.one_pass, args.steps_per_round,
+                                        args.unpipelined))
         return
     del target, draft  # the replicas load their own
     import ray

@@ -150,7 +150,8 @@ def test_the_serveload_section_runs_the_inprocess_load_on_cuda(monkeypatch, tmp_
     """``--only serveload`` needs torch alone (no Ray): on CUDA it runs bench/serve_load.py's in-process load on the
     device, two rounds (one with --quick), then with compiled passes, sampling's per-row bench, the fixed priority
     lanes, several steps a round against one (base eager and compiled, speculative eager) and pipelined base steps
-    against unpipelined (eager and compiled), each in its own log; without CUDA it is skipped, saying so."""
+    against unpipelined (eager second, compiled last), each in its own log; the load itself with base steps
+    unpipelined beside; without CUDA it is skipped, saying so."""
     ran = []
     monkeypatch.setattr(gpu_check, "bench_section", lambda section, name, cmd, args, out, log=None: ran.append(
         (cmd, log)) or [gpu_check.Row(section, name, "pass")])
@@ -168,14 +169,14 @@ def test_the_serveload_section_runs_the_inprocess_load_on_cuda(monkeypatch, tmp_
               "stepsperround-compiled"),
              (["bench/steps_per_round.py", "--device", "cuda", "--rows", "1", "16", "--mode", "speculative"],
               "stepsperround-speculative"),
-             (["bench/steps_per_round.py", "--device", "cuda", "--rows", "1", "16", "64", "--pipeline", "--steps", "1"],
-              "pipeline"),
              (["bench/steps_per_round.py", "--device", "cuda", "--rows", "1", "16", "--pipeline", "--steps", "1",
                "--compile", "on"], "pipeline-compiled")]
-    assert ran == [(["bench/serve_load.py", "--inprocess", "--device", "cuda", "--rounds", "2"], None), compiled,
-                   sampling, fixed, *steps,
-                   (["bench/serve_load.py", "--inprocess", "--device", "cuda", "--rounds", "1", "--quick"], None),
-                   compiled, sampling, fixed, *steps]
+    pipeline = (["bench/steps_per_round.py", "--device", "cuda", "--rows", "1", "16", "64", "--pipeline", "--steps",
+                 "1"], "pipeline")
+    assert ran == [(["bench/serve_load.py", "--inprocess", "--device", "cuda", "--rounds", "2", "--unpipelined"], None),
+                   pipeline, compiled, sampling, fixed, *steps,
+                   (["bench/serve_load.py", "--inprocess", "--device", "cuda", "--rounds", "1", "--unpipelined",
+                     "--quick"], None), pipeline, compiled, sampling, fixed, *steps]
     monkeypatch.undo()
     code, rows = gpu_check.run(["--device", "cpu", "--only", "serveload", "--out", str(tmp_path)])
     assert code == 0 and [(r.section, r.status, r.detail) for r in rows if r.section == "serveload"] == [

@@ -88,16 +88,17 @@ def test_the_inprocess_load_runs_compiled_passes_with_torch_alone(tmp_path):
 
 
 def test_long_prompts_in_chunks_and_in_one_pass_run_beside_whole_prompts_grouped(tmp_path):
-    """``--long-prompts N --prefill-chunk C --one-pass --steps-per-round 4``: every other long request gets an
-    N-byte prompt, and three more policies, ``chunked`` (``prefill_chunk=C``), ``one-pass``
-    (``group_prefills=False``) and ``multi-step`` (``steps_per_round=4``), run beside ``continuous`` (whole prompts,
-    grouped by cost, a step a round), each with an [info] line comparing them."""
+    """``--long-prompts N --prefill-chunk C --one-pass --steps-per-round 4 --unpipelined``: every other long request
+    gets an N-byte prompt, and four more policies, ``chunked`` (``prefill_chunk=C``), ``one-pass``
+    (``group_prefills=False``), ``multi-step`` (``steps_per_round=4``) and ``unpipelined`` (``pipeline=False``), run
+    beside ``continuous`` (whole prompts, grouped by cost, a step a round, the default pipelining), each with an
+    [info] line comparing them."""
     assert len(serve_load.prompt_of(1, 40, 60)) == 60 and len(serve_load.prompt_of(3, 40, 60)) == 60
     assert len(serve_load.prompt_of(2, 40, 60)) < 30 and len(serve_load.prompt_of(1, 8, 60)) < 30  # short: as ever
     out = tmp_path / "figures.json"
     proc = bench("--inprocess", "--size", "debug", "--modes", "base", "--requests", "8", "--clients", "2",
                  "--max-new", "32", "--unloaded", "1", "--long-prompts", "60", "--prefill-chunk", "16",
-                 "--one-pass", "--steps-per-round", "4", "--json", str(out))
+                 "--one-pass", "--steps-per-round", "4", "--unpipelined", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = json.loads(out.read_text())
     assert runs["chunked/base"][0]["knobs"]["prefill_chunk"] == 16 and runs["chunked/base"][0]["errors"] == 0
@@ -113,10 +114,14 @@ def test_long_prompts_in_chunks_and_in_one_pass_run_beside_whole_prompts_grouped
     assert re.search(r"^\s+\[info\] base: 4 steps a round while nothing waits: requests/s [\d.]+x one step's; short "
                      r"p99 [\d.]+x unloaded against [\d.]+x; first token p99 \d+ ms against \d+ ms; scheduling \d+ "
                      r"us of a \d+ us round against \d+ of \d+; errors 0$", proc.stdout, re.M), proc.stdout
-    for flag in (["--prefill-chunk", "16"], ["--one-pass"], ["--steps-per-round", "4"]):
+    unpiped = runs["unpipelined/base"][0]
+    assert unpiped["knobs"]["pipeline"] is False and "pipeline" not in grouped["knobs"] and unpiped["errors"] == 0
+    assert re.search(r"^\s+\[info\] base: unpipelined: requests/s [\d.]+x continuous's \(the default\); short p99 ",
+                     proc.stdout, re.M), proc.stdout
+    for flag in (["--prefill-chunk", "16"], ["--one-pass"], ["--steps-per-round", "4"], ["--unpipelined"]):
         proc = bench(*flag)
-        assert proc.returncode == 2 and "--long-prompts, --prefill-chunk, --one-pass and --steps-per-round are " \
-            "--inprocess options" in proc.stderr
+        assert proc.returncode == 2 and "--long-prompts, --prefill-chunk, --one-pass, --steps-per-round and " \
+            "--unpipelined are --inprocess options" in proc.stderr
     proc = bench("--inprocess", "--steps-per-round", "1")
     assert proc.returncode == 2 and "--steps-per-round takes a count >= 2" in proc.stderr
 
