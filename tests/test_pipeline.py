@@ -196,3 +196,30 @@ def test_a_batch_not_stepped_in_a_round_has_its_step_in_flight_read_by_the_round
     monkeypatch.undo()
     assert any(landed)  # such rounds happened, with a base step in flight
     assert_alone(target, draft, jobs)
+
+
+def test_a_step_whose_tokens_cannot_be_read_fails_its_rows_and_the_replica_goes_on(pairs, monkeypatch):
+    """The read of a pipelined step raises (on a GPU: a device error surfacing at the first wait after the step
+    ran): that step's rows fail (their caches hold a step whose tokens are lost), while a long base row waiting in
+    the slow lane, a speculative row and a base request arriving later get their solo output, and no round raises."""
+    target, draft = pair(pairs, "full")
+    scheduler = Scheduler(target, draft, max_rows=8, short_tokens=8, fast_rows=1, long_every=4, short_slowdown=0,
+                          pipeline=True)
+    failed = []
+    real = batches.BaseEngine._read
+
+    def read(self, state, tokens):
+        if not failed and len(state.jobs) == 1 and len(self) == 2:  # the short row's step, the long one beside
+            failed.append(state.jobs[0])
+            raise RuntimeError("device error at the read")
+        return real(self, state, tokens)
+
+    monkeypatch.setattr(batches.BaseEngine, "_read", read)
+    plan = [(0, [5, 6, 7], 30, HOT, 1, None), (1, [9] * 4, 8, NUCLEUS, 2, None), (1, [1, 2], 14, HOT, 3, 2),
+            (12, [4, 4], 9, GREEDY, 4, None)]
+    jobs = run_rounds(scheduler, plan)
+    monkeypatch.undo()
+    assert failed == [jobs[1]] and len(jobs[1].out) < 8
+    assert jobs[1].failure.status == 500 and "device error" in str(jobs[1].error)
+    assert_alone(target, draft, [jobs[0], *jobs[2:]])
+    assert not scheduler.running and scheduler.base._flight is None

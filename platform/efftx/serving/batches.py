@@ -216,7 +216,7 @@ class PassTime:
 
     def run(self, fn: Callable, *args, sync: bool = True):
         """``fn(*args)``, timed as a pass (``sync`` False: without waiting for the device, a pipelined step's launch,
-        whose wait is timed where its tokens are read, :meth:`_Engine.settle`)."""
+        whose wait is added where its tokens are read, :meth:`_Engine.settle`)."""
         t0 = self.clock()
         try:
             out = fn(*args)
@@ -349,18 +349,28 @@ class _Engine:
 
     def settle(self) -> None:
         """Read the step in flight and hand its tokens over (nothing where none is in flight). Whatever moves rows,
-        or needs their tokens, settles first."""
+        or needs their tokens, settles first. Where the read raises (an error of the device's, surfacing at the
+        first wait after the step ran), the step's rows fail: their caches hold a step whose tokens are lost."""
         flight, self._flight = self._flight, None
         if flight is None:
             return
         state, result, batch = flight
         for job in state.jobs:
             job.ahead = 0
-        result = self.pass_time.run(self._read, state, result, sync=False)  # the wait for the device: the pass's
+        t0 = self.pass_time.clock()
+        try:
+            result = self._read(state, result)
+        except Exception as exc:  # noqa: BLE001 - the step's rows fail, the batch goes on
+            for job in state.jobs:
+                job._fail(exc, f"{self.kind} decoding")
+            return
+        finally:
+            self.pass_time.seconds += self.pass_time.clock() - t0  # the wait for the device: the pass's time
         self.commit(state, result, batch)
         for i, (job, last) in enumerate(zip(state.jobs, state.host_lasts())):
-            if self.order[state.start + i] is job:  # always (rows move only settled), kept safe
-                self.last[state.start + i] = last
+            slot = state.start + i
+            if slot < len(self.order) and self.order[slot] is job:  # always (rows move only settled), kept safe
+                self.last[slot] = last
 
     def land(self) -> None:
         """:meth:`settle`, and the rows it finished leave (a batch not stepped in a round: its step in flight is
