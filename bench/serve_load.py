@@ -363,7 +363,8 @@ def inprocess_load(target, draft, mode: str, knobs: dict, clients: int, lengths:
             "ttft_p99": pct(ttft, 0.99), "rows": max((r[4].batch_size for r in ok), default=0),
             "long_rounds": scheduler.long_rounds, "rounds": scheduler.rounds, "knobs": knobs,
             "prefills": scheduler.prefills, "prefill_tokens": scheduler.prefill_tokens,
-            "prefill_s": scheduler.prefill_s, "free_joins": scheduler.free_joins, "timing": scheduler.timing()}
+            "prefill_s": scheduler.prefill_s, "free_joins": scheduler.free_joins, "timing": scheduler.timing(),
+            "pipelining": scheduler.pipelining()}
 
 
 def inprocess(target, draft, modes: list[str], clients: int, lengths: list[int], unloaded: int, device: str = "cpu",
@@ -519,6 +520,12 @@ def goals(runs: dict[tuple[str, str], list[dict]], modes: list[str], notes: dict
                     f"{name} {statistics.median(r['timing']['host_us'] for r in rs):.0f} us of a "
                     f"{statistics.median(r['timing']['round_us'] for r in rs):.0f} us round "
                     f"({100 * statistics.median(r['timing']['host_share'] for r in rs):.0f}%)" for name, rs in host))
+            piped = [r["pipelining"] for r in c if r.get("pipelining")]
+            if piped:  # pipelined base steps: how many followed the step in flight (the rest waited for its read)
+                lines.append(f"[info] {mode}: continuous batching's pipelined base steps that followed the step in "
+                             f"flight: {statistics.median(p['share'] for p in piped):.0%} of "
+                             f"{statistics.median(p['steps'] for p in piped):.0f} (the others were queued after it was "
+                             "read: a row joined, left or moved, or the lane changed)")
             if u:
                 lines.append(f"[info] {mode}: time to first token p50 {statistics.median(a['ttft_p50'] for a in c):.0f}"
                              f" ms, p99 {statistics.median(a['ttft_p99'] for a in c):.0f} ms (unbatched: p50 "

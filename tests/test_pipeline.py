@@ -76,6 +76,8 @@ def test_pipelined_steps_give_every_request_its_solo_output(pairs, kind, steps, 
     assert not seen["past"]
     assert all(j.ahead == 0 for j in jobs) and scheduler.base._flight is None
     assert seen["follows"] >= seen["computes"] // 3 > 0, seen  # pipelined, not settled before every step
+    assert scheduler.pipelining() == {"steps": seen["computes"], "followed": seen["follows"],
+                                      "share": round(seen["follows"] / seen["computes"], 4)}
 
 
 def events(scheduler: Scheduler, plan) -> list[str]:
@@ -161,6 +163,7 @@ def test_a_fault_while_a_step_is_in_flight_fails_only_its_row(pairs, monkeypatch
 def test_pipeline_is_on_by_default_only_on_a_cuda_device_and_checked(pairs, monkeypatch):
     target, _ = pair(pairs, "full")
     assert Scheduler(target).pipeline is False and Scheduler(target, pipeline=True).base.pipeline is True
+    assert Scheduler(target).pipelining() is None
     monkeypatch.setattr("efftx.serving.continuous._device", lambda model: torch.device("cuda", 0))
     assert Scheduler(target).pipeline is True and Scheduler(target, pipeline=False).pipeline is False
     for bad in (1, "yes"):

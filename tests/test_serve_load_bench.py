@@ -159,6 +159,18 @@ def test_goals_are_marked_at_their_thresholds(rps, p99, errors, marks):
     assert f"{rps:.2f}x [{rps:.2f}, {rps:.2f}]" in lines[0] and "a note" in lines[1]
 
 
+def test_pipelined_runs_say_how_many_steps_followed_the_step_in_flight():
+    """In-process runs of a pipelining scheduler (its ``pipelining()``) get an [info] line with the median share of
+    base steps that followed the step in flight; runs without it (a CPU's default, or over HTTP) get none."""
+    piped = [{**run(4.0, 1.5), "pipelining": {"steps": n, "followed": f, "share": round(f / n, 4)}}
+             for n, f in ((100, 60), (120, 84), (90, 45))]
+    runs = {("unbatched", "base"): [run(1.0, 9.0)] * 3, ("continuous", "base"): piped}
+    (line,) = [x for x in serve_load.goals(runs, ["base"]) if "followed the step in flight" in x]
+    assert line.startswith("[info] base: ") and ": 60% of 100 (" in line  # medians of the runs' shares and steps
+    runs[("continuous", "base")] = [run(4.0, 1.5)] * 3
+    assert not [x for x in serve_load.goals(runs, ["base"]) if "followed the step in flight" in x]
+
+
 @pytest.mark.parametrize("args, says", [
     (["--device", "cuda"], "torch sees no CUDA device"),
     (["--modes", "base,fast"], "--modes takes base and/or speculative"),

@@ -299,6 +299,7 @@ class _Engine:
         # queued behind it (or at the next change of the rows); the step in flight: (its state, its result, rows)
         self.pipeline = False
         self._flight: tuple[_State, Any, int] | None = None
+        self.deferred = self.followed = 0  # steps left in flight, and those of them fed by the step in flight
 
     def __len__(self) -> int:
         return len(self.order)
@@ -577,6 +578,8 @@ class _Engine:
                 for job in state.jobs:
                     job.ahead += state.steps
                 self._flight = (state, result, b - a)
+                self.deferred += 1
+                self.followed += follow
                 return state.steps
             parts = [(state, result)]
         for part, result in parts:

@@ -667,6 +667,15 @@ class Scheduler:
         GPU's compiled steps), this is what bounds a replica's rounds per second."""
         return self.round_seconds - self.pass_time.seconds
 
+    def pipelining(self) -> dict[str, float] | None:
+        """With ``pipeline`` on (any thread): the base steps left in flight (``steps``), how many of them followed the
+        step in flight, fed its tokens on the device (``followed``; the others were queued after the host had read
+        it: a row joined, left or moved, or the lane changed), and their ``share``; None with it off."""
+        if not self.pipeline:
+            return None
+        steps, followed = self.base.deferred, self.base.followed
+        return {"steps": steps, "followed": followed, "share": round(followed / steps, 4) if steps else 0.0}
+
     def timing(self) -> dict[str, float] | None:
         """Where the rounds' time went (any thread), per round on average: ``round_us`` in all, ``pass_us`` in the
         batches' passes, ``host_us`` besides them (:attr:`host_seconds`), ``host_share`` of the rounds' time, and
