@@ -524,8 +524,8 @@ def goals(runs: dict[tuple[str, str], list[dict]], modes: list[str], notes: dict
             if piped:  # pipelined base steps: how many followed the step in flight (the rest waited for its read)
                 lines.append(f"[info] {mode}: continuous batching's pipelined base steps that followed the step in "
                              f"flight: {statistics.median(p['share'] for p in piped):.0%} of "
-                             f"{statistics.median(p['steps'] for p in piped):.0f} (the others were queued after it was "
-                             "read: a row joined, left or moved, or the lane changed)")
+                             f"{statistics.median(p['steps'] for p in piped):.0f} (the others had none to follow: "
+                             "a batch's first step, or the first after a round that did not step it)")
             if u:
                 lines.append(f"[info] {mode}: time to first token p50 {statistics.median(a['ttft_p50'] for a in c):.0f}"
                              f" ms, p99 {statistics.median(a['ttft_p99'] for a in c):.0f} ms (unbatched: p50 "

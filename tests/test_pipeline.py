@@ -26,15 +26,10 @@ def pairs():
 
 
 def spy(monkeypatch) -> dict:
-    """Counts the steps that followed the step in flight, and checks at every base compute that no row is asked for
-    a token past its own (its tokens read, and those in flight, counted)."""
-    seen = {"follows": 0, "computes": 0, "past": []}
-    real_follows, real_compute = batches._Engine._follows, batches.BaseEngine.compute
-
-    def follows(self, a, b):
-        out = real_follows(self, a, b)
-        seen["follows"] += out
-        return out
+    """Checks at every base compute that no row is asked for a token past its own (its tokens read, and those in
+    flight, counted)."""
+    seen = {"computes": 0, "past": []}
+    real_compute = batches.BaseEngine.compute
 
     def compute(self, state):
         seen["computes"] += 1
@@ -42,7 +37,6 @@ def spy(monkeypatch) -> dict:
         seen["past"] += [j.tag for j, m in zip(state.jobs, made) if m + state.steps > j.max_new]
         return real_compute(self, state)
 
-    monkeypatch.setattr(batches._Engine, "_follows", follows)
     monkeypatch.setattr(batches.BaseEngine, "compute", compute)
     return seen
 
@@ -75,9 +69,8 @@ def test_pipelined_steps_give_every_request_its_solo_output(pairs, kind, steps, 
     assert all(j.streamed == j.out for j in jobs)
     assert not seen["past"]
     assert all(j.ahead == 0 for j in jobs) and scheduler.base._flight is None
-    assert seen["follows"] >= seen["computes"] // 3 > 0, seen  # pipelined, not settled before every step
-    assert scheduler.pipelining() == {"steps": seen["computes"], "followed": seen["follows"],
-                                      "share": round(seen["follows"] / seen["computes"], 4)}
+    piped = scheduler.pipelining()  # rows joining, leaving, moving and lane changes do not stop the pipeline
+    assert piped["steps"] == seen["computes"] and piped["followed"] >= 0.85 * piped["steps"], piped
 
 
 def events(scheduler: Scheduler, plan) -> list[str]:
@@ -102,14 +95,15 @@ def events(scheduler: Scheduler, plan) -> list[str]:
 
 def test_the_next_step_is_queued_before_the_last_ones_tokens_are_read(pairs):
     """One request of five new tokens (the prefill's and four steps'): unpipelined, each step's tokens are read
-    before the next step; pipelined, each step is queued before the one before is read, and the last step is read
-    in the round after it, before its row leaves. Nothing else reads the device."""
+    before the next step; pipelined, each step is queued before the one before is read, and the last step (its row
+    leaves as it is queued: it has all its tokens) is read at the end of its round, as nothing follows it. Nothing
+    else reads the device."""
     target, draft = pair(pairs, "full")
     plan = [(0, [5, 6, 7], 5, HOT, 1, None)]
     assert events(Scheduler(target, pipeline=False), plan) == ["read"] + ["step", "read"] * 4
     piped = Scheduler(target, pipeline=True)
     assert events(piped, plan) == ["read", "step", "step", "read", "step", "read", "step", "read", "read"]
-    assert piped.rounds == 5 and not piped.running
+    assert piped.rounds == 4 and not piped.running
 
 
 def test_a_fault_while_a_step_is_in_flight_fails_only_its_row(pairs, monkeypatch):
@@ -212,7 +206,7 @@ def test_a_step_whose_tokens_cannot_be_read_fails_its_rows_and_the_replica_goes_
     real = batches.BaseEngine._read
 
     def read(self, state, tokens):
-        if not failed and len(state.jobs) == 1 and len(self) == 2:  # the short row's step, the long one beside
+        if not failed and [j.max_new for j in state.jobs] == [8] and len(self) == 2:  # the short row's step alone
             failed.append(state.jobs[0])
             raise RuntimeError("device error at the read")
         return real(self, state, tokens)

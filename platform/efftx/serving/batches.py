@@ -296,9 +296,13 @@ class _Engine:
         # several steps at once stop after the one running when this says so (the scheduler: a request arrived)
         self.interrupt: Callable[[], bool] | None = None
         # pipelined steps (engines that allow it, :attr:`pipelines`): a step's tokens are read once the next step is
-        # queued behind it (or at the next change of the rows); the step in flight: (its state, its result, rows)
+        # queued behind it (or at the end of a round that does not step the batch); the step in flight: (its state,
+        # its result, rows)
         self.pipeline = False
         self._flight: tuple[_State, Any, int] | None = None
+        # while a step is in flight: per slot, the row of that step whose last token the slot's row holds (rows move,
+        # join and leave before it is read), or None (the slot's token is on the host, in self.last)
+        self._flown: list[int | None] = []
         self.deferred = self.followed = 0  # steps left in flight, and those of them fed by the step in flight
 
     def __len__(self) -> int:
@@ -341,20 +345,31 @@ class _Engine:
                       self.order[a:b], a, lasts)
 
     # -- pipelining: a step's tokens read while the next step runs
-    def _follows(self, a: int, b: int) -> bool:
-        """Whether a step of rows ``a .. b - 1`` can follow the step in flight, fed its tokens on the device: the
-        same rows in the same slots (every row with tokens left after it: :meth:`drop_cancelled` saw to that)."""
-        flight = self._flight
-        return (flight is not None and flight[0].start == a and len(flight[0].jobs) == b - a
-                and all(x is y for x, y in zip(flight[0].jobs, self.order[a:b])))
+    def _carried(self, a: int, b: int) -> torch.Tensor:
+        """Rows ``a .. b - 1``'s last tokens on the device, with a step in flight: its tokens for its rows (wherever
+        they moved since), the host's for the others (rows that joined since, or that it did not step)."""
+        carry = self._carry(self._flight[1])
+        rows = self._flown[a:b]
+        if rows == list(range(len(self._flight[0].jobs))):
+            return carry  # the same rows in the same slots
+        if None not in rows:
+            return carry[host_values(rows, torch.long, carry.device)]
+        out = host_values([t if k is None else 0 for t, k in zip(self.last[a:b], rows)], torch.long, carry.device)
+        at = [i for i, k in enumerate(rows) if k is not None]
+        if at:
+            out[host_values(at, torch.long, carry.device)] = carry[host_values([rows[i] for i in at], torch.long,
+                                                                               carry.device)]
+        return out
 
     def settle(self) -> None:
-        """Read the step in flight and hand its tokens over (nothing where none is in flight). Whatever moves rows,
-        or needs their tokens, settles first. Where the read raises (an error of the device's, surfacing at the
-        first wait after the step ran), the step's rows fail: their caches hold a step whose tokens are lost."""
+        """Read the step in flight and hand its tokens over (nothing where none is in flight): its rows' last tokens
+        go to the host, in the slots where those rows are now (:attr:`_flown`). Where the read raises (an error of the
+        device's, surfacing at the first wait after the step ran), the step's rows fail: their caches hold a step
+        whose tokens are lost."""
         flight, self._flight = self._flight, None
         if flight is None:
             return
+        flown, self._flown = self._flown, []
         state, result, batch = flight
         for job in state.jobs:
             job.ahead = 0
@@ -368,10 +383,10 @@ class _Engine:
         finally:
             self.pass_time.seconds += self.pass_time.clock() - t0  # the wait for the device: the pass's time
         self.commit(state, result, batch)
-        for i, (job, last) in enumerate(zip(state.jobs, state.host_lasts())):
-            slot = state.start + i
-            if slot < len(self.order) and self.order[slot] is job:  # always (rows move only settled), kept safe
-                self.last[slot] = last
+        lasts = state.host_lasts()
+        for slot, k in enumerate(flown[:len(self.order)]):
+            if k is not None:
+                self.last[slot] = lasts[k]
 
     def land(self) -> None:
         """:meth:`settle`, and the rows it finished leave (a batch not stepped in a round: its step in flight is
@@ -389,9 +404,11 @@ class _Engine:
         raise NotImplementedError
 
     # -- slot surgery (every model's slots, the jobs and last tokens alike)
-    def _place(self, slot: int, job: Job, last: int) -> None:
-        """``job`` and its last token at ``slot`` (a row, or one past the last)."""
-        self.settle()
+    def _place(self, slot: int, job: Job, last: int, flown: int | None = None) -> None:
+        """``job`` and its last token at ``slot`` (a row, or one past the last); ``flown``: the row of the step in
+        flight whose last token is its (:attr:`_flown`; None: ``last``)."""
+        if self._flight is not None:
+            self._flown[slot:slot + 1] = [flown]
         self._changes += 1
         if slot == len(self.order):
             self.order.append(job)
@@ -400,15 +417,16 @@ class _Engine:
             self.order[slot], self.last[slot] = job, last
 
     def _copy(self, source: int, slot: int) -> None:
-        self.settle()
+        """Row ``source`` copied into ``slot`` (with the step in flight, it stays in flight: see :attr:`_flown`)."""
         if source == slot:
             return
         for s in self.slots:
             s.copy(source, slot)
-        self._place(slot, self.order[source], self.last[source])
+        self._place(slot, self.order[source], self.last[source], self._flown[source] if self._flight else None)
 
     def _swap(self, a: int, b: int) -> None:
-        self.settle()
+        if self._flight is not None:
+            self._flown[a], self._flown[b] = self._flown[b], self._flown[a]
         for s in self.slots:
             s.swap(a, b)
         self.order[a], self.order[b] = self.order[b], self.order[a]
@@ -417,7 +435,6 @@ class _Engine:
 
     def _insert(self, state: _State, lane: str) -> None:
         """The rows of a prefilled ``state`` whose jobs are not done join ``lane``."""
-        self.settle()
         lasts = state.host_lasts()
         for i, job in enumerate(state.jobs):
             if job.done:
@@ -436,12 +453,11 @@ class _Engine:
         """Rows whose jobs are done leave (the highest slot first, so that only kept rows fill the holes), and the
         slots give back what their rows no longer need. Nothing to do where no row is done and no row was placed,
         moved or reserved since the last call (three calls a round: the rows' needs are not worked out again)."""
-        gone = [i for i, job in enumerate(self.order) if job.done]
+        # done, or with their last tokens in the step in flight (they leave before it is read, their tokens handed
+        # over when it is)
+        gone = [i for i, job in enumerate(self.order) if job.done or job.left <= 0]
         if not gone and self.order and self._settled == self._changes:
             return
-        if gone and self._flight is not None:  # the rows of the step in flight stay where it left them till it is read
-            self.settle()
-            gone = [i for i, job in enumerate(self.order) if job.done]
         for i in reversed(gone):
             last = len(self.order) - 1
             if i < self.fast:
@@ -450,7 +466,7 @@ class _Engine:
                 self.fast -= 1
             else:
                 self._copy(last, i)
-            del self.order[last], self.last[last]
+            del self.order[last], self.last[last], self._flown[last:last + 1]
             for s in self.slots:
                 s.truncate(last)
         positions = self.positions()
@@ -517,9 +533,7 @@ class _Engine:
 
     def drop_cancelled(self) -> None:
         """Cancelled rows leave (whichever lane they are in); so do rows that got their last tokens in the step in
-        flight (it is read first: no step follows it)."""
-        if self._flight is not None and any(j.left <= 0 for j in self._flight[0].jobs):
-            self.settle()
+        flight (they take no step after it; their tokens reach them when it is read)."""
         for job in self.order:
             if job.cancelled:
                 job._finish()
@@ -550,14 +564,12 @@ class _Engine:
     def _step_range(self, a: int, b: int, steps: int = 1, defer: bool = False) -> int:
         """One batched pass (or ``steps``) over rows ``a .. b - 1``; if it raises, it is undone and run row by row
         (one that ran out of device memory also halves the rows of this batch's later passes, :attr:`step_rows`).
-        ``defer``: its tokens are left on the device, read later (:meth:`settle`); where the step in flight has the
-        same rows, this one is fed its tokens there, queued behind it, and only then is that one read (pipelined
-        steps: on a GPU the device runs the next step while the host reads and hands over the last one's tokens and
-        schedules). -> the most steps its rows ran (0: every row failed)."""
-        follow = self._follows(a, b)
-        if not follow:
-            self.settle()
-        state = self._view(a, b, self._carry(self._flight[1]) if follow else None)
+        ``defer``: its tokens are left on the device, read later (:meth:`settle`). With a step in flight, this one is
+        fed that step's tokens for its rows (:meth:`_carried`), queued behind it, and only then is that one read
+        (pipelined steps: on a GPU the device runs the next step while the host reads and hands over the last one's
+        tokens and schedules). -> the most steps its rows ran (0: every row failed)."""
+        follow = self._flight is not None and b > a  # fed on the device where the step in flight has the tokens
+        state = self._view(a, b, self._carried(a, b) if follow else None)
         state.steps = steps
         snapshot, gens = state.snapshot(), _gen_states(state.jobs)
         try:
@@ -578,6 +590,8 @@ class _Engine:
                 for job in state.jobs:
                     job.ahead += state.steps
                 self._flight = (state, result, b - a)
+                self._flown = [None] * len(self.order)
+                self._flown[a:b] = range(b - a)
                 self.deferred += 1
                 self.followed += follow
                 return state.steps
@@ -614,7 +628,7 @@ class _Engine:
         return parts
 
     def fail_all(self, exc: BaseException) -> None:
-        self._flight = None  # its tokens are never read: every row fails
+        self._flight, self._flown = None, []  # its tokens are never read: every row fails
         for job in self.jobs():
             job.ahead = 0
             job._fail(exc, f"{self.kind} decoding")

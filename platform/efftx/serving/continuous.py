@@ -55,10 +55,12 @@ loop) that repeats rounds: admit the requests that may start, then run one decod
 * **Pipelined steps** (``pipeline``, default on where the target is on a CUDA device): a base batch's step is fed
   the tokens of the step before while they are still on the device, and queued behind it; only then does the host
   read that step's tokens and hand them to their requests. So on a GPU the device runs the next step while the host
-  reads, hands over and schedules, instead of waiting for it. A step follows the one in flight only over the same
-  rows in the same slots; whatever changes the rows (a row joining, leaving, moving between lanes, cancelled, a
-  batch not stepped in a round) reads the step in flight first, and a row whose last token is in flight is read
-  before the next step (no row computes past its own last token). A request's tokens and its stream's draws are
+  reads, hands over and schedules, instead of waiting for it. Rows join, leave, move between lanes and are
+  cancelled while a step is in flight: the engine keeps, per slot, which row of that step holds the slot's last
+  token (the rest are on the host), so the next step is fed every row's token, whatever changed, and a lane change
+  does not stop the pipeline either. A row whose last token is in flight leaves before the next step (no row
+  computes past its own last token), its tokens handed over when that step is read; a batch not stepped in a round,
+  or whose rows all left, has its step read at the round's end. A request's tokens and its stream's draws are
   exactly those of unpipelined steps; its tokens reach it (and its stream) one round later. A step that raises is
   undone as any other, after the step before is read.
 * **Caches.** A running batch keeps its rows in preallocated slots of each model's cache
@@ -669,8 +671,8 @@ class Scheduler:
 
     def pipelining(self) -> dict[str, float] | None:
         """With ``pipeline`` on (any thread): the base steps left in flight (``steps``), how many of them followed the
-        step in flight, fed its tokens on the device (``followed``; the others were queued after the host had read
-        it: a row joined, left or moved, or the lane changed), and their ``share``; None with it off."""
+        step in flight, fed its tokens on the device (``followed``; the others had none to follow: a batch's first
+        step, or the first after a round that did not step it), and their ``share``; None with it off."""
         if not self.pipeline:
             return None
         steps, followed = self.base.deferred, self.base.followed
@@ -748,8 +750,10 @@ class Scheduler:
                     if self.observe is not None:
                         for _ in range(steps):
                             _call(self.observe, engine.kind, rows)
-        for engine in self._engines():  # a pipelined step not followed in this round is read now, not held back
-            if id(engine) not in stepped:
+        # a pipelined step not followed in this round is read now, not held back; so is one whose rows all left (they
+        # finished in it: nothing runs to read it later)
+        for engine in self._engines():
+            if id(engine) not in stepped or not len(engine):
                 engine.land()
         with self._cv:  # a speculative batch that queued requests wait for stays (its slots emptied), not made anew
             wanted = {(j.gamma, j.max_gamma) for j in self._queue if j.speculative}
