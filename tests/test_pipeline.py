@@ -14,7 +14,7 @@ import torch
 
 from device_waits import DeviceWaits
 from efftx.serving import batches
-from efftx.serving.continuous import Job, Scheduler
+from efftx.serving.continuous import Job, Scheduler, warm_up
 from test_serve_continuous import GREEDY, HOT, MIXED, NUCLEUS, assert_alone, pair, run_rounds
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -220,3 +220,20 @@ def test_a_step_whose_tokens_cannot_be_read_fails_its_rows_and_the_replica_goes_
     assert jobs[1].failure.status == 500 and "device error" in str(jobs[1].error)
     assert_alone(target, draft, [jobs[0], *jobs[2:]])
     assert not scheduler.running and scheduler.base._flight is None
+
+
+def test_a_replicas_warm_up_runs_its_steps_pipelined_as_the_replica_will(pairs, monkeypatch):
+    """``warm_up(pipeline=...)`` (the app passes the replica's setting): its throwaway batches' steps run pipelined,
+    so the costs handed to the replica's scheduler are those of the steps it will run; without it, not (a CPU)."""
+    target, draft = pair(pairs, "full")
+    flights = []
+    real = batches._Engine.settle
+
+    def settle(self):
+        flights.append(self._flight is not None)
+        real(self)
+
+    monkeypatch.setattr(batches._Engine, "settle", settle)
+    assert warm_up(target, draft, rows=4, gamma=2, pipeline=True)["rows"] > 0 and any(flights)
+    flights.clear()
+    assert warm_up(target, draft, rows=4, gamma=2)["rows"] > 0 and not any(flights)

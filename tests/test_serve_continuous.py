@@ -1897,12 +1897,14 @@ def test_priority_settings_are_checked_and_reach_the_scheduler(debug_exports):
     cls = TextGenerator.func_or_class
     replica = cls.__new__(cls)
     init = cls.__init__(replica, debug_exports["target"], priority={"short_tokens": 4, "long_every": 2,
-                                                                   "short_slowdown": 2.5, "group_prefills": False})
+                                                                   "short_slowdown": 2.5, "group_prefills": False,
+                                                                   "pipeline": True})
     if asyncio.iscoroutine(init):  # @serve.ingress makes the constructor a coroutine
         asyncio.run(init)
     try:  # the replica's scheduler (built outside Serve here) has the settings, the defaults for the others
         assert (replica.scheduler.short_tokens, replica.scheduler.long_every) == (4, 2)
         assert replica.scheduler.short_slowdown == 2.5 and replica.scheduler.group_prefills is False
+        assert replica.scheduler.pipeline is True and replica.batching["pipeline"] is True  # on a CPU: as asked
         assert replica.scheduler.fast_rows == Scheduler(target).fast_rows
     finally:
         replica.scheduler.close()

@@ -128,7 +128,7 @@ logger = logging.getLogger("ray.serve")
 # ---------------------------------------------------------------------------------------------- warm-up
 def warm_up(target, draft=None, *, rows: int = 16, gamma: int | None = None, tokens: int = 4,
             compile: str = "off", compile_rows: int | None = None, max_gamma: int | None = None,
-            cache_budget: int | None = None) -> dict[str, Any]:
+            cache_budget: int | None = None, pipeline: bool | None = None) -> dict[str, Any]:
     """Decode throwaway requests at a replica's start, so that its first real burst does not pay one-time costs.
 
     A freshly loaded model's first batched steps are slower than later ones of the same size (first use of each
@@ -139,7 +139,8 @@ def warm_up(target, draft=None, *, rows: int = 16, gamma: int | None = None, tok
     16 tokens, sampled at temperature 1, top-k 8), base decoding and, with a draft and ``gamma``, speculative
     decoding with that gamma, on a scheduler of its own (no hook, no metrics: nothing of it is counted or kept);
     with ``compile``, also batches of 2 and 1 prompts of 32 tokens (the compiled prefills' shapes, with those of
-    the batches before). ``cache_budget``: the replica's (its batches take no more rows than it holds).
+    the batches before). ``cache_budget``: the replica's (its batches take no more rows than it holds); ``pipeline``:
+    the replica's (the costs measured are those of the steps it will run).
     In a short context the requests get fewer new tokens, and a mode none of whose requests fits is skipped.
     ``rows=0`` does nothing. Returns ``{"rows": requests decoded, "seconds": wall time, "costs": the step and prefill
     costs measured}`` (``costs``, on :func:`time.perf_counter`, is for the replica's :class:`Scheduler` to start
@@ -153,7 +154,8 @@ def warm_up(target, draft=None, *, rows: int = 16, gamma: int | None = None, tok
     # every batch's prompts in one prefill (group_prefills off): its shapes are the ones warmed, not those the
     # first batches' measured costs would cut them into
     scheduler = Scheduler(target, draft, max_rows=rows, short_tokens=0, prefill_rows=0, compile=compile,
-                          compile_rows=compile_rows, cache_budget=cache_budget, group_prefills=False)
+                          compile_rows=compile_rows, cache_budget=cache_budget, group_prefills=False,
+                          pipeline=pipeline)
     batches = [rows >> k for k in range(rows.bit_length())]  # rows, rows // 2, ..., 1
     kinds = [(None, None)] + ([(gamma, None)] if draft is not None and gamma else [])
     if draft is not None and gamma and max_gamma:

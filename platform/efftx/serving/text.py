@@ -294,7 +294,8 @@ class TextGenerator:
             adaptive = self.limits.max_gamma if compiled["compile"] != "off" else None
             budget = cache_budget(cache_mib, cache_fraction, self.device)  # bytes, or None
             warmed = warm_up(self.target, self.draft, rows=warm_up_size(warm_up_rows, max_batch_size, compiled),
-                             gamma=gamma, max_gamma=adaptive, cache_budget=budget, **compiled)
+                             gamma=gamma, max_gamma=adaptive, cache_budget=budget,
+                             pipeline=(priority or {}).get("pipeline"), **compiled)
             self.batching.update(warm_up_rows=warmed["rows"], warm_up_s=warmed["seconds"], **compiled)
             self.scheduler = Scheduler(self.target, self.draft, max_rows=max_batch_size,
                                        admit_wait_s=batch_wait_timeout_s, **(priority or {}), **compiled,
