@@ -165,21 +165,32 @@ def test_pipeline_is_on_by_default_only_on_a_cuda_device_and_checked(pairs, monk
             Scheduler(target, pipeline=bad)
 
 
+def in_flight_at(monkeypatch, method: str) -> list[bool]:
+    """Wraps the engines' ``method`` (``land``, ``settle``): whether a step was in flight at each call."""
+    seen: list[bool] = []
+    real = getattr(batches._Engine, method)
+
+    def wrapped(self):
+        seen.append(self._flight is not None)
+        real(self)
+
+    monkeypatch.setattr(batches._Engine, method, wrapped)
+    return seen
+
+
+def lanes(target, draft) -> Scheduler:
+    """A pipelined scheduler whose long base rows wait in the slow lane while short rows step (one fast row)."""
+    return Scheduler(target, draft, max_rows=8, short_tokens=8, fast_rows=1, long_every=4, short_slowdown=0,
+                     pipeline=True)
+
+
 def test_a_batch_not_stepped_in_a_round_has_its_step_in_flight_read_by_the_rounds_end(pairs, monkeypatch):
     """Long base rows wait in the slow lane while short speculative rows step: a base step in flight is read at the
     end of the first round that does not step its batch (its tokens are not held back for ``long_every`` rounds),
     and every request still gets its solo output."""
     target, draft = pair(pairs, "full")
-    scheduler = Scheduler(target, draft, max_rows=8, short_tokens=8, fast_rows=1, long_every=4, short_slowdown=0,
-                          pipeline=True)
-    landed = []
-    real = batches._Engine.land
-
-    def land(self):
-        landed.append(self._flight is not None)
-        real(self)
-
-    monkeypatch.setattr(batches._Engine, "land", land)
+    scheduler = lanes(target, draft)
+    landed = in_flight_at(monkeypatch, "land")
     plan = [(0, [5, 6, 7], 30, HOT, 1, None), (0, [9] * 5, 26, NUCLEUS, 2, None), (2, [1, 2], 8, HOT, 3, 2),
             (3, [4], 6, GREEDY, 4, 2), (5, [3, 3], 8, HOT, 5, 2)]
     jobs, r = [], 0
@@ -200,8 +211,7 @@ def test_a_step_whose_tokens_cannot_be_read_fails_its_rows_and_the_replica_goes_
     ran): that step's rows fail (their caches hold a step whose tokens are lost), while a long base row waiting in
     the slow lane, a speculative row and a base request arriving later get their solo output, and no round raises."""
     target, draft = pair(pairs, "full")
-    scheduler = Scheduler(target, draft, max_rows=8, short_tokens=8, fast_rows=1, long_every=4, short_slowdown=0,
-                          pipeline=True)
+    scheduler = lanes(target, draft)
     failed = []
     real = batches.BaseEngine._read
 
@@ -226,14 +236,7 @@ def test_a_replicas_warm_up_runs_its_steps_pipelined_as_the_replica_will(pairs, 
     """``warm_up(pipeline=...)`` (the app passes the replica's setting): its throwaway batches' steps run pipelined,
     so the costs handed to the replica's scheduler are those of the steps it will run; without it, not (a CPU)."""
     target, draft = pair(pairs, "full")
-    flights = []
-    real = batches._Engine.settle
-
-    def settle(self):
-        flights.append(self._flight is not None)
-        real(self)
-
-    monkeypatch.setattr(batches._Engine, "settle", settle)
+    flights = in_flight_at(monkeypatch, "settle")
     assert warm_up(target, draft, rows=4, gamma=2, pipeline=True)["rows"] > 0 and any(flights)
     flights.clear()
     assert warm_up(target, draft, rows=4, gamma=2)["rows"] > 0 and not any(flights)
