@@ -17,6 +17,11 @@ such tensors only. Reading those is free, copying them to the device is a wait. 
 what it does inside is not recorded, and what it returns counts as a device tensor. What runs inside a compiled
 graph runs on the device (its replay launches kernels and reads nothing): a test runs the traced function eagerly
 through :func:`on_device`, which records nothing of it.
+
+A read of values sent ahead (:class:`efftx.host.Readback`: sent to the host as soon as the work making them was
+queued) waits for that work only: it is recorded as ``reads a value sent ahead (tolist)``, with how much device work
+was queued between its sending and its reading (:attr:`DeviceWaits.ahead`: the work that read does not wait for,
+every torch call on device tensors counted, a compiled graph's included), where a plain read would wait for all of it.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import traceback
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from efftx import host
 
 READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "__complex__", "numpy", "__repr__",
          "__format__"}
@@ -52,15 +59,34 @@ class DeviceWaits(TorchFunctionMode):
         super().__init__()
         self.paused = 0
         self.waits: list[tuple[str, str]] = []
+        self.queued = 0  # torch calls on device tensors so far (device work queued)
+        self.ahead: list[int] = []  # per read of values sent ahead: the device work queued between its send and read
+        self._readback = None
         self._host: set[int] = set()  # ids of the tensors on the host ...
         self._kept: list[torch.Tensor] = []  # ... kept alive while the mode is, so that no id is reused
 
     def __enter__(self):
         DeviceWaits.active = self
+        self._readback = host.Readback.__init__, host.Readback.tolist
+        send, read = self._readback
+        mode = self
+
+        def sent(rb, values):
+            send(rb, values)
+            rb.audit_sent_at = mode.queued
+
+        def tolist(rb):
+            out = read(rb)  # inside efftx/host.py: not recorded as a plain read
+            mode.ahead.append(mode.queued - rb.audit_sent_at)
+            mode._wait("reads a value sent ahead (tolist)")
+            return out
+
+        host.Readback.__init__, host.Readback.tolist = sent, tolist
         return super().__enter__()
 
     def __exit__(self, *exc):
         DeviceWaits.active = None
+        host.Readback.__init__, host.Readback.tolist = self._readback
         return super().__exit__(*exc)
 
     def on_host(self, t) -> bool:
@@ -84,10 +110,15 @@ class DeviceWaits(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self.paused or _inside_host_values():
-            return out  # a device tensor (host values) or a compiled graph's work: nothing to record
+        if self.paused:
+            self.queued += 1  # a compiled graph's work: on the device, nothing to record
+            return out
+        if _inside_host_values():
+            return out  # a device tensor (host values): nothing to record
         name, inputs = _name(func), _tensors((args, kwargs))
         device = kwargs.get("device") is not None
+        if any(not self.on_host(t) for t in inputs) or (name in FACTORIES and device):
+            self.queued += 1
         if name in READS and args and isinstance(args[0], torch.Tensor):
             if not self.on_host(args[0]):
                 self._wait(f"reads a device value ({name})")

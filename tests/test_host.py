@@ -1,5 +1,6 @@
 """efftx.host.host_values: host values made into device tensors without waiting for the device (row lengths and
-positions of every decoding step's layers, per-row sampling settings, stream keys)."""
+positions of every decoding step's layers, per-row sampling settings, stream keys); efftx.host.Readback: device values
+sent to the host as soon as their work is queued, read later without waiting for what was queued after them."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from efftx.attention.cache import KVCache, visible_keys
 from efftx.generation import compiled
-from efftx.host import host_values
+from efftx.host import Readback, host_values
 from efftx.generation.decode import iter_generate
 from efftx.generation.speculative import iter_speculative_rows
 from efftx.serving.batches import BaseEngine, Job, SpeculativeEngine
@@ -45,6 +46,56 @@ def test_on_cuda_the_values_go_through_pinned_memory_without_blocking(monkeypatc
     got = host_values([4, 5], torch.long, "cuda:0")
     monkeypatch.undo()
     assert calls == ["pin", ("to", torch.device("cuda:0"), True)] and got.tolist() == [4, 5]
+
+
+def test_on_cuda_a_readback_is_a_non_blocking_copy_into_pinned_memory_then_an_event(monkeypatch):
+    """Readback's CUDA branch (no CUDA here: torch's calls recorded): pinned memory, a non-blocking copy and an event
+    when it is made; the read waits for that event, then reads the pinned copy. On a CPU the values themselves."""
+    calls, values = [], torch.tensor([[3, 4], [5, 6]])
+    real_empty, real_copy = torch.empty, torch.Tensor.copy_
+
+    class OnCuda:  # the values as a CUDA tensor
+        device, shape, dtype = torch.device("cuda", 0), values.shape, values.dtype
+
+    class Event:
+        def record(self):
+            calls.append("record")
+
+        def synchronize(self):
+            calls.append("synchronize")
+
+    def empty(shape, dtype, pin_memory=False):
+        calls.append(("empty", pin_memory))
+        return real_empty(shape, dtype=dtype)
+
+    def copy_(self, src, non_blocking=False):
+        calls.append(("copy", non_blocking))
+        return real_copy(self, values)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    sent = Readback(OnCuda())
+    assert calls == [("empty", True), ("copy", True), "record"]
+    values.add_(10)  # what is read is the copy made when it was sent
+    assert sent.tolist() == [[3, 4], [5, 6]] and calls[3:] == ["synchronize"]
+    monkeypatch.undo()
+    assert Readback(values).tolist() == values.tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: bench/gpu_check.py's kernels "
+                                                          "section runs it")
+def test_on_cuda_a_readback_waits_for_its_own_work_and_not_for_what_was_queued_after():
+    """Values sent ahead are read while kernels queued after them (``torch.cuda._sleep``) still run; a plain read of
+    the same values waits for those kernels."""
+    stream = torch.cuda.current_stream()
+    values = torch.arange(6, device="cuda").reshape(2, 3) * 2
+    sent = Readback(values)
+    torch.cuda._sleep(500_000_000)
+    assert sent.tolist() == [[0, 2, 4], [6, 8, 10]] and not stream.query()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(500_000_000)
+    assert values.tolist() == [[0, 2, 4], [6, 8, 10]] and stream.query()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: bench/gpu_check.py's kernels "
@@ -172,12 +223,17 @@ def test_a_schedulers_rounds_read_the_device_only_for_its_tokens_and_acceptance(
             r += 1
     where = [(w, at.split(" ")[-1]) for w, at in audit.waits]
     read = "reads a device value (tolist)"
-    steps_read = (read, "(_read)" if pipeline else "(commit)")  # a pipelined step's tokens: read when settled
+    # a pipelined step's tokens: sent to the host when it is queued, read when it is settled
+    ahead = "reads a value sent ahead (tolist)"
+    steps_read = (ahead, "(_read)") if pipeline else (read, "(commit)")
     assert set(where) == {(read, "(commit)"), steps_read, (read, "(_step)")}, audit.waits
     chunks = 2 if chunk else 0  # the 9-token prompt's first two chunks of 4 (its last joins as a prefill)
     prefills = scheduler.costs["base"].prefill_passes - chunks
-    assert where.count((read, "(commit)")) + where.count((read, "(_read)")) == prefills + len(computes["base"])
-    assert where.count((read, "(_read)")) == (len(computes["base"]) if pipeline else 0)
+    assert where.count((read, "(commit)")) + where.count((ahead, "(_read)")) == prefills + len(computes["base"])
+    assert where.count((ahead, "(_read)")) == len(audit.ahead) == (len(computes["base"]) if pipeline else 0)
+    if pipeline:  # every step that followed one in flight was queued before that one was read, and not waited for
+        followed = scheduler.pipelining()["followed"]
+        assert followed > 0 and sum(n > 0 for n in audit.ahead) >= followed, (audit.ahead, followed)
     assert where.count((read, "(_step)")) == sum(computes["speculative"])  # a speculative prefill reads nothing
     assert max(computes["base"]) == max(computes["speculative"]) == 2  # several steps a round ran, in both modes
 
@@ -218,12 +274,17 @@ def test_the_audit_finds_every_kind_of_wait():
         values = host_values([5, 6], torch.long, "cpu")  # the way without a wait ...
         on_device(lambda: computed.sum().item())()  # ... and a compiled graph's inside
         values.tolist()  # ... but host values made device tensors are device tensors
+        sent = Readback(computed * 3)  # sent ahead: its read waits for the work queued before it only
+        computed + 1
+        on_device(lambda: computed * 2)()
+        assert sent.tolist() == [0, 3, 6, 9]
     assert [w for w, _ in mode.waits] == [
         "reads a device value (tolist)", "reads a device value (tolist)", "reads a device value (__int__)",
         "reads a device value (__bool__)",
         "__getitem__: a result sized by device values", "nonzero: a result sized by device values",
         "torch.tensor(..., device=...)", "a host tensor's .to(device)", "device.copy_(host tensor)",
-        "reads a device value (tolist)"], mode.waits
+        "reads a device value (tolist)", "reads a value sent ahead (tolist)"], mode.waits
+    assert mode.ahead == [2]  # the addition and the compiled graph, queued after it was sent
     assert all(where.startswith("tests/test_host.py:") and where.endswith("(test_the_audit_finds_every_kind_of_wait)")
                for _, where in mode.waits)
 

@@ -73,36 +73,48 @@ def test_pipelined_steps_give_every_request_its_solo_output(pairs, kind, steps, 
     assert piped["steps"] == seen["computes"] and piped["followed"] >= 0.85 * piped["steps"], piped
 
 
-def events(scheduler: Scheduler, plan) -> list[str]:
-    """The order of a scheduler's base steps (``step``) and reads of the device (``read``) over ``plan``."""
+def events(scheduler: Scheduler, plan) -> tuple[list[str], list[int]]:
+    """The order of a scheduler's base steps (``step``), their tokens sent to the host ahead of their read (``send``),
+    reads of the device (``read``: waiting for all the work queued) and reads of values sent ahead (``read ahead``:
+    waiting for the work queued before they were sent) over ``plan``; and per read ahead, the device work queued
+    after its send (that it does not wait for)."""
     order: list[str] = []
-    real = batches.BaseEngine.compute
+    real, real_send = batches.BaseEngine.compute, batches.BaseEngine._send
 
     def compute(self, state):
         order.append("step")
         return real(self, state)
 
-    batches.BaseEngine.compute = compute
+    def send(self, result):
+        order.append("send")
+        return real_send(self, result)
+
+    batches.BaseEngine.compute, batches.BaseEngine._send = compute, send
     try:
         with DeviceWaits() as audit:
             real_wait = audit._wait
-            audit._wait = lambda what: (order.append("read"), real_wait(what))
+            audit._wait = lambda what: (order.append("read ahead" if "sent ahead" in what else "read"),
+                                        real_wait(what))
             run_rounds(scheduler, plan)
     finally:
-        batches.BaseEngine.compute = real
-    return order
+        batches.BaseEngine.compute, batches.BaseEngine._send = real, real_send
+    return order, audit.ahead
 
 
 def test_the_next_step_is_queued_before_the_last_ones_tokens_are_read(pairs):
     """One request of five new tokens (the prefill's and four steps'): unpipelined, each step's tokens are read
-    before the next step; pipelined, each step is queued before the one before is read, and the last step (its row
-    leaves as it is queued: it has all its tokens) is read at the end of its round, as nothing follows it. Nothing
-    else reads the device."""
+    before the next step; pipelined, each step's tokens are sent to the host as it is queued, the next step is queued
+    behind it, and only then are they read (on a GPU: waiting for that step alone, not for the next one, queued
+    after the send), and the last step (its row leaves as it is queued: it has all its tokens) is read at the end
+    of its round, as nothing follows it. Nothing else reads the device."""
     target, draft = pair(pairs, "full")
     plan = [(0, [5, 6, 7], 5, HOT, 1, None)]
-    assert events(Scheduler(target, pipeline=False), plan) == ["read"] + ["step", "read"] * 4
+    assert events(Scheduler(target, pipeline=False), plan) == (["read"] + ["step", "read"] * 4, [])
     piped = Scheduler(target, pipeline=True)
-    assert events(piped, plan) == ["read", "step", "step", "read", "step", "read", "step", "read", "read"]
+    order, ahead = events(piped, plan)
+    assert order == ["read", "step", "send", "step", "send", "read ahead", "step", "send", "read ahead", "step", "send",
+                     "read ahead", "read ahead"]
+    assert all(n > 0 for n in ahead[:3]) and ahead[3] == 0, ahead  # a whole step queued after each send but the last
     assert piped.rounds == 4 and not piped.running
 
 

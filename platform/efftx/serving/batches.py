@@ -24,7 +24,7 @@ from efftx.generation.decode import CacheBudget, CacheBudgetFull, Rows, free_mem
 from efftx.generation.device_slots import slots_for
 from efftx.generation.sampling import Stream, draw, is_greedy, probabilities, probabilities_per_row, race
 from efftx.generation.speculative import SpecStats, accept_sampled, kept_tokens, next_gamma, step_noise
-from efftx.host import host_values
+from efftx.host import Readback, host_values
 
 if TYPE_CHECKING:  # the scheduler runs with torch alone (bench/serve_load.py --inprocess on a bare GPU image)
     from efftx.serving.isolation import RowFailure
@@ -297,9 +297,9 @@ class _Engine:
         self.interrupt: Callable[[], bool] | None = None
         # pipelined steps (engines that allow it, :attr:`pipelines`): a step's tokens are read once the next step is
         # queued behind it (or at the end of a round that does not step the batch); the step in flight: (its state,
-        # its result, rows)
+        # its result, rows, its tokens on their way to the host: :meth:`_send`)
         self.pipeline = False
-        self._flight: tuple[_State, Any, int] | None = None
+        self._flight: tuple[_State, Any, int, Any] | None = None
         # while a step is in flight: per slot, the row of that step whose last token the slot's row holds (rows move,
         # join and leave before it is read), or None (the slot's token is on the host, in self.last)
         self._flown: list[int | None] = []
@@ -370,12 +370,12 @@ class _Engine:
         if flight is None:
             return
         flown, self._flown = self._flown, []
-        state, result, batch = flight
+        state, _, batch, sent = flight
         for job in state.jobs:
             job.ahead = 0
         t0 = self.pass_time.clock()
         try:
-            result = self._read(state, result)
+            result = self._read(state, sent)
         except Exception as exc:  # noqa: BLE001 - the step's rows fail, the batch goes on
             for job in state.jobs:
                 job._fail(exc, f"{self.kind} decoding")
@@ -395,9 +395,14 @@ class _Engine:
             self.settle()
             self._leave()
 
-    def _read(self, state: _State, result: Any) -> Any:
-        """A result as :meth:`commit` takes it, read back to the host where it is on the device."""
+    def _send(self, result: Any) -> Any:
+        """A deferred step's result on its way to the host, sent as soon as the step is queued (before the next one:
+        on a GPU its read then waits for this step alone, :class:`~efftx.host.Readback`)."""
         return result
+
+    def _read(self, state: _State, sent: Any) -> Any:
+        """A result as :meth:`commit` takes it, read back to the host (``sent``: :meth:`_send`'s)."""
+        return sent
 
     def _carry(self, result: Any) -> torch.Tensor:
         """The rows' last tokens in a step's result, on the device (engines whose steps are pipelined)."""
@@ -574,6 +579,7 @@ class _Engine:
         snapshot, gens = state.snapshot(), _gen_states(state.jobs)
         try:
             result = self.pass_time.run(self.compute, state, sync=not defer)
+            sent = self._send(result) if defer else None  # queued right behind the step, before the next one
         except Exception as exc:  # noqa: BLE001 - contained below
             state.restore(snapshot)
             _set_gen_states(state.jobs, gens)
@@ -589,7 +595,7 @@ class _Engine:
             if defer:
                 for job in state.jobs:
                     job.ahead += state.steps
-                self._flight = (state, result, b - a)
+                self._flight = (state, result, b - a, sent)
                 self._flown = [None] * len(self.order)
                 self._flown[a:b] = range(b - a)
                 self.deferred += 1
@@ -761,8 +767,11 @@ class BaseEngine(_Engine):
         state.steps = len(tokens)  # those that ran
         return torch.stack(tokens, 1)
 
-    def _read(self, state, tokens):
-        return tokens.reshape(len(state.jobs), -1).tolist()
+    def _send(self, tokens):
+        return Readback(tokens)
+
+    def _read(self, state, sent):
+        return sent.tolist()
 
     def _carry(self, tokens):
         return tokens[:, -1]

@@ -55,7 +55,9 @@ loop) that repeats rounds: admit the requests that may start, then run one decod
 * **Pipelined steps** (``pipeline``, default on where the target is on a CUDA device): a base batch's step is fed
   the tokens of the step before while they are still on the device, and queued behind it; only then does the host
   read that step's tokens and hand them to their requests. So on a GPU the device runs the next step while the host
-  reads, hands over and schedules, instead of waiting for it. Rows join, leave, move between lanes and are
+  reads, hands over and schedules, instead of waiting for it. A step's tokens are sent to the host as soon as it is
+  queued (:class:`~efftx.host.Readback`), so that their read waits for that step and not for the next one. Rows
+  join, leave, move between lanes and are
   cancelled while a step is in flight: the engine keeps, per slot, which row of that step holds the slot's last
   token (the rest are on the host), so the next step is fed every row's token, whatever changed, and a lane change
   does not stop the pipeline either. A row whose last token is in flight leaves before the next step (no row
