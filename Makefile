@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.efftx-installed
 # and `ray`, `python`, `mlflow` in recipes below are the venv's.
 export PATH := $(BIN):$(PATH)
 
-.PHONY: setup browser demo test test-fast bench gpu-check serve redeploy cluster-up cluster-down submit-example clean-runs
+.PHONY: setup browser demo test test-fast bench gpu-check gpu-pair serve redeploy cluster-up cluster-down submit-example clean-runs
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -70,6 +70,11 @@ bench: setup
 
 gpu-check: setup                  ## every CUDA path in one command, one table (needs a CUDA GPU; see bench/gpu_check.py)
 	$(BIN)/python bench/gpu_check.py $(ARGS)
+
+# A trained small speculative pair (+ a distilled draft) in .efftx/gpu-pair, for the GPU check's speculative section
+# on a GPU image with torch alone (bench/gpu_pair.py; about 15 minutes on 2 CPU cores)
+gpu-pair: setup                   ## train the speculative pair the GPU check's speculative section judges
+	$(BIN)/python bench/gpu_pair.py $(ARGS)
 
 # The Serve app of serve/text.yaml (or SERVE_CONFIG=...): its models are trained (jobs/train_speculative.py --size
 # small, jobs/train_dalle.py --recipe dalle_shapes_small) and promoted to @champion first when the registry has

@@ -1,8 +1,8 @@
 """The GPU check: every CUDA path of efftx in one command, one table.
 
     make gpu-check                                    # = python bench/gpu_check.py (one CUDA GPU, < 10 min on an H100)
-    python bench/gpu_check.py [--only kernels,train,decode,nsa,scaling,cost,serveload,decodeattn,serve] [--quick]
-                              [--out DIR]
+    python bench/gpu_check.py [--only kernels,train,decode,nsa,scaling,cost,serveload,decodeattn,speculative,serve]
+                              [--quick] [--out DIR] [--pair DIR]
                               [--device cuda|cpu] [--kernel-jobs N] [--nsa-lengths T ...] [--scaling-lengths T ...]
 
 On a GPU machine with only torch and triton (no project venv: no Ray, DeepSpeed or MLflow), from the checkout:
@@ -13,6 +13,11 @@ On a GPU machine with only torch and triton (no project venv: no Ray, DeepSpeed 
 what is missing, when it is not), and in a second call the serving load, with torch alone too:
 
     PYTHONPATH=platform:bench python3 bench/gpu_check.py --only serveload,decodeattn --out DIR
+
+and issue 15's speculative goals on a trained pair, made beforehand where the project is installed (``make gpu-pair``:
+``.efftx/gpu-pair``, git-ignored, carried to the GPU machine):
+
+    PYTHONPATH=platform:bench python3 bench/gpu_check.py --only speculative --pair .efftx/gpu-pair --out DIR
 
 Sections (each row: pass / FAIL / skip with the reason, and its figures):
 
@@ -58,6 +63,13 @@ Sections (each row: pass / FAIL / skip with the reason, and its figures):
   decode attention kernel against attention over the whole capacity, rows of 128 and 1024 keys in a 2048-slot
   cache, batch 1 and 16, 1 and 6 tokens per row; eager passes over a KVCache with the kernel against SDPA; the
   attention alone; its goals marked met or not (``OUT/decodeattn.log``).
+* ``speculative``: ``bench/speculative.py --device cuda`` on the trained pair in ``--pair`` (``target``, ``draft`` and
+  ``distilled`` exports, made by ``make gpu-pair``: ``jobs/train_speculative.py --size small``, plain and
+  ``--distill``): base vs speculative tokens/s at batch 1, 4 and 8, eager and compiled (CUDA graphs), gamma 5, the
+  step time outside the passes and the pass costs, greedy output equal to base; a row per goal of its verdict
+  (batch 1 at least 2.5x base, batches 4 and 8 at least 1.5x), then ``bench/serve_load.py --inprocess`` on the
+  same pair (``OUT/serveload-trained.log``: the serving goals with real acceptance). Skipped, saying how to make
+  one, when ``--pair`` holds no pair.
 * ``serve``: the Serve app on the device: ``/generate`` in both modes and ``/images/generate`` answered, and
   ``/models/info`` naming the device.
 
@@ -86,7 +98,7 @@ PY = sys.executable
 # Triton kernels vs their references
 KERNEL_TESTS = ("tests/test_kernels.py", "tests/test_decode_attention.py", "tests/test_row_noise_gpu.py",
                 "tests/test_host.py")
-SECTIONS = ("kernels", "train", "decode", "nsa", "scaling", "cost", "serveload", "decodeattn", "serve")
+SECTIONS = ("kernels", "train", "decode", "nsa", "scaling", "cost", "serveload", "decodeattn", "speculative", "serve")
 
 # family -> (job script, recipe, extra overrides); the speculative and DALL-E jobs train two models each.
 FAMILIES = {
@@ -101,7 +113,8 @@ CPU_ONLY_SKIPS = {"nsa": ["attention.nsa.impl=reference"]}  # the Triton kernel 
 # What a section imports beyond torch and triton: checked up front, so a Python without them (a GPU image with
 # only torch, say) gets one clear error instead of a table of failed jobs.
 SECTION_NEEDS = {"train": ("ray", "deepspeed", "mlflow"), "serve": ("ray", "requests"), "kernels": ("pytest",),
-                 "serveload": ("safetensors", "requests")}
+                 "serveload": ("safetensors", "requests"), "speculative": ("safetensors", "requests")}
+DEFAULT_PAIR = REPO / ".efftx" / "gpu-pair"  # bench/gpu_pair.py's (make gpu-pair)
 
 
 @dataclasses.dataclass
@@ -503,6 +516,53 @@ def check_serveload(args, out: Path) -> list[Row]:
                                  "--steps", "1", "--compile", "on"], args, out, log="pipeline-compiled")
 
 
+def check_speculative(args, out: Path) -> list[Row]:
+    """bench/speculative.py on CUDA with the trained pair in ``args.pair`` (issue 15's speculative goals, one row
+    each from its verdict), then the in-process serving load on that pair; torch alone."""
+    name = "bench/speculative.py --device cuda (trained pair)"
+    if args.device != "cuda":
+        return [Row("speculative", name, "skip", "no CUDA device")]
+    pair = Path(args.pair)
+    missing = [role for role in ("target", "draft") if not (pair / role / "config.json").is_file()]
+    if missing:
+        return [Row("speculative", name, "skip", f"no trained pair in {pair} (no {' or '.join(missing)} export): "
+                    "make gpu-pair where the project is installed, then carry it", correctness=False)]
+    models = ["--target", str(pair / "target"), "--draft", str(pair / "draft")]
+    cmd = ["bench/speculative.py", "--device", "cuda", *models, "--compile", "off,on", "--no-adaptive", "--overhead",
+           "--costs"]
+    if (pair / "distilled" / "config.json").is_file():
+        cmd[cmd.index("--compile"):cmd.index("--compile")] = ["--distilled-draft", str(pair / "distilled")]
+    if args.quick:
+        cmd += ["--repeats", "1", "--timed-prompts", "8", "--acceptance-prompts", "8"]
+    rows = bench_section("speculative", name, cmd, args, out)
+    log = out / "speculative.log"
+    if rows[0].status == "pass" and log.is_file():
+        rows += verdict_rows(log.read_text())
+    return rows + bench_section("speculative", "bench/serve_load.py --inprocess --device cuda (trained pair)",
+                                ["bench/serve_load.py", "--inprocess", "--device", "cuda", *models, "--rounds",
+                                 "1" if args.quick else "2"] + (["--quick"] if args.quick else []), args, out,
+                                log="serveload-trained")
+
+
+def verdict_rows(text: str) -> list[Row]:
+    """bench/speculative.py's verdict: greedy speculative output equal to base for every draft and gamma (a
+    correctness row), and a row per goal (its ``goals (issue 15 ...)`` lines, MET or NOT MET)."""
+    lines = text.splitlines()
+    checks = [line for line in lines if "greedy output == base: " in line]
+    wrong = [line for line in checks if "greedy output == base: yes" not in line]
+    rows = [Row("speculative", "greedy speculative == base, every draft", "FAIL" if wrong or not checks else "pass",
+                f"{len(checks) - len(wrong)}/{len(checks)} equal")]
+    start = next((i for i, line in enumerate(lines) if line.startswith("goals (issue 15")), None)
+    if start is None:
+        return rows + [Row("speculative", "goals", "FAIL", "no verdict in the bench's output")]
+    for line in lines[start + 1:]:
+        if not line.startswith("  batch "):
+            break
+        head, _, rest = line.strip().partition(": best ")
+        rows.append(Row("speculative", head, "info", f"best {rest}", correctness=False))
+    return rows
+
+
 # ------------------------------------------------------------------------------------------------ serve
 def check_serve(args, summaries: dict) -> list[Row]:
     import requests
@@ -582,6 +642,8 @@ def run(argv: list[str] | None = None) -> tuple[int, list[Row]]:
     p.add_argument("--kernel-jobs", type=int, default=1, help="kernels section: pytest-xdist processes (1: none)")
     p.add_argument("--timeout", type=int, default=480, help="seconds per subprocess")
     p.add_argument("--out", default=None, help="where logs and the table go (default: a new temp folder)")
+    p.add_argument("--pair", default=str(DEFAULT_PAIR),
+                   help="speculative section: the trained pair's exports (target/, draft/, distilled/; make gpu-pair)")
     args = p.parse_args(argv)
     import torch
 
@@ -625,6 +687,8 @@ def run(argv: list[str] | None = None) -> tuple[int, list[Row]]:
         rows += check_serveload(args, out)
     if "decodeattn" in only:
         rows += check_decodeattn(args, out)
+    if "speculative" in only:
+        rows += check_speculative(args, out)
     if "serve" in only:
         rows += check_serve(args, summaries)
     failed = [r for r in rows if r.status == "FAIL" and r.correctness]

@@ -3,7 +3,7 @@
     python bench/speculative.py [--target models:/spec_target_small/latest] [--draft models:/spec_draft_small/latest]
                                 [--distilled-draft EXPORT] [--batches 1,4,8] [--gamma 5] [--max-gamma 8]
                                 [--new-tokens 64] [--repeats 3] [--temperature 0.8] [--compile off|on|off,on]
-                                [--overhead] [--costs] [--untrained]
+                                [--overhead] [--costs] [--untrained] [--device cuda]
 
 Train a pair first (python jobs/train_speculative.py --size small), and a distilled draft of its target
 (python jobs/train_speculative.py --size small --distill --target <the target's export>); any export folders
@@ -25,6 +25,10 @@ base decoding, token for token.
 ``--overhead``: per speculative row, the time per step outside the models' forward passes (the step time minus
 the sum of its draft and target passes, from one more instrumented run): sampling, acceptance, rewinds, Python
 (compiled rows draw their tokens and decide acceptance inside the compiled passes: their gap is the rest).
+``--device cuda``: the models and every decoding on a CUDA device (fp32, as trained), each timed call (a decoding,
+a pass of ``--costs``, a pass of ``--overhead``) waiting for the device before and after; the recompute-window row
+(the seed wrappers' way, on the CPU's generator) is left out there. ``bench/gpu_check.py --only speculative``
+runs this on a GPU with a pair trained here (``make gpu-pair``).
 ``--costs``: per batch size, the eager and compiled cost (fastest of 15 calls) of one target pass of 1 token (a base step), of
 gamma + 1 tokens (a verify pass) and of one draft step, and the speedup they allow at a given acceptance:
 (1 + accepted) * base step / (gamma * draft step + verify pass). All figures come from this one run.
@@ -66,8 +70,9 @@ def recompute_window(model, prompt, new_tokens, temperature, seed):
     return seq[:, prompt.shape[1]:]
 
 
-def load_models(args):
-    """(target, {draft name: draft}) from exports, or untrained models of the small recipes (--untrained)."""
+def load_models(args, device: torch.device):
+    """(target, {draft name: draft}) on ``device``, from exports, or untrained models of the small recipes
+    (--untrained)."""
     if args.untrained:
         from efftx import recipes
         from efftx.models import build
@@ -75,19 +80,37 @@ def load_models(args):
         torch.manual_seed(0)
         target = build(recipes.get("spec_target_small")).eval()
         torch.manual_seed(1)
-        return target, {"untrained": build(recipes.get("spec_draft_small")).eval()}
-    target, _, _ = load_export(resolve_export(args.target))
-    drafts = {"plain": load_export(resolve_export(args.draft))[0]}
+        return target.to(device), {"untrained": build(recipes.get("spec_draft_small")).eval().to(device)}
+    target, _, _ = load_export(resolve_export(args.target), device)
+    drafts = {"plain": load_export(resolve_export(args.draft), device)[0]}
     if args.distilled_draft:
-        drafts["distilled"] = load_export(resolve_export(args.distilled_draft))[0]
+        drafts["distilled"] = load_export(resolve_export(args.distilled_draft), device)[0]
     return target, drafts
 
 
-class PassTimer:
-    """Adds up the seconds spent in the models' forward passes (eager Rows and compiled StaticDecoder) while on."""
+def waiter(device: torch.device):
+    """A wait for ``device``'s queued work (CUDA: a timed call ends when the device has run it), else nothing."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
 
-    def __init__(self):
+
+def timed_s(fn, sync) -> tuple[float, object]:
+    """(seconds, result) of ``fn()``, the device's queued work waited for before and after."""
+    sync()
+    t0 = time.perf_counter()
+    out = fn()
+    sync()
+    return time.perf_counter() - t0, out
+
+
+class PassTimer:
+    """Adds up the seconds spent in the models' forward passes (eager Rows and compiled StaticDecoder) while on
+    (``sync``: each pass waited for before and after, on a GPU)."""
+
+    def __init__(self, sync=lambda: None):
         self.seconds = 0.0
+        self.sync = sync
         self._saved = []
 
     def __enter__(self):
@@ -95,9 +118,8 @@ class PassTimer:
             original = getattr(cls, name)
 
             def timed(obj, *args, original=original, **kwargs):
-                t0 = time.perf_counter()
-                out = original(obj, *args, **kwargs)
-                self.seconds += time.perf_counter() - t0
+                secs, out = timed_s(lambda: original(obj, *args, **kwargs), self.sync)
+                self.seconds += secs
                 return out
 
             self._saved.append((cls, name, original))
@@ -122,24 +144,20 @@ def merged(results):
     return outputs, stats
 
 
-def min_ms(fn, repeats: int = 15) -> float:
+def min_ms(fn, repeats: int = 15, sync=lambda: None) -> float:
     """The fastest of ``repeats`` calls (after one untimed): a pass's cost with the least interference from
     other work on the machine."""
     fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times) * 1e3
+    return min(timed_s(fn, sync)[0] for _ in range(repeats)) * 1e3
 
 
-def step_costs(target, draft, batch: int, gamma: int, prompt_len: int, mode: str) -> dict[str, float]:
+def step_costs(target, draft, batch: int, gamma: int, prompt_len: int, mode: str, sync=lambda: None
+               ) -> dict[str, float]:
     """Median ms of a target pass of 1 and of gamma + 1 tokens and of a draft step, eager (Rows) or compiled
     (StaticDecoder), every row at position prompt_len (each pass rewound after)."""
     out = {}
     for name, model, t in (("base step", target, 1), ("verify", target, gamma + 1), ("draft step", draft, 1)):
-        tokens = torch.ones(batch, t, dtype=torch.long)
+        tokens = torch.ones(batch, t, dtype=torch.long, device=next(model.parameters()).device)
         rows = Rows(model, batch, prompt_len + gamma + 2)
         rows.prefill([[1] * prompt_len] * batch)
         state = rows
@@ -157,7 +175,7 @@ def step_costs(target, draft, batch: int, gamma: int, prompt_len: int, mode: str
             state.rewind([t] * batch)
 
         with torch.no_grad():
-            out[name] = min_ms(one)
+            out[name] = min_ms(one, sync=sync)
         if decoder is not None:
             decoder.release()
     return out
@@ -186,13 +204,23 @@ def main() -> None:
     p.add_argument("--overhead", action="store_true", help="time per step outside the forward passes, per row")
     p.add_argument("--costs", action="store_true", help="per-pass costs and the speedup they allow")
     p.add_argument("--acceptance-prompts", type=int, default=32, help="prompts of the exactness/acceptance check")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (timed calls wait for the device)")
     args = p.parse_args()
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        p.error(f"--device takes cpu or cuda (cuda:N), not {args.device!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: this torch sees no CUDA device")
+    sync = waiter(device)
     torch.set_num_threads(args.threads)
     modes = [m.strip() for m in args.compile.split(",") if m.strip()]
     for m in modes:
         if m not in ("off", "on"):
             raise SystemExit(f"--compile takes off, on or off,on, not {m!r}")
-    target, drafts = load_models(args)
+    target, drafts = load_models(args, device)
     batches = [int(b) for b in args.batches.split(",")]
     if args.timed_prompts < max(batches):
         raise SystemExit(f"--timed-prompts ({args.timed_prompts}) must be at least the largest batch ({max(batches)})")
@@ -205,7 +233,8 @@ def main() -> None:
           + ", ".join(f"{k} {sum(x.numel() for x in d.parameters()):,}" for k, d in drafts.items())
           + f"; {n} new tokens after {args.prompt_len}; temperature {args.temperature}, top-k 32; "
           f"{args.threads} thread(s); each timed row decodes the same {args.timed_prompts} prompts in batches of its "
-          f"size; median of {args.repeats}, timed round robin; load average {load:.1f}")
+          f"size; median of {args.repeats}, timed round robin; load average {load:.1f}; device "
+          f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}")
     # Exactness and acceptance over many prompts (no timing, so the machine's load does not matter): greedy
     # speculative output is the target's own, token for token; accepted drafts per step and per drafted token.
     many = data.val_windows(args.acceptance_prompts, args.prompt_len)[:, :args.prompt_len]
@@ -229,7 +258,7 @@ def main() -> None:
               f"(1 + a) * base step / (gamma * draft step + verify) at a accepted drafts per step:")
         for batch in batches:
             for mode in modes:
-                c = step_costs(target, first, batch, gamma, args.prompt_len, mode)
+                c = step_costs(target, first, batch, gamma, args.prompt_len, mode, sync)
                 allows = "  ".join(f"a={a}: {(1 + a) * c['base step'] / (gamma * c['draft step'] + c['verify']):.2f}x"
                                    for a in (2, 3, 4, gamma))
                 print(f"  batch {batch} {'compiled' if mode == 'on' else 'eager':<8}"
@@ -249,7 +278,7 @@ def main() -> None:
             suffix = ", compiled" if mode == "on" else ""
             runs["base, KV cache" + suffix] = ((lambda mode=mode: [
                 generate(target, x, n, seed=i, compile=mode, **sampling) for i, x in enumerate(groups)]), None)
-        if batch == 1:
+        if batch == 1 and device.type == "cpu":
             runs["base, recompute window"] = (lambda: [recompute_window(target, x, n, args.temperature, i)
                                                        for i, x in enumerate(groups)], None)
         for mode in modes:
@@ -264,14 +293,14 @@ def main() -> None:
                     (adaptive, g))
         for fn, _ in runs.values():  # untimed: compilation, first-touch allocations
             fn()
+            sync()
         # round robin: every repeat times each decoding once, so a change in the machine's load hits all alike
         times: dict[str, list[float]] = {label: [] for label in runs}
         results = {}
         for _ in range(args.repeats):
             for label, (fn, _) in runs.items():
-                t0 = time.perf_counter()
-                results[label] = fn()
-                times[label].append(time.perf_counter() - t0)
+                secs, results[label] = timed_s(fn, sync)
+                times[label].append(secs)
         base_s = statistics.median(times["base, KV cache"]) if "base, KV cache" in times else None
         comp_s = statistics.median(times["base, KV cache, compiled"]) if "base, KV cache, compiled" in times else None
         for label, (fn, spec) in runs.items():
@@ -287,10 +316,8 @@ def main() -> None:
             shown = f"{g}-{args.max_gamma}" if adaptive else str(g)
             gap = ""
             if args.overhead:
-                with PassTimer() as timer:
-                    t0 = time.perf_counter()
-                    _, st = fn()
-                    total = time.perf_counter() - t0
+                with PassTimer(sync) as timer:
+                    total, (_, st) = timed_s(fn, sync)
                 steps = max(st.target_calls, 1)
                 gap = f"   {(total - timer.seconds) / steps * 1e3:6.2f} ({100 * (total - timer.seconds) / total:3.0f}%)"
             print(f"{label:<44}{batch:>6}{shown:>7}{len(groups) * batch * n / secs:>10,.0f}{ratio:>8.2f}x{vs_comp}"

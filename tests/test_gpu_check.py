@@ -199,3 +199,97 @@ def test_the_decodeattn_section_runs_the_decode_attention_bench_on_cuda(monkeypa
     code, rows = gpu_check.run(["--device", "cpu", "--only", "decodeattn", "--out", str(tmp_path)])
     assert code == 0 and [(r.section, r.status, r.detail) for r in rows if r.section == "decodeattn"] == [
         ("decodeattn", "skip", "no CUDA device")]
+
+
+def test_the_speculative_section_judges_a_trained_pair_and_says_how_to_make_one(monkeypatch, tmp_path):
+    """``--only speculative`` (torch alone): with a pair in ``--pair`` it runs bench/speculative.py on the device,
+    eager and compiled, with the distilled draft when the pair has one (fewer prompts with --quick), its verdict as
+    rows, then the in-process serving load on the same pair; without a pair it is skipped, naming the command that
+    makes one; without CUDA, skipped."""
+    ran = []
+
+    def bench(section, name, cmd, args, out, log=None):
+        ran.append((cmd, log))
+        if cmd[0] == "bench/speculative.py":
+            (out / "speculative.log").write_text("  plain draft fixed: greedy 2.10 / 0.42, greedy output == base: yes\n"
+                                                 "goals (issue 15, speculative tokens/s over eager base ...):\n"
+                                                 "  batch 1: at least 2.5x: best 2.71x (speculative, plain): MET\n")
+        return [gpu_check.Row(section, name, "pass")]
+
+    monkeypatch.setattr(gpu_check, "bench_section", bench)
+    pair = tmp_path / "pair"
+    args = type("Args", (), {"device": "cuda", "timeout": 5, "quick": False, "pair": str(pair)})()
+    skipped = gpu_check.check_speculative(args, tmp_path)
+    assert [r.status for r in skipped] == ["skip"] and "make gpu-pair" in skipped[0].detail and not ran
+    for role in ("target", "draft"):
+        (pair / role).mkdir(parents=True)
+        (pair / role / "config.json").write_text("{}")
+    rows = gpu_check.check_speculative(args, tmp_path)
+    models = ["--target", str(pair / "target"), "--draft", str(pair / "draft")]
+    spec = ["bench/speculative.py", "--device", "cuda", *models]
+    assert ran == [(spec + ["--compile", "off,on", "--no-adaptive", "--overhead", "--costs"], None),
+                   (["bench/serve_load.py", "--inprocess", "--device", "cuda", *models, "--rounds", "2"],
+                    "serveload-trained")]
+    assert [(r.name, r.status) for r in rows] == [
+        ("bench/speculative.py --device cuda (trained pair)", "pass"), ("greedy speculative == base, every draft", "pass"),
+        ("batch 1: at least 2.5x", "info"), ("bench/serve_load.py --inprocess --device cuda (trained pair)", "pass")]
+    (pair / "distilled").mkdir()
+    (pair / "distilled" / "config.json").write_text("{}")
+    ran.clear()
+    args.quick = True
+    gpu_check.check_speculative(args, tmp_path)
+    assert ran[0][0] == spec + ["--distilled-draft", str(pair / "distilled"), "--compile", "off,on", "--no-adaptive",
+                                "--overhead", "--costs", "--repeats", "1", "--timed-prompts", "8",
+                                "--acceptance-prompts", "8"]
+    assert ran[1][0][-3:] == ["--rounds", "1", "--quick"]
+    monkeypatch.undo()
+    code, rows = gpu_check.run(["--device", "cpu", "--only", "speculative", "--pair", str(pair), "--out", str(tmp_path)])
+    assert code == 0 and [(r.section, r.status, r.detail) for r in rows if r.section == "speculative"] == [
+        ("speculative", "skip", "no CUDA device")]
+
+
+_pair_spec = importlib.util.spec_from_file_location("gpu_pair", Path(__file__).parents[1] / "bench" / "gpu_pair.py")
+gpu_pair = importlib.util.module_from_spec(_pair_spec)
+_pair_spec.loader.exec_module(gpu_pair)
+
+
+def test_gpu_pair_trains_the_pair_then_a_distilled_draft_and_collects_the_three_exports(monkeypatch, tmp_path):
+    """bench/gpu_pair.py (make gpu-pair): the pair's job, then the distilled draft's from the pair's target export,
+    the three exports copied into OUT (the jobs stand-ins here: tests/test_train_ray.py and tests/test_distill.py run
+    the real ones); a failing job stops it, naming it, and OUT keeps the pair it had."""
+    import subprocess
+
+    calls = []
+
+    def export(name):
+        folder = tmp_path / "runs" / name / "export"
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps({"name": name}))
+        (folder / "model.safetensors").write_bytes(b"w" * 10)
+        return str(folder)
+
+    def job(cmd, cwd, stdout, text):
+        calls.append(cmd[1:])
+        if "--distill" in cmd:
+            out = {"target": None, "draft": {"export_path": export("p-distilled-draft")}, "speculative": {}}
+        else:
+            out = {"draft": {"export_path": export("p-draft")}, "target": {"export_path": "file://" + export("p-target")}}
+        return subprocess.CompletedProcess(cmd, 0, stdout="[efftx] done\n" + json.dumps(out) + "\n")
+
+    monkeypatch.setattr(gpu_pair.subprocess, "run", job)
+    out = tmp_path / "pair"
+    assert gpu_pair.main(["--out", str(out), "--size", "debug", "--run-name", "p", "--set", "train.steps=3"]) == 0
+    target = str(tmp_path / "runs" / "p-target" / "export")
+    assert calls == [["jobs/train_speculative.py", "--size", "debug", "--run-name", "p", "--set", "train.steps=3"],
+                     ["jobs/train_speculative.py", "--size", "debug", "--distill", "--target", target, "--run-name",
+                      "p-distilled", "--set", "train.steps=3"]]
+    assert {role: json.loads((out / role / "config.json").read_text())["name"] for role in gpu_pair.ROLES} == {
+        "target": "p-target", "draft": "p-draft", "distilled": "p-distilled-draft"}
+    assert sorted(p.name for p in out.iterdir()) == ["distilled", "draft", "target"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".pair-")] == []  # no staging left behind
+
+    monkeypatch.setattr(gpu_pair.subprocess, "run", lambda cmd, cwd, stdout, text: subprocess.CompletedProcess(
+        cmd, 1, stdout=""))
+    with pytest.raises(SystemExit, match=r"the pair \(draft, then target\) failed \(exit code 1\)"):
+        gpu_pair.main(["--out", str(out)])
+    assert json.loads((out / "target" / "config.json").read_text())["name"] == "p-target"  # the old pair kept

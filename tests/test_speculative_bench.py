@@ -1,0 +1,42 @@
+"""bench/speculative.py (base vs speculative tokens/s, issue 15's goals marked), run as a command as a user runs it,
+and the GPU check's reading of its verdict (bench/gpu_check.py's speculative section)."""
+
+from __future__ import annotations
+
+import re
+
+from bench_command import assert_refuses, run_bench
+from test_gpu_check import gpu_check
+
+
+def test_the_bench_checks_greedy_equality_times_both_ways_and_marks_the_goals():
+    run = run_bench("speculative.py", "--untrained", "--batches", "1,2", "--new-tokens", "6", "--timed-prompts", "2",
+                    "--acceptance-prompts", "2", "--repeats", "1", "--no-adaptive", "--prompt-len", "16")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "device cpu" in run.stdout.splitlines()[0]
+    assert re.findall(r"greedy output == base: (\w+)", run.stdout) == ["yes", "yes"]  # fixed and adaptive gamma
+    for batch in (1, 2):
+        assert re.search(rf"^speculative, untrained\s+{batch}\s+5\s+[\d,]+\s+[\d.]+x", run.stdout, re.M), run.stdout
+    goals = re.findall(r"^  batch (\d+): at least ([\d.]+)x: best ([\d.]+)x \(speculative, untrained\): "
+                       r"(MET|NOT MET)$", run.stdout, re.M)
+    assert [(b, g) for b, g, _, _ in goals] == [("1", "2.5"), ("2", "1.5")], run.stdout
+    assert all((float(r) >= float(g)) == (v == "MET") for _, g, r, v in goals)
+    # the GPU check's rows of this verdict: equality a correctness row, one row per goal
+    rows = gpu_check.verdict_rows(run.stdout)
+    assert [(r.name, r.status, r.correctness) for r in rows] == [
+        ("greedy speculative == base, every draft", "pass", True),
+        ("batch 1: at least 2.5x", "info", False), ("batch 2: at least 1.5x", "info", False)]
+    assert rows[1].detail.startswith(f"best {goals[0][2]}x")
+    # a draft whose greedy output differs, or no verdict at all, fails the check
+    wrong = gpu_check.verdict_rows(run.stdout.replace("greedy output == base: yes", "greedy output == base: NO", 1))
+    assert wrong[0].status == "FAIL" and wrong[0].detail == "1/2 equal"
+    cut = gpu_check.verdict_rows(run.stdout.split("goals (issue 15")[0])
+    assert [(r.name, r.status) for r in cut] == [("greedy speculative == base, every draft", "pass"), ("goals", "FAIL")]
+
+
+def test_the_bench_refuses_a_device_it_cannot_use():
+    assert_refuses("speculative.py", [(["--untrained", "--device", "cuda"], "--device cuda: this torch sees no CUDA "
+                                       "device"),
+                                      (["--untrained", "--device", "tpu"], "--device takes cpu or cuda (cuda:N), not "
+                                       "'tpu'"),
+                                      (["--untrained", "--device", "meta"], "not 'meta'")])
