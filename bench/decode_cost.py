@@ -46,9 +46,12 @@ def measure(kind: str, context: int, device: str, steps: int) -> dict:
     layer = Attention(spec, Rotary(spec.head_dim, total)).to(device=device, dtype=dtype).eval()
     x = torch.randn(1, total, spec.dim, device=device, dtype=dtype)
     cache = layer.inner.new_cache(1, total, torch.device(device), dtype)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     with torch.no_grad():
+        sync()
         t0 = time.perf_counter()
         layer(x[:, :context], cache=cache)
+        sync()  # the device's time, not the launches'
         prefill = time.perf_counter() - t0
         position = iter(range(context, total))
 

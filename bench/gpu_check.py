@@ -348,7 +348,7 @@ def check_decode(args, summaries: dict) -> list[Row]:
         rows.append(Row("decode", f"batch {batch} tokens/s", "info",
                         f"base {batch * new / base_s:,.0f}, speculative {batch * new / spec_s:,.0f} "
                         f"({base_s / spec_s:.2f}x), {stats.mean_accepted:.2f} accepted/step", correctness=False))
-        rows += compiled_decode_rows(target, prompts, new, batch, base_s, base_out, device)
+        rows += compiled_decode_rows(target, draft, prompts, new, batch, base_s, base_out, device)
     return rows + cache_budget_rows(target, draft, device)
 
 
@@ -388,14 +388,16 @@ def cache_budget_rows(target, draft, device: str, rows: int = 5) -> list[Row]:
                 + (f"; errors: {errors[:2]}" if errors else "") + ("" if same or errors else "; outputs differ"))]
 
 
-def compiled_decode_rows(target, prompts, new: int, batch: int, base_s: float, base_out: list,
+def compiled_decode_rows(target, draft, prompts, new: int, batch: int, base_s: float, base_out: list,
                          device: str) -> list[Row]:
     """Compiled decoding (efftx.generation.compiled: CUDA graphs on CUDA) beside the eager base: greedy tokens
-    equal, and tokens/s. CUDA only (on CPU, tests/test_compiled_decode.py compiles it); the first call compiles."""
+    equal, and tokens/s; compiled speculative decoding too (greedy: equal to base; sampled: it runs). CUDA only (on
+    CPU, tests/test_compiled_decode.py compiles it); the first call compiles."""
     import torch
 
     from efftx.generation import compiled
     from efftx.generation.decode import generate
+    from efftx.generation.speculative import speculative_generate
 
     name = f"batch {batch}, greedy compiled == base"
     if device != "cuda":
@@ -412,15 +414,37 @@ def compiled_decode_rows(target, prompts, new: int, batch: int, base_s: float, b
             comp_s = timed(lambda: generate(target, prompts, new, temperature=0.0, compile="on"), device)
     except compiled.CompileUnavailable as e:
         return [Row("decode", name, "FAIL", str(e).splitlines()[0][:300])]
-    same = out == base_out
     exact = target.embed.weight.dtype == torch.float32  # lower precisions may round an argmax the other way
-    matching = sum(a == b for r, q in zip(out, base_out) for a, b in zip(r, q))
-    detail = "equal" if same else f"{matching}/{batch * new} tokens equal"
-    return [Row("decode", name, "pass" if same else ("FAIL" if exact else "info"),
-                f"{detail}, {str(target.embed.weight.dtype)[6:]}", correctness=exact),
+
+    def equal_row(label: str, got: list) -> Row:
+        same = got == base_out
+        matching = sum(a == b for r, q in zip(got, base_out) for a, b in zip(r, q))
+        detail = "equal" if same else f"{matching}/{batch * new} tokens equal"
+        return Row("decode", label, "pass" if same else ("FAIL" if exact else "info"),
+                   f"{detail}, {str(target.embed.weight.dtype)[6:]}", correctness=exact)
+
+    rows = [equal_row(name, out),
             Row("decode", f"batch {batch} compiled tokens/s", "info",
                 f"eager {batch * new / base_s:,.0f}, compiled {batch * new / comp_s:,.0f} ({base_s / comp_s:.2f}x), "
                 f"first call {first_s:.1f} s (compiles)", correctness=False)]
+    spec = f"batch {batch}, greedy compiled speculative == base"
+    try:
+        with torch.no_grad():
+            greedy, _ = speculative_generate(target, draft, prompts, new, gamma=5, temperature=0.0, compile="on")
+            spec_s = timed(lambda: speculative_generate(target, draft, prompts, new, gamma=5, temperature=0.0,
+                                                        compile="on"), device)
+            sampled, _ = speculative_generate(target, draft, prompts, new, gamma=5, temperature=1.0, top_k=32,
+                                              seed=0, compile="on")
+    except Exception as e:  # noqa: BLE001 - a row, not a crash
+        why = str(e).splitlines()[0][:300] if str(e) else ""
+        return rows + [Row("decode", spec, "FAIL", f"{type(e).__name__}: {why}")]
+    ran = len(sampled) == batch and all(len(r) == new for r in sampled)
+    return rows + [equal_row(spec, greedy),
+                   Row("decode", f"batch {batch}, sampled compiled speculative", "pass" if ran else "FAIL",
+                       f"{sum(map(len, sampled))} tokens"),
+                   Row("decode", f"batch {batch} compiled speculative tokens/s", "info",
+                       f"{batch * new / spec_s:,.0f} ({comp_s / spec_s:.2f}x compiled base, greedy)",
+                       correctness=False)]
 
 
 # ------------------------------------------------------------------------------------------------ benches

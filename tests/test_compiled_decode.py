@@ -232,3 +232,26 @@ def test_every_thread_that_compiles_raises_dynamos_recompile_limit_for_itself():
     thread.start()
     thread.join()
     assert len(seen) == 1 and seen[0] >= compiled.RECOMPILE_LIMIT
+
+
+def test_compiled_outputs_handled_as_on_cuda_keep_speculative_decodings_tokens(lm, monkeypatch):
+    """On CUDA a compiled call's outputs are cloned (a graph's next replay overwrites them): speculative decoding's
+    draft steps return (tokens, None) when greedy, which must pass through. The passes run eagerly here, their
+    outputs handled as on CUDA: greedy and sampled, fixed and adaptive gamma, the eager tokens."""
+    from efftx.generation.speculative import speculative_generate
+
+    monkeypatch.setattr(compiled, "compiled_function", lambda fn, device_type: fn)
+    real_init = compiled.CompiledRunner.__init__
+
+    def as_on_cuda(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.device_type = "cuda"
+
+    monkeypatch.setattr(compiled.CompiledRunner, "__init__", as_on_cuda)
+    draft = tiny(**{"model.depth": 1})
+    for sampling in ({"temperature": 0.0}, {"temperature": 0.9, "top_k": 40, "seed": 3}):
+        for adaptive in (False, True):
+            extra = {"adaptive_gamma": adaptive, "max_gamma": 6 if adaptive else None, **sampling}
+            eager = speculative_generate(lm, draft, RAGGED, 12, gamma=3, **extra)
+            assert speculative_generate(lm, draft, RAGGED, 12, gamma=3, compile="on", **extra)[0] == eager[0]
+    assert compiled.owned((torch.ones(2), None))[1] is None

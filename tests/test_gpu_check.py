@@ -293,3 +293,35 @@ def test_gpu_pair_trains_the_pair_then_a_distilled_draft_and_collects_the_three_
     with pytest.raises(SystemExit, match=r"the pair \(draft, then target\) failed \(exit code 1\)"):
         gpu_pair.main(["--out", str(out)])
     assert json.loads((out / "target" / "config.json").read_text())["name"] == "p-target"  # the old pair kept
+
+
+def test_compiled_decode_rows_hold_compiled_base_and_speculative_decoding_to_the_eager_base(monkeypatch):
+    """The decode section's compiled rows (CUDA only; here their plumbing on the CPU, the passes run eagerly and the
+    device waits skipped): greedy compiled base and compiled speculative decoding equal to the eager base (correctness
+    rows), sampled compiled speculative decoding runs, tokens/s rows; a compiled speculative call that raises is a
+    FAIL row, not a crash."""
+    import torch
+
+    from efftx import recipes
+    from efftx.generation import compiled
+    from efftx.generation.decode import generate
+    from efftx.models import build
+
+    monkeypatch.setattr(compiled, "compiled_function", lambda fn, device_type: fn)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    torch.manual_seed(0)
+    target, draft = (build(recipes.get(f"spec_{role}_debug")).eval() for role in ("target", "draft"))
+    prompts = torch.randint(0, target.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = generate(target, prompts, 6, temperature=0.0).tolist()
+    rows = gpu_check.compiled_decode_rows(target, draft, prompts, 6, 2, 0.1, base, "cuda")
+    assert [(r.name, r.status) for r in rows] == [
+        ("batch 2, greedy compiled == base", "pass"), ("batch 2 compiled tokens/s", "info"),
+        ("batch 2, greedy compiled speculative == base", "pass"), ("batch 2, sampled compiled speculative", "pass"),
+        ("batch 2 compiled speculative tokens/s", "info")]
+    wrong = gpu_check.compiled_decode_rows(target, draft, prompts, 6, 2, 0.1, [[0] * 6, base[1]], "cuda")
+    assert [r.status for r in wrong if r.correctness] == ["FAIL", "FAIL", "pass"]
+    monkeypatch.setattr(compiled.StaticDecoder, "run", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    failed = gpu_check.compiled_decode_rows(target, draft, prompts, 6, 2, 0.1, base, "cuda")
+    assert failed[-1].name == "batch 2, greedy compiled speculative == base" and failed[-1].status == "FAIL"
+    assert "RuntimeError: boom" in failed[-1].detail

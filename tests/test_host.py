@@ -55,11 +55,11 @@ def test_on_cuda_a_readback_is_a_non_blocking_copy_into_pinned_memory_then_an_ev
     real_empty, real_copy = torch.empty, torch.Tensor.copy_
 
     class OnCuda:  # the values as a CUDA tensor
-        device, shape, dtype = torch.device("cuda", 0), values.shape, values.dtype
+        device, shape, dtype = torch.device("cuda", 1), values.shape, values.dtype
 
     class Event:
-        def record(self):
-            calls.append("record")
+        def record(self, stream=None):
+            calls.append(("record", stream))
 
         def synchronize(self):
             calls.append("synchronize")
@@ -75,8 +75,9 @@ def test_on_cuda_a_readback_is_a_non_blocking_copy_into_pinned_memory_then_an_ev
     monkeypatch.setattr(torch, "empty", empty)
     monkeypatch.setattr(torch.Tensor, "copy_", copy_)
     monkeypatch.setattr(torch.cuda, "Event", Event)
-    sent = Readback(OnCuda())
-    assert calls == [("empty", True), ("copy", True), "record"]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"the current stream of {device}")
+    sent = Readback(OnCuda())  # the event on the stream of the values' device (a model on cuda:N), not cuda:0's
+    assert calls == [("empty", True), ("copy", True), ("record", "the current stream of cuda:1")]
     values.add_(10)  # what is read is the copy made when it was sent
     assert sent.tolist() == [[3, 4], [5, 6]] and calls[3:] == ["synchronize"]
     monkeypatch.undo()

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from device_waits import waits_of
 from efftx import attention, recipes
 from efftx.attention import nsa as nsa_module
 from efftx.attention import nsa_cpu
@@ -379,6 +380,9 @@ def test_eq9_mapping_hand_worked():
     # l = 2d, l' = d: p_slc[j] = p[j] + p[j-1]; equal sizes: the identity
     torch.testing.assert_close(eq9_to_selection(scores[:, :3], 16, 8, 8, 4), torch.tensor([[1.0, 11.0, 110.0, 100.0]]))
     torch.testing.assert_close(eq9_to_selection(scores, 8, 8, 8, 5), scores)
+    # its terms out of range are skipped on the host: no read of the device (tests/device_waits.py)
+    for args in ((8, 4, 8, 3), (4, 4, 8, 3), (8, 8, 8, 5), (16, 4, 8, 7)):
+        assert waits_of(eq9_to_selection, scores * 1, *args)[1] == [], args
     # the attended blocks differ: compressed block 3 (tokens 12..15) dominates; a query in selection block 3 picks
     # selection block 1 (tokens 8..15, which hold it) by overlap, block 2 by Eq. 9 (2j - 1 = 3)
     q, ck = aligned([0.0, 0.0, 0.0, 5.0, 0.0, 0.0, 0.0])

@@ -1037,6 +1037,36 @@ def test_passes_that_run_out_of_device_memory_are_split_and_every_row_keeps_its_
     assert len(failed) > 8
 
 
+@pytest.mark.parametrize("compile", ["on", "auto"])
+def test_compiled_passes_that_run_out_of_device_memory_are_split_not_taken_for_a_compile_failure(monkeypatch, pairs,
+                                                                                                  compile):
+    """The same with compiled passes (run eagerly here: the compiled function stands in for its graphs): a compiled
+    pass of more than two rows runs out of device memory (on a GPU: a CUDA graph's recording, inductor's buffers).
+    That is the device's error, not the compiler's: it reaches the containment as it is (the batch's later passes
+    halved, once per batch), compiling stays on, and every request gets its solo tokens. Power: taken for a compile
+    failure, ``on`` raised CompileUnavailable at every step (never split) and ``auto`` turned compiling off for the
+    process."""
+    from efftx.generation import compiled
+
+    target, draft = pair(pairs, "full")
+    failed = []
+
+    def factory(fn, device_type):
+        def step(model, tokens, *args):
+            if tokens.shape[0] > 2:
+                failed.append(tokens.shape[0])
+                raise torch.OutOfMemoryError(f"CUDA out of memory (simulated): a compiled pass of {tokens.shape[0]}")
+            return fn(model, tokens, *args)
+        return step
+
+    monkeypatch.setattr(compiled, "compiled_function", factory)
+    monkeypatch.setattr(compiled, "_BROKEN", {})
+    plan = [(0, [i + 1, 5, 9], 12, HOT, 40 + i, None if i % 2 else 2) for i in range(6)]
+    scheduler = Scheduler(target, draft, short_tokens=0, prefill_rows=0, compile=compile)
+    assert_alone(target, draft, run_rounds(scheduler, plan))
+    assert len(failed) == 2 and compiled._BROKEN == {}  # once per batch; compiling not given up
+
+
 def test_a_move_or_a_shrink_without_device_memory_changes_nothing(monkeypatch, pairs):
     """A long row moves to the slow lane for a short arrival through a free slot: on a device with no memory left
     at all (no copy, no cache) it still moves. With every slot holding a row, it moves through a one-row scratch:

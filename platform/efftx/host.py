@@ -44,7 +44,7 @@ class Readback:
             self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
             self._host.copy_(values, non_blocking=True)
             self._ready = torch.cuda.Event()
-            self._ready.record()
+            self._ready.record(torch.cuda.current_stream(values.device))  # the copy's stream: its device's
         else:
             self._host = values
 

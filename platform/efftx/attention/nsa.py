@@ -268,10 +268,11 @@ def eq9_to_selection(scores: torch.Tensor, block: int, stride: int, sel_block: i
     base = torch.arange(n_sel, device=scores.device) * a
     for r in range(a + c - 1):  # r = m + n
         weight = min(r, a - 1) - max(0, r - c + 1) + 1  # pairs 0 <= m < a, 0 <= n < c with m + n = r
+        if not any(0 <= j * a - r < nc for j in range(n_sel)):  # no block j's term r in range (host integers: no
+            continue  # read of the device per term)
         i = base - r
         ok = (i >= 0) & (i < nc)
-        if ok.any():
-            out = out + weight * scores[..., i.clamp(0, max(nc - 1, 0))] * ok
+        out = out + weight * scores[..., i.clamp(0, max(nc - 1, 0))] * ok
     return out
 
 

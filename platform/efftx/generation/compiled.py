@@ -199,6 +199,9 @@ RECOMPILE_LIMIT = 64
 _COMPILED: dict[tuple[Callable, str], Callable] = {}  # (function, device type) -> compiled (graphs cached per shape)
 _THREAD = threading.local()  # .limits: this thread raised dynamo's recompile limit
 _BROKEN: dict[str, str] = {}  # device type -> why compiling failed there ("auto" does not retry)
+# errors of the device, not of compiling: out of memory (a CUDA graph's recording or inductor's buffers may run out
+# where the eager pass would too) and device faults; they propagate as they are, never taken for a compile failure
+DEVICE_ERRORS = (torch.OutOfMemoryError, torch.AcceleratorError)
 # model -> {(batch, capacity, dtype, device): [free DeviceCaches]}: CUDA graphs replay on the same buffers
 _POOLS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -311,6 +314,8 @@ class CompiledRunner:
             out = step(self.model, tokens, self.cache, *args)
             self._guarded.add(key)
             return out
+        except DEVICE_ERRORS:  # the device's, not the compiler's: the caller contains them (a smaller pass, ...)
+            raise
         except Exception as e:  # compilation fails before the graph runs: nothing was written yet
             if self.mode != "auto":
                 raise CompileUnavailable(f"compile='on': torch.compile of the decode step failed: "
@@ -320,6 +325,14 @@ class CompiledRunner:
                         _BROKEN[self.device_type])
             self.compiled = False
             return fn(self.model, tokens, self.cache, *args)
+
+
+def owned(out):
+    """A compiled call's outputs as tensors of their own (a CUDA graph's next replay overwrites its output buffers):
+    a tensor, or a tuple of tensors and Nones (greedy draft steps return no distributions), each tensor cloned."""
+    if isinstance(out, tuple):
+        return tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in out)
+    return out.clone()
 
 
 class StaticDecoder(CompiledRunner):
@@ -373,7 +386,7 @@ class StaticDecoder(CompiledRunner):
         self.used = max(self.used, longest)
         out = self._run(fn, tokens, *args)
         if self.compiled and self.device_type == "cuda":  # a CUDA graph's next replay overwrites its outputs
-            out = tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone()
+            out = owned(out)
         return out
 
     def rewind(self, counts) -> None:

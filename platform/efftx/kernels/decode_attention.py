@@ -309,13 +309,14 @@ def _launch(q, k_cache, v_cache, lengths, causal: bool, scale: float, splits: in
     l_part = torch.empty_like(m_part)
     acc_part = torch.empty(0 if direct else parts * m_pad * d_pad, device=q.device, dtype=torch.float32)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    _partial_kernel[(b * hkv, splits)](
-        q, k_cache, v_cache, lengths, out, m_part, l_part, acc_part, *q.stride(), *k_cache.stride(),
-        *v_cache.stride(), *out.stride(), lengths.stride(0), t, c, scale, split, splits, HKV=hkv, CAUSAL=causal, DIRECT=direct,
-        PRECISION=precision, num_warps=warps, **meta)
-    if not direct:
-        _merge_kernel[(b * hkv,)](m_part, l_part, acc_part, out, *out.stride(), t, splits, HKV=hkv, G=meta["G"],
-                                  M_PAD=m_pad, D=d, D_PAD=d_pad, num_warps=warps)
+    with torch.cuda.device(q.device):  # Triton launches on the current device: the tensors' (a model on cuda:N)
+        _partial_kernel[(b * hkv, splits)](
+            q, k_cache, v_cache, lengths, out, m_part, l_part, acc_part, *q.stride(), *k_cache.stride(),
+            *v_cache.stride(), *out.stride(), lengths.stride(0), t, c, scale, split, splits, HKV=hkv, CAUSAL=causal,
+            DIRECT=direct, PRECISION=precision, num_warps=warps, **meta)
+        if not direct:
+            _merge_kernel[(b * hkv,)](m_part, l_part, acc_part, out, *out.stride(), t, splits, HKV=hkv, G=meta["G"],
+                                      M_PAD=m_pad, D=d, D_PAD=d_pad, num_warps=warps)
     return out
 
 

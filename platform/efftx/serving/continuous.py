@@ -1030,6 +1030,9 @@ class Scheduler:
 
     def _loop(self) -> None:
         torch.set_num_threads(self.threads)  # per thread, as grad mode is
+        device = _device(self.target)
+        if device.type == "cuda":  # per thread too (a new thread starts on cuda:0): the models' (on cuda:N)
+            torch.cuda.set_device(device)
         with torch.no_grad():  # grad mode is per thread
             while True:
                 with self._cv:
