@@ -58,6 +58,31 @@ def test_the_bucket_of_a_pass_is_its_rows_rounded_up_to_a_power_of_two():
     assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 17)] == [1, 2, 4, 4, 8, 8, 16, 32]
 
 
+def test_slots_back_at_a_size_pass_the_buffers_their_graphs_were_recorded_over(models):
+    """A CUDA graph is recorded over its inputs' addresses (the bucket views of the keys, values and device
+    lengths): slots that grow and shrink back (a burst), or new slots of a size that ran before (the replica after
+    its warm-up), get that size's pooled cache and its device lengths, so they replay the graphs recorded then;
+    slots alive at once never share them. Power: device lengths made anew at every reallocation (before) differ."""
+    target, _ = models
+
+    def buffers(slots):
+        return slots._lengths.data_ptr(), slots._cache.layers[0].k.data_ptr(), slots.runner(2).cache.lengths.data_ptr()
+
+    first = CompiledSlots(target, rows=2)
+    before = buffers(first)
+    assert before[0] == before[2]  # the bucket's view of the device lengths
+    first._reallocate(8)
+    assert buffers(first)[0] != before[0]
+    first._reallocate(2)
+    assert buffers(first) == before
+    other = CompiledSlots(target, rows=2)  # while the first holds its cache: buffers of its own
+    others = buffers(other)
+    assert not set(others) & set(before)
+    first.release()
+    other.release()  # the pool keeps one cache a size: the last given back, with its device lengths
+    assert buffers(CompiledSlots(target, rows=2)) == others
+
+
 @pytest.mark.parametrize("policy", ["every_row", "priority_base", "priority_speculative"])
 def test_compiled_passes_give_every_request_its_solo_output(models, passes, policy):
     """The mixed plan (base and speculative rows, gammas 2 and 3, every sampling, arrivals over ten rounds) with

@@ -1067,6 +1067,94 @@ def test_compiled_passes_that_run_out_of_device_memory_are_split_not_taken_for_a
     assert len(failed) == 2 and compiled._BROKEN == {}  # once per batch; compiling not given up
 
 
+@pytest.mark.parametrize("where", ["pass", "read", "chunk"])
+def test_a_device_fault_fails_every_request_with_a_503_and_no_row_runs_again(monkeypatch, pairs, where, caplog):
+    """A CUDA error (an illegal memory access, a device-side assert) is sticky: every later call on the device fails
+    too. One surfaces in a batched pass, or (base steps pipelined) at a step's read, or in a prompt's prefill chunk,
+    while base and speculative rows run and others wait: no row is rerun alone (each would touch the failed device
+    again), every request, running or queued, fails with a 503 naming the device, a request submitted later fails
+    at once, and the scheduler keeps the fault (the app's health check reports it: Serve replaces the replica). Power:
+    taken for a request's own fault, the rows ran again one by one and failed with 500s, and later requests tried the
+    device again."""
+    from efftx.serving.batches import DeviceFault
+    from efftx.serving.isolation import row_failure
+
+    target, draft = pair(pairs, "full")
+    fault = torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+    real_forward, real_read, real_chunk = decode._SlotRows.forward, batches.BaseEngine._read, \
+        batches._Engine._prefill_chunk
+    calls, broken = [], []
+
+    def forward(self, tokens):
+        calls.append(tokens.shape[0])
+        if broken and where == "pass":
+            raise fault
+        return real_forward(self, tokens)
+
+    def read(self, state, sent):
+        if broken and where == "read":
+            raise fault
+        return real_read(self, state, sent)
+
+    def chunk(self, job, tokens):
+        if broken and where == "chunk":
+            raise fault
+        return real_chunk(self, job, tokens)
+
+    monkeypatch.setattr(decode._SlotRows, "forward", forward)
+    monkeypatch.setattr(batches.BaseEngine, "_read", read)
+    monkeypatch.setattr(batches._Engine, "_prefill_chunk", chunk)
+    scheduler = Scheduler(target, draft, short_tokens=0, prefill_rows=0, pipeline=where == "read",
+                          prefill_chunk=4 if where == "chunk" else 0)
+    jobs = [scheduler.submit(Job([i + 1, 5, 9], 30, HOT, 40 + i, None if i % 2 else 2)) for i in range(4)]
+    for _ in range(3):
+        scheduler.run_once()
+    assert all(j.out and not j.done for j in jobs)
+    jobs += [scheduler.submit(Job([9, 9, 9], 8, GREEDY, 1, gamma)) for gamma in (None, 2)]  # waiting for a round
+    if where == "chunk":  # a long prompt being prefilled chunk by chunk when the device fails
+        jobs.append(scheduler.submit(Job([7] * 40, 8, HOT, 50)))
+    broken.append(True)
+    with caplog.at_level(logging.WARNING, logger="ray.serve"):
+        scheduler.run_once()  # the round in which the device fails
+    assert "one by one" not in caplog.text  # no row rerun alone
+    before = len(calls)
+    for _ in range(3):
+        scheduler.run_once()
+    assert len(calls) == before  # nothing touches the device after that round
+    assert all(j.done and isinstance(j.error, DeviceFault) for j in jobs), [repr(j.error) for j in jobs]
+    assert {j.failure.status for j in jobs} == {503} and "illegal memory access" in str(jobs[0].error)
+    assert "the device failed" in row_failure(jobs[0].error, "base decoding").detail
+    assert isinstance(scheduler.fault, DeviceFault) and not scheduler.running and not scheduler._queue
+    late = scheduler.submit(Job([1, 2], 4, HOT, 1))
+    assert late.done and late.error is scheduler.fault and late.failure.status == 503
+    scheduler.run_once()
+    assert len(calls) == before
+
+
+def test_the_replica_reports_itself_unhealthy_after_a_device_fault(pairs):
+    """The text app's Serve health check (``check_health``: raising makes Serve replace the replica) and ``/healthz``
+    (a 503 naming the fault) once its scheduler met a device fault; healthy before."""
+    import json
+
+    from efftx.serving.batches import replica_fault
+    from efftx.serving.text import TextGenerator
+
+    target, draft = pair(pairs, "full")
+    app = TextGenerator.func_or_class.__new__(TextGenerator.func_or_class)  # the replica's methods, without Serve
+    app.name, app.draft, app.images = "tiny", draft, None
+    app.scheduler = Scheduler(target, draft)
+    app.check_health()
+    assert asyncio.run(app.healthz())["status"] == "ok"
+    app.scheduler.base.fault = replica_fault(torch.AcceleratorError("CUDA error: device-side assert triggered"))
+    app.scheduler.run_once()
+    with pytest.raises(RuntimeError, match=r"unhealthy: the device failed \(AcceleratorError: CUDA error: "
+                                           r"device-side assert triggered\)"):
+        app.check_health()
+    answer = asyncio.run(app.healthz())
+    assert answer.status_code == 503 and answer.headers["Retry-After"] == "1"
+    assert json.loads(answer.body)["status"] == "failed" and "device-side assert" in json.loads(answer.body)["detail"]
+
+
 def test_a_move_or_a_shrink_without_device_memory_changes_nothing(monkeypatch, pairs):
     """A long row moves to the slow lane for a short arrival through a free slot: on a device with no memory left
     at all (no copy, no cache) it still moves. With every slot holding a row, it moves through a one-row scratch:

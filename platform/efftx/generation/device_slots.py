@@ -27,7 +27,8 @@ compiled step (:mod:`efftx.generation.compiled`) for models that compiled decodi
   these few shapes. A containment retry (several prefills before their rows join) prefills eagerly.
 * The slots grow and shrink as :class:`~efftx.generation.decode.Slots`' do (by powers of two here); the shapes of a
   bucket's views do not depend on how many slots are allocated, so no graph is compiled again (on a GPU a CUDA
-  graph is recorded again for the new buffers).
+  graph is recorded again for new buffers; slots back at a size they had get that size's pooled buffers, device
+  lengths included, and replay the graphs recorded over them).
 
 ``mode`` is :class:`~efftx.generation.compiled.CompileOptions`'s ``on`` or ``auto``: under ``auto`` a compile
 failure switches to eager passes (and logs why), under ``on`` it raises
@@ -72,9 +73,18 @@ class CompiledSlots(Slots):
         self._prefills: dict[tuple[int, int], CompiledRunner] = {}  # (rows, tokens) -> compiled prefill
 
     def _fresh(self) -> None:
-        """New buffers: new bucket views (and device lengths) at the next passes."""
+        """New buffers: new bucket views at the next passes. Their device lengths go with the cache (pooled with it,
+        :func:`~efftx.generation.decode.slots_cache`), so slots back at a size they had (a burst's growth and
+        shrinking, a later batch, the replica after its warm-up) pass the very buffers a CUDA graph was recorded
+        over, which it replays instead of recording again."""
         self._runners: dict[int, CompiledRunner] = {}
-        self._lengths = torch.zeros(self.slots, dtype=torch.long, device=self.device)
+        cache = self._cache
+        lengths = getattr(cache, "device_lengths", None)
+        if lengths is None or lengths.shape[0] != self.slots or lengths.device != self.device:
+            lengths = torch.zeros(self.slots, dtype=torch.long, device=self.device)
+            if cache is not None:
+                cache.device_lengths = lengths
+        self._lengths = lengths
         self._cuda_graphs = self.compiled and self.device.type == "cuda"
 
     def _reallocate(self, slots: int, capacity: int | None = None) -> None:

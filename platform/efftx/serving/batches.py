@@ -31,8 +31,36 @@ if TYPE_CHECKING:  # the scheduler runs with torch alone (bench/serve_load.py --
 
 logger = logging.getLogger("ray.serve")
 
+
 class DeviceMemoryFull(MemoryError):
     """A request's cache does not fit the device's memory, and no running row will free any: 503 (retry later)."""
+
+
+class DeviceFault(RuntimeError):
+    """The device failed (a CUDA error: an illegal memory access, a device-side assert, ...). Such an error is
+    sticky: every later call on the device fails too, so running rows one by one would only fail each of them, and
+    every later request. The scheduler fails every request with a 503 instead and refuses new ones, and the Serve
+    app reports the replica unhealthy, so Serve replaces it (:meth:`~efftx.serving.text.TextGenerator.check_health`)."""
+
+
+def device_fault(exc: BaseException) -> bool:
+    """Whether ``exc`` is the device's failure (:class:`DeviceFault`), not one request's or the memory's."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return False
+    if isinstance(exc, (DeviceFault, torch.AcceleratorError)):
+        return True
+    return isinstance(exc, RuntimeError) and "CUDA error" in str(exc)
+
+
+def replica_fault(exc: BaseException) -> DeviceFault:
+    """The :class:`DeviceFault` every request fails with after the device failed with ``exc``."""
+    if isinstance(exc, DeviceFault):
+        return exc
+    first = str(exc).splitlines()[0][:200] if str(exc) else ""
+    fault = DeviceFault(f"the device failed ({type(exc).__name__}: {first}); this replica takes no more requests "
+                        "and is replaced")
+    fault.__cause__ = exc
+    return fault
 
 
 # ---------------------------------------------------------------------------------------------- sampling
@@ -304,6 +332,7 @@ class _Engine:
         # join and leave before it is read), or None (the slot's token is on the host, in self.last)
         self._flown: list[int | None] = []
         self.deferred = self.followed = 0  # steps left in flight, and those of them fed by the step in flight
+        self.fault: BaseException | None = None  # the device's failure (device_fault), once met: the scheduler's
 
     def __len__(self) -> int:
         return len(self.order)
@@ -377,6 +406,8 @@ class _Engine:
         try:
             result = self._read(state, sent)
         except Exception as exc:  # noqa: BLE001 - the step's rows fail, the batch goes on
+            if device_fault(exc):
+                exc = self.fault = self.fault or replica_fault(exc)
             for job in state.jobs:
                 job._fail(exc, f"{self.kind} decoding")
             return
@@ -611,6 +642,11 @@ class _Engine:
         """A batched prefill (``state`` None) or step raised: run it for each row alone; a row that fails alone
         fails (only it)."""
         what = f"{self.kind} decoding"
+        if device_fault(exc):  # sticky: each row alone would fail too (and touch the failed device again)
+            self.fault = self.fault or replica_fault(exc)
+            for job in jobs:
+                job._fail(self.fault, what)
+            return []
         if len(jobs) > 1:
             logger.warning("%s of a batch of %d failed (%s: %s); running its rows one by one",
                            what, len(jobs), type(exc).__name__, exc)
@@ -634,6 +670,8 @@ class _Engine:
         return parts
 
     def fail_all(self, exc: BaseException) -> None:
+        if device_fault(exc):
+            exc = self.fault = self.fault or replica_fault(exc)
         self._flight, self._flown = None, []  # its tokens are never read: every row fails
         for job in self.jobs():
             job.ahead = 0

@@ -119,10 +119,11 @@ from efftx.generation.compiled import CompileOptions, CompileUnavailable
 from efftx.generation.decode import CacheBudget, free_memory, pool_widths
 from efftx.generation.device_slots import MIN_PREFILL, PREFILL_ROWS, PREFILL_TOKENS, eager_reason, slots_for
 # the running batches; Job, Sampling and DeviceMemoryFull are this module's API too (the app and benches use them)
-from efftx.serving.batches import (BaseEngine, DeviceMemoryFull, Job, PassTime, Sampling, SpeculativeEngine, _call,
-                                   _device, _Engine, _engine_name, device_sync)
+from efftx.serving.batches import (BaseEngine, DeviceFault, DeviceMemoryFull, Job, PassTime, Sampling,
+                                   SpeculativeEngine, _call, _device, _Engine, _engine_name, device_fault, device_sync,
+                                   replica_fault)
 
-__all__ = ["DeviceMemoryFull", "Job", "Sampling", "Scheduler", "StepCosts", "slowdown_ok", "warm_up"]
+__all__ = ["DeviceFault", "DeviceMemoryFull", "Job", "Sampling", "Scheduler", "StepCosts", "slowdown_ok", "warm_up"]
 
 logger = logging.getLogger("ray.serve")
 
@@ -464,6 +465,7 @@ class Scheduler:
                                self.pass_time)
         self.base.interrupt = self._arrived  # an arrival ends a round's several steps after the one running
         self.pipeline = _device(target).type == "cuda" if pipeline is None else pipeline
+        self.fault: DeviceFault | None = None  # the device failed (see _faulted): every request fails from then on
         self.base.pipeline = self.pipeline
         if draft is not None and self.compile == "on" and eager_reason(draft):  # now, not at the first request
             raise CompileUnavailable(f"compile='on' but compiled continuous batching cannot run the draft: "
@@ -492,6 +494,9 @@ class Scheduler:
             raise ValueError("speculative decoding needs a draft model")
         job.submitted = time.perf_counter()
         job.clocked = self.clock()  # the same moment on the scheduler's clock (see *Measured costs*)
+        if self.fault is not None:  # the device failed: nothing decodes here any more
+            job._fail(self.fault, f"{job.mode} decoding")
+            return job
         with self._cv:
             self._queue.append(job)
             self._cv.notify()
@@ -660,6 +665,24 @@ class Scheduler:
             return self._round()
         finally:
             self.round_seconds += self.clock() - t0
+            self._faulted()
+
+    def _faulted(self) -> None:
+        """After a round: where a batch met a device fault (:class:`~efftx.serving.batches.DeviceFault`), every request
+        fails with it (a 503: the replica is replaced), running or queued, and new ones fail at once."""
+        fault = self.fault or next((e.fault for e in self._engines() if e.fault is not None), None)
+        if fault is None:
+            return
+        if self.fault is None:
+            self.fault = fault
+            logger.error("continuous batching: %s", fault, exc_info=fault.__cause__)
+        with self._cv:
+            queued, self._queue = list(self._queue), deque()
+        for job in queued:
+            job._fail(self.fault, f"{job.mode} decoding")
+        for engine in self._engines():
+            if len(engine):
+                engine.fail_all(self.fault)
 
     @property
     def pass_seconds(self) -> float:
@@ -990,6 +1013,8 @@ class Scheduler:
             try:
                 engine.prefill_chunk(job, self.prefill_chunk)
             except Exception as exc:  # noqa: BLE001 - this request's own failure
+                if device_fault(exc):
+                    exc = engine.fault = engine.fault or replica_fault(exc)
                 job._fail(exc, f"{engine.kind} decoding")
                 continue
             self._costs(engine.name).add_prefill(self.prefill_chunk, self.prefill_chunk, self.clock() - t0)
@@ -1023,6 +1048,8 @@ class Scheduler:
             return fn(*args)
         except Exception as exc:  # noqa: BLE001 - a fault outside the contained passes: fail this batch, go on
             logger.exception("continuous batching: the %s batch failed outside its rows' passes", engine.kind)
+            if device_fault(exc):
+                exc = engine.fault = engine.fault or replica_fault(exc)
             for job in jobs:
                 if not job.done:
                     job._fail(exc, f"{engine.kind} decoding")

@@ -51,6 +51,10 @@ class RowFailure(BaseModel):
 def row_failure(exc: BaseException, what: str) -> RowFailure:
     if isinstance(exc, HTTPException):
         return RowFailure(status=exc.status_code, detail=exc.detail)
+    from efftx.serving.batches import DeviceFault
+
+    if isinstance(exc, DeviceFault):  # the device failed: this replica is replaced (a retry reaches another)
+        return RowFailure(status=503, detail=f"{what} failed: {exc}")
     if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):  # the server's capacity, not the request: retry
         logger.warning("%s ran out of memory on one request: %s", what, exc)
         return RowFailure(status=503, detail=f"{what} ran out of memory for this request; retry later: {exc}")

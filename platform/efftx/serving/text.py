@@ -102,7 +102,7 @@ from efftx.serving.continuous import Job, Sampling, Scheduler, warm_up
 from efftx.serving.devices import cache_budget, replica_device, resolve_build_devices, with_resources, with_threads
 from efftx.serving.images import (ImageGenerator, ImageLimits, ImageRequest, OpenAIImageRequest, as_image_request,
                                   check_request, field_error, image_field_limits, openai_size)
-from efftx.serving.isolation import BodyLimit, RowFailure, contained
+from efftx.serving.isolation import RETRY_AFTER_S, BodyLimit, RowFailure, contained
 from efftx.serving.playground import image_card, model_card
 from efftx.serving.playground import router as playground_router
 from efftx.serving.schemas import (CompletionRequest, GenerateRequest, GenerateResponse, Limits, ModelsInfo, ModeResult,
@@ -503,8 +503,24 @@ class TextGenerator:
         return get_swagger_ui_html(openapi_url=f"{root}/openapi.json", title=f"{request.app.title} - docs")
 
     # ------------------------------------------------------------------ endpoints
+    def fault(self) -> BaseException | None:
+        """The device's failure, once the scheduler met one (continuous batching; see batches.DeviceFault)."""
+        scheduler = getattr(self, "scheduler", None)
+        return scheduler.fault if scheduler is not None else None
+
+    def check_health(self) -> None:
+        """Serve's health check of the replica: after a device fault it raises, so Serve replaces the replica (a CUDA
+        error is sticky: nothing decodes on this process any more)."""
+        fault = self.fault()
+        if fault is not None:
+            raise RuntimeError(f"unhealthy: {fault}")
+
     @app.get("/healthz")
-    async def healthz(self) -> dict:
+    async def healthz(self):
+        fault = self.fault()
+        if fault is not None:
+            return JSONResponse(status_code=503, content={"status": "failed", "model": self.name, "detail": str(fault)},
+                                headers={"Retry-After": str(RETRY_AFTER_S)})
         return {"status": "ok", "model": self.name, "speculative": self.draft is not None,
                 "images": self.images is not None}
 
