@@ -105,7 +105,9 @@ FAMILIES = {
     "lm": ("train_lm.py", ["--recipe", "lm_debug"], []),
     "sinkhorn": ("train_sinkhorn.py", ["--recipe", "sinkhorn_debug"], []),
     "performer": ("train_performer.py", ["--recipe", "performer_debug"], []),
-    "nsa": ("train_nsa.py", ["--recipe", "nsa_debug"], ["attention.nsa.impl=triton"]),
+    # the Triton kernel takes selection blocks of a multiple of 16 (nsa_debug's are 8)
+    "nsa": ("train_nsa.py", ["--recipe", "nsa_debug"], ["attention.nsa.impl=triton",
+                                                         "attention.nsa.selection_block_size=16"]),
     "speculative": ("train_speculative.py", ["--size", "debug"], []),
     "dalle": ("train_dalle.py", ["--recipe", "dalle_shapes_debug"], []),
 }

@@ -201,3 +201,34 @@ def test_a_trial_rerun_after_its_driver_died_continues_its_child_run(tmp_path):
     exp = run.info.experiment_id
     children = client.search_runs([exp], f"tags.mlflow.parentRunId = '{parent.run_id}'")
     assert sorted(c.info.run_name for c in children) == ["sweep-t1", "sweep-t2"]
+
+
+def test_collectives_reduce_on_the_process_groups_device(monkeypatch):
+    """On GPUs Ray Train's process group is nccl, which reduces CUDA tensors only: the loop's metric means
+    (efftx.train.loop.all_mean, every log step and evaluation) reduce on the group's device (nccl: the worker's
+    current CUDA device), as the checkpoint collectives do. Here the group is faked: two ranks, the same values."""
+    import torch
+    import torch.distributed as dist
+
+    from efftx.train import checkpoint, loop
+
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert checkpoint._dist_device() == torch.device("cuda", 3)
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "gloo")
+    assert checkpoint._dist_device() == torch.device("cpu")
+
+    asked, reduced = [], []
+
+    def device():
+        asked.append(True)
+        return torch.device("cpu")  # the only device here; asking is what is checked
+
+    def all_reduce(t):
+        reduced.append(t.device)
+        t.mul_(2)  # two ranks with the same values
+
+    monkeypatch.setattr(checkpoint, "_dist_device", device)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    assert loop.all_mean([1.0, 3.0], weight=2.0) == [1.0, 3.0] and asked and reduced == [torch.device("cpu")]

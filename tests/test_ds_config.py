@@ -14,6 +14,7 @@ import torch
 from efftx import recipes
 from efftx.cli import train_main
 from efftx.errors import ConfigError
+from efftx.train import engine as engine_lib
 from efftx.train.engine import Schedule, deepspeed_config, lr_lambda
 from efftx.train.launch import resolve
 
@@ -185,7 +186,7 @@ def test_deepspeed_only_schedule_keys_are_refused_elsewhere():
 
 # ------------------------------------------------------------------------------------------------ optimizers
 
-def test_deepspeed_optimizers_by_name_go_to_the_deepspeed_config():
+def test_deepspeed_optimizers_by_name_go_to_the_deepspeed_config(monkeypatch):
     base = {"name": "t", "scaling.device": "cpu", "train.lr": 1e-3, "train.beta1": 0.8, "train.beta2": 0.999,
             "train.eps": 1e-6, "train.weight_decay": 0.01}
     assert "optimizer" not in deepspeed_config(recipes.get("lm_debug").override(base))  # torch_adamw: efftx builds it
@@ -193,11 +194,21 @@ def test_deepspeed_optimizers_by_name_go_to_the_deepspeed_config():
     assert ds["optimizer"] == {"type": "Adam", "params": {"lr": 1e-3, "betas": [0.8, 0.999], "eps": 1e-6,
                                                           "weight_decay": 0.01, "adam_w_mode": False,
                                                           "torch_adam": True}}  # CPU: no op to compile
-    ds = deepspeed_config(recipes.get("lm_debug").override({**base, "engine.optimizer": "adamw",
-                                                            "scaling.device": "cuda"}))
+    on_gpu = {**base, "engine.optimizer": "adamw", "scaling.device": "cuda"}
+    monkeypatch.setattr(engine_lib.shutil, "which", lambda name: "/usr/local/cuda/bin/nvcc" if name == "nvcc" else None)
+    ds = deepspeed_config(recipes.get("lm_debug").override(on_gpu))
     assert ds["optimizer"]["type"] == "AdamW" and "torch_adam" not in ds["optimizer"]["params"]  # FusedAdam
+    # a GPU worker without the CUDA toolkit cannot build FusedAdam: torch's AdamW
+    monkeypatch.setattr(engine_lib.shutil, "which", lambda name: None)
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    assert deepspeed_config(recipes.get("lm_debug").override(on_gpu))["optimizer"]["params"]["torch_adam"] is True
     with pytest.raises(ConfigError, match="engine.optimizer=lamb .* needs CUDA"):
         deepspeed_config(recipes.get("lm_debug").override({**base, "engine.optimizer": "lamb"}))
+    # FusedLamb is not among DeepSpeed's ZeRO optimizers (it asserts): refused with ZeRO, named
+    lamb = {**base, "engine.optimizer": "lamb", "scaling.device": "cuda"}
+    assert deepspeed_config(recipes.get("lm_debug").override(lamb))["optimizer"]["type"] == "Lamb"
+    with pytest.raises(ConfigError, match=r"lamb .* not one DeepSpeed runs under ZeRO \(engine.zero_stage=2\)"):
+        deepspeed_config(recipes.get("lm_debug").override({**lamb, "engine.zero_stage": 2}))
     # ZeRO-Offload: DeepSpeed must build its CPU Adam (it refuses torch's optimizers with offload)
     offload = {**base, "engine.optimizer": "adam", "engine.zero_stage": 3, "engine.offload_optimizer": "cpu",
                "engine.offload_param": "cpu"}

@@ -152,3 +152,35 @@ def test_flops_count_every_convolution():
     # encoder conv 3->4 k4 at 8x8, 1x1 4->8 at 8x8; decoder convT 2->4 k4 from 8x8, 1x1 4->3 at 16x16; mixing 8x2 at 8x8
     macs = 3 * 4 * 16 * 64 + 4 * 8 * 64 + 2 * 4 * 16 * 64 + 4 * 3 * 256 + 8 * 2 * 64
     assert vae.flops_per_image() == 6 * macs
+
+
+@pytest.mark.parametrize("name", ["dvae_shapes_debug", "dalle_shapes_debug"])
+def test_a_half_precision_engines_model_trains_and_draws(name):
+    """A bf16/fp16 DeepSpeed engine casts the parameters and keeps the buffers (the images' mean and std) in fp32:
+    the dVAE and DALL-E (its frozen dVAE) still train a step and draw images, in bf16 here (the GPU's fp16 alike).
+    Power: fp32 statistics promoted the half images to fp32 before the half convolutions ("Input type (float) and
+    bias type (c10::BFloat16) should be the same")."""
+    from efftx import models, recipes
+    from efftx.generation.images import generate_images
+
+    cfg = recipes.get(name)
+    torch.manual_seed(0)
+    model = models.build(cfg).train()
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    assert all(b.dtype == torch.float32 for b in model.buffers() if b.is_floating_point())  # as DeepSpeed leaves them
+    images = torch.rand(2, cfg.vae.channels, cfg.vae.image_size, cfg.vae.image_size).to(torch.bfloat16)
+    if name.startswith("dalle"):
+        text = torch.randint(1, cfg.model.vocab_size, (2, cfg.dalle.text_seq_len))
+        loss, _ = model(text, images)
+    else:
+        loss, _ = model(images, temperature=1.0)
+    loss.backward()
+    assert torch.isfinite(loss)
+    model.eval()
+    with torch.no_grad():
+        if name.startswith("dalle"):
+            drawn, _ = generate_images(model, text[:1], seed=0)
+        else:
+            drawn = model.reconstruct(images)
+    assert drawn.shape[-2:] == images.shape[-2:] and torch.isfinite(drawn.float()).all()

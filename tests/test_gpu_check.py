@@ -325,3 +325,18 @@ def test_compiled_decode_rows_hold_compiled_base_and_speculative_decoding_to_the
     failed = gpu_check.compiled_decode_rows(target, draft, prompts, 6, 2, 0.1, base, "cuda")
     assert failed[-1].name == "batch 2, greedy compiled speculative == base" and failed[-1].status == "FAIL"
     assert "RuntimeError: boom" in failed[-1].detail
+
+
+def test_every_train_rows_overrides_make_a_valid_config_on_cuda():
+    """The train section's runs on CUDA (each family's recipe with its overrides, the CPU-only swaps left out): every
+    config validates, so no GPU row fails on its config before it trains. Power: the NSA rows' Triton kernel with
+    nsa_debug's selection blocks of 8 (it takes multiples of 16) was refused."""
+    from efftx import recipes
+
+    for family, (_, job_args, extra) in gpu_check.FAMILIES.items():
+        names = [job_args[1]] if job_args[0] == "--recipe" else [f"spec_{r}_{job_args[1]}" for r in ("target", "draft")]
+        if family == "dalle":
+            names.append(job_args[1].replace("dalle", "dvae"))
+        for name in names:
+            recipes.get(name).override([*extra, f"name={family}", "scaling.device=cuda", "engine.precision=bf16"]
+                                       ).validate()

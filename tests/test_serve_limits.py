@@ -81,6 +81,44 @@ def test_a_failing_batch_is_run_request_by_request():
     assert calls == [["a", "bad-input", "b", "fault"], ["a"], ["bad-input"], ["b"], ["fault"]]
 
 
+@pytest.mark.parametrize("alone", [False, True], ids=["in-a-batch", "alone"])
+def test_a_device_fault_latches_every_later_request_fails_with_a_503_and_health_checks_fail(alone):
+    """Static batching and the image replica (``contained`` with a :class:`FaultLatch`): a sticky CUDA error in a
+    batch (or in a request run alone after another's fault) is not retried request by request; it and every later
+    batch fail with a 503 naming the device, nothing runs again, and the latch's health check (the replicas'
+    ``check_health``, Serve's) raises. The image replica's check_health is the latch's. Power: without a latch,
+    the batch ran again request by request and each failed with a 500."""
+    from efftx.serving.images import ImageGenerator
+    from efftx.serving.isolation import FaultLatch
+
+    calls = []
+
+    def run(reqs):
+        calls.append(list(reqs))
+        if "fault" in reqs and ("bad-input" not in reqs or len(reqs) == 1):
+            raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+        if "bad-input" in reqs:
+            raise ValueError("refused")
+        return [r.upper() for r in reqs]
+
+    latch = FaultLatch()
+    latch.check_health()  # healthy
+    first = ["bad-input", "fault"] if alone else ["a", "fault"]
+    out = contained(run, first, "test", latch)
+    assert all(isinstance(r, RowFailure) for r in out[1 if alone else 0:]) and out[-1].status == 503
+    assert "the device failed (AcceleratorError: CUDA error: an illegal memory access" in out[-1].detail
+    assert calls == ([first, ["bad-input"], ["fault"]] if alone else [first])  # nothing rerun after the fault
+    later = contained(run, ["a", "b"], "test", latch)
+    assert [r.status for r in later] == [503, 503] and len(calls) == (3 if alone else 1)  # nothing runs again
+    with pytest.raises(RuntimeError, match="unhealthy: the device failed"):
+        latch.check_health()
+    images = ImageGenerator.func_or_class.__new__(ImageGenerator.func_or_class)  # its method, without Serve
+    images.latch = latch
+    with pytest.raises(RuntimeError, match="unhealthy"):
+        images.check_health()
+    assert [r.status for r in contained(run, ["a", "fault"], "test") if isinstance(r, RowFailure)] == [500]
+
+
 # ---------------------------------------------------------------------------------------------- body limit
 def call_asgi(app, body_chunks: list[bytes], content_length: bool) -> tuple[int, bytes, int]:
     """POST body_chunks to an ASGI app; (status, response body, chunks the app read)."""

@@ -309,7 +309,8 @@ def _launch(q, k_cache, v_cache, lengths, causal: bool, scale: float, splits: in
     l_part = torch.empty_like(m_part)
     acc_part = torch.empty(0 if direct else parts * m_pad * d_pad, device=q.device, dtype=torch.float32)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    with torch.cuda.device(q.device):  # Triton launches on the current device: the tensors' (a model on cuda:N)
+    # Triton launches on the current device: the tensors' (a model on cuda:N; the interpreter's on a CPU)
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _partial_kernel[(b * hkv, splits)](
             q, k_cache, v_cache, lengths, out, m_part, l_part, acc_part, *q.stride(), *k_cache.stride(),
             *v_cache.stride(), *out.stride(), lengths.stride(0), t, c, scale, split, splits, HKV=hkv, CAUSAL=causal,

@@ -35,6 +35,7 @@ tests use fp32/fp16.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -596,6 +597,14 @@ def _autotune_do_bench():
 
 
 def _launch(kernel, pass_: str, grid, args, meta: dict, reset_to_zero=()) -> None:
+    """:func:`_launch_here` on the device of the kernel's tensors (Triton launches on torch's current device: a
+    model on cuda:N while cuda:0 is current would read other memory)."""
+    first = args[0]
+    with torch.cuda.device(first.device) if first.is_cuda else contextlib.nullcontext():
+        _launch_here(kernel, pass_, grid, args, meta, reset_to_zero)
+
+
+def _launch_here(kernel, pass_: str, grid, args, meta: dict, reset_to_zero=()) -> None:
     """Launch `kernel` with `meta` (constexprs + TILE, num_warps, num_stages). With EFFTX_TRITON_AUTOTUNE=1, an
     autotuned launch instead, over `_autotune_candidates` of meta's choice. Tuning happens once per bucket of
     what matters for speed: the constexprs (head dim, GQA group, block size, slots, precision), the dtype and the

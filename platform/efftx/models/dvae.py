@@ -120,10 +120,12 @@ class DiscreteVAE(nn.Module):
                              f"(vae.channels, vae.image_size); got {tuple(images.shape)}")
 
     def normalize(self, images: torch.Tensor) -> torch.Tensor:
-        return (images - self.means) / self.stds
+        # in the images' dtype: a bf16/fp16 DeepSpeed engine casts the parameters, not the buffers (kept fp32), and
+        # fp32 statistics would promote a half batch to fp32 before the half convolutions
+        return (images - self.means.to(images.dtype)) / self.stds.to(images.dtype)
 
     def denormalize(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.stds + self.means
+        return x * self.stds.to(x.dtype) + self.means.to(x.dtype)
 
     def logits(self, images: torch.Tensor) -> torch.Tensor:
         """(B, C, S, S) images in [0, 1] -> (B, K, f, f) code logits. Images are cast to the weights' dtype

@@ -33,7 +33,7 @@ from ray import serve
 from efftx.generation.png import png_bytes, to_pil
 from efftx.serving import metrics
 from efftx.serving.devices import replica_device
-from efftx.serving.isolation import RowFailure, contained
+from efftx.serving.isolation import FaultLatch, RowFailure, contained
 from efftx.serving.schemas import SEED_MAX, Seed, Temperature, TopP, encodable
 
 
@@ -175,6 +175,11 @@ class ImageGenerator:
         self.name = self.gen.cfg.recipe
         self.generate.set_max_batch_size(max_batch_size)
         self.generate.set_batch_wait_timeout_s(batch_wait_timeout_s)
+        self.latch = FaultLatch()  # a device fault: every request fails with it, and Serve replaces this replica
+
+    def check_health(self) -> None:
+        """Serve's health check: raises after a device fault (a sticky CUDA error), so Serve replaces the replica."""
+        self.latch.check_health()
 
     def info(self) -> dict:
         return {"id": self.name, "kind": "image", "source": self.source, "recipe": self.gen.cfg.recipe,
@@ -214,7 +219,8 @@ class ImageGenerator:
         for i, r in enumerate(requests):
             groups.setdefault((r.filter_thres, r.top_p, r.temperature, r.cond_scale), []).append(i)
         for rows in groups.values():  # a failing group is drawn again request by request: only its culprit fails
-            for i, res in zip(rows, contained(self._draw, [requests[i] for i in rows], "image generation")):
+            for i, res in zip(rows, contained(self._draw, [requests[i] for i in rows], "image generation",
+                                                 self.latch)):
                 results[i] = res
                 if isinstance(res, ImageResponse):
                     metrics.images(len(res.images))

@@ -65,22 +65,52 @@ def row_failure(exc: BaseException, what: str) -> RowFailure:
     return RowFailure(status=500, detail=f"{what} failed: {type(exc).__name__}")
 
 
-def contained(run: Callable[[list[R]], list[T]], requests: list[R], what: str) -> list[T | RowFailure]:
+class FaultLatch:
+    """A replica's device fault (:class:`~efftx.serving.batches.DeviceFault`), once met by :func:`contained`: from then
+    on every request fails with it (a 503), and the replica's ``check_health`` raises so that Serve replaces it."""
+
+    def __init__(self):
+        self.fault: BaseException | None = None
+
+    def check(self, exc: BaseException) -> bool:
+        """Latch ``exc`` if it is the device's failure; whether it is."""
+        from efftx.serving.batches import device_fault, replica_fault
+
+        if self.fault is None and device_fault(exc):
+            self.fault = replica_fault(exc)
+            logger.error("%s", self.fault, exc_info=exc)
+        return self.fault is not None
+
+    def check_health(self) -> None:
+        if self.fault is not None:
+            raise RuntimeError(f"unhealthy: {self.fault}")
+
+
+def contained(run: Callable[[list[R]], list[T]], requests: list[R], what: str, latch: FaultLatch | None = None
+              ) -> list[T | RowFailure]:
     """``run(requests)``, one result per request; if the batch raises, each request is run alone, and a request
-    that fails alone gets a :class:`RowFailure` in its place."""
+    that fails alone gets a :class:`RowFailure` in its place. With a ``latch``: once the device failed (a sticky
+    CUDA error), nothing runs again: every request fails with the fault (a 503)."""
+    if latch is not None and latch.fault is not None:
+        return [row_failure(latch.fault, what) for _ in requests]
     try:
         return list(run(requests))
     except Exception as exc:  # noqa: BLE001 - contained below
+        if latch is not None and latch.check(exc):  # each request alone would fail too
+            return [row_failure(latch.fault, what) for _ in requests]
         if len(requests) == 1:
             return [row_failure(exc, what)]
         logger.warning("%s of a batch of %d failed (%s: %s); decoding its requests one by one",
                        what, len(requests), type(exc).__name__, exc)
     out: list[T | RowFailure] = []
     for req in requests:
+        if latch is not None and latch.fault is not None:
+            out.append(row_failure(latch.fault, what))
+            continue
         try:
             out.extend(run([req]))
         except Exception as exc:  # noqa: BLE001 - this request's own failure
-            out.append(row_failure(exc, what))
+            out.append(row_failure(latch.fault if latch is not None and latch.check(exc) else exc, what))
     return out
 
 

@@ -102,7 +102,7 @@ from efftx.serving.continuous import Job, Sampling, Scheduler, warm_up
 from efftx.serving.devices import cache_budget, replica_device, resolve_build_devices, with_resources, with_threads
 from efftx.serving.images import (ImageGenerator, ImageLimits, ImageRequest, OpenAIImageRequest, as_image_request,
                                   check_request, field_error, image_field_limits, openai_size)
-from efftx.serving.isolation import RETRY_AFTER_S, BodyLimit, RowFailure, contained
+from efftx.serving.isolation import RETRY_AFTER_S, BodyLimit, FaultLatch, RowFailure, contained
 from efftx.serving.playground import image_card, model_card
 from efftx.serving.playground import router as playground_router
 from efftx.serving.schemas import (CompletionRequest, GenerateRequest, GenerateResponse, Limits, ModelsInfo, ModeResult,
@@ -248,6 +248,7 @@ class TextGenerator:
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
         self.threads = threads  # every decoding thread sets it (a new thread starts at the process default)
+        self.latch = FaultLatch()  # static batching's device fault (continuous batching's: the scheduler's)
         torch.set_num_threads(threads)  # the scheduler's thread takes it from here
         if batching not in BATCHING:
             raise ValueError(f"batching must be one of {', '.join(BATCHING)}; got {batching!r}")
@@ -390,7 +391,8 @@ class TextGenerator:
                     groups.setdefault(key, []).append(i)
             for rows in groups.values():  # a failing group is decoded again request by request: only its culprit fails
                 metrics.batch("static", mode, len(rows))
-                for i, res in zip(rows, contained(run, [requests[i] for i in rows], f"{mode} decoding")):
+                parts = contained(run, [requests[i] for i in rows], f"{mode} decoding", self.latch)
+                for i, res in zip(rows, parts):
                     if isinstance(res, RowFailure):
                         failed[i] = res
                     else:
@@ -504,9 +506,13 @@ class TextGenerator:
 
     # ------------------------------------------------------------------ endpoints
     def fault(self) -> BaseException | None:
-        """The device's failure, once the scheduler met one (continuous batching; see batches.DeviceFault)."""
+        """The device's failure, once decoding met one (continuous batching's scheduler, or static batching's
+        :class:`~efftx.serving.isolation.FaultLatch`; see batches.DeviceFault)."""
         scheduler = getattr(self, "scheduler", None)
-        return scheduler.fault if scheduler is not None else None
+        if scheduler is not None and scheduler.fault is not None:
+            return scheduler.fault
+        latch = getattr(self, "latch", None)
+        return latch.fault if latch is not None else None
 
     def check_health(self) -> None:
         """Serve's health check of the replica: after a device fault it raises, so Serve replaces the replica (a CUDA

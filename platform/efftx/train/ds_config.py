@@ -69,7 +69,8 @@ SUPPORTED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_acc
 # DeepSpeed keys efftx has elsewhere or does not support, with what to do instead.
 HINTS = {
     "activation_checkpointing": "activation checkpointing is a model.* key in efftx, not a DeepSpeed one",
-    "zero_allow_untested_optimizer": "efftx's optimizers (engine.optimizer) are all ZeRO-tested",
+    "zero_allow_untested_optimizer": "efftx runs only DeepSpeed's ZeRO-tested optimizers under ZeRO "
+                                     "(engine.optimizer=lamb: zero_stage 0)",
     "amp": "use fp16 or bf16 (engine.precision)",
 }
 OPTIMIZER_TYPES = {"adam": "adam", "adamw": "adamw", "lamb": "lamb"}  # DeepSpeed type (lower case) -> engine.optimizer

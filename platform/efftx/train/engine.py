@@ -59,13 +59,15 @@ def deepspeed_config(cfg) -> dict:
         "wall_clock_breakdown": False,
     }
     if e.optimizer != "torch_adamw":
-        check_optimizer(e.optimizer, select_device(cfg))
+        check_optimizer(e.optimizer, select_device(cfg), e.zero_stage)
         params = {"lr": t.lr, "betas": [t.beta1, t.beta2], "eps": t.eps, "weight_decay": t.weight_decay}
         if e.optimizer != "lamb":
             params["adam_w_mode"] = e.optimizer == "adamw"
-            if select_device(cfg) == "cpu" and e.offload_optimizer == "none":
-                params["torch_adam"] = True  # torch's Adam / AdamW: DeepSpeed's CPU FusedAdam compiles an op
-                # (with offload DeepSpeed builds its CPU Adam, which ZeRO-Offload requires)
+            if e.offload_optimizer == "none" and (select_device(cfg) == "cpu" or not cuda_compiler()):
+                # torch's Adam / AdamW: DeepSpeed's FusedAdam compiles an op on first use (on a GPU with nvcc: a
+                # worker without the CUDA toolkit could not build it); with offload DeepSpeed builds its CPU Adam,
+                # which ZeRO-Offload requires
+                params["torch_adam"] = True
         ds["optimizer"] = {"type": {"adam": "Adam", "adamw": "AdamW", "lamb": "Lamb"}[e.optimizer], "params": params}
     if e.precision == "bf16":
         ds["bf16"] = {"enabled": True}
@@ -95,13 +97,23 @@ def offload_label(cfg) -> str:
     return f" (offload: {', '.join(parts)})" if parts else ""
 
 
-def check_optimizer(name: str, device: str) -> None:
-    """engine.optimizer=lamb is DeepSpeed's FusedLamb: a CUDA op."""
-    if name == "lamb" and device != "cuda":
-        from efftx.errors import ConfigError
+def check_optimizer(name: str, device: str, zero_stage: int = 0) -> None:
+    """engine.optimizer=lamb is DeepSpeed's FusedLamb: a CUDA op, and not among the optimizers DeepSpeed runs
+    under ZeRO (it asserts, unless told to allow untested optimizers)."""
+    from efftx.errors import ConfigError
 
+    if name == "lamb" and device != "cuda":
         raise ConfigError("engine.optimizer=lamb (DeepSpeed's FusedLamb) needs CUDA GPUs; on CPU use adam, adamw "
                           "or torch_adamw")
+    if name == "lamb" and zero_stage >= 1:
+        raise ConfigError(f"engine.optimizer=lamb (DeepSpeed's FusedLamb) is not one DeepSpeed runs under ZeRO "
+                          f"(engine.zero_stage={zero_stage}); use engine.zero_stage=0, or adam, adamw or torch_adamw")
+
+
+def cuda_compiler() -> bool:
+    """Whether DeepSpeed can build its CUDA ops here (FusedAdam, FusedLamb compile on first use): nvcc on the PATH
+    or a CUDA_HOME."""
+    return bool(shutil.which("nvcc") or os.environ.get("CUDA_HOME"))
 
 
 def lr_lambda(cfg):

@@ -199,7 +199,7 @@ def launch(cfg: Config, *, parent_run_id: str | None = None, callbacks: list | N
         raise ConfigError("engine.precision=fp16 needs CUDA GPUs; use bf16 or fp32 on CPU")
     from efftx.train.engine import check_optimizer
 
-    check_optimizer(cfg.engine.optimizer, "cuda" if use_gpu else "cpu")
+    check_optimizer(cfg.engine.optimizer, "cuda" if use_gpu else "cpu", cfg.engine.zero_stage)
     check_resources(cfg, use_gpu)
     if cfg.scaling.device == "auto":
         cfg.scaling.device = "cuda" if use_gpu else "cpu"

@@ -80,12 +80,14 @@ def quiet_ray_train_logs() -> None:
 
 
 def all_mean(values: list[float], weight: float = 1.0) -> list[float]:
-    """Weighted mean over ranks of each value (weights summed across ranks)."""
+    """Weighted mean over ranks of each value (weights summed across ranks), reduced on the process group's device
+    (nccl, Ray Train's backend on GPUs, reduces CUDA tensors only)."""
     t = torch.tensor([v * weight for v in values] + [weight], dtype=torch.float64)
     if dist.is_available() and dist.is_initialized():
+        t = t.to(checkpoint._dist_device())
         dist.all_reduce(t)
-    total = t[-1].item()
-    return [x / total if total else 0.0 for x in t[:-1].tolist()]
+    *sums, total = t.tolist()
+    return [x / total if total else 0.0 for x in sums]
 
 
 def to_device(batch: Any, device) -> Any:
