@@ -232,3 +232,37 @@ def test_collectives_reduce_on_the_process_groups_device(monkeypatch):
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     assert loop.all_mean([1.0, 3.0], weight=2.0) == [1.0, 3.0] and asked and reduced == [torch.device("cpu")]
+
+
+def _in_step_worker(rank: int, world: int, init: str, out: str) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    from efftx.train.loop import in_step
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        mine = [[f"r{rank}b{i}"] for i in range(3 - rank)]  # rank 0: 3 batches, rank 1: 2 (5 over 2 ranks)
+        got = {"zero3": in_step(mine, 3, rank), "zero2": in_step(mine, 2, rank)}
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump(got, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_under_zero3_every_rank_runs_as_many_validation_batches(tmp_path):
+    """ZeRO-3's forward passes gather the partitioned parameters from every rank, so a rank with one validation batch
+    more than another would wait for it for good: under ZeRO-3 every rank keeps as many as the rank with fewest
+    (a real two-process gloo group); other stages keep all of theirs."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from netutil import free_port
+
+    init, out = f"tcp://127.0.0.1:{free_port()}", str(tmp_path / "got")
+    mp.start_processes(_in_step_worker, args=(2, init, out), nprocs=2, start_method="spawn")
+    got = [json.loads((tmp_path / f"got.{r}").read_text()) for r in range(2)]
+    assert [len(g["zero3"]) for g in got] == [2, 2] and got[0]["zero3"] == [["r0b0"], ["r0b1"]]
+    assert [len(g["zero2"]) for g in got] == [3, 2]

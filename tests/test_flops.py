@@ -112,3 +112,20 @@ def test_unknown_backend_is_a_clear_error():
 
     with pytest.raises(ConfigError, match="attention.kind='nope' has no FLOP count"):
         attention_cost(dataclasses.replace(spec, kind="nope"), T)
+
+
+@pytest.mark.parametrize("recipe", ["lm_debug", "nsa_debug", "dalle_shapes_debug"])
+def test_parameter_counts_and_flops_hold_under_zero3_partitioning(recipe):
+    """ZeRO-3 partitions every parameter: ``p.numel()`` is then 0 on each rank and DeepSpeed keeps the full size in
+    ``ds_numel``. The logged parameter count and the FLOPs per token (MFU) are the model's whole, not 0 (a negative
+    MFU for an LM, before)."""
+    from efftx import models, recipes
+
+    torch.manual_seed(0)
+    model = models.build(recipes.get(recipe))
+    seq = 64
+    whole = model.num_params(), model.flops_per_token(seq)
+    for p in model.parameters():  # as deepspeed.zero.Init leaves them on a rank
+        p.ds_numel = p.numel()
+        p.data = torch.empty(0, dtype=p.dtype)
+    assert (model.num_params(), model.flops_per_token(seq)) == whole and whole[0] > 0 and whole[1] > 0

@@ -25,12 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from efftx.config import VAEConfig
-from efftx.models.registry import register
-
-
-def numel(p: torch.Tensor) -> int:
-    """Elements of a parameter, also when ZeRO-3 has partitioned it (then ``p.numel()`` is 0)."""
-    return getattr(p, "ds_numel", p.numel())
+from efftx.models.registry import numel, register
 
 
 def temperature(vc: VAEConfig, step: int) -> float:

@@ -21,6 +21,7 @@ from efftx.flops import attention_cost
 from efftx.kernels import linear_cpu
 from efftx.kernels.linear_cpu import Linear
 from efftx.models.layers import Block, Rotary, make_norm
+from efftx.models.registry import numel
 from efftx.models.registry import register
 from efftx.models.reversible import ReversibleStack, run_blocks
 
@@ -99,7 +100,7 @@ class LM(nn.Module):
         return linear_cpu.linear(x, weight)  # (B, T, vocab)
 
     def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+        return sum(numel(p) for p in self.parameters())  # ZeRO-3 partitions leave p.numel() 0
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 x matmul weights + 3 x each layer's attention forward FLOPs per token
@@ -110,13 +111,13 @@ class LM(nn.Module):
         and checkpointed blocks recompute their forward in the backward pass: that extra work is not counted (MFU
         convention).
         """
-        lookups = (self.pos.weight.numel() if self.pos is not None else 0)
-        lookups += self.embed.weight.numel() if self.head is not None else 0
+        lookups = (numel(self.pos.weight) if self.pos is not None else 0)
+        lookups += numel(self.embed.weight) if self.head is not None else 0
         attention_flops, excluded = 0.0, 0
         for blk in self.blocks:
             cost = attention_cost(blk.attention.spec, seq_len)
             attention_flops += 3 * cost.forward / seq_len
-            excluded += sum(p.numel() for name, p in blk.attention.inner.named_parameters()
+            excluded += sum(numel(p) for name, p in blk.attention.inner.named_parameters()
                             if name.startswith(cost.excluded))
         return 6 * (self.num_params() - lookups - excluded) + attention_flops
 

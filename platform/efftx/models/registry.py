@@ -40,3 +40,9 @@ def build(cfg: Any) -> nn.Module:
     except KeyError:
         raise ConfigError(f"model.family={cfg.model.family!r} has no model; choose from {', '.join(families())}") from None
     return builder(cfg)
+
+
+def numel(p) -> int:
+    """Elements of a parameter, also when ZeRO-3 has partitioned it (then ``p.numel()`` is 0: its full size is
+    DeepSpeed's ``ds_numel``)."""
+    return getattr(p, "ds_numel", p.numel())

@@ -90,6 +90,22 @@ def all_mean(values: list[float], weight: float = 1.0) -> list[float]:
     return [x / total if total else 0.0 for x in sums]
 
 
+def in_step(batches: list, zero_stage: int, rank: int = 0) -> list:
+    """This rank's validation batches, as many as every rank's under ZeRO-3: its forward passes gather the
+    partitioned parameters from every rank, so a rank with a batch more than another would wait for it for good
+    (a validation set that does not split evenly: 3 windows over 2 ranks). The extra batches are left out (at
+    most one a rank; the means are weighted by what was evaluated); other stages run every batch."""
+    if zero_stage < 3 or not (dist.is_available() and dist.is_initialized()):
+        return batches
+    count = torch.tensor([len(batches)], dtype=torch.long, device=checkpoint._dist_device())
+    dist.all_reduce(count, op=dist.ReduceOp.MIN)
+    fewest = int(count.item())
+    if fewest < len(batches) and rank == 0:
+        log(rank, f"validation: {len(batches) - fewest} batch(es) of rank 0 left out, so that every rank runs "
+                  f"{fewest} (ZeRO-3 gathers parameters from every rank at each forward pass)")
+    return batches[:fewest]
+
+
 def to_device(batch: Any, device) -> Any:
     """A task's batch on ``device``: a tensor, or tuples / lists / dicts of them (nested); anything else
     (e.g. the dVAE's Gumbel temperature, a float) is passed as it is."""
@@ -185,7 +201,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     tokens_per_step = world * t.grad_accum * task.tokens_per_micro_batch
     flops_per_token = engine.module.flops_per_token(cfg.data.seq_len)
     peak = peak_flops(device, cfg.engine.precision)
-    eval_set = task.eval_batches(rank, world)
+    eval_set = in_step(task.eval_batches(rank, world), cfg.engine.zero_stage, rank)
 
     def evaluate(step: int) -> dict[str, float]:
         engine.eval()
