@@ -36,7 +36,8 @@ Sections (each row: pass / FAIL / skip with the reason, and its figures):
 * ``decode``: tokens/s at batch 1 and 8, base and speculative (gamma 5), timed with device synchronisation, on the
   speculative pair the train section trained (untrained debug models otherwise); greedy speculative output must
   equal greedy base output; compiled decoding (``compile="on"``: CUDA graphs) beside the eager base, its greedy
-  tokens equal to the base's (a correctness row in fp32) and its tokens/s, compile time apart; continuous
+  tokens equal to the base's (a correctness row in fp32) and its tokens/s, compile time apart; compiled speculative
+  decoding too (greedy equal to the base, sampled runs, tokens/s over compiled base); continuous
   batching under a cache budget (``cache_mib``) on the device: held to it, outputs as alone, and how much the
   device's memory grew.
 * ``nsa``: ``bench/nsa.py`` on CUDA (Triton NSA vs SDPA flash, forward and forward+backward, to T=65536; the
