@@ -57,6 +57,7 @@ def collect(exports: dict[str, Path], out: Path) -> None:
     copied (into a new folder beside it first)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    staging.chmod(0o755)  # mkdtemp's folder is its owner's alone
     try:
         for role, path in exports.items():
             shutil.copytree(path, staging / role)
