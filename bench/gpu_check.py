@@ -116,7 +116,7 @@ CPU_ONLY_SKIPS = {"nsa": ["attention.nsa.impl=reference"]}  # the Triton kernel 
 # What a section imports beyond torch and triton: checked up front, so a Python without them (a GPU image with
 # only torch, say) gets one clear error instead of a table of failed jobs.
 SECTION_NEEDS = {"train": ("ray", "deepspeed", "mlflow"), "serve": ("ray", "requests"), "kernels": ("pytest",),
-                 "serveload": ("safetensors", "requests"), "speculative": ("safetensors", "requests")}
+                 "serveload": (), "speculative": ()}  # torch alone: exports read without safetensors (efftx.weights)
 DEFAULT_PAIR = REPO / ".efftx" / "gpu-pair"  # bench/gpu_pair.py's (make gpu-pair)
 
 

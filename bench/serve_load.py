@@ -76,7 +76,6 @@ import tempfile
 import threading
 import time
 
-import requests
 import torch
 
 PROMPTS = ["def main():\n    ", "import os\n", "class Foo(object):\n", "for i in range(10):\n    ", "x = ",
@@ -102,6 +101,8 @@ def body_for(i: int, new: int, mode: str) -> dict:
 
 def one(url: str, body: dict, stream: bool, timeout: float) -> tuple[bool, float, float | None]:
     """(ok, latency s, time to first token s or None) of one request."""
+    import requests  # HTTP runs only: --inprocess needs torch alone
+
     t0 = time.perf_counter()
     try:
         if not stream:

@@ -21,10 +21,11 @@ serve_load = importlib.util.module_from_spec(_spec)
 sys.modules["serve_load"] = serve_load
 _spec.loader.exec_module(serve_load)
 
-# runs the bench as ``python bench/serve_load.py ARGS`` with the web stack (and Ray, MLflow) unimportable
+# runs the bench as ``python bench/serve_load.py ARGS`` with the web stack (and Ray, MLflow, requests, safetensors)
+# unimportable: a GPU image with torch alone (the exports it writes and reads: efftx.weights' own format code)
 BARE = """
 import importlib.abc, runpy, sys
-BLOCKED = {"ray", "fastapi", "pydantic", "starlette", "uvicorn", "mlflow", "deepspeed"}
+BLOCKED = {"ray", "fastapi", "pydantic", "starlette", "uvicorn", "mlflow", "deepspeed", "requests", "safetensors"}
 class Block(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
         if name.split(".")[0] in BLOCKED:

@@ -58,14 +58,14 @@ def export(model: torch.nn.Module, cfg: Config, out_dir: str | Path, meta: dict[
            files: dict[str, str | bytes] | None = None) -> Path:
     """Write model.safetensors + config.json (+ ``files``: name -> text or bytes) into ``out_dir``
     (replacing an older export)."""
-    from safetensors.torch import save_file
+    from efftx import weights
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype).contiguous()
                for k, v in model.state_dict().items()}
     tmp = out / (WEIGHTS_FILE + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt", "efftx.recipe": cfg.recipe})
+    weights.save(tensors, tmp, metadata={"format": "pt", "efftx.recipe": cfg.recipe})
     tmp.replace(out / WEIGHTS_FILE)
     for name, content in (files or {}).items():
         atomic_write(out / name, content)
@@ -206,17 +206,14 @@ def read_export_config(path: str | Path) -> tuple[Config, dict[str, Any]]:
 def load_export(path: str | Path, device: str | torch.device = "cpu") -> tuple[torch.nn.Module, Config, dict]:
     """Rebuild the model of an export from its config and load its weights (strictly). ``path``: an export folder,
     an MLflow model folder, or a registered-model URI of the default registry (``models:/NAME@champion``)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    from efftx import models
+    from efftx import models, weights
 
     path = resolve_export(path) if str(path).startswith("models:/") else export_folder(path)  # URIs: export_folder
     cfg, meta = read_export_config(path)
     model = models.build(cfg)
     try:
-        state = load_file(str(Path(path) / WEIGHTS_FILE), device=str(device))
-    except (SafetensorError, OSError) as exc:
+        state = weights.load(Path(path) / WEIGHTS_FILE, device)
+    except (weights.WeightsError, OSError) as exc:
         raise ExportError(f"cannot read {Path(path) / WEIGHTS_FILE}: {exc}") from None
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
