@@ -72,7 +72,7 @@ gpu-check: setup                  ## every CUDA path in one command, one table (
 	$(BIN)/python bench/gpu_check.py $(ARGS)
 
 # A trained small speculative pair (+ a distilled draft) in .efftx/gpu-pair, for the GPU check's speculative section
-# on a GPU image with torch alone (bench/gpu_pair.py; about 15 minutes on 2 CPU cores)
+# on a GPU image with torch alone (bench/gpu_pair.py: two jobs, the small pair and then a distilled draft)
 gpu-pair: setup                   ## train the speculative pair the GPU check's speculative section judges
 	$(BIN)/python bench/gpu_pair.py $(ARGS)
 
