@@ -1139,10 +1139,13 @@ def test_the_replica_reports_itself_unhealthy_after_a_device_fault(pairs):
     from efftx.serving.batches import replica_fault
     from efftx.serving.text import TextGenerator
 
+    import types
+
     target, draft = pair(pairs, "full")
-    app = TextGenerator.func_or_class.__new__(TextGenerator.func_or_class)  # the replica's methods, without Serve
-    app.name, app.draft, app.images = "tiny", draft, None
-    app.scheduler = Scheduler(target, draft)
+    cls = TextGenerator.func_or_class
+    app = types.SimpleNamespace(name="tiny", draft=draft, images=None, scheduler=Scheduler(target, draft))
+    for name in ("fault", "check_health", "healthz"):  # the replica's methods, without Serve
+        setattr(app, name, types.MethodType(getattr(cls, name), app))
     app.check_health()
     assert asyncio.run(app.healthz())["status"] == "ok"
     app.scheduler.base.fault = replica_fault(torch.AcceleratorError("CUDA error: device-side assert triggered"))
