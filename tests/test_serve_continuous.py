@@ -1067,6 +1067,40 @@ def test_compiled_passes_that_run_out_of_device_memory_are_split_not_taken_for_a
     assert len(failed) == 2 and compiled._BROKEN == {}  # once per batch; compiling not given up
 
 
+@pytest.mark.parametrize("compile", ["on", "auto"])
+def test_a_device_fault_in_a_compiled_pass_is_the_devices_not_a_compile_failure(monkeypatch, pairs, compile):
+    """A compiled pass meets a CUDA error that surfaces as a plain RuntimeError (a kernel launch's, say): the device
+    failed, which :mod:`efftx.generation.faults` says for compiled decoding and serving alike. It reaches the
+    scheduler as it is: every request fails with a 503 naming the device, and compiling is not given up (nor
+    retried eagerly on the failed device). Power: with compiled decoding's own list of device errors (out of memory
+    and AcceleratorError only), ``auto`` took it for a compile failure (compiling off for the process, the pass rerun
+    eagerly: every request succeeded on a device that had failed). (``on`` fails them with the fault either way: its
+    CompileUnavailable names the CUDA error.)"""
+    from efftx.generation import compiled
+    from efftx.serving.batches import DeviceFault
+
+    target, draft = pair(pairs, "full")
+    broken = []
+
+    def factory(fn, device_type):
+        def step(model, tokens, *args):
+            if broken:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated)")
+            return fn(model, tokens, *args)
+        return step
+
+    monkeypatch.setattr(compiled, "compiled_function", factory)
+    monkeypatch.setattr(compiled, "_BROKEN", {})
+    scheduler = Scheduler(target, draft, short_tokens=0, prefill_rows=0, compile=compile)
+    jobs = [scheduler.submit(Job([i + 1, 5, 9], 20, HOT, 40 + i, None if i % 2 else 2)) for i in range(4)]
+    scheduler.run_once()
+    broken.append(True)
+    for _ in range(3):
+        scheduler.run_once()
+    assert all(j.done and isinstance(j.error, DeviceFault) for j in jobs), [repr(j.error) for j in jobs]
+    assert {j.failure.status for j in jobs} == {503} and compiled._BROKEN == {}
+
+
 @pytest.mark.parametrize("where", ["pass", "read", "chunk"])
 def test_a_device_fault_fails_every_request_with_a_503_and_no_row_runs_again(monkeypatch, pairs, where, caplog):
     """A CUDA error (an illegal memory access, a device-side assert) is sticky: every later call on the device fails

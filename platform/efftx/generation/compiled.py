@@ -45,6 +45,7 @@ from typing import Callable
 import torch
 
 from efftx.errors import ConfigError, EfftxError
+from efftx.generation.faults import device_error
 from efftx.host import host_values
 from efftx.kernels import decode_attention_cpu, linear_cpu
 
@@ -199,9 +200,6 @@ RECOMPILE_LIMIT = 64
 _COMPILED: dict[tuple[Callable, str], Callable] = {}  # (function, device type) -> compiled (graphs cached per shape)
 _THREAD = threading.local()  # .limits: this thread raised dynamo's recompile limit
 _BROKEN: dict[str, str] = {}  # device type -> why compiling failed there ("auto" does not retry)
-# errors of the device, not of compiling: out of memory (a CUDA graph's recording or inductor's buffers may run out
-# where the eager pass would too) and device faults; they propagate as they are, never taken for a compile failure
-DEVICE_ERRORS = (torch.OutOfMemoryError, torch.AcceleratorError)
 # model -> {(batch, capacity, dtype, device): [free DeviceCaches]}: CUDA graphs replay on the same buffers
 _POOLS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -314,9 +312,13 @@ class CompiledRunner:
             out = step(self.model, tokens, self.cache, *args)
             self._guarded.add(key)
             return out
-        except DEVICE_ERRORS:  # the device's, not the compiler's: the caller contains them (a smaller pass, ...)
-            raise
-        except Exception as e:  # compilation fails before the graph runs: nothing was written yet
+        except Exception as e:
+            # the device's errors, not the compiler's (out of memory: a CUDA graph's recording or inductor's buffers
+            # may run out where the eager pass would too; a device fault): they propagate as they are, and the
+            # caller contains them (a smaller pass, ...)
+            if device_error(e):
+                raise
+            # else compilation failed before the graph ran: nothing was written yet
             if self.mode != "auto":
                 raise CompileUnavailable(f"compile='on': torch.compile of the decode step failed: "
                                          f"{type(e).__name__}: {e}") from e

@@ -22,6 +22,7 @@ import torch
 
 from efftx.generation.decode import CacheBudget, CacheBudgetFull, Rows, free_memory, kv_only, splittable
 from efftx.generation.device_slots import slots_for
+from efftx.generation.faults import DeviceFault, device_fault
 from efftx.generation.sampling import Stream, draw, is_greedy, probabilities, probabilities_per_row, race
 from efftx.generation.speculative import SpecStats, accept_sampled, kept_tokens, next_gamma, step_noise
 from efftx.host import Readback, host_values
@@ -34,22 +35,6 @@ logger = logging.getLogger("ray.serve")
 
 class DeviceMemoryFull(MemoryError):
     """A request's cache does not fit the device's memory, and no running row will free any: 503 (retry later)."""
-
-
-class DeviceFault(RuntimeError):
-    """The device failed (a CUDA error: an illegal memory access, a device-side assert, ...). Such an error is
-    sticky: every later call on the device fails too, so running rows one by one would only fail each of them, and
-    every later request. The scheduler fails every request with a 503 instead and refuses new ones, and the Serve
-    app reports the replica unhealthy, so Serve replaces it (:meth:`~efftx.serving.text.TextGenerator.check_health`)."""
-
-
-def device_fault(exc: BaseException) -> bool:
-    """Whether ``exc`` is the device's failure (:class:`DeviceFault`), not one request's or the memory's."""
-    if isinstance(exc, torch.OutOfMemoryError):
-        return False
-    if isinstance(exc, (DeviceFault, torch.AcceleratorError)):
-        return True
-    return isinstance(exc, RuntimeError) and "CUDA error" in str(exc)
 
 
 def replica_fault(exc: BaseException) -> DeviceFault:
