@@ -1165,31 +1165,37 @@ def test_a_device_fault_fails_every_request_with_a_503_and_no_row_runs_again(mon
     assert len(calls) == before
 
 
-def test_the_replica_reports_itself_unhealthy_after_a_device_fault(pairs):
-    """The text app's Serve health check (``check_health``: raising makes Serve replace the replica) and ``/healthz``
-    (a 503 naming the fault) once its scheduler met a device fault; healthy before."""
+def test_the_replica_reports_itself_unhealthy_after_a_device_fault(debug_exports, monkeypatch):
+    """The text app (built as Serve builds it, outside Serve): its scheduler's batch meets a device fault while
+    decoding a request; the request fails with a 503, and the replica's Serve health check (``check_health``:
+    raising makes Serve replace the replica) and ``/healthz`` (a 503 naming the fault) report it; healthy before.
+    Power: with the app reading static batching's latch only, it stayed healthy."""
     import json
 
-    from efftx.serving.batches import replica_fault
     from efftx.serving.text import TextGenerator
 
-    import types
+    cls = TextGenerator.func_or_class.__bases__[0]  # the app's own class, under Serve's ingress wrapper
+    replica = cls(debug_exports["target"], debug_exports["draft"], name="tiny", warm_up_rows=1)
+    try:
+        replica.check_health()
+        assert asyncio.run(cls.healthz(replica))["status"] == "ok"
 
-    target, draft = pair(pairs, "full")
-    cls = TextGenerator.func_or_class
-    app = types.SimpleNamespace(name="tiny", draft=draft, images=None, scheduler=Scheduler(target, draft))
-    for name in ("fault", "check_health", "healthz"):  # the replica's methods, without Serve
-        setattr(app, name, types.MethodType(getattr(cls, name), app))
-    app.check_health()
-    assert asyncio.run(app.healthz())["status"] == "ok"
-    app.scheduler.base.fault = replica_fault(torch.AcceleratorError("CUDA error: device-side assert triggered"))
-    app.scheduler.run_once()
-    with pytest.raises(RuntimeError, match=r"unhealthy: the device failed \(AcceleratorError: CUDA error: "
-                                           r"device-side assert triggered\)"):
-        app.check_health()
-    answer = asyncio.run(app.healthz())
-    assert answer.status_code == 503 and answer.headers["Retry-After"] == "1"
-    assert json.loads(answer.body)["status"] == "failed" and "device-side assert" in json.loads(answer.body)["detail"]
+        def forward(self, tokens):
+            raise torch.AcceleratorError("CUDA error: device-side assert triggered")
+
+        monkeypatch.setattr(decode._SlotRows, "forward", forward)
+        finished = threading.Event()
+        job = replica.scheduler.submit(Job([1, 2, 3], 8, HOT, 1, on_done=lambda job: finished.set()))
+        assert finished.wait(60) and job.failure.status == 503
+        with pytest.raises(RuntimeError, match=r"unhealthy: the device failed \(AcceleratorError: CUDA error: "
+                                               r"device-side assert triggered\)"):
+            replica.check_health()
+        answer = asyncio.run(cls.healthz(replica))
+        assert answer.status_code == 503 and answer.headers["Retry-After"] == "1"
+        body = json.loads(answer.body)
+        assert body["status"] == "failed" and "device-side assert" in body["detail"]
+    finally:
+        replica.scheduler.close()
 
 
 def test_a_move_or_a_shrink_without_device_memory_changes_nothing(monkeypatch, pairs):

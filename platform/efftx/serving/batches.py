@@ -48,6 +48,36 @@ def replica_fault(exc: BaseException) -> DeviceFault:
     return fault
 
 
+class FaultLatch:
+    """A replica's device fault (:class:`~efftx.generation.faults.DeviceFault`), once met: from then on every request
+    fails with it (a 503), and the replica's ``check_health`` raises so that Serve replaces it. One per replica: the
+    continuous-batching scheduler's (its batches share it), or static batching's and the image replica's
+    (:func:`~efftx.serving.isolation.contained`)."""
+
+    def __init__(self, name: str = ""):
+        self.name = name  # the log's prefix
+        self.fault: DeviceFault | None = None
+
+    def failed(self, exc: BaseException) -> DeviceFault | None:
+        """Where ``exc`` is the device's failure (:func:`~efftx.generation.faults.device_fault`): the fault every
+        request fails with (latched, and logged, the first time); else None (``exc`` is a request's own)."""
+        if not device_fault(exc):
+            return None
+        if self.fault is None:
+            self.fault = replica_fault(exc)
+            logger.error("%s%s", f"{self.name}: " if self.name else "", self.fault, exc_info=self.fault.__cause__)
+        return self.fault
+
+    def check(self, exc: BaseException) -> bool:
+        """Latch ``exc`` if it is the device's failure; whether a fault is latched."""
+        self.failed(exc)
+        return self.fault is not None
+
+    def check_health(self) -> None:
+        if self.fault is not None:
+            raise RuntimeError(f"unhealthy: {self.fault}")
+
+
 # ---------------------------------------------------------------------------------------------- sampling
 @dataclass(frozen=True)
 class Sampling:
@@ -307,6 +337,8 @@ class _Engine:
         # rows placed, swapped, left or reserved (each counts): _leave does nothing while nothing changed since it ran
         self._changes, self._settled = 0, -1
         # several steps at once stop after the one running when this says so (the scheduler: a request arrived)
+        # the device's failure, once met (FaultLatch.failed): the replica's, shared with the scheduler's other batches
+        self.latch = FaultLatch()
         self.interrupt: Callable[[], bool] | None = None
         # pipelined steps (engines that allow it, :attr:`pipelines`): a step's tokens are read once the next step is
         # queued behind it (or at the end of a round that does not step the batch); the step in flight: (its state,
@@ -317,7 +349,6 @@ class _Engine:
         # join and leave before it is read), or None (the slot's token is on the host, in self.last)
         self._flown: list[int | None] = []
         self.deferred = self.followed = 0  # steps left in flight, and those of them fed by the step in flight
-        self.fault: BaseException | None = None  # the device's failure (device_fault), once met: the scheduler's
 
     def __len__(self) -> int:
         return len(self.order)
@@ -391,8 +422,7 @@ class _Engine:
         try:
             result = self._read(state, sent)
         except Exception as exc:  # noqa: BLE001 - the step's rows fail, the batch goes on
-            if device_fault(exc):
-                exc = self.fault = self.fault or replica_fault(exc)
+            exc = self.latch.failed(exc) or exc
             for job in state.jobs:
                 job._fail(exc, f"{self.kind} decoding")
             return
@@ -627,10 +657,10 @@ class _Engine:
         """A batched prefill (``state`` None) or step raised: run it for each row alone; a row that fails alone
         fails (only it)."""
         what = f"{self.kind} decoding"
-        if device_fault(exc):  # sticky: each row alone would fail too (and touch the failed device again)
-            self.fault = self.fault or replica_fault(exc)
+        fault = self.latch.failed(exc)
+        if fault is not None:  # sticky: each row alone would fail too (and touch the failed device again)
             for job in jobs:
-                job._fail(self.fault, what)
+                job._fail(fault, what)
             return []
         if len(jobs) > 1:
             logger.warning("%s of a batch of %d failed (%s: %s); running its rows one by one",
@@ -655,8 +685,7 @@ class _Engine:
         return parts
 
     def fail_all(self, exc: BaseException) -> None:
-        if device_fault(exc):
-            exc = self.fault = self.fault or replica_fault(exc)
+        exc = self.latch.failed(exc) or exc
         self._flight, self._flown = None, []  # its tokens are never read: every row fails
         for job in self.jobs():
             job.ahead = 0

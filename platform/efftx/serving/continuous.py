@@ -120,8 +120,7 @@ from efftx.generation.decode import CacheBudget, free_memory, pool_widths
 from efftx.generation.device_slots import MIN_PREFILL, PREFILL_ROWS, PREFILL_TOKENS, eager_reason, slots_for
 # the running batches; Job, Sampling and DeviceMemoryFull are this module's API too (the app and benches use them)
 from efftx.serving.batches import (BaseEngine, DeviceFault, DeviceMemoryFull, Job, PassTime, Sampling,
-                                   SpeculativeEngine, _call, _device, _Engine, _engine_name, device_fault, device_sync,
-                                   replica_fault)
+                                   SpeculativeEngine, _call, _device, _Engine, _engine_name, device_sync, FaultLatch)
 
 __all__ = ["DeviceFault", "DeviceMemoryFull", "Job", "Sampling", "Scheduler", "StepCosts", "slowdown_ok", "warm_up"]
 
@@ -465,7 +464,9 @@ class Scheduler:
                                self.pass_time)
         self.base.interrupt = self._arrived  # an arrival ends a round's several steps after the one running
         self.pipeline = _device(target).type == "cuda" if pipeline is None else pipeline
-        self.fault: DeviceFault | None = None  # the device failed (see _faulted): every request fails from then on
+        # the device's failure, once a batch met one (see _faulted): every request fails from then on; the Serve app's
+        # health check reads it
+        self.latch = self.base.latch = FaultLatch("continuous batching")
         self.base.pipeline = self.pipeline
         if draft is not None and self.compile == "on" and eager_reason(draft):  # now, not at the first request
             raise CompileUnavailable(f"compile='on' but compiled continuous batching cannot run the draft: "
@@ -535,6 +536,7 @@ class Scheduler:
                                                self.compile, self.compile_rows, self.budget, self.fit_positions,
                                                self.pass_time)
             self.spec[key].interrupt = self._arrived  # as the base batch's
+            self.spec[key].latch = self.latch
         return self.spec[key]
 
     def _engines(self) -> list[_Engine]:
@@ -667,15 +669,16 @@ class Scheduler:
             self.round_seconds += self.clock() - t0
             self._faulted()
 
+    @property
+    def fault(self) -> DeviceFault | None:
+        """The device's failure, once a batch met one (:class:`~efftx.serving.batches.FaultLatch`)."""
+        return self.latch.fault
+
     def _faulted(self) -> None:
-        """After a round: where a batch met a device fault (:class:`~efftx.serving.batches.DeviceFault`), every request
-        fails with it (a 503: the replica is replaced), running or queued, and new ones fail at once."""
-        fault = self.fault or next((e.fault for e in self._engines() if e.fault is not None), None)
-        if fault is None:
-            return
+        """After a round: where a batch met a device fault (:class:`~efftx.generation.faults.DeviceFault`), every
+        request fails with it (a 503: the replica is replaced), running or queued, and new ones fail at once."""
         if self.fault is None:
-            self.fault = fault
-            logger.error("continuous batching: %s", fault, exc_info=fault.__cause__)
+            return
         with self._cv:
             queued, self._queue = list(self._queue), deque()
         for job in queued:
@@ -1013,9 +1016,7 @@ class Scheduler:
             try:
                 engine.prefill_chunk(job, self.prefill_chunk)
             except Exception as exc:  # noqa: BLE001 - this request's own failure
-                if device_fault(exc):
-                    exc = engine.fault = engine.fault or replica_fault(exc)
-                job._fail(exc, f"{engine.kind} decoding")
+                job._fail(engine.latch.failed(exc) or exc, f"{engine.kind} decoding")
                 continue
             self._costs(engine.name).add_prefill(self.prefill_chunk, self.prefill_chunk, self.clock() - t0)
         with self._cv:
@@ -1048,8 +1049,7 @@ class Scheduler:
             return fn(*args)
         except Exception as exc:  # noqa: BLE001 - a fault outside the contained passes: fail this batch, go on
             logger.exception("continuous batching: the %s batch failed outside its rows' passes", engine.kind)
-            if device_fault(exc):
-                exc = engine.fault = engine.fault or replica_fault(exc)
+            exc = engine.latch.failed(exc) or exc
             for job in jobs:
                 if not job.done:
                     job._fail(exc, f"{engine.kind} decoding")

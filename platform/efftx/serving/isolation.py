@@ -28,6 +28,8 @@ from pydantic import BaseModel
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from efftx.serving.batches import FaultLatch
+
 logger = logging.getLogger("ray.serve")
 
 RETRY_AFTER_S = 1  # a 503's Retry-After: rows leave, and free their memory, within about a second of decoding
@@ -63,27 +65,6 @@ def row_failure(exc: BaseException, what: str) -> RowFailure:
                                                "type": "value_error"}])
     logger.error("%s failed on one request", what, exc_info=exc)
     return RowFailure(status=500, detail=f"{what} failed: {type(exc).__name__}")
-
-
-class FaultLatch:
-    """A replica's device fault (:class:`~efftx.serving.batches.DeviceFault`), once met by :func:`contained`: from then
-    on every request fails with it (a 503), and the replica's ``check_health`` raises so that Serve replaces it."""
-
-    def __init__(self):
-        self.fault: BaseException | None = None
-
-    def check(self, exc: BaseException) -> bool:
-        """Latch ``exc`` if it is the device's failure; whether it is."""
-        from efftx.serving.batches import device_fault, replica_fault
-
-        if self.fault is None and device_fault(exc):
-            self.fault = replica_fault(exc)
-            logger.error("%s", self.fault, exc_info=exc)
-        return self.fault is not None
-
-    def check_health(self) -> None:
-        if self.fault is not None:
-            raise RuntimeError(f"unhealthy: {self.fault}")
 
 
 def contained(run: Callable[[list[R]], list[T]], requests: list[R], what: str, latch: FaultLatch | None = None

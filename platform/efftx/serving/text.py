@@ -102,7 +102,8 @@ from efftx.serving.continuous import Job, Sampling, Scheduler, warm_up
 from efftx.serving.devices import cache_budget, replica_device, resolve_build_devices, with_resources, with_threads
 from efftx.serving.images import (ImageGenerator, ImageLimits, ImageRequest, OpenAIImageRequest, as_image_request,
                                   check_request, field_error, image_field_limits, openai_size)
-from efftx.serving.isolation import RETRY_AFTER_S, BodyLimit, FaultLatch, RowFailure, contained
+from efftx.serving.batches import FaultLatch
+from efftx.serving.isolation import RETRY_AFTER_S, BodyLimit, RowFailure, contained
 from efftx.serving.playground import image_card, model_card
 from efftx.serving.playground import router as playground_router
 from efftx.serving.schemas import (CompletionRequest, GenerateRequest, GenerateResponse, Limits, ModelsInfo, ModeResult,
@@ -248,7 +249,7 @@ class TextGenerator:
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
         self.threads = threads  # every decoding thread sets it (a new thread starts at the process default)
-        self.latch = FaultLatch()  # static batching's device fault (continuous batching's: the scheduler's)
+        self.latch = FaultLatch()  # the device's fault, once met: static batching's, or the scheduler's (below)
         torch.set_num_threads(threads)  # the scheduler's thread takes it from here
         if batching not in BATCHING:
             raise ValueError(f"batching must be one of {', '.join(BATCHING)}; got {batching!r}")
@@ -303,6 +304,7 @@ class TextGenerator:
                                        cache_budget=budget, costs=warmed.get("costs"),  # measured while warming up
                                        hook=lambda kind, jobs: self._step_hook(kind, [j.tag for j in jobs]),
                                        observe=lambda kind, rows: metrics.batch("continuous", kind, rows)).start()
+            self.latch = self.scheduler.latch
             self.batching["steps_per_round"] = self.scheduler.steps_per_round
             self.batching["pipeline"] = self.scheduler.pipeline
         else:
@@ -506,20 +508,14 @@ class TextGenerator:
 
     # ------------------------------------------------------------------ endpoints
     def fault(self) -> BaseException | None:
-        """The device's failure, once decoding met one (continuous batching's scheduler, or static batching's
-        :class:`~efftx.serving.isolation.FaultLatch`; see batches.DeviceFault)."""
-        scheduler = getattr(self, "scheduler", None)
-        if scheduler is not None and scheduler.fault is not None:
-            return scheduler.fault
-        latch = getattr(self, "latch", None)
-        return latch.fault if latch is not None else None
+        """The device's failure, once decoding met one (the replica's
+        :class:`~efftx.serving.batches.FaultLatch`: static batching's, or continuous batching's scheduler's)."""
+        return self.latch.fault
 
     def check_health(self) -> None:
         """Serve's health check of the replica: after a device fault it raises, so Serve replaces the replica (a CUDA
         error is sticky: nothing decodes on this process any more)."""
-        fault = self.fault()
-        if fault is not None:
-            raise RuntimeError(f"unhealthy: {fault}")
+        self.latch.check_health()
 
     @app.get("/healthz")
     async def healthz(self):
