@@ -166,6 +166,10 @@ class ModelCache:
 
     def __init__(self, layers: list[Any]):
         self.layers = layers
+        # compiled continuous batching (efftx.generation.device_slots): the rows' lengths as a device tensor, filled
+        # from the host before each pass. It stays with these buffers (pooled with them: decode.give_back), so slots
+        # that take them again pass the very tensors a CUDA graph was recorded over.
+        self.device_lengths: torch.Tensor | None = None
 
     @property
     def length(self) -> int:

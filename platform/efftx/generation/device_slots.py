@@ -79,7 +79,7 @@ class CompiledSlots(Slots):
         over, which it replays instead of recording again."""
         self._runners: dict[int, CompiledRunner] = {}
         cache = self._cache
-        lengths = getattr(cache, "device_lengths", None)
+        lengths = cache.device_lengths if cache is not None else None
         if lengths is None or lengths.shape[0] != self.slots or lengths.device != self.device:
             lengths = torch.zeros(self.slots, dtype=torch.long, device=self.device)
             if cache is not None:
