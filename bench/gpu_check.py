@@ -68,7 +68,7 @@ Sections (each row: pass / FAIL / skip with the reason, and its figures):
   ``distilled`` exports, made by ``make gpu-pair``: ``jobs/train_speculative.py --size small``, plain and
   ``--distill``): base vs speculative tokens/s at batch 1, 4 and 8, eager and compiled (CUDA graphs), gamma 5, the
   step time outside the passes and the pass costs, greedy output equal to base; a row per goal of its verdict
-  (batch 1 at least 2.5x base, batches 4 and 8 at least 1.5x), then ``bench/serve_load.py --inprocess`` on the
+  (its ``--json``, kept as ``OUT/speculative.json``: batch 1 at least 2.5x base, batches 4 and 8 at least 1.5x), then ``bench/serve_load.py --inprocess`` on the
   same pair (``OUT/serveload-trained.log``: the serving goals with real acceptance). Skipped, saying how to make
   one, when ``--pair`` holds no pair.
 * ``serve``: the Serve app on the device: ``/generate`` in both modes and ``/images/generate`` answered, and
@@ -561,32 +561,31 @@ def check_speculative(args, out: Path) -> list[Row]:
         cmd[cmd.index("--compile"):cmd.index("--compile")] = ["--distilled-draft", str(pair / "distilled")]
     if args.quick:
         cmd += ["--repeats", "1", "--timed-prompts", "8", "--acceptance-prompts", "8"]
-    rows = bench_section("speculative", name, cmd, args, out)
-    log = out / "speculative.log"
-    if rows[0].status == "pass" and log.is_file():
-        rows += verdict_rows(log.read_text())
+    verdict = (out / "speculative.json").resolve()  # the bench runs in the repository
+    verdict.unlink(missing_ok=True)  # an earlier run's is not this one's
+    rows = bench_section("speculative", name, cmd + ["--json", str(verdict)], args, out)
+    if rows[0].status == "pass":
+        rows += verdict_rows(json.loads(verdict.read_text()) if verdict.is_file() else None)
     return rows + bench_section("speculative", "bench/serve_load.py --inprocess --device cuda (trained pair)",
                                 ["bench/serve_load.py", "--inprocess", "--device", "cuda", *models, "--rounds",
                                  "1" if args.quick else "2"] + (["--quick"] if args.quick else []), args, out,
                                 log="serveload-trained")
 
 
-def verdict_rows(text: str) -> list[Row]:
-    """bench/speculative.py's verdict: greedy speculative output equal to base for every draft and gamma (a
-    correctness row), and a row per goal (its ``goals (issue 15 ...)`` lines, MET or NOT MET)."""
-    lines = text.splitlines()
-    checks = [line for line in lines if "greedy output == base: " in line]
-    wrong = [line for line in checks if "greedy output == base: yes" not in line]
-    rows = [Row("speculative", "greedy speculative == base, every draft", "FAIL" if wrong or not checks else "pass",
-                f"{len(checks) - len(wrong)}/{len(checks)} equal")]
-    start = next((i for i, line in enumerate(lines) if line.startswith("goals (issue 15")), None)
-    if start is None:
+def verdict_rows(verdict: dict | None) -> list[Row]:
+    """bench/speculative.py's verdict (its ``--json``; None where it wrote none): greedy speculative output equal to
+    base for every draft and gamma (a correctness row), and a row per goal (met or not: information)."""
+    checks = (verdict or {}).get("equality", [])
+    equal = sum(bool(c.get("equal")) for c in checks)
+    rows = [Row("speculative", "greedy speculative == base, every draft",
+                "FAIL" if equal < len(checks) or not checks else "pass", f"{equal}/{len(checks)} equal")]
+    goals = (verdict or {}).get("goals", [])
+    if not goals:
         return rows + [Row("speculative", "goals", "FAIL", "no verdict in the bench's output")]
-    for line in lines[start + 1:]:
-        if not line.startswith("  batch "):
-            break
-        head, _, rest = line.strip().partition(": best ")
-        rows.append(Row("speculative", head, "info", f"best {rest}", correctness=False))
+    for g in goals:
+        rows.append(Row("speculative", f"batch {g['batch']}: at least {g['goal']:.1f}x", "info",
+                        f"best {g['best']:.2f}x ({g['label']}): {'MET' if g['met'] else 'NOT MET'}",
+                        correctness=False))
     return rows
 
 

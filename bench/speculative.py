@@ -3,7 +3,7 @@
     python bench/speculative.py [--target models:/spec_target_small/latest] [--draft models:/spec_draft_small/latest]
                                 [--distilled-draft EXPORT] [--batches 1,4,8] [--gamma 5] [--max-gamma 8]
                                 [--new-tokens 64] [--repeats 3] [--temperature 0.8] [--compile off|on|off,on]
-                                [--overhead] [--costs] [--untrained] [--device cuda]
+                                [--overhead] [--costs] [--untrained] [--device cuda] [--json VERDICT.json]
 
 Train a pair first (python jobs/train_speculative.py --size small), and a distilled draft of its target
 (python jobs/train_speculative.py --size small --distill --target <the target's export>); any export folders
@@ -29,6 +29,8 @@ the sum of its draft and target passes, from one more instrumented run): samplin
 a pass of ``--costs``, a pass of ``--overhead``) waiting for the device before and after; the recompute-window row
 (the seed wrappers' way, on the CPU's generator) is left out there. ``bench/gpu_check.py --only speculative``
 runs this on a GPU with a pair trained here (``make gpu-pair``).
+``--json PATH``: the verdict as JSON too (``equality``: per draft and gamma, greedy output equal to base;
+``goals``: per batch size, the goal, the best ratio at --gamma, its row, met or not), written at the end of a run.
 ``--costs``: per batch size, the eager and compiled cost (fastest of 15 calls) of one target pass of 1 token (a base step), of
 gamma + 1 tokens (a verify pass) and of one draft step, and the speedup they allow at a given acceptance:
 (1 + accepted) * base step / (gamma * draft step + verify pass). All figures come from this one run.
@@ -37,9 +39,11 @@ gamma + 1 tokens (a verify pass) and of one draft step, and the speedup they all
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -205,6 +209,8 @@ def main() -> None:
     p.add_argument("--costs", action="store_true", help="per-pass costs and the speedup they allow")
     p.add_argument("--acceptance-prompts", type=int, default=32, help="prompts of the exactness/acceptance check")
     p.add_argument("--device", default="cpu", help="cpu or cuda (timed calls wait for the device)")
+    p.add_argument("--json", default="", metavar="PATH",
+                   help="also write the verdict (greedy equality per draft, each goal's best ratio) as JSON to PATH")
     args = p.parse_args()
     try:
         device = torch.device(args.device)
@@ -241,11 +247,14 @@ def main() -> None:
     base = generate(target, many, n, temperature=0).tolist()
     print(f"acceptance over {len(many)} prompts, gamma {gamma} (adaptive: {gamma}-{args.max_gamma}); "
           f"accepted per step / per drafted token:")
+    verdict = {"equality": [], "goals": []}  # --json
     for name, draft in drafts.items():
         cells = []
         for adaptive in (False, True):
             extra = {"adaptive_gamma": adaptive, "max_gamma": args.max_gamma if adaptive else None}
             out, greedy = speculative_generate(target, draft, many, n, gamma=gamma, temperature=0, **extra)
+            verdict["equality"].append({"draft": name, "gamma": "adaptive" if adaptive else "fixed",
+                                        "equal": out == base})
             _, sampled = speculative_generate(target, draft, many, n, gamma=gamma, seed=0, **sampling, **extra)
             cells.append(f"{'adaptive' if adaptive else 'fixed'}: greedy {greedy.mean_accepted:.2f} / "
                          f"{greedy.acceptance_rate:.2f}, T={args.temperature} {sampled.mean_accepted:.2f} / "
@@ -329,6 +338,10 @@ def main() -> None:
     for batch, (ratio, label) in best.items():
         print(f"  batch {batch}: at least {goal(batch):.1f}x: best {ratio:.2f}x ({label}): "
               f"{'MET' if ratio >= goal(batch) else 'NOT MET'}")
+        verdict["goals"].append({"batch": batch, "goal": goal(batch), "best": ratio, "label": label,
+                                 "met": ratio >= goal(batch)})
+    if args.json:  # written last: a run that stopped early leaves none (bench/gpu_check.py: no verdict, a FAIL)
+        Path(args.json).write_text(json.dumps(verdict, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -206,14 +206,14 @@ def test_the_speculative_section_judges_a_trained_pair_and_says_how_to_make_one(
     eager and compiled, with the distilled draft when the pair has one (fewer prompts with --quick), its verdict as
     rows, then the in-process serving load on the same pair; without a pair it is skipped, naming the command that
     makes one; without CUDA, skipped."""
-    ran = []
+    ran, silent = [], []
 
     def bench(section, name, cmd, args, out, log=None):
         ran.append((cmd, log))
-        if cmd[0] == "bench/speculative.py":
-            (out / "speculative.log").write_text("  plain draft fixed: greedy 2.10 / 0.42, greedy output == base: yes\n"
-                                                 "goals (issue 15, speculative tokens/s over eager base ...):\n"
-                                                 "  batch 1: at least 2.5x: best 2.71x (speculative, plain): MET\n")
+        if cmd[0] == "bench/speculative.py" and not silent:  # its verdict where --json says
+            Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps({
+                "equality": [{"draft": "plain", "gamma": "fixed", "equal": True}],
+                "goals": [{"batch": 1, "goal": 2.5, "best": 2.71, "label": "speculative, plain", "met": True}]}))
         return [gpu_check.Row(section, name, "pass")]
 
     monkeypatch.setattr(gpu_check, "bench_section", bench)
@@ -227,12 +227,18 @@ def test_the_speculative_section_judges_a_trained_pair_and_says_how_to_make_one(
     rows = gpu_check.check_speculative(args, tmp_path)
     models = ["--target", str(pair / "target"), "--draft", str(pair / "draft")]
     spec = ["bench/speculative.py", "--device", "cuda", *models]
-    assert ran == [(spec + ["--compile", "off,on", "--no-adaptive", "--overhead", "--costs"], None),
+    verdict = ["--json", str((tmp_path / "speculative.json").resolve())]
+    assert ran == [(spec + ["--compile", "off,on", "--no-adaptive", "--overhead", "--costs", *verdict], None),
                    (["bench/serve_load.py", "--inprocess", "--device", "cuda", *models, "--rounds", "2"],
                     "serveload-trained")]
     assert [(r.name, r.status) for r in rows] == [
         ("bench/speculative.py --device cuda (trained pair)", "pass"), ("greedy speculative == base, every draft", "pass"),
         ("batch 1: at least 2.5x", "info"), ("bench/serve_load.py --inprocess --device cuda (trained pair)", "pass")]
+    assert rows[2].detail == "best 2.71x (speculative, plain): MET"
+    silent.append(True)  # a run that writes no verdict: the last run's is not read for it
+    assert [(r.name, r.status) for r in gpu_check.check_speculative(args, tmp_path)][1:3] == [
+        ("greedy speculative == base, every draft", "FAIL"), ("goals", "FAIL")]
+    silent.clear()
     (pair / "distilled").mkdir()
     (pair / "distilled" / "config.json").write_text("{}")
     ran.clear()
@@ -240,7 +246,7 @@ def test_the_speculative_section_judges_a_trained_pair_and_says_how_to_make_one(
     gpu_check.check_speculative(args, tmp_path)
     assert ran[0][0] == spec + ["--distilled-draft", str(pair / "distilled"), "--compile", "off,on", "--no-adaptive",
                                 "--overhead", "--costs", "--repeats", "1", "--timed-prompts", "8",
-                                "--acceptance-prompts", "8"]
+                                "--acceptance-prompts", "8", *verdict]
     assert ran[1][0][-3:] == ["--rounds", "1", "--quick"]
     monkeypatch.undo()
     code, rows = gpu_check.run(["--device", "cpu", "--only", "speculative", "--pair", str(pair), "--out", str(tmp_path)])

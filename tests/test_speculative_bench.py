@@ -3,15 +3,18 @@ and the GPU check's reading of its verdict (bench/gpu_check.py's speculative sec
 
 from __future__ import annotations
 
+import json
 import re
 
 from bench_command import assert_refuses, run_bench
 from test_gpu_check import gpu_check
 
 
-def test_the_bench_checks_greedy_equality_times_both_ways_and_marks_the_goals():
+def test_the_bench_checks_greedy_equality_times_both_ways_and_marks_the_goals(tmp_path):
+    verdict_path = tmp_path / "verdict.json"
     run = run_bench("speculative.py", "--untrained", "--batches", "1,2", "--new-tokens", "6", "--timed-prompts", "2",
-                    "--acceptance-prompts", "2", "--repeats", "1", "--no-adaptive", "--prompt-len", "16")
+                    "--acceptance-prompts", "2", "--repeats", "1", "--no-adaptive", "--prompt-len", "16",
+                    "--json", str(verdict_path))
     assert run.returncode == 0, run.stderr[-3000:]
     assert "device cpu" in run.stdout.splitlines()[0]
     assert re.findall(r"greedy output == base: (\w+)", run.stdout) == ["yes", "yes"]  # fixed and adaptive gamma
@@ -21,17 +24,26 @@ def test_the_bench_checks_greedy_equality_times_both_ways_and_marks_the_goals():
                        r"(MET|NOT MET)$", run.stdout, re.M)
     assert [(b, g) for b, g, _, _ in goals] == [("1", "2.5"), ("2", "1.5")], run.stdout
     assert all((float(r) >= float(g)) == (v == "MET") for _, g, r, v in goals)
+    # --json: the same verdict, as the GPU check reads it
+    verdict = json.loads(verdict_path.read_text())
+    assert verdict["equality"] == [{"draft": "untrained", "gamma": "fixed", "equal": True},
+                                   {"draft": "untrained", "gamma": "adaptive", "equal": True}]
+    assert [(g["batch"], g["goal"], f"{g['best']:.2f}", g["label"], "MET" if g["met"] else "NOT MET")
+            for g in verdict["goals"]] == [(int(b), float(g), r, "speculative, untrained", v) for b, g, r, v in goals]
     # the GPU check's rows of this verdict: equality a correctness row, one row per goal
-    rows = gpu_check.verdict_rows(run.stdout)
+    rows = gpu_check.verdict_rows(verdict)
     assert [(r.name, r.status, r.correctness) for r in rows] == [
         ("greedy speculative == base, every draft", "pass", True),
         ("batch 1: at least 2.5x", "info", False), ("batch 2: at least 1.5x", "info", False)]
-    assert rows[1].detail.startswith(f"best {goals[0][2]}x")
-    # a draft whose greedy output differs, or no verdict at all, fails the check
-    wrong = gpu_check.verdict_rows(run.stdout.replace("greedy output == base: yes", "greedy output == base: NO", 1))
+    assert rows[1].detail == f"best {goals[0][2]}x (speculative, untrained): {goals[0][3]}"
+    # a draft whose greedy output differs, or no verdict at all (the bench stopped early), fails the check
+    verdict["equality"][0]["equal"] = False
+    wrong = gpu_check.verdict_rows(verdict)
     assert wrong[0].status == "FAIL" and wrong[0].detail == "1/2 equal"
-    cut = gpu_check.verdict_rows(run.stdout.split("goals (issue 15")[0])
-    assert [(r.name, r.status) for r in cut] == [("greedy speculative == base, every draft", "pass"), ("goals", "FAIL")]
+    assert [(r.name, r.status) for r in gpu_check.verdict_rows(None)] == [
+        ("greedy speculative == base, every draft", "FAIL"), ("goals", "FAIL")]
+    assert [(r.name, r.status) for r in gpu_check.verdict_rows({"equality": verdict["equality"][1:]})] == [
+        ("greedy speculative == base, every draft", "pass"), ("goals", "FAIL")]
 
 
 def test_the_bench_refuses_a_device_it_cannot_use():
