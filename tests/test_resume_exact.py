@@ -102,6 +102,20 @@ def test_steps_rerun_after_resume_equal_their_first_run_exactly(ray_cluster, cas
 
         params = MlflowClient(tracking_uri=resumed["tracking_uri"]).get_run(resumed["mlflow_run_id"]).data.params
         assert (params["engine.offload_optimizer"], params["engine.zero_stage"]) == ("cpu", "2")
+        # the export holds the fp32 masters (kept partitioned in host memory): each rounds to the engine's bf16
+        # weight in the last checkpoint, and nearly none is a bf16 value itself (power: exporting the engine's
+        # own weights, all are)
+        from efftx.export import load_export
+
+        model, _, _ = load_export(resumed["export_path"])
+        engine = final_module_state(resumed)
+        names = [name for name, p in model.named_parameters()]
+        assert names and all(engine[n].dtype == torch.bfloat16 for n in names)
+        exported = dict(model.named_parameters())
+        for name in names:
+            assert torch.equal(exported[name].detach().bfloat16(), engine[name]), name
+        weights = torch.cat([exported[n].detach().flatten() for n in names])
+        assert (weights.bfloat16().float() != weights).float().mean() > 0.9
     if case == "performer_redraws_actckpt":
         # every rank counted exactly the passes of the steps the run kept: the counter, and the features drawn
         # from it, came back from the checkpoint (not from zero, not from the failed attempt's extra passes)

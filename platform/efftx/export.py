@@ -55,15 +55,17 @@ def atomic_write(path: str | Path, data: str | bytes) -> None:
 
 
 def export(model: torch.nn.Module, cfg: Config, out_dir: str | Path, meta: dict[str, Any],
-           files: dict[str, str | bytes] | None = None) -> Path:
+           files: dict[str, str | bytes] | None = None, state: dict[str, torch.Tensor] | None = None) -> Path:
     """Write model.safetensors + config.json (+ ``files``: name -> text or bytes) into ``out_dir``
-    (replacing an older export)."""
+    (replacing an older export). ``state``: the weights to write, in place of ``model.state_dict()`` (training
+    in bf16/fp16 passes the optimizer's fp32 masters: efftx.train.checkpoint.export_state)."""
     from efftx import weights
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    state = model.state_dict() if state is None else state
     tensors = {k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype).contiguous()
-               for k, v in model.state_dict().items()}
+               for k, v in state.items()}
     tmp = out / (WEIGHTS_FILE + ".tmp")
     weights.save(tensors, tmp, metadata={"format": "pt", "efftx.recipe": cfg.recipe})
     tmp.replace(out / WEIGHTS_FILE)

@@ -301,12 +301,14 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     model_uri = None
     try:
         with checkpoint.full_parameters(engine):
+            state = checkpoint.export_state(engine, keep=rank == 0)  # every rank: the fp32 masters are gathered
             if rank == 0:
                 meta = {"step": step, "tokens_seen": tokens_seen, "num_params": engine.module.num_params(),
                         "mlflow_run_id": payload["mlflow_run_id"], **last_eval}
-                write_export(engine.module, cfg, local_export, meta, files=task.export_files())
+                write_export(engine.module, cfg, local_export, meta, files=task.export_files(), state=state)
                 if not storage.is_local:
                     storage.upload_dir(local_export, export_dir, last=(CONFIG_FILE,))
+            del state
         if tracker:
             # an MLflow model (efftx.mlflow_model) of the local copy, alias @candidate; its artifacts hold the
             # export, so the weights are not logged a second time as run artifacts (only when nothing is registered)
