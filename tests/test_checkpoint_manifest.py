@@ -266,3 +266,24 @@ def test_under_zero3_every_rank_runs_as_many_validation_batches(tmp_path):
     got = [json.loads((tmp_path / f"got.{r}").read_text()) for r in range(2)]
     assert [len(g["zero3"]) for g in got] == [2, 2] and got[0]["zero3"] == [["r0b0"], ["r0b1"]]
     assert [len(g["zero2"]) for g in got] == [3, 2]
+
+
+def test_half_precision_weights_without_a_linked_master_are_exported_as_held_and_the_log_says_so():
+    """``export_state`` where DeepSpeed links no fp32 master to the parameters (its fp16 optimizer without ZeRO; here
+    a plain bf16 module): trained half-precision weights go as the module holds them, the log counts them; frozen
+    ones and buffers are not counted; ``keep=False`` (the ranks that do not write) returns nothing. The linked case
+    (masters exported) runs through DeepSpeed in tests/test_train_ray.py and tests/test_resume_exact.py."""
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3)).to(torch.bfloat16)
+    model[1].requires_grad_(False)  # frozen: no master expected
+    model.register_buffer("steps", torch.tensor(7))
+    engine = type("Engine", (), {"module": model})()
+    said = []
+    state = ck.export_state(engine, log=said.append)
+    assert list(state) == list(model.state_dict()) and all(torch.equal(state[k], v) for k, v in
+                                                           model.state_dict().items())
+    assert len(said) == 1 and said[0].startswith("export: 2 trained half-precision parameters have no fp32 master")
+    said.clear()
+    assert ck.export_state(engine, keep=False, log=said.append) == {} and said == []
+    assert ck.export_state(type("Engine", (), {"module": model.float()})(), log=said.append) and said == []

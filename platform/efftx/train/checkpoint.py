@@ -374,24 +374,29 @@ def full_parameters(engine):
         yield
 
 
-def export_state(engine, keep: bool = True) -> dict[str, torch.Tensor]:
+def export_state(engine, keep: bool = True, log: Callable[[str], None] = print) -> dict[str, torch.Tensor]:
     """The module's state for an export: every trained parameter at its fp32 master value where the optimizer
     keeps one (bf16/fp16 training: the module's own copy is rounded to 8 or 11 significant bits, the masters are
     what training reached), else the parameter itself; buffers as they are. Collective: every rank calls it,
     inside :func:`full_parameters` (each master is gathered from its ZeRO partitions, parameter by parameter, in
     the module's order). ``keep`` False (the ranks that do not write the export): each master is dropped once
     gathered, and nothing is returned. Kept masters go to host memory one by one: a ZeRO-3 model need not fit the
-    device in fp32."""
+    device in fp32. Where DeepSpeed links no master to a trained half-precision parameter (its fp16 optimizer
+    without ZeRO), that parameter goes as the engine holds it, and ``log`` says how many did."""
     from deepspeed.utils import safe_get_full_fp32_param
 
-    masters = {}
+    masters, unlinked = {}, 0
     for param in engine.module.parameters():  # the same order on every rank: the gathers pair up
         # frozen parameters (DALL-E's dVAE) have no master: the optimizer never sees them
         trained = param.requires_grad and param.dtype != torch.float32
         master = safe_get_full_fp32_param(param) if trained else None
+        unlinked += trained and master is None
         if master is not None and keep:
             masters[id(param)] = master.detach().reshape(getattr(param, "ds_shape", param.shape)).cpu()
     if not keep:
         return {}
+    if unlinked:
+        log(f"export: {unlinked} trained half-precision parameters have no fp32 master that the optimizer links "
+            "(DeepSpeed's fp16 optimizer without ZeRO): they are exported as the engine holds them")
     return {name: masters.get(id(value), value.detach())
             for name, value in engine.module.state_dict(keep_vars=True).items()}

@@ -301,7 +301,8 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     model_uri = None
     try:
         with checkpoint.full_parameters(engine):
-            state = checkpoint.export_state(engine, keep=rank == 0)  # every rank: the fp32 masters are gathered
+            # every rank: the fp32 masters are gathered
+            state = checkpoint.export_state(engine, keep=rank == 0, log=lambda message: log(rank, message))
             if rank == 0:
                 meta = {"step": step, "tokens_seen": tokens_seen, "num_params": engine.module.num_params(),
                         "mlflow_run_id": payload["mlflow_run_id"], **last_eval}
