@@ -1077,7 +1077,7 @@ def test_a_device_fault_in_a_compiled_pass_is_the_devices_not_a_compile_failure(
     eagerly: every request succeeded on a device that had failed). (``on`` fails them with the fault either way: its
     CompileUnavailable names the CUDA error.)"""
     from efftx.generation import compiled
-    from efftx.serving.batches import DeviceFault
+    from efftx.generation.faults import DeviceFault
 
     target, draft = pair(pairs, "full")
     broken = []
@@ -1110,7 +1110,7 @@ def test_a_device_fault_fails_every_request_with_a_503_and_no_row_runs_again(mon
     at once, and the scheduler keeps the fault (the app's health check reports it: Serve replaces the replica). Power:
     taken for a request's own fault, the rows ran again one by one and failed with 500s, and later requests tried the
     device again."""
-    from efftx.serving.batches import DeviceFault
+    from efftx.generation.faults import DeviceFault
     from efftx.serving.isolation import row_failure
 
     target, draft = pair(pairs, "full")

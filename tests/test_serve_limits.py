@@ -89,7 +89,7 @@ def test_a_device_fault_latches_every_later_request_fails_with_a_503_and_health_
     ``check_health``, Serve's) raises. The image replica's check_health is the latch's. Power: without a latch,
     the batch ran again request by request and each failed with a 500."""
     from efftx.serving.images import ImageGenerator
-    from efftx.serving.batches import FaultLatch
+    from efftx.serving.faults import FaultLatch
 
     calls = []
 

@@ -22,10 +22,10 @@ import torch
 
 from efftx.generation.decode import CacheBudget, CacheBudgetFull, Rows, free_memory, kv_only, splittable
 from efftx.generation.device_slots import slots_for
-from efftx.generation.faults import DeviceFault, device_fault
 from efftx.generation.sampling import Stream, draw, is_greedy, probabilities, probabilities_per_row, race
 from efftx.generation.speculative import SpecStats, accept_sampled, kept_tokens, next_gamma, step_noise
 from efftx.host import Readback, host_values
+from efftx.serving.faults import FaultLatch
 
 if TYPE_CHECKING:  # the scheduler runs with torch alone (bench/serve_load.py --inprocess on a bare GPU image)
     from efftx.serving.isolation import RowFailure
@@ -35,47 +35,6 @@ logger = logging.getLogger("ray.serve")
 
 class DeviceMemoryFull(MemoryError):
     """A request's cache does not fit the device's memory, and no running row will free any: 503 (retry later)."""
-
-
-def replica_fault(exc: BaseException) -> DeviceFault:
-    """The :class:`DeviceFault` every request fails with after the device failed with ``exc``."""
-    if isinstance(exc, DeviceFault):
-        return exc
-    first = str(exc).splitlines()[0][:200] if str(exc) else ""
-    fault = DeviceFault(f"the device failed ({type(exc).__name__}: {first}); this replica takes no more requests "
-                        "and is replaced")
-    fault.__cause__ = exc
-    return fault
-
-
-class FaultLatch:
-    """A replica's device fault (:class:`~efftx.generation.faults.DeviceFault`), once met: from then on every request
-    fails with it (a 503), and the replica's ``check_health`` raises so that Serve replaces it. One per replica: the
-    continuous-batching scheduler's (its batches share it), or static batching's and the image replica's
-    (:func:`~efftx.serving.isolation.contained`)."""
-
-    def __init__(self, name: str = ""):
-        self.name = name  # the log's prefix
-        self.fault: DeviceFault | None = None
-
-    def failed(self, exc: BaseException) -> DeviceFault | None:
-        """Where ``exc`` is the device's failure (:func:`~efftx.generation.faults.device_fault`): the fault every
-        request fails with (latched, and logged, the first time); else None (``exc`` is a request's own)."""
-        if not device_fault(exc):
-            return None
-        if self.fault is None:
-            self.fault = replica_fault(exc)
-            logger.error("%s%s", f"{self.name}: " if self.name else "", self.fault, exc_info=self.fault.__cause__)
-        return self.fault
-
-    def check(self, exc: BaseException) -> bool:
-        """Latch ``exc`` if it is the device's failure; whether a fault is latched."""
-        self.failed(exc)
-        return self.fault is not None
-
-    def check_health(self) -> None:
-        if self.fault is not None:
-            raise RuntimeError(f"unhealthy: {self.fault}")
 
 
 # ---------------------------------------------------------------------------------------------- sampling
@@ -336,9 +295,9 @@ class _Engine:
         self.step_rows: int | None = None  # the most rows of a pass, after a larger one ran out of device memory
         # rows placed, swapped, left or reserved (each counts): _leave does nothing while nothing changed since it ran
         self._changes, self._settled = 0, -1
-        # several steps at once stop after the one running when this says so (the scheduler: a request arrived)
         # the device's failure, once met (FaultLatch.failed): the replica's, shared with the scheduler's other batches
         self.latch = FaultLatch()
+        # several steps at once stop after the one running when this says so (the scheduler: a request arrived)
         self.interrupt: Callable[[], bool] | None = None
         # pipelined steps (engines that allow it, :attr:`pipelines`): a step's tokens are read once the next step is
         # queued behind it (or at the end of a round that does not step the batch); the step in flight: (its state,

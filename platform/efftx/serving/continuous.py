@@ -119,8 +119,10 @@ from efftx.generation.compiled import CompileOptions, CompileUnavailable
 from efftx.generation.decode import CacheBudget, free_memory, pool_widths
 from efftx.generation.device_slots import MIN_PREFILL, PREFILL_ROWS, PREFILL_TOKENS, eager_reason, slots_for
 # the running batches; Job, Sampling and DeviceMemoryFull are this module's API too (the app and benches use them)
-from efftx.serving.batches import (BaseEngine, DeviceFault, DeviceMemoryFull, Job, PassTime, Sampling,
-                                   SpeculativeEngine, _call, _device, _Engine, _engine_name, device_sync, FaultLatch)
+from efftx.generation.faults import DeviceFault
+from efftx.serving.batches import (BaseEngine, DeviceMemoryFull, Job, PassTime, Sampling,
+                                   SpeculativeEngine, _call, _device, _Engine, _engine_name, device_sync)
+from efftx.serving.faults import FaultLatch
 
 __all__ = ["DeviceFault", "DeviceMemoryFull", "Job", "Sampling", "Scheduler", "StepCosts", "slowdown_ok", "warm_up"]
 
@@ -671,7 +673,7 @@ class Scheduler:
 
     @property
     def fault(self) -> DeviceFault | None:
-        """The device's failure, once a batch met one (:class:`~efftx.serving.batches.FaultLatch`)."""
+        """The device's failure, once a batch met one (:class:`~efftx.serving.faults.FaultLatch`)."""
         return self.latch.fault
 
     def _faulted(self) -> None:

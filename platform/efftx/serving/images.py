@@ -33,7 +33,7 @@ from ray import serve
 from efftx.generation.png import png_bytes, to_pil
 from efftx.serving import metrics
 from efftx.serving.devices import replica_device
-from efftx.serving.batches import FaultLatch
+from efftx.serving.faults import FaultLatch
 from efftx.serving.isolation import RowFailure, contained
 from efftx.serving.schemas import SEED_MAX, Seed, Temperature, TopP, encodable
 

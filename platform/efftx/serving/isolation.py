@@ -28,7 +28,8 @@ from pydantic import BaseModel
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from efftx.serving.batches import FaultLatch
+from efftx.generation.faults import DeviceFault
+from efftx.serving.faults import FaultLatch
 
 logger = logging.getLogger("ray.serve")
 
@@ -53,8 +54,6 @@ class RowFailure(BaseModel):
 def row_failure(exc: BaseException, what: str) -> RowFailure:
     if isinstance(exc, HTTPException):
         return RowFailure(status=exc.status_code, detail=exc.detail)
-    from efftx.serving.batches import DeviceFault
-
     if isinstance(exc, DeviceFault):  # the device failed: this replica is replaced (a retry reaches another)
         return RowFailure(status=503, detail=f"{what} failed: {exc}")
     if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):  # the server's capacity, not the request: retry

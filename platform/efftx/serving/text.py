@@ -102,7 +102,7 @@ from efftx.serving.continuous import Job, Sampling, Scheduler, warm_up
 from efftx.serving.devices import cache_budget, replica_device, resolve_build_devices, with_resources, with_threads
 from efftx.serving.images import (ImageGenerator, ImageLimits, ImageRequest, OpenAIImageRequest, as_image_request,
                                   check_request, field_error, image_field_limits, openai_size)
-from efftx.serving.batches import FaultLatch
+from efftx.serving.faults import FaultLatch
 from efftx.serving.isolation import RETRY_AFTER_S, BodyLimit, RowFailure, contained
 from efftx.serving.playground import image_card, model_card
 from efftx.serving.playground import router as playground_router
@@ -509,7 +509,7 @@ class TextGenerator:
     # ------------------------------------------------------------------ endpoints
     def fault(self) -> BaseException | None:
         """The device's failure, once decoding met one (the replica's
-        :class:`~efftx.serving.batches.FaultLatch`: static batching's, or continuous batching's scheduler's)."""
+        :class:`~efftx.serving.faults.FaultLatch`: static batching's, or continuous batching's scheduler's)."""
         return self.latch.fault
 
     def check_health(self) -> None:
