@@ -9,7 +9,8 @@ Two kinds, both the device's and never the code's (nor the compiler's):
 
 Compiled decoding (:mod:`efftx.generation.compiled`) lets both propagate as they are (:func:`device_error`), never
 taking them for a compile failure; serving (:mod:`efftx.serving.batches`) contains out-of-memory errors per request
-and turns a device fault into one :class:`DeviceFault` that every request fails with.
+and turns a device fault into one :class:`DeviceFault` that every request fails with (the replica's
+:class:`~efftx.serving.faults.FaultLatch`).
 """
 
 from __future__ import annotations
