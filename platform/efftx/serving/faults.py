@@ -45,11 +45,6 @@ class FaultLatch:
             logger.error("%s%s", f"{self.name}: " if self.name else "", self.fault, exc_info=self.fault.__cause__)
         return self.fault
 
-    def check(self, exc: BaseException) -> bool:
-        """Latch ``exc`` if it is the device's failure; whether a fault is latched."""
-        self.failed(exc)
-        return self.fault is not None
-
     def check_health(self) -> None:
         if self.fault is not None:
             raise RuntimeError(f"unhealthy: {self.fault}")

@@ -76,8 +76,8 @@ def contained(run: Callable[[list[R]], list[T]], requests: list[R], what: str, l
     try:
         return list(run(requests))
     except Exception as exc:  # noqa: BLE001 - contained below
-        if latch is not None and latch.check(exc):  # each request alone would fail too
-            return [row_failure(latch.fault, what) for _ in requests]
+        if (fault := _latched(latch, exc)) is not None:  # each request alone would fail too
+            return [row_failure(fault, what) for _ in requests]
         if len(requests) == 1:
             return [row_failure(exc, what)]
         logger.warning("%s of a batch of %d failed (%s: %s); decoding its requests one by one",
@@ -90,8 +90,14 @@ def contained(run: Callable[[list[R]], list[T]], requests: list[R], what: str, l
         try:
             out.extend(run([req]))
         except Exception as exc:  # noqa: BLE001 - this request's own failure
-            out.append(row_failure(latch.fault if latch is not None and latch.check(exc) else exc, what))
+            out.append(row_failure(_latched(latch, exc) or exc, what))
     return out
+
+
+def _latched(latch: FaultLatch | None, exc: BaseException) -> DeviceFault | None:
+    """The replica's fault after ``exc`` (latched now if ``exc`` is the device's failure, or earlier); None without
+    a latch or a fault."""
+    return None if latch is None else latch.failed(exc) or latch.fault
 
 
 class BodyTooLarge(HTTPException):
