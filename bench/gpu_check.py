@@ -68,9 +68,9 @@ Sections (each row: pass / FAIL / skip with the reason, and its figures):
   ``distilled`` exports, made by ``make gpu-pair``: ``jobs/train_speculative.py --size small``, plain and
   ``--distill``): base vs speculative tokens/s at batch 1, 4 and 8, eager and compiled (CUDA graphs), gamma 5, the
   step time outside the passes and the pass costs, greedy output equal to base; a row per goal of its verdict
-  (its ``--json``, kept as ``OUT/speculative.json``: batch 1 at least 2.5x base, batches 4 and 8 at least 1.5x), then ``bench/serve_load.py --inprocess`` on the
-  same pair (``OUT/serveload-trained.log``: the serving goals with real acceptance). Skipped, saying how to make
-  one, when ``--pair`` holds no pair.
+  (its ``--json``, kept as ``OUT/speculative.json``: batch 1 at least 2.5x base, batches 4 and 8 at least 1.5x),
+  then ``bench/serve_load.py --inprocess`` on the same pair (``OUT/serveload-trained.log``: the serving goals with
+  real acceptance). Skipped, saying how to make one, when ``--pair`` holds no pair.
 * ``serve``: the Serve app on the device: ``/generate`` in both modes and ``/images/generate`` answered, and
   ``/models/info`` naming the device.
 
