@@ -8,9 +8,7 @@ Two kinds, both the device's and never the code's (nor the compiler's):
   error is sticky: every later call on the device fails too, so nothing should run on it again in this process.
 
 Compiled decoding (:mod:`efftx.generation.compiled`) lets both propagate as they are (:func:`device_error`), never
-taking them for a compile failure; serving (:mod:`efftx.serving.batches`) contains out-of-memory errors per request
-and turns a device fault into one :class:`DeviceFault` that every request fails with (the replica's
-:class:`~efftx.serving.faults.FaultLatch`).
+taking them for a compile failure. What a serving replica does with them: :mod:`efftx.serving.faults`.
 """
 
 from __future__ import annotations
@@ -20,9 +18,7 @@ import torch
 
 class DeviceFault(RuntimeError):
     """The device failed (a CUDA error: an illegal memory access, a device-side assert, ...). Such an error is
-    sticky: every later call on the device fails too, so running rows one by one would only fail each of them, and
-    every later request. The scheduler fails every request with a 503 instead and refuses new ones, and the Serve
-    app reports the replica unhealthy, so Serve replaces it (:meth:`~efftx.serving.text.TextGenerator.check_health`)."""
+    sticky: every later call on the device fails too, in this process."""
 
 
 def device_fault(exc: BaseException) -> bool:

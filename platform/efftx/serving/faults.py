@@ -2,6 +2,13 @@
 batching's and the image replica's (:func:`~efftx.serving.isolation.contained`). Torch alone: the scheduler runs
 without the web stack (a bench on a bare GPU image).
 
+Out of memory is one request's or one pass's: serving contains it per request (a 503 to retry). A device fault
+(:class:`~efftx.generation.faults.DeviceFault`) is sticky: every later call on the device fails too, so running a
+batch's rows one by one would only fail each of them, and every later request. Instead every request fails with one
+:class:`DeviceFault` (a 503), the scheduler refuses new ones, and the Serve app reports the replica unhealthy
+(:meth:`FaultLatch.check_health`, called by :meth:`~efftx.serving.text.TextGenerator.check_health`), so Serve
+replaces it.
+
 What counts as the device's failure is :mod:`efftx.generation.faults`' (one definition for compiled decoding and
 serving alike)."""
 
