@@ -55,15 +55,21 @@ def atomic_write(path: str | Path, data: str | bytes) -> None:
 
 
 def export(model: torch.nn.Module, cfg: Config, out_dir: str | Path, meta: dict[str, Any],
-           files: dict[str, str | bytes] | None = None, state: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write model.safetensors + config.json (+ ``files``: name -> text or bytes) into ``out_dir``
-    (replacing an older export). ``state``: the weights to write, in place of ``model.state_dict()`` (training
-    in bf16/fp16 passes the optimizer's fp32 masters: efftx.train.checkpoint.export_state)."""
+           files: dict[str, str | bytes] | None = None) -> Path:
+    """Write ``model``'s weights + config.json (+ ``files``: name -> text or bytes) into ``out_dir`` (replacing an
+    older export): :func:`export_state_dict` of ``model.state_dict()``."""
+    return export_state_dict(model.state_dict(), cfg, out_dir, meta, files)
+
+
+def export_state_dict(state: dict[str, torch.Tensor], cfg: Config, out_dir: str | Path, meta: dict[str, Any],
+                      files: dict[str, str | bytes] | None = None) -> Path:
+    """Write ``state`` (the weights of the model ``cfg`` builds, cast to fp32) as model.safetensors + config.json
+    (+ ``files``: name -> text or bytes) into ``out_dir`` (replacing an older export). Training passes the
+    optimizer's fp32 masters where it keeps them (bf16/fp16: :func:`efftx.train.checkpoint.export_state`)."""
     from efftx import weights
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = model.state_dict() if state is None else state
     tensors = {k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype).contiguous()
                for k, v in state.items()}
     tmp = out / (WEIGHTS_FILE + ".tmp")

@@ -38,7 +38,7 @@ from efftx.config import Config
 from efftx.errors import NonFiniteLossError
 from efftx.flops import peak_flops
 from efftx import models
-from efftx.export import CONFIG_FILE, export as write_export
+from efftx.export import CONFIG_FILE, export_state_dict
 from efftx.storage import Storage
 from efftx.train import checkpoint
 from efftx.train import engine as engine_lib
@@ -306,7 +306,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
             if rank == 0:
                 meta = {"step": step, "tokens_seen": tokens_seen, "num_params": engine.module.num_params(),
                         "mlflow_run_id": payload["mlflow_run_id"], **last_eval}
-                write_export(engine.module, cfg, local_export, meta, files=task.export_files(), state=state)
+                export_state_dict(state, cfg, local_export, meta, files=task.export_files())
                 if not storage.is_local:
                     storage.upload_dir(local_export, export_dir, last=(CONFIG_FILE,))
             del state
