@@ -255,3 +255,40 @@ def test_compiled_outputs_handled_as_on_cuda_keep_speculative_decodings_tokens(l
             eager = speculative_generate(lm, draft, RAGGED, 12, gamma=3, **extra)
             assert speculative_generate(lm, draft, RAGGED, 12, gamma=3, compile="on", **extra)[0] == eager[0]
     assert compiled.owned((torch.ones(2), None))[1] is None
+
+
+def test_an_eager_pass_over_the_device_cache_reads_nothing_back_from_the_device(lm, monkeypatch):
+    """After a compile failure under ``auto`` a decoder runs its passes eagerly over the same device cache: those
+    passes read no device value back to the host (on a GPU each read waits for every queued kernel), its rotary's
+    position check included (the decoder checks positions against its capacity, at most max_seq_len, on the host).
+    Power: the per-layer check that reads the device positions fails it."""
+    from efftx.generation.decode import Rows
+
+    eager = Rows(lm, 3, 64)
+    eager.prefill(RAGGED)
+    static = compiled.StaticDecoder(lm, 3, 64, False, "auto")  # what a runner is after a compile failure
+    try:
+        static.load(eager.caches[0], eager.lengths)
+        tokens = torch.randint(0, 256, (3, 2), generator=torch.Generator().manual_seed(1))
+        reads = []
+
+        def read(name):
+            original = getattr(torch.Tensor, name)
+
+            def counted(self, *args, **kwargs):
+                reads.append(name)
+                return original(self, *args, **kwargs)
+            monkeypatch.setattr(torch.Tensor, name, counted)
+        for name in ("item", "tolist", "__int__", "__bool__", "__index__", "__float__"):
+            read(name)
+        with torch.no_grad():
+            out = static.forward(tokens)
+            step = static(tokens[:, 0])
+        monkeypatch.undo()
+        assert reads == []
+        torch.testing.assert_close(out, eager.forward(tokens))
+        torch.testing.assert_close(step, eager.forward(tokens[:, :1])[:, -1])
+    finally:
+        static.release()
+    with pytest.raises(ValueError, match=f"of {2 * lm.max_seq_len} positions exceeds the model's max_seq_len"):
+        compiled.StaticDecoder(lm, 1, 2 * lm.max_seq_len, False, "auto")  # its bound would not hold

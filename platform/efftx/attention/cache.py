@@ -156,9 +156,16 @@ def cache_offset(cache: Any) -> int | torch.Tensor:
 
 def cache_limit(cache: Any, t: int) -> int | None:
     """One past the last position of ``t`` new tokens, from a cache that keeps its row lengths on the host (its
-    longest row + t); None where it does not (no cache: positions are 0..t-1, checked as ints anyway)."""
-    end = getattr(cache, "end", None) if cache is not None else None
-    return end + t if isinstance(end, int) else None
+    longest row + t), or a bound on it that its owner checked on the host before the pass (compiled decoding's
+    device cache: its ``bound``, the capacity, at most the model's max_seq_len); None where neither is known (no
+    cache: positions are 0..t-1, checked as ints anyway)."""
+    if cache is None:
+        return None
+    end = getattr(cache, "end", None)
+    if isinstance(end, int):
+        return end + t
+    bound = getattr(cache, "bound", None)
+    return bound if isinstance(bound, int) else None
 
 
 class ModelCache:

@@ -112,6 +112,9 @@ class DeviceKV:
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor):
         self.k, self.v, self.lengths = k, v, lengths
+        # no pass reaches past the capacity: its runner checks that on the host first (CompiledRunner), so the
+        # rotary's position check reads this, not the device lengths (an eager pass after a compile failure)
+        self.bound = int(k.shape[1])
 
     def offset(self) -> torch.Tensor:
         return self.lengths[:, None]  # (B, 1)
@@ -279,6 +282,9 @@ class CompiledRunner:
     for good (and logs why); under ``"on"`` it raises :class:`CompileUnavailable`."""
 
     def __init__(self, model, cache: DeviceCache, compiled: bool, mode: str):
+        if cache.capacity > model.max_seq_len:  # its layers' bound (DeviceKV.bound) holds for the model's positions
+            raise ValueError(f"a decoding cache of {cache.capacity} positions exceeds the model's "
+                             f"max_seq_len={model.max_seq_len}")
         self.model, self.cache, self.mode = model, cache, mode
         self.device_type = next(model.parameters()).device.type
         self.compiled = compiled
