@@ -58,8 +58,9 @@ class Rotary(nn.Module):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of ``t`` tokens from ``offset`` (an int, or (B, 1) per row for ragged caches): (T, 1, D/2) or
         (B, T, 1, D/2). A position beyond the table is an error naming max_seq_len; for ragged rows the caller that
-        knows the longest row on the host passes ``limit`` (one past the last position) and the check reads it, not
-        the device positions (on a GPU that read would wait for every queued kernel, twice per layer and step)."""
+        knows the longest row on the host passes ``limit`` (one past the last position, or a bound on it that it
+        checked: :func:`~efftx.attention.cache.cache_limit`) and the check reads it, not the device positions (on a
+        GPU that read would wait for every queued kernel, twice per layer and step)."""
         if isinstance(offset, torch.Tensor):
             pos = offset + torch.arange(t, device=offset.device)  # (B, T)
             # without a limit the check reads a device value: skipped inside a compiled graph (compiled decoding
