@@ -19,9 +19,10 @@ graph runs on the device (its replay launches kernels and reads nothing): a test
 through :func:`on_device`, which records nothing of it.
 
 A read of values sent ahead (:class:`efftx.host.Readback`: sent to the host as soon as the work making them was
-queued) waits for that work only: it is recorded as ``reads a value sent ahead (tolist)``, with how much device work
-was queued between its sending and its reading (:attr:`DeviceWaits.ahead`: the work that read does not wait for,
-every torch call on device tensors counted, a compiled graph's included), where a plain read would wait for all of it.
+queued) waits for that work only: it is recorded as ``reads a value sent ahead (tolist)`` (a wait for them that
+reads nothing, ``Readback.wait``: ``waits for a value sent ahead (wait)``), with how much device work was queued
+between its sending and its reading (:attr:`DeviceWaits.ahead`: the work that read does not wait for, every torch
+call on device tensors counted, a compiled graph's included), where a plain read would wait for all of it.
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ class DeviceWaits(TorchFunctionMode):
 
     def __enter__(self):
         DeviceWaits.active = self
-        self._readback = host.Readback.__init__, host.Readback.tolist
-        send, read = self._readback
+        self._readback = host.Readback.__init__, host.Readback.tolist, host.Readback.wait
+        send, read, wait = self._readback
         mode = self
 
         def sent(rb, values):
@@ -81,12 +82,16 @@ class DeviceWaits(TorchFunctionMode):
             mode._wait("reads a value sent ahead (tolist)")
             return out
 
-        host.Readback.__init__, host.Readback.tolist = sent, tolist
+        def waited(rb):
+            wait(rb)  # inside efftx/host.py: not recorded as a plain read
+            mode._wait("waits for a value sent ahead (wait)")
+
+        host.Readback.__init__, host.Readback.tolist, host.Readback.wait = sent, tolist, waited
         return super().__enter__()
 
     def __exit__(self, *exc):
         DeviceWaits.active = None
-        host.Readback.__init__, host.Readback.tolist = self._readback
+        host.Readback.__init__, host.Readback.tolist, host.Readback.wait = self._readback
         return super().__exit__(*exc)
 
     def on_host(self, t) -> bool:

@@ -78,8 +78,10 @@ def test_on_cuda_a_readback_is_a_non_blocking_copy_into_pinned_memory_then_an_ev
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"the current stream of {device}")
     sent = Readback(OnCuda())  # the event on the stream of the values' device (a model on cuda:N), not cuda:0's
     assert calls == [("empty", True), ("copy", True), ("record", "the current stream of cuda:1")]
+    sent.wait()  # waits for the event, reading nothing
+    assert calls[3:] == ["synchronize"]
     values.add_(10)  # what is read is the copy made when it was sent
-    assert sent.tolist() == [[3, 4], [5, 6]] and calls[3:] == ["synchronize"]
+    assert sent.tolist() == [[3, 4], [5, 6]] and calls[4:] == ["synchronize"]
     monkeypatch.undo()
     assert Readback(values).tolist() == values.tolist()
 
@@ -87,12 +89,14 @@ def test_on_cuda_a_readback_is_a_non_blocking_copy_into_pinned_memory_then_an_ev
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: bench/gpu_check.py's kernels "
                                                           "section runs it")
 def test_on_cuda_a_readback_waits_for_its_own_work_and_not_for_what_was_queued_after():
-    """Values sent ahead are read while kernels queued after them (``torch.cuda._sleep``) still run; a plain read of
-    the same values waits for those kernels."""
+    """Values sent ahead are waited for and read while kernels queued after them (``torch.cuda._sleep``) still run; a
+    plain read of the same values waits for those kernels."""
     stream = torch.cuda.current_stream()
     values = torch.arange(6, device="cuda").reshape(2, 3) * 2
     sent = Readback(values)
     torch.cuda._sleep(500_000_000)
+    sent.wait()  # so does a wait for them
+    assert not stream.query()
     assert sent.tolist() == [[0, 2, 4], [6, 8, 10]] and not stream.query()
     torch.cuda.synchronize()
     torch.cuda._sleep(500_000_000)
@@ -199,7 +203,8 @@ def test_a_schedulers_rounds_read_the_device_only_for_its_tokens_and_acceptance(
     """Whole rounds (arrivals, prefills, several steps a round, rows leaving, base and speculative batches; prompts
     prefilled in chunks of ``chunk`` tokens; base steps pipelined or not): each base pass (a prefill, or a round's
     steps) reads its tokens once (a pipelined step where it is settled), each speculative step its acceptance once,
-    and nothing else reads or waits (a prefill's chunks read nothing)."""
+    and nothing else reads or waits (a prefill's chunks read nothing), but a pipelined base prefill's wait for the
+    step in flight it was queued behind (that step's tokens sent ahead; its cost is the step's, not the prefill's)."""
     compiled_on_device(monkeypatch, compile)
     computes = {"base": [], "speculative": []}  # the steps each compute ran
     for engine in (BaseEngine, SpeculativeEngine):
@@ -227,7 +232,10 @@ def test_a_schedulers_rounds_read_the_device_only_for_its_tokens_and_acceptance(
     # a pipelined step's tokens: sent to the host when it is queued, read when it is settled
     ahead = "reads a value sent ahead (tolist)"
     steps_read = (ahead, "(_read)") if pipeline else (read, "(commit)")
-    assert set(where) == {(read, "(commit)"), steps_read, (read, "(_step)")}, audit.waits
+    # pipelined: a prefill queued behind the step in flight waits for that step, then for itself (reading its token)
+    behind = ("waits for a value sent ahead (wait)", "(_await)")
+    assert set(where) - {behind} == {(read, "(commit)"), steps_read, (read, "(_step)")}, audit.waits
+    assert (behind in where) == pipeline
     chunks = 2 if chunk else 0  # the 9-token prompt's first two chunks of 4 (its last joins as a prefill)
     prefills = scheduler.costs["base"].prefill_passes - chunks
     assert where.count((read, "(commit)")) + where.count((ahead, "(_read)")) == prefills + len(computes["base"])

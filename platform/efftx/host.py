@@ -48,7 +48,14 @@ class Readback:
         else:
             self._host = values
 
+    def wait(self) -> None:
+        """Wait until the values are on the host (on CUDA: the work that makes them has run), reading nothing."""
+        self._arrive()
+
     def tolist(self) -> list:
+        self._arrive()
+        return self._host.tolist()
+
+    def _arrive(self) -> None:
         if self._ready is not None:
             self._ready.synchronize()
-        return self._host.tolist()

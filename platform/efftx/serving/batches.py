@@ -308,6 +308,9 @@ class _Engine:
         # join and leave before it is read), or None (the slot's token is on the host, in self.last)
         self._flown: list[int | None] = []
         self.deferred = self.followed = 0  # steps left in flight, and those of them fed by the step in flight
+        # seconds its prefills (and prefill chunks) waited for the step in flight they were queued behind: that step's
+        # time, not theirs (the scheduler counts it in the next step's measured cost, :meth:`_behind_flight`)
+        self.flight_wait = 0.0
 
     def __len__(self) -> int:
         return len(self.order)
@@ -412,6 +415,24 @@ class _Engine:
     def _carry(self, result: Any) -> torch.Tensor:
         """The rows' last tokens in a step's result, on the device (engines whose steps are pipelined)."""
         raise NotImplementedError
+
+    def _await(self, sent: Any) -> None:
+        """Wait until the step whose result is on its way (``sent``: :meth:`_send`'s) has run, reading nothing."""
+
+    def _behind_flight(self, fn: Callable, *args):
+        """``fn(*args)``, a prefill or a prefill chunk, queued behind the step in flight (if any); then the wait for
+        that step alone, timed into :attr:`flight_wait`. On a GPU the pass's own wait (:class:`PassTime`) would
+        otherwise wait for both, and the measured costs would count the step's remaining time as the prefill's, and
+        next to none for the step (its tokens ready when read)."""
+        out = fn(*args)
+        if self._flight is not None:
+            t0 = self.pass_time.clock()
+            try:
+                self._await(self._flight[3])
+            except Exception:  # noqa: BLE001 - the step's read raises it again, where its rows fail (settle)
+                pass
+            self.flight_wait += self.pass_time.clock() - t0
+        return out
 
     # -- slot surgery (every model's slots, the jobs and last tokens alike)
     def _place(self, slot: int, job: Job, last: int, flown: int | None = None) -> None:
@@ -532,7 +553,7 @@ class _Engine:
         self.reserve(len(self) + len(jobs), self.positions(jobs))
         batch = len(self) + len(jobs)
         try:
-            parts = [self.pass_time.run(self.prefill, jobs)]
+            parts = [self.pass_time.run(self._behind_flight, self.prefill, jobs)]
         except Exception as exc:  # noqa: BLE001 - contained below
             parts = self._alone(jobs, exc)
         for state, result in parts:
@@ -655,7 +676,7 @@ class _Engine:
 
     def prefill_chunk(self, job: Job, tokens: int) -> None:
         """A pass (:class:`PassTime`) of :meth:`_prefill_chunk`."""
-        self.pass_time.run(self._prefill_chunk, job, tokens)
+        self.pass_time.run(self._behind_flight, self._prefill_chunk, job, tokens)
 
     def _prefill_chunk(self, job: Job, tokens: int) -> None:
         """Feed the next ``tokens`` tokens of ``job``'s prompt (never its last one: its last chunk is fed by
@@ -780,6 +801,9 @@ class BaseEngine(_Engine):
 
     def _send(self, tokens):
         return Readback(tokens)
+
+    def _await(self, sent):
+        sent.wait()
 
     def _read(self, state, sent):
         return sent.tolist()
