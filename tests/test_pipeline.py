@@ -260,7 +260,7 @@ class FakeGPU:
     seconds, a prefill ``prefill``); a pass's own wait (``PassTime.sync``) waits for all the work queued, the read
     or wait of a step's tokens sent ahead (``Readback``) for that step alone. The scheduler's hook marks each pass."""
 
-    def __init__(self, step: float, prefill: float, launch: float = 0.001):
+    def __init__(self, step: dict[str, float], prefill: float, launch: float = 0.001):
         self.step, self.prefill, self.launch = step, prefill, launch
         self.now = self.free_at = 0.0  # the host's clock; when the work queued so far will have run
 
@@ -269,7 +269,8 @@ class FakeGPU:
 
     def hook(self, kind, jobs) -> None:
         self.now += self.launch
-        cost = self.prefill if all(j.generator is None for j in jobs) else self.step  # a prefill: no generator yet
+        # a prefill's rows have no generator yet
+        cost = self.prefill if all(j.generator is None for j in jobs) else self.step[kind]
         self.free_at = max(self.now, self.free_at) + cost
 
     def sync(self) -> None:
@@ -294,22 +295,26 @@ def test_measured_costs_of_pipelined_steps_and_prefills_are_their_own_on_a_gpus_
     """On a GPU a prefill is queued behind the pipelined step in flight, and its own wait would wait for that step
     too: the prefill would be measured at the step's remaining time plus its own, and the next step (its
     predecessor's tokens ready by then) at next to nothing, which replaces a step's measured cost (a sample under
-    half the average). With a fake GPU (steps of 1.0 s, prefills of 0.25 s on the device, launches of 1 ms),
-    requests arriving while a step is in flight: every step cost measured is a step's time and every prefill cost
-    a prefill's, and every request gets its solo output. Power: without the prefill's wait for the step in flight
-    timed apart, or with a batch's first step (queued behind none) measured at its launch, it fails."""
+    half the average); so would a speculative step run after it (its read waits for all the work queued). With a
+    fake GPU (base steps of 1.0 s, speculative ones of 2.0 s, prefills of 0.25 s on the device, launches of 1 ms),
+    requests arriving while a step is in flight, a speculative one among them: every step cost measured is a step's
+    time and every prefill cost a prefill's, and every request gets its solo output. Power: without the waits for
+    the step in flight timed apart (a prefill's, a speculative step's), or with a batch's first step (queued behind
+    none) measured at its launch, it fails."""
     target, draft = pair(pairs, "full")
-    gpu = FakeGPU(step=1.0, prefill=0.25)
+    gpu = FakeGPU(step={"base": 1.0, "speculative": 2.0}, prefill=0.25)
     monkeypatch.setattr(batches, "Readback", gpu.readback)
     scheduler = Scheduler(target, draft, short_tokens=0, prefill_rows=1, pipeline=True, clock=gpu.clock,
                           hook=gpu.hook)
     scheduler.pass_time.sync = gpu.sync
     plan = [(0, [5, 6, 7], 24, HOT, 1, None), (3, [9] * 4, 12, NUCLEUS, 2, None), (6, [1, 2], 10, GREEDY, 3, None),
-            (7, [4], 9, HOT, 4, None)]
+            (7, [4], 9, HOT, 4, None), (9, [3, 3, 3], 12, HOT, 5, 2)]
     jobs = run_rounds(scheduler, plan)
     assert_alone(target, draft, jobs)
-    costs = scheduler._costs(scheduler.base.name)
-    assert costs.prefill_passes == 4 and scheduler.pipelining()["followed"] > 0
-    assert costs.prefills.seconds and all(s == pytest.approx(0.25 + 0.001) for s in costs.prefills.seconds.values())
-    assert sorted(costs.steps.seconds) == [1, 2, 3, 4]  # every row count of the plan
-    assert all(s == pytest.approx(1.0, abs=0.01) for s in costs.steps.seconds.values()), costs.steps.seconds
+    base, spec = scheduler.costs["base"], scheduler.costs["speculative gamma=2"]
+    assert base.prefill_passes == 4 and scheduler.pipelining()["followed"] > 0 and spec.prefill_passes == 1
+    for costs, step in ((base, 1.0), (spec, 2.0)):
+        assert costs.prefills.seconds and all(s == pytest.approx(0.25 + 0.001) for s in costs.prefills.seconds.values())
+        assert costs.steps.seconds and all(s == pytest.approx(step, abs=0.01) for s in costs.steps.seconds.values()), \
+            (step, costs.steps.seconds)
+    assert sorted(base.steps.seconds) == [1, 2, 3, 4]  # every row count of the plan

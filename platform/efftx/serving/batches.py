@@ -308,9 +308,12 @@ class _Engine:
         # join and leave before it is read), or None (the slot's token is on the host, in self.last)
         self._flown: list[int | None] = []
         self.deferred = self.followed = 0  # steps left in flight, and those of them fed by the step in flight
-        # seconds its prefills (and prefill chunks) waited for the step in flight they were queued behind: that step's
-        # time, not theirs (the scheduler counts it in the next step's measured cost, :meth:`_behind_flight`)
+        # seconds other passes (prefills, another batch's steps) waited for this batch's step in flight, apart
+        # (:meth:`_await_flight`): that step's time, not theirs; the scheduler counts it in the measured cost of the
+        # step that follows it (whose own wait for it is then short). The batches whose steps in flight passes wait
+        # for: the scheduler's (they share the device), else this one.
         self.flight_wait = 0.0
+        self.engines: Callable[[], Sequence[_Engine]] = lambda: (self,)
 
     def __len__(self) -> int:
         return len(self.order)
@@ -374,6 +377,7 @@ class _Engine:
         device's, surfacing at the first wait after the step ran), the step's rows fail: their caches hold a step
         whose tokens are lost."""
         flight, self._flight = self._flight, None
+        self.flight_wait = 0.0  # (counted by the scheduler before the step that settles it)
         if flight is None:
             return
         flown, self._flown = self._flown, []
@@ -419,20 +423,35 @@ class _Engine:
     def _await(self, sent: Any) -> None:
         """Wait until the step whose result is on its way (``sent``: :meth:`_send`'s) has run, reading nothing."""
 
+    def _await_flight(self) -> None:
+        """Wait for this batch's step in flight (if any), reading nothing, the wait timed into :attr:`flight_wait`.
+        On a GPU a pass queued behind that step (a prefill, another batch's step) would otherwise wait for both in
+        its own wait (:class:`PassTime`, a read), and the measured costs would count the step's remaining time as
+        that pass's, and next to none for the step (its tokens ready by the time they are read)."""
+        if self._flight is None:
+            return
+        t0 = self.pass_time.clock()
+        try:
+            self._await(self._flight[3])
+        except Exception:  # noqa: BLE001 - the step's read raises it again, where its rows fail (settle)
+            pass
+        self.flight_wait += self.pass_time.clock() - t0
+
     def _behind_flight(self, fn: Callable, *args):
-        """``fn(*args)``, a prefill or a prefill chunk, queued behind the step in flight (if any); then the wait for
-        that step alone, timed into :attr:`flight_wait`. On a GPU the pass's own wait (:class:`PassTime`) would
-        otherwise wait for both, and the measured costs would count the step's remaining time as the prefill's, and
-        next to none for the step (its tokens ready when read)."""
+        """``fn(*args)``, a prefill or a prefill chunk, queued behind the steps in flight; then the waits for those
+        steps, apart (:meth:`_await_flight`)."""
         out = fn(*args)
-        if self._flight is not None:
-            t0 = self.pass_time.clock()
-            try:
-                self._await(self._flight[3])
-            except Exception:  # noqa: BLE001 - the step's read raises it again, where its rows fail (settle)
-                pass
-            self.flight_wait += self.pass_time.clock() - t0
+        for engine in self.engines():
+            engine._await_flight()
         return out
+
+    def _compute_behind(self, state: _State) -> Any:
+        """:meth:`compute` of a step read at once, after the waits for the other batches' steps in flight, apart
+        (:meth:`_await_flight`; its reads would wait for them: the device runs one stream)."""
+        for engine in self.engines():
+            if engine is not self:
+                engine._await_flight()
+        return self.compute(state)
 
     # -- slot surgery (every model's slots, the jobs and last tokens alike)
     def _place(self, slot: int, job: Job, last: int, flown: int | None = None) -> None:
@@ -604,7 +623,7 @@ class _Engine:
         state.steps = steps
         snapshot, gens = state.snapshot(), _gen_states(state.jobs)
         try:
-            result = self.pass_time.run(self.compute, state, sync=not defer)
+            result = self.pass_time.run(self.compute if defer else self._compute_behind, state, sync=not defer)
             sent = self._send(result) if defer else None  # queued right behind the step, before the next one
         except Exception as exc:  # noqa: BLE001 - contained below
             state.restore(snapshot)
@@ -666,7 +685,7 @@ class _Engine:
 
     def fail_all(self, exc: BaseException) -> None:
         exc = self.latch.failed(exc) or exc
-        self._flight, self._flown = None, []  # its tokens are never read: every row fails
+        self._flight, self._flown, self.flight_wait = None, [], 0.0  # its tokens are never read: every row fails
         for job in self.jobs():
             job.ahead = 0
             job._fail(exc, f"{self.kind} decoding")

@@ -399,9 +399,10 @@ class Scheduler:
       (see *Several steps a round* in the module docstring). The measured step costs stay per step.
     * ``pipeline`` (None: on where the target is on a CUDA device): base decoding's steps are pipelined (see
       *Pipelined steps* in the module docstring). A pipelined step's measured cost is its launch and the wait for
-      the step before it (on a GPU about a step's device time; a prefill queued behind that step waits for it first,
-      and that wait counts as the step's, not the prefill's), and its tokens count in the round that reads them. A
-      batch's first step, queued behind none, waits for nothing: its time is measured with the next step's.
+      the step before it (on a GPU about a step's device time; a prefill, or a speculative step, queued behind that
+      step waits for it first, and that wait counts as the step's, not theirs), and its tokens count in the round
+      that reads them. A batch's first step, queued behind none, waits for nothing: its time is measured with the
+      next step's.
     * ``group_prefills`` (default True): a round's arrivals for one lane are prefilled in the passes the measured
       costs say cost least, rather than always in one. A pass runs its prompts right-padded to the longest, so a
       short prompt beside a long one pays for the long one's tokens. The arrivals, ordered by prompt length, are cut
@@ -467,6 +468,7 @@ class Scheduler:
         self.base = BaseEngine(target, hook, self.compile, compile_rows, self.budget, self.fit_positions,
                                self.pass_time)
         self.base.interrupt = self._arrived  # an arrival ends a round's several steps after the one running
+        self.base.engines = self._engines  # the device's other batches: their steps in flight are waited for apart
         self.pipeline = _device(target).type == "cuda" if pipeline is None else pipeline
         # the device's failure, once a batch met one (see _faulted): every request fails from then on; the Serve app's
         # health check reads it
@@ -541,10 +543,16 @@ class Scheduler:
                                                self.pass_time)
             self.spec[key].interrupt = self._arrived  # as the base batch's
             self.spec[key].latch = self.latch
+            self.spec[key].engines = self._engines
         return self.spec[key]
 
     def _engines(self) -> list[_Engine]:
         return [self.base, *self.spec.values()]
+
+    def _flight_waits(self, but: _Engine | None = None) -> float:
+        """Seconds the passes waited for the batches' (``but`` one's) steps in flight, apart, not counted yet in their
+        steps' costs."""
+        return sum(engine.flight_wait for engine in self._engines() if engine is not but)
 
     def short(self, job: Job) -> bool:
         """Whether ``job`` asks for at most ``short_tokens`` new tokens (then it has priority)."""
@@ -750,11 +758,11 @@ class Scheduler:
                 for group in self._prefill_groups(engine, whole) + [[j] for j in jobs if j.partial is not None]:
                     left = {id(j): len(j.prompt) - j.fed for j in group}  # what each has left to feed
                     ran: list[Job] = []  # those prefilled (where memory held back some, fewer)
-                    t0, waited = self.clock(), engine.flight_wait
+                    t0, waited = self.clock(), self._flight_waits()
                     self._guarded(engine, lambda g=group: ran.extend(self._admit(engine, g, lane)), jobs=group)
                     if ran:  # keyed by the tokens it ran: the rows' prompts right-padded to the longest
                         sizes = [left[id(j)] for j in ran]
-                        seconds = self.clock() - t0 - (engine.flight_wait - waited)  # not the step in flight's
+                        seconds = self.clock() - t0 - (self._flight_waits() - waited)  # not the steps in flight's
                         self._costs(engine.name).add_prefill(_padded(sizes), sum(sizes), seconds)
         engines = [e for e in self._engines() if len(e)]
         # the slow lanes step when due, or when no short row runs after all (e.g. the short arrivals failed): then
@@ -778,13 +786,13 @@ class Scheduler:
                     steps = engine.steps_for(jobs, many)
                     before = sum(len(j.out) for j in jobs)
                     launched, followed = engine.deferred, engine.followed
+                    own, waited = engine.flight_wait, self._flight_waits(but=engine)
                     t0 = self.clock()
                     steps = self._guarded(engine, engine.step, lane, steps) or steps  # those that ran
-                    # a pipelined step's cost: its launch and the wait for the step before it, this round's
-                    # prefills' wait for it included (Engine.flight_wait)
-                    seconds = self.clock() - t0 + engine.flight_wait
+                    # a pipelined step's cost: its launch and the wait for the step before it, the other passes'
+                    # waits for that one included (_Engine.flight_wait), and its own for the other batches' not
+                    seconds = self.clock() - t0 - (self._flight_waits(but=engine) - waited) + own
                     tokens = sum(len(j.out) for j in jobs) - before
-                    engine.flight_wait = 0.0
                     # a pipelined step launched behind none waited for nothing: its time is the next one's to measure
                     alone = engine.deferred > launched and engine.followed == followed
                     if not alone:
@@ -798,7 +806,6 @@ class Scheduler:
         for engine in self._engines():
             if id(engine) not in stepped or not len(engine):
                 engine.land()
-            engine.flight_wait = 0.0  # a wait not counted in a step's cost by now (its step landed): dropped
         with self._cv:  # a speculative batch that queued requests wait for stays (its slots emptied), not made anew
             wanted = {(j.gamma, j.max_gamma) for j in self._queue if j.speculative}
         released = [k for k, e in self.spec.items() if not len(e) and k not in wanted]
@@ -1026,13 +1033,13 @@ class Scheduler:
         """One chunk of each of ``jobs``' prompts (:meth:`_Engine.prefill_chunk`); they go back to the head of the
         queue for the next. A chunk that raises fails its job alone."""
         for job in jobs:
-            t0, waited = self.clock(), engine.flight_wait
+            t0, waited = self.clock(), self._flight_waits()
             try:
                 engine.prefill_chunk(job, self.prefill_chunk)
             except Exception as exc:  # noqa: BLE001 - this request's own failure
                 job._fail(engine.latch.failed(exc) or exc, f"{engine.kind} decoding")
                 continue
-            seconds = self.clock() - t0 - (engine.flight_wait - waited)  # not the step in flight's (its wait)
+            seconds = self.clock() - t0 - (self._flight_waits() - waited)  # not the steps in flight's (their waits)
             self._costs(engine.name).add_prefill(self.prefill_chunk, self.prefill_chunk, seconds)
         with self._cv:
             self._queue.extendleft(reversed([j for j in jobs if not j.done]))
