@@ -252,6 +252,43 @@ def test_cache_memory_settings_reach_the_replica_and_resolve_to_bytes():
         cache_budget(None, 0, cpu)
 
 
+def test_cache_fraction_on_a_gpu_is_of_the_replicas_share_of_it(monkeypatch, ray_cluster):
+    """On a GPU ``cache_fraction`` is of the replica's part of the GPU's memory (its ``num_gpus``, up to the whole
+    GPU): two replicas of half a GPU and ``cache_fraction=0.5`` hold a quarter each, not half each (all of it).
+    The GPU is faked (its properties), and so is the share Ray assigns (no GPU in this cluster); the Ray call that
+    reads it runs for real in a task given none. Power: with the share ignored (as before), the 0.5 share reads
+    40 GiB where 20 is due."""
+    from types import SimpleNamespace
+
+    import ray
+    import torch
+
+    from efftx.serving.devices import cache_budget, replica_gpu_share
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * gib))
+    gpu = torch.device("cuda", 0)
+    assert cache_budget(None, 0.5, gpu, 0.5) == 20 * gib
+    assert cache_budget(None, 0.5, gpu, 0.25) == 10 * gib
+    for whole in (None, 1, 2):  # no share known, one GPU, or more than one: the fraction is of the whole GPU
+        assert cache_budget(None, 0.5, gpu, whole) == 40 * gib
+    assert cache_budget(8, None, gpu, 0.5) == 8 * 2**20  # MiB are MiB, whatever the share
+    with pytest.raises(ValueError, match="gpu_share must be >= 0"):
+        cache_budget(None, 0.5, gpu, -1)
+    cpu = torch.device("cpu")
+    assert cache_budget(None, 0.5, cpu, 0.5) == cache_budget(None, 0.5, cpu)  # a CPU: the machine's memory
+
+    # what Ray reserved: none for a task given no GPU (the real call), the fraction for one given a share (faked)
+    assert ray.get(ray.remote(num_cpus=0.01)(replica_gpu_share).remote()) is None
+
+    class Context:
+        def get_assigned_resources(self):
+            return {"CPU": 0.25, "GPU": 0.5}
+
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: Context())
+    assert replica_gpu_share() == 0.5
+
+
 def test_a_compiled_replica_warms_up_every_bucket_it_compiles():
     size = text.warm_up_size
     assert size(16, 32, {"compile": "off"}) == 16 and size(16, 8, {"compile": "off"}) == 8

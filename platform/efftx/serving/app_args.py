@@ -132,9 +132,11 @@ class TextAppArgs(BaseModel):
         "rows to leave, before the device runs out of memory (default: no limit but the device's). It must hold "
         "at least one row of the target's cache and the draft's; GET /models/info reports what is held."))
     cache_fraction: float | None = Field(None, gt=0, le=1, description=(
-        "continuous: like ``cache_mib``, as a share of the replica's device memory (a GPU's total memory, or on a "
-        "CPU the machine's): for example 0.5 on a GPU whose other half holds weights and activations. Replicas "
-        "sharing a device each take their share."))
+        "continuous: like ``cache_mib``, as a share of the replica's device memory (on a GPU, of the replica's part "
+        "of it: ``num_gpus`` of the GPU's total memory, all of it for 1 or more; on a CPU, of the machine's "
+        "memory): for example 0.5 on a GPU whose other half holds weights and activations. Replicas sharing a GPU "
+        "each take their fraction of their own part (two replicas of num_gpus=0.5 and cache_fraction=0.5 hold a "
+        "quarter of the GPU each)."))
     limits: Limits | None = Field(None, description=(
         "Request limits of the text endpoints (:class:`efftx.serving.schemas.Limits`; unset fields keep their "
         "defaults): a mapping, or its JSON text. GET /openapi.json states them as the bounds of the fields."))

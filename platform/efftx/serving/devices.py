@@ -92,9 +92,12 @@ def replica_device(requested: str = "auto") -> torch.device:
     return torch.device("cpu")
 
 
-def cache_budget(cache_mib: float | None, cache_fraction: float | None, device: torch.device) -> int | None:
+def cache_budget(cache_mib: float | None, cache_fraction: float | None, device: torch.device,
+                 gpu_share: float | None = None) -> int | None:
     """The bytes a replica's decoding caches may hold (``cache_mib``, or ``cache_fraction`` of ``device``'s memory:
-    a GPU's total, or the machine's physical memory on a CPU); None when neither is given."""
+    on a GPU, of the replica's share of it, ``gpu_share`` of its total memory (up to all of it; None or 0: all of
+    it), so that replicas sharing a GPU each take their fraction of their own part; on a CPU, of the machine's
+    physical memory); None when neither is given."""
     if cache_mib is not None and cache_fraction is not None:
         raise ValueError("cache_mib and cache_fraction: give one of them")
     if cache_mib is not None:
@@ -108,9 +111,27 @@ def cache_budget(cache_mib: float | None, cache_fraction: float | None, device: 
     device = torch.device(device)
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
+        if gpu_share is not None and gpu_share < 0:
+            raise ValueError(f"gpu_share must be >= 0, got {gpu_share!r}")
+        if gpu_share:
+            total = min(gpu_share, 1.0) * total
     else:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return max(int(cache_fraction * total), 1)
+
+
+def replica_gpu_share() -> float | None:
+    """The GPU share Ray reserved for this process (a replica's ``num_gpus``, e.g. 0.5), or None: outside Ray, or
+    given none."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return None
+        share = ray.get_runtime_context().get_assigned_resources().get("GPU")
+    except Exception:  # noqa: BLE001 - no runtime context to ask: no share known
+        return None
+    return float(share) if share else None
 
 
 def _given_a_gpu() -> bool:

@@ -40,8 +40,8 @@ Endpoints (FastAPI; OpenAPI docs at /docs and /openapi.json):
   not pay a fresh model's one-time costs.
   ``compile=on|auto`` runs decoding passes of up to ``compile_rows`` rows compiled (CUDA graphs on a GPU; dense
   models; :mod:`efftx.generation.device_slots`), the graphs compiled as the replica warms up. ``cache_mib`` (or
-  ``cache_fraction`` of the device's memory) bounds what the decoding caches hold: requests beyond it wait for
-  rows to leave, before the device runs out of memory (``GET /models/info``: ``cache_memory``).
+  ``cache_fraction`` of the replica's part of its device's memory) bounds what the decoding caches hold: requests
+  beyond it wait for rows to leave, before the device runs out of memory (``GET /models/info``: ``cache_memory``).
 * ``static``: ``@serve.batch`` groups requests (``max_batch_size`` default 8, ``batch_wait_timeout_s`` default
   0.02) and a batch is answered when its longest request is done; streams decode alone.
 
@@ -99,7 +99,8 @@ from efftx.generation.speculative import SpecStats, iter_speculative, iter_specu
 from efftx.serving import metrics
 from efftx.serving.app_args import TextAppArgs
 from efftx.serving.continuous import Job, Sampling, Scheduler, warm_up
-from efftx.serving.devices import cache_budget, replica_device, resolve_build_devices, with_resources, with_threads
+from efftx.serving.devices import (cache_budget, replica_device, replica_gpu_share, resolve_build_devices,
+                                   with_resources, with_threads)
 from efftx.serving.images import (ImageGenerator, ImageLimits, ImageRequest, OpenAIImageRequest, as_image_request,
                                   check_request, field_error, image_field_limits, openai_size)
 from efftx.serving.faults import FaultLatch
@@ -294,7 +295,7 @@ class TextGenerator:
             compiled = compile_knobs(compile, compile_rows, self.device)
             # compiled: adaptive-gamma requests too (their verify pass feeds max_gamma + 1 tokens: a graph of its own)
             adaptive = self.limits.max_gamma if compiled["compile"] != "off" else None
-            budget = cache_budget(cache_mib, cache_fraction, self.device)  # bytes, or None
+            budget = cache_budget(cache_mib, cache_fraction, self.device, replica_gpu_share())  # bytes, or None
             warmed = warm_up(self.target, self.draft, rows=warm_up_size(warm_up_rows, max_batch_size, compiled),
                              gamma=gamma, max_gamma=adaptive, cache_budget=budget,
                              pipeline=(priority or {}).get("pipeline"), **compiled)
