@@ -102,3 +102,34 @@ def test_no_zero_dim_parameters(name):
     cfg = recipes.get(name)
     model = models.build(cfg)
     assert all(p.ndim >= 1 for p in model.parameters())
+
+
+def test_dropout_runs_only_where_it_drops():
+    """A block's dropout module is called only in training with p > 0 (there it drops activations: two draws
+    differ); with p = 0 or in eval it is skipped, and the output is the same as with it (no random numbers drawn
+    either way). Power: skipping it in training (``_dropped`` returning ``x``) fails the first part; calling it
+    always fails the count."""
+    x = torch.randint(0, 256, (2, 17))
+    calls = []
+    dropping = build(**{"model.dropout": 0.5}).train()
+    for module in dropping.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.register_forward_pre_hook(lambda *_: calls.append(1))
+    torch.manual_seed(1)
+    first = dropping(x)
+    second = dropping(x)
+    assert calls and not torch.equal(first, second)
+    calls.clear()
+    with torch.no_grad():
+        dropping.eval()
+        torch.manual_seed(1)
+        out = dropping(x)
+        after = torch.rand(3)
+        dropping.train()
+        for module in dropping.modules():  # the same model with p = 0, training: the same values as eval
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+        torch.manual_seed(1)
+        same = dropping(x)
+        assert torch.equal(torch.rand(3), after)  # neither drew a random number
+    assert not calls and torch.equal(out, same)
