@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m efftx.kernels.nsa_selected_cpu
 	@# the few-row CPU linear kernel of decoding steps (efftx/kernels/linear_cpu.cpp)
 	$(BIN)/python -m efftx.kernels.linear_cpu
+	@# RMSNorm without autograd on a CPU: decoding's norms (efftx/kernels/rms_norm_cpu.cpp)
+	$(BIN)/python -m efftx.kernels.rms_norm_cpu
 	@# full attention's few-token cached passes on a CPU (efftx/kernels/decode_attention_cpu.cpp)
 	$(BIN)/python -m efftx.kernels.decode_attention_cpu
 	@# sampling's counter-based noise, every row of a draw in one call (efftx/kernels/row_noise_cpu.cpp)

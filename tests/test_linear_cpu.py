@@ -188,7 +188,7 @@ def test_compiled_graphs_call_the_kernel_as_an_operator_with_the_same_result():
         assert not graphs[-1]
 
 
-@pytest.mark.parametrize("module", ["linear_cpu", "nsa_selected_cpu", "decode_attention_cpu"])
+@pytest.mark.parametrize("module", ["linear_cpu", "nsa_selected_cpu", "decode_attention_cpu", "rms_norm_cpu"])
 def test_the_kernels_release_the_gil_while_they_run(module):
     """Another Python thread runs while a kernel call is under way (a Serve replica's HTTP threads beside its
     decoding thread). The main thread, woken as the call starts, takes the time; a binding that holds the GIL
@@ -201,6 +201,12 @@ def test_the_kernels_release_the_gil_while_they_run(module):
         g = torch.Generator().manual_seed(4)
         x, w = torch.randn(4096, 1024, generator=g), torch.randn(2048, 1024, generator=g)  # ~0.5 s of products
         call = lambda: MODULE.linear(x, w, None)  # noqa: E731
+    elif module == "rms_norm_cpu":
+        from efftx.kernels import rms_norm_cpu
+
+        kernel = rms_norm_cpu.kernel()
+        x, w = torch.randn(8192, 8192, generator=torch.Generator().manual_seed(7)), torch.ones(8192)  # ~0.1 s
+        call = lambda: kernel.rms_norm(x, w, 1e-6)  # noqa: E731
     elif module == "decode_attention_cpu":
         from efftx.kernels import decode_attention_cpu
 

@@ -47,7 +47,7 @@ import torch
 from efftx.errors import ConfigError, EfftxError
 from efftx.generation.faults import device_error
 from efftx.host import host_values
-from efftx.kernels import decode_attention_cpu, linear_cpu
+from efftx.kernels import decode_attention_cpu, linear_cpu, rms_norm_cpu
 
 log = logging.getLogger(__name__)
 
@@ -288,8 +288,9 @@ class CompiledRunner:
         self.model, self.cache, self.mode = model, cache, mode
         self.device_type = next(model.parameters()).device.type
         self.compiled = compiled
-        if compiled and self.device_type == "cpu":  # its graphs call the few-row linear kernel and the decode
-            linear_cpu.kernel()  # attention kernel where they build (loaded before tracing: their operators exist)
+        if compiled and self.device_type == "cpu":  # its graphs call the few-row linear kernel, the RMSNorm kernel
+            linear_cpu.kernel()  # and the decode attention kernel where they build (loaded before tracing: their
+            rms_norm_cpu.kernel()  # operators exist)
             decode_attention_cpu.kernel()
         self._guarded: set[tuple] = set()  # calls (:func:`_signature`) this runner has run with every guard checked
 

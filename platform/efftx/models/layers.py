@@ -17,6 +17,7 @@ from efftx.attention.base import AttentionSpec
 from efftx.attention.cache import cache_limit, cache_offset
 from efftx.errors import ConfigError
 from efftx.kernels.linear_cpu import Linear
+from efftx.kernels.rms_norm_cpu import RMSNorm
 
 
 class ScaleNorm(nn.Module):
@@ -32,7 +33,7 @@ class ScaleNorm(nn.Module):
 
 
 NORMS = {
-    "rmsnorm": lambda dim: nn.RMSNorm(dim, eps=1e-6),
+    "rmsnorm": lambda dim: RMSNorm(dim, eps=1e-6),  # nn.RMSNorm; decoding's calls on a CPU take a C++ kernel
     "layernorm": nn.LayerNorm,
     "scalenorm": ScaleNorm,
 }
