@@ -437,20 +437,23 @@ class _Engine:
             pass
         self.flight_wait += self.pass_time.clock() - t0
 
+    def _await_flights(self, but: _Engine | None = None) -> None:
+        """:meth:`_await_flight` of every batch on the device (:attr:`engines`) but ``but``."""
+        for engine in self.engines():
+            if engine is not but:
+                engine._await_flight()
+
     def _behind_flight(self, fn: Callable, *args):
         """``fn(*args)``, a prefill or a prefill chunk, queued behind the steps in flight; then the waits for those
         steps, apart (:meth:`_await_flight`)."""
         out = fn(*args)
-        for engine in self.engines():
-            engine._await_flight()
+        self._await_flights()
         return out
 
     def _compute_behind(self, state: _State) -> Any:
         """:meth:`compute` of a step read at once, after the waits for the other batches' steps in flight, apart
         (:meth:`_await_flight`; its reads would wait for them: the device runs one stream)."""
-        for engine in self.engines():
-            if engine is not self:
-                engine._await_flight()
+        self._await_flights(but=self)
         return self.compute(state)
 
     # -- slot surgery (every model's slots, the jobs and last tokens alike)
