@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_the_kernel_builds_here():
-    assert MODULE is not None, dac._load()[1]
+    assert MODULE is not None, dac.KERNEL.load()[1]
 
 
 def reference(q, k_new, v_new, cache: KVCache, causal: bool):
@@ -188,8 +188,8 @@ def test_decoding_with_the_kernel_gets_the_torch_paths_tokens_and_logits():
 
 
 def test_an_unbuildable_kernel_falls_back_to_sdpa_and_says_why(monkeypatch, caplog):
-    monkeypatch.setattr(dac, "_load", lambda: (None, "RuntimeError: no C++ compiler"))
-    dac._warn_once.cache_clear()
+    monkeypatch.setattr(dac.KERNEL, "load", lambda: (None, "RuntimeError: no C++ compiler"))
+    dac.KERNEL.warned.clear()
     model = lm()
     prompt = torch.randint(0, 256, (1, 6))
     with caplog.at_level("WARNING", logger=dac.__name__), torch.no_grad():
@@ -201,7 +201,7 @@ def test_an_unbuildable_kernel_falls_back_to_sdpa_and_says_why(monkeypatch, capl
         torch.testing.assert_close(got, model(prompt, cache=model.new_cache(1, 16)))
     with pytest.raises(RuntimeError, match="could not be built: RuntimeError: no C"):
         dac.build(log_line=lambda line: None)
-    dac._warn_once.cache_clear()
+    dac.KERNEL.warned.clear()
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 6, 1, 32, 256), (5, 6, 2, 3, 16, 40), (16, 1, 6, 1, 32, 256),

@@ -18,7 +18,7 @@ MODULE = linear_cpu.kernel()
 
 def test_the_kernel_builds_here():
     """The suite runs where `make setup` built it: a build failure here must fail, not fall back quietly."""
-    assert MODULE is not None, linear_cpu._load()[1]
+    assert MODULE is not None, linear_cpu.KERNEL.load()[1]
 
 
 # K: below, at and around one 16-float vector, odd tails, model widths; N: around the 4-row blocks, odd, wide
@@ -106,8 +106,8 @@ def test_linear_calls_the_kernel_only_where_it_takes_the_call(monkeypatch):
 
 
 def test_an_unbuildable_kernel_falls_back_to_f_linear_and_says_why(monkeypatch, caplog):
-    monkeypatch.setattr(linear_cpu, "_load", lambda: (None, "RuntimeError: no C++ compiler"))
-    linear_cpu._warn_once.cache_clear()
+    monkeypatch.setattr(linear_cpu.KERNEL, "load", lambda: (None, "RuntimeError: no C++ compiler"))
+    linear_cpu.KERNEL.warned.clear()
     w, x = torch.randn(8, 16), torch.randn(1, 16)
     with caplog.at_level("WARNING", logger=linear_cpu.__name__), torch.no_grad():
         got = linear_cpu.linear(x, w)
@@ -115,7 +115,7 @@ def test_an_unbuildable_kernel_falls_back_to_f_linear_and_says_why(monkeypatch, 
     assert torch.equal(got, F.linear(x, w))
     with pytest.raises(RuntimeError, match="could not be built: RuntimeError: no C"):
         linear_cpu.build(log_line=lambda line: None)
-    linear_cpu._warn_once.cache_clear()
+    linear_cpu.KERNEL.warned.clear()
 
 
 def test_the_linear_module_keeps_nn_linears_parameters_and_state_dict():

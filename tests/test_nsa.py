@@ -858,11 +858,11 @@ def test_chunked_selection_ties_go_to_the_most_recent_blocks(importance, kernel)
 def test_selected_kernel_unavailable_auto_uses_torch_ops_and_says_why_on_raises(monkeypatch, caplog):
     from efftx.kernels import nsa_selected_cpu as kernels
 
-    monkeypatch.setattr(kernels, "_load", lambda: (None, "RuntimeError: no C++ compiler"))
-    kernels._warn_once.cache_clear()
+    monkeypatch.setattr(kernels.KERNEL, "load", lambda: (None, "RuntimeError: no C++ compiler"))
+    kernels.KERNEL.warned.clear()
     with caplog.at_level("WARNING", logger=kernels.__name__):
         got = _nsa_call(40, 4, 2, 8, 8, 8, "auto", batch=2)
-    assert "NSA's C++ CPU kernel is unavailable (RuntimeError: no C++ compiler)" in caplog.text
+    assert "C++ CPU NSA kernel is unavailable (RuntimeError: no C++ compiler)" in caplog.text
     for a, b in zip(got, _nsa_call(40, 4, 2, 8, 8, 8, "off", batch=2)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     with pytest.raises(kernels.KernelUnavailable, match="cpu_kernel=on, but the C..? kernel could not be built: "
@@ -870,7 +870,7 @@ def test_selected_kernel_unavailable_auto_uses_torch_ops_and_says_why_on_raises(
         _nsa_call(40, 4, 2, 8, 8, 8, "on", batch=2)
     with pytest.raises(ValueError, match="cpu_kernel must be one of auto, on, off, got 'maybe'"):
         _nsa_call(40, 4, 2, 8, 8, 8, "maybe", batch=2)
-    kernels._warn_once.cache_clear()
+    kernels.KERNEL.warned.clear()
 
 
 def test_chunked_path_equals_the_branch_composition_forward_and_backward():

@@ -19,7 +19,7 @@ MODULE = rms_norm_cpu.kernel()
 
 def test_the_kernel_builds_here():
     """The suite runs where `make setup` built it: a build failure here must fail, not fall back quietly."""
-    assert MODULE is not None, rms_norm_cpu._load()[1]
+    assert MODULE is not None, rms_norm_cpu.KERNEL.load()[1]
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -115,8 +115,8 @@ def test_the_module_calls_the_kernel_only_where_it_takes_the_call_and_trains_on_
 
 
 def test_an_unbuildable_kernel_falls_back_to_f_rms_norm_and_says_why(monkeypatch, caplog):
-    monkeypatch.setattr(rms_norm_cpu, "_load", lambda: (None, "RuntimeError: no C++ compiler"))
-    rms_norm_cpu._warn_once.cache_clear()
+    monkeypatch.setattr(rms_norm_cpu.KERNEL, "load", lambda: (None, "RuntimeError: no C++ compiler"))
+    rms_norm_cpu.KERNEL.warned.clear()
     w, x = torch.randn(16), torch.randn(1, 16)
     with caplog.at_level("WARNING", logger=rms_norm_cpu.__name__), torch.no_grad():
         got = rms_norm_cpu.rms_norm(x, (16,), w, 1e-6)
@@ -124,7 +124,7 @@ def test_an_unbuildable_kernel_falls_back_to_f_rms_norm_and_says_why(monkeypatch
     assert torch.equal(got, F.rms_norm(x, (16,), w, 1e-6))
     with pytest.raises(RuntimeError, match="could not be built: RuntimeError: no C"):
         rms_norm_cpu.build(log_line=lambda line: None)
-    rms_norm_cpu._warn_once.cache_clear()
+    rms_norm_cpu.KERNEL.warned.clear()
 
 
 def test_the_module_keeps_nn_rmsnorms_parameter_and_state_dict():

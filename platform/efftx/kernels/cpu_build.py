@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import sys
 import sysconfig
+import threading
 from pathlib import Path
 
 import torch
@@ -65,40 +67,78 @@ def load_extension(prefix: str, source: Path):
         return None, f"{type(exc).__name__}: {(errors or lines)[0] if errors else lines[-1]}"
 
 
-def load_operator(prefix: str, source: Path, op: str, shape, ready: dict):
-    """:func:`load_extension` for a kernel that also registers the operator ``op`` (``"efftx::name"``) as it loads:
-    where it loads, ``shape`` (the operator's fake function, for torch.compile's tracing) is registered and
-    ``ready["ready"]`` set, which a module reads while a graph is traced (a constant there)."""
-    module, why = load_extension(prefix, source)
-    if module is not None:
-        torch.library.register_fake(op)(shape)
-        ready["ready"] = True
-    return module, why
+class CpuKernel:
+    """One C++ CPU kernel as its module loads and switches it: built or loaded once per process
+    (:meth:`load`), the module or None where it cannot be built (:meth:`kernel`, said once in the log), on unless
+    its environment variable ``env`` says off (:attr:`state`, :meth:`disabled` for side-by-side benches), built
+    ahead by ``make setup`` (:meth:`build`).
 
+    ``module``: the kernel module's name (its logger). ``op`` (``"efftx::name"``) with ``shape``: loading the
+    kernel also registers that operator, for graphs ``torch.compile`` traces, and ``shape`` as its fake function;
+    :attr:`ready` then says so (read while a graph is traced: a constant there). ``what`` names the kernel in the
+    log and in errors, ``fallback`` what runs where it is unavailable."""
 
-def resolve(load, warn_once, unavailable=None):
-    """The module ``load()`` gives; where it cannot be built: None, said once through ``warn_once(why)``, or, with
-    ``unavailable`` (why -> an exception), that exception raised."""
-    module, why = load()
-    if module is None:
-        if unavailable is not None:
-            raise unavailable(why)
-        warn_once(why)
-    return module
+    def __init__(self, module: str, prefix: str, source: Path, what: str, fallback: str, env: str | None = None,
+                 op: str | None = None, shape=None):
+        self.log = logging.getLogger(module)  # the kernel module's
+        self.prefix, self.source, self.what, self.fallback = prefix, source, what, fallback
+        self.state = switch(env) if env is not None else {"enabled": True}
+        self.op, self.shape = op, shape
+        self.ready = False  # the operator ``op`` is registered
+        self._loaded: tuple | None = None
+        self._lock = threading.Lock()  # one build, one registration, whichever threads ask first
+        self.warned: set[str] = set()  # the reasons said in the log
 
+    def build_name(self) -> str:
+        return build_name(self.prefix, self.source)
 
-def build_ahead(load, what: str, name: str, log_line=print) -> float:
-    """Build (or load from the cache) a kernel ahead of the first run (``make setup``); -> seconds. Raises with
-    the reason when it cannot be built."""
-    import time
+    def load(self):
+        """(module, None) or (None, why it is unavailable); built or loaded once per process."""
+        if self._loaded is None:
+            with self._lock:
+                if self._loaded is None:
+                    module, why = load_extension(self.prefix, self.source)
+                    if module is not None and self.op is not None:
+                        torch.library.register_fake(self.op)(self.shape)
+                        self.ready = True
+                    self._loaded = module, why
+        return self._loaded
 
-    start = time.perf_counter()
-    module, why = load()
-    if module is None:
-        raise RuntimeError(f"efftx's {what} could not be built: {why}")
-    seconds = time.perf_counter() - start
-    log_line(f"{what} {name}: ready in {seconds:.1f} s")
-    return seconds
+    def warn_once(self, why: str) -> None:
+        if why not in self.warned:
+            self.warned.add(why)
+            self.log.warning("efftx's %s is unavailable (%s): %s", self.what, why, self.fallback)
+
+    def kernel(self, unavailable=None):
+        """The compiled module; where it cannot be built: None, said once in the log, or, with ``unavailable`` (why
+        -> an exception), that exception raised."""
+        module, why = self.load()
+        if module is None:
+            if unavailable is not None:
+                raise unavailable(why)
+            self.warn_once(why)
+        return module
+
+    @property
+    def enabled(self) -> bool:
+        return self.state["enabled"]
+
+    def disabled(self):
+        """Inside, the kernel's switch is off: every call takes the torch path it replaces."""
+        return switched_off(self.state)
+
+    def build(self, log_line=print) -> float:
+        """Build (or load from the cache) the kernel ahead of the first run (``make setup``); -> seconds. Raises
+        with the reason when it cannot be built."""
+        import time
+
+        start = time.perf_counter()
+        module, why = self.load()
+        if module is None:
+            raise RuntimeError(f"efftx's {self.what} could not be built: {why}")
+        seconds = time.perf_counter() - start
+        log_line(f"{self.what} {self.build_name()}: ready in {seconds:.1f} s")
+        return seconds
 
 
 def switch(env: str) -> dict:

@@ -25,56 +25,24 @@ once. ``make setup`` builds it ahead (``python -m efftx.kernels.decode_attention
 
 from __future__ import annotations
 
-import functools
-import logging
 from pathlib import Path
 
 import torch
 
-from efftx.kernels.cpu_build import build_ahead, load_operator, resolve, switch, switched_off
-from efftx.kernels.cpu_build import build_name as _build_name
+from efftx.kernels.cpu_build import CpuKernel
 
-SOURCE = Path(__file__).with_name("decode_attention_cpu.cpp")
-PREFIX = "efftx_decode_attention"
 MAX_QUERIES = 16  # new tokens per row: decoding (1), verify (gamma + 1), short prompts; longer prefills take SDPA
-ENV = "EFFTX_CPU_ATTENTION"
-
-log = logging.getLogger(__name__)
-_state = switch(ENV)
-
-
-def build_name() -> str:
-    return _build_name(PREFIX, SOURCE)
-
-
-@functools.cache
-def _load():
-    """(module, None) or (None, why it is unavailable); built or loaded once per process. Loading it also
-    registers the operator ``efftx::cpu_decode_attention`` (and here its shape function) for compiled graphs."""
-    return load_operator(PREFIX, SOURCE, "efftx::cpu_decode_attention", _shape, _op)
 
 
 def _shape(q, k_new, v_new, k, v, lengths, causal, scale):
     return torch.empty_like(q)
 
 
-_op = {"ready": False}  # efftx::cpu_decode_attention is registered (read while torch.compile traces: a constant)
-
-
-@functools.cache
-def _warn_once(why: str) -> None:
-    log.warning("efftx's C++ CPU decode attention kernel is unavailable (%s): cached attention runs on torch's "
-                "SDPA", why)
-
-
-def kernel():
-    """The compiled module, or None where it cannot be built (said once in the log)."""
-    return resolve(_load, _warn_once)
-
-
-def disabled():
-    """Every call inside takes the torch path (benches measure the kernel side by side with it)."""
-    return switched_off(_state)
+KERNEL = CpuKernel(__name__, "efftx_decode_attention", Path(__file__).with_name("decode_attention_cpu.cpp"),
+                   "C++ CPU decode attention kernel", "cached attention runs on torch's SDPA",
+                   env="EFFTX_CPU_ATTENTION", op="efftx::cpu_decode_attention", shape=_shape)
+_state = KERNEL.state
+kernel, disabled, build = KERNEL.kernel, KERNEL.disabled, KERNEL.build  # disabled: benches time it side by side
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, cache) -> bool:
@@ -128,17 +96,12 @@ def attend_device(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, caus
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))):
         return None
     if torch.compiler.is_compiling():
-        if not _op["ready"]:
+        if not KERNEL.ready:
             return None
     elif kernel() is None:
         return None
     return torch.ops.efftx.cpu_decode_attention(q, k, v, cache.k, cache.v, cache.lengths, causal,
                                                 q.shape[-1] ** -0.5)
-
-
-def build(log_line=print) -> float:
-    """Build (or load from the cache) the kernel ahead of the first run; -> seconds. Raises if it cannot."""
-    return build_ahead(_load, "C++ CPU decode attention kernel", build_name(), log_line)
 
 
 if __name__ == "__main__":  # make setup: build it ahead, so no run or test pays for the compile

@@ -23,57 +23,26 @@ the kernel cannot be built (no C++ compiler, no ninja) the calls take ``F.linear
 
 from __future__ import annotations
 
-import functools
-import logging
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from efftx.kernels.cpu_build import build_name as _build_name
-from efftx.kernels.cpu_build import build_ahead, load_operator, resolve, switch, switched_off
+from efftx.kernels.cpu_build import CpuKernel
 
-SOURCE = Path(__file__).with_name("linear_cpu.cpp")
-PREFIX = "efftx_linear_cpu"
 MAX_ROWS = 16  # beyond, the product is compute-bound and the BLAS is as fast or faster (24 rows: 0.3-1.3x)
-ENV = "EFFTX_CPU_LINEAR"
-
-log = logging.getLogger(__name__)
-_state = switch(ENV)
-
-
-def build_name() -> str:
-    return _build_name(PREFIX, SOURCE)
-
-
-@functools.cache
-def _load():
-    """(module, None) or (None, why it is unavailable); built or loaded once per process. Loading it also
-    registers the operator ``efftx::cpu_linear`` (and here its shape function) for compiled graphs."""
-    return load_operator(PREFIX, SOURCE, "efftx::cpu_linear", _shape, _op)
 
 
 def _shape(x, w, b):
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
-_op = {"ready": False}  # efftx::cpu_linear is registered (read while torch.compile traces: a constant there)
-
-
-@functools.cache
-def _warn_once(why: str) -> None:
-    log.warning("efftx's C++ CPU linear kernel is unavailable (%s): decoding's products run on F.linear", why)
-
-
-def kernel():
-    """The compiled module, or None where it cannot be built (said once in the log)."""
-    return resolve(_load, _warn_once)
-
-
-def disabled():
-    """Every :func:`linear` call inside takes ``F.linear`` (benches measure the kernel side by side with it)."""
-    return switched_off(_state)
+KERNEL = CpuKernel(__name__, "efftx_linear_cpu", Path(__file__).with_name("linear_cpu.cpp"), "C++ CPU linear kernel",
+                   "decoding's products run on F.linear", env="EFFTX_CPU_LINEAR", op="efftx::cpu_linear",
+                   shape=_shape)
+_state = KERNEL.state
+kernel, disabled, build = KERNEL.kernel, KERNEL.disabled, KERNEL.build  # disabled: benches time it side by side
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -89,7 +58,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     torch.compile traces: as the operator ``efftx::cpu_linear``, when the kernel was loaded before tracing)."""
     if takes(x, weight):
         if torch.compiler.is_compiling():
-            if _op["ready"]:
+            if KERNEL.ready:
                 return torch.ops.efftx.cpu_linear(x, weight, bias)
         else:
             module = kernel()
@@ -104,11 +73,6 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
-
-
-def build(log_line=print) -> float:
-    """Build (or load from the cache) the kernel ahead of the first run; -> seconds. Raises if it cannot."""
-    return build_ahead(_load, "C++ CPU linear kernel", build_name(), log_line)
 
 
 if __name__ == "__main__":  # make setup: build it ahead, so no run or test pays for the compile

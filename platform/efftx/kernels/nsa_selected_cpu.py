@@ -29,51 +29,27 @@ environment, which also builds the kernel ahead), as :mod:`efftx.kernels.cpu_bui
 
 from __future__ import annotations
 
-import functools
-import logging
 from pathlib import Path
 
-from efftx.kernels.cpu_build import build_name as _build_name
-from efftx.kernels.cpu_build import build_ahead, load_extension, resolve
+from efftx.kernels.cpu_build import CpuKernel
 
-SOURCE = Path(__file__).with_name("nsa_selected_cpu.cpp")
-PREFIX = "efftx_nsa_selected"
-
-log = logging.getLogger(__name__)
+KERNEL = CpuKernel(__name__, "efftx_nsa_selected", Path(__file__).with_name("nsa_selected_cpu.cpp"),
+                   "C++ CPU NSA kernel", "the selected branch runs on torch ops")
+build = KERNEL.build
 
 
 class KernelUnavailable(RuntimeError):
     """``cpu_kernel=on`` and the kernel could not be built or loaded."""
 
 
-def build_name() -> str:
-    return _build_name(PREFIX, SOURCE)
-
-
-@functools.cache
-def _load():
-    """(module, None) or (None, why it is unavailable); built or loaded once per process."""
-    return load_extension(PREFIX, SOURCE)
-
-
 def kernel(required: bool = False):
     """The compiled kernel module; where it cannot be built: None (said once in the log), or, if ``required``,
     :class:`KernelUnavailable` naming why."""
-    return resolve(_load, _warn_once, _unavailable if required else None)
+    return KERNEL.kernel(_unavailable if required else None)
 
 
 def _unavailable(why: str) -> KernelUnavailable:
     return KernelUnavailable(f"attention.nsa.cpu_kernel=on, but the C++ kernel could not be built: {why}")
-
-
-@functools.cache
-def _warn_once(why: str) -> None:
-    log.warning("NSA's C++ CPU kernel is unavailable (%s): the selected branch runs on torch ops", why)
-
-
-def build(log_line=print) -> float:
-    """Build (or load from the cache) the kernel ahead of the first run; -> seconds. Raises if it cannot."""
-    return build_ahead(_load, "NSA CPU kernel", build_name(), log_line)
 
 
 if __name__ == "__main__":  # make setup: build it ahead, so no run or test pays for the compile

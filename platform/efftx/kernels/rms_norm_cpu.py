@@ -20,54 +20,24 @@ ahead (``python -m efftx.kernels.rms_norm_cpu``).
 
 from __future__ import annotations
 
-import functools
-import logging
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from efftx.kernels.cpu_build import build_name as _build_name
-from efftx.kernels.cpu_build import build_ahead, load_operator, resolve, switch, switched_off
-
-SOURCE = Path(__file__).with_name("rms_norm_cpu.cpp")
-PREFIX = "efftx_rms_norm_cpu"
-ENV = "EFFTX_CPU_RMS_NORM"
-
-log = logging.getLogger(__name__)
-_state = switch(ENV)
-_op = {"ready": False}  # efftx::cpu_rms_norm is registered (read while torch.compile traces: a constant there)
-
-
-def build_name() -> str:
-    return _build_name(PREFIX, SOURCE)
+from efftx.kernels.cpu_build import CpuKernel
 
 
 def _shape(x, w, eps):
     return torch.empty_like(x)
 
 
-@functools.cache
-def _load():
-    """(module, None) or (None, why it is unavailable); built or loaded once per process (registering the operator
-    ``efftx::cpu_rms_norm`` and its shape function for compiled graphs)."""
-    return load_operator(PREFIX, SOURCE, "efftx::cpu_rms_norm", _shape, _op)
-
-
-@functools.cache
-def _warn_once(why: str) -> None:
-    log.warning("efftx's C++ CPU RMSNorm kernel is unavailable (%s): norms run on F.rms_norm", why)
-
-
-def kernel():
-    """The compiled module, or None where it cannot be built (said once in the log)."""
-    return resolve(_load, _warn_once)
-
-
-def disabled():
-    """Every :func:`rms_norm` call inside takes ``F.rms_norm`` (benches measure the kernel side by side with it)."""
-    return switched_off(_state)
+KERNEL = CpuKernel(__name__, "efftx_rms_norm_cpu", Path(__file__).with_name("rms_norm_cpu.cpp"),
+                   "C++ CPU RMSNorm kernel", "norms run on F.rms_norm", env="EFFTX_CPU_RMS_NORM",
+                   op="efftx::cpu_rms_norm", shape=_shape)
+_state = KERNEL.state
+kernel, disabled, build = KERNEL.kernel, KERNEL.disabled, KERNEL.build  # disabled: benches time it side by side
 
 
 def takes(x: torch.Tensor, shape: tuple[int, ...], weight: torch.Tensor | None, eps: float | None) -> bool:
@@ -84,7 +54,7 @@ def rms_norm(x: torch.Tensor, shape: tuple[int, ...], weight: torch.Tensor | Non
     torch.compile traces: as the operator ``efftx::cpu_rms_norm``, when the kernel was loaded before tracing)."""
     if takes(x, shape, weight, eps):
         if torch.compiler.is_compiling():
-            if _op["ready"]:
+            if KERNEL.ready:
                 return torch.ops.efftx.cpu_rms_norm(x, weight, eps)
         else:
             module = kernel()
@@ -98,11 +68,6 @@ class RMSNorm(nn.RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.normalized_shape, self.weight, self.eps)
-
-
-def build(log_line=print) -> float:
-    """Build (or load from the cache) the kernel ahead of the first run; -> seconds. Raises if it cannot."""
-    return build_ahead(_load, "C++ CPU RMSNorm kernel", build_name(), log_line)
 
 
 if __name__ == "__main__":  # make setup: build it ahead, so no run or test pays for the compile
