@@ -1,5 +1,6 @@
-"""efftx's C++ CPU linear kernel (efftx.kernels.linear_cpu): against its reference F.linear over many shapes, a row's
-result the same alone or in a batch, which calls take it, and decoding with it equal to decoding without it."""
+"""efftx's C++ CPU linear kernel (efftx.kernels.linear_cpu): against its reference F.linear over many shapes (and its
+GELU epilogue against float64's exact GELU), a row's result the same alone or in a batch, which calls take it, and
+decoding with it equal to decoding without it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from efftx import recipes
 from efftx.generation.decode import generate
 from efftx.kernels import linear_cpu
 from efftx.models import build
+from efftx.models.layers import MLP
 
 MODULE = linear_cpu.kernel()
 
@@ -39,6 +41,35 @@ def test_kernel_equals_f_linear_every_row_count_with_and_without_bias(k, n):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * k ** 0.5)
 
 
+def _gelu64(y: torch.Tensor) -> torch.Tensor:
+    return F.gelu(y.double()).float()
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_the_gelu_epilogue_is_the_exact_gelu_of_the_kernels_product_every_row_count(k, n):
+    """``gelu=True``: every output (the 16-float vectors, the tails, each thread's block of outputs) is the exact
+    GELU of the plain kernel's product, within 1e-6 of float64's (torch's own float32 GELU is off by up to ~1.2e-6;
+    the tanh approximation by up to ~5e-4)."""
+    g = torch.Generator().manual_seed(k * 1000 + n + 1)
+    w = torch.randn(n, k, generator=g) * (3 / k ** 0.5)  # outputs over about -10 .. 10
+    b = torch.randn(n, generator=g)
+    for rows in (1, 2, 3, 5, 8, 16):
+        x = torch.randn(rows, k, generator=g)
+        for bias in (None, b):
+            got = MODULE.linear(x, w, bias, True)
+            torch.testing.assert_close(got, _gelu64(MODULE.linear(x, w, bias)), rtol=1e-6, atol=8e-7)
+
+
+def test_the_gelu_epilogue_over_a_dense_grid_of_inputs_and_far_out():
+    """Through a 1 x 1 identity weight (the product exact), 200,001 inputs over -12 .. 12 and some far out (no NaN,
+    no overflow: GELU(x) is x far right, 0 far left)."""
+    z = torch.cat([torch.linspace(-12, 12, 200001), torch.tensor([-1e4, -100.0, -30.0, 30.0, 100.0, 1e4, 0.0])])
+    eye = torch.ones(1, 1)
+    got = torch.cat([MODULE.linear(z[i:i + 16, None], eye, None, True) for i in range(0, len(z), 16)])[:, 0]
+    torch.testing.assert_close(got, _gelu64(z), rtol=1e-6, atol=8e-7)
+    assert torch.equal(got[-4:-1], torch.tensor([30.0, 100.0, 1e4])) and got[-7:-4].abs().max() < 1e-30
+
+
 def test_kernel_takes_any_leading_shape_and_non_contiguous_inputs():
     g = torch.Generator().manual_seed(1)
     w, b = torch.randn(24, 40, generator=g), torch.randn(24, generator=g)
@@ -57,15 +88,22 @@ def test_kernel_takes_any_leading_shape_and_non_contiguous_inputs():
 def test_a_rows_result_is_bit_for_bit_the_same_alone_and_in_any_batch():
     """What makes batched decoding give each row what it gets alone, exactly (F.linear gives no such promise)."""
     g = torch.Generator().manual_seed(2)
+    threads = torch.get_num_threads()
     for k, n in ((512, 1024), (100, 37), (2048, 512)):
         w = torch.randn(n, k, generator=g)
         x = torch.randn(16, k, generator=g)
-        alone = torch.cat([MODULE.linear(x[i:i + 1], w, None) for i in range(16)])
-        for rows in range(2, 17):
-            batch = MODULE.linear(x[:rows], w, None)
-            assert torch.equal(batch, alone[:rows]), (k, n, rows)
-        perm = torch.randperm(16, generator=g)
-        assert torch.equal(MODULE.linear(x[perm], w, None), alone[perm])
+        for gelu in (False, True):
+            alone = torch.cat([MODULE.linear(x[i:i + 1], w, None, gelu) for i in range(16)])
+            for rows in range(2, 17):
+                batch = MODULE.linear(x[:rows], w, None, gelu)
+                assert torch.equal(batch, alone[:rows]), (k, n, rows, gelu)
+            perm = torch.randperm(16, generator=g)
+            assert torch.equal(MODULE.linear(x[perm], w, None, gelu), alone[perm])
+            try:  # the threads' blocks of outputs (and the GELU's vectors over them) split elsewhere: the same values
+                torch.set_num_threads(1 if threads > 1 else 2)
+                assert torch.equal(MODULE.linear(x, w, None, gelu), alone)
+            finally:
+                torch.set_num_threads(threads)
 
 
 def test_which_calls_take_the_kernel():
@@ -113,6 +151,8 @@ def test_an_unbuildable_kernel_falls_back_to_f_linear_and_says_why(monkeypatch, 
         got = linear_cpu.linear(x, w)
     assert "CPU linear kernel is unavailable (RuntimeError: no C++ compiler)" in caplog.text
     assert torch.equal(got, F.linear(x, w))
+    with torch.no_grad():
+        assert torch.equal(linear_cpu.linear(x, w, None, gelu=True), F.gelu(F.linear(x, w)))
     with pytest.raises(RuntimeError, match="could not be built: RuntimeError: no C"):
         linear_cpu.build(log_line=lambda line: None)
     linear_cpu.KERNEL.warned.clear()
@@ -132,7 +172,8 @@ def test_the_linear_module_keeps_nn_linears_parameters_and_state_dict():
 @pytest.mark.parametrize("recipe", ["lm_debug", "nsa_debug"])
 def test_cached_decoding_with_the_kernel_equals_decoding_without_it(recipe, monkeypatch):
     """Every Linear weight of the model goes through the kernel in the decoding steps (a spy records them; the
-    prompts' prefill has too many rows), and greedy decoding gives the same tokens as without it."""
+    prompts' prefill has too many rows), the feed-forwards' up projections with their GELU in it, and greedy decoding
+    gives the same tokens as without it."""
     cfg = recipes.get(recipe)
     torch.manual_seed(0)
     model = build(cfg).eval()
@@ -140,14 +181,16 @@ def test_cached_decoding_with_the_kernel_equals_decoding_without_it(recipe, monk
     with torch.no_grad(), linear_cpu.disabled():
         want_logits = model(prompts[:1, :1])
         want = generate(model, prompts, 16, temperature=0.0)
-    seen = []
+    seen, gelus = [], set()
     real = MODULE.linear
 
     class Spy:
         @staticmethod
-        def linear(x, w, b):
+        def linear(x, w, b, gelu=False):
             seen.append((x.shape[:-1].numel(), w.data_ptr()))
-            return real(x, w, b)
+            if gelu:
+                gelus.add(w.data_ptr())
+            return real(x, w, b, gelu)
 
     monkeypatch.setattr(linear_cpu, "kernel", lambda: Spy)
     with torch.no_grad():
@@ -160,6 +203,7 @@ def test_cached_decoding_with_the_kernel_equals_decoding_without_it(recipe, monk
         weights.add(model.embed.weight.data_ptr())
     assert {ptr for _, ptr in seen} == weights
     assert {rows for rows, _ in seen} == {1, 3}  # the single-token call, then the 3 rows' decoding steps
+    assert gelus == {m.up.weight.data_ptr() for m in model.modules() if isinstance(m, MLP)} and gelus
     assert all(isinstance(m, linear_cpu.Linear) for m in model.modules() if isinstance(m, nn.Linear))
 
 
@@ -186,6 +230,12 @@ def test_compiled_graphs_call_the_kernel_as_an_operator_with_the_same_result():
     with torch.no_grad(), linear_cpu.disabled():  # switched off: a guard fails and the graph is traced again
         fn(x)
         assert not graphs[-1]
+    up = torch.compile(lambda x: layer(x, gelu=True), backend=capture, fullgraph=True, dynamic=False)
+    with torch.no_grad():  # the GELU too: in the operator, the same values as eagerly
+        got = up(x)
+        assert graphs[-1]
+        assert torch.equal(got, layer(x, gelu=True))
+        torch.testing.assert_close(got, F.gelu(F.linear(x, layer.weight, layer.bias)), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("module", ["linear_cpu", "nsa_selected_cpu", "decode_attention_cpu", "rms_norm_cpu"])

@@ -10,6 +10,12 @@
 // accumulator per (x row, weight row). Each output y[m, j] is accumulated in the same order whatever M, the tile
 // holding row m or the thread: a row's result is bit for bit the same alone or among other rows.
 //
+// With gelu set, the exact GELU, x Phi(x), is applied to each output as its thread finishes its block of outputs
+// (a feed-forward's up projection: no second pass over memory, no second call). Phi comes from erfc through
+// Abramowitz & Stegun's formula 7.1.26 (absolute error at most 1.5e-7) and e^y from a Cody-Waite reduction and a
+// degree-7 polynomial, computed W outputs at a time, every output through the same vector arithmetic (a row's
+// result is still the same alone or among others).
+//
 // No autograd: efftx.kernels.linear_cpu calls it only where no gradient is recorded.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -21,11 +27,66 @@ namespace {
 
 constexpr int W = 16;  // floats per vector (one AVX-512 register; two AVX2 ones where the CPU has no AVX-512)
 typedef float vec __attribute__((vector_size(W * sizeof(float))));
+typedef int32_t ivec __attribute__((vector_size(W * sizeof(int32_t))));
 
 inline vec load(const float* p) {
   vec v;
   std::memcpy(&v, p, sizeof(v));
   return v;
+}
+
+inline vec splat(float a) { return vec{} + a; }
+
+// e^y for y <= 0 (below -87 taken as -87: e^-87 ~ 1.6e-38, the smallest normal floats): y = n ln 2 + r with n an
+// integer and |r| <= ln 2 / 2 (ln 2 in two parts, so that r is exact), e^r by its Taylor polynomial of degree 7
+// (relative error < 1e-8 on that range), 2^n put into a float's exponent bits.
+inline vec exp_nonpositive(vec y) {
+  y = y < splat(-87.0f) ? splat(-87.0f) : y;
+  const vec round = splat(12582912.0f);  // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer
+  const vec n = (y * 1.44269504f + round) - round;
+  const vec r = (y - n * 0.693145751953125f) - n * 1.428606765330187e-6f;
+  vec p = splat(1.0f / 5040);
+  p = p * r + 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
+  vec scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// x Phi(x) = x (1 + erf(x / sqrt 2)) / 2, with 1 + erf(z) = erfc(-z) for z < 0 and 2 - erfc(z) otherwise (no
+// cancellation for negative x, where the result is small), erfc(a) = t P(t) e^(-a^2), t = 1 / (1 + 0.3275911 a).
+inline vec gelu(vec x) {
+  const vec z = x * 0.70710678118654752f;
+  const vec a = z < vec{} ? -z : z;
+  const vec t = 1.0f / (a * 0.3275911f + 1.0f);
+  vec p = splat(1.061405429f);
+  p = p * t - 1.453152027f;
+  p = p * t + 1.421413741f;
+  p = p * t - 0.284496736f;
+  p = p * t + 0.254829592f;
+  const vec erfc = p * t * exp_nonpositive(-(a * a));
+  return 0.5f * x * (z < vec{} ? erfc : 2.0f - erfc);
+}
+
+// GELU in place over n floats, W at a time (the last few through a zero-padded vector: the same arithmetic)
+inline void gelu_inplace(float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    const vec v = gelu(load(y + i));
+    std::memcpy(y + i, &v, sizeof(v));
+  }
+  if (i < n) {
+    vec v{};
+    std::memcpy(&v, y + i, (n - i) * sizeof(float));
+    v = gelu(v);
+    std::memcpy(y + i, &v, (n - i) * sizeof(float));
+  }
 }
 
 // The lane sums of four accumulators a[0..3] into s[0..3]: halves added pairwise across the four in vector
@@ -89,8 +150,9 @@ void block(const float* x, const float* w, const float* b, int64_t M, int64_t K,
 
 }  // namespace
 
-// x (..., K) float32, w (N, K), b (N) or None -> (..., N)
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& b) {
+// x (..., K) float32, w (N, K), b (N) or None -> (..., N); gelu: GELU(x W^T + b)
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& b,
+                     bool gelu) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat, "linear_cpu: float32 only");
   TORCH_CHECK(!x.is_cuda() && !w.is_cuda(), "linear_cpu: CPU tensors only");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "linear_cpu: the weight must be a contiguous (N, K) matrix");
@@ -121,6 +183,10 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::
         default: block<1>(xp, wj, bj, M, K, yp + j, N);
       }
     }
+    if (gelu) {  // this thread's outputs, still in its cache
+      const int64_t c0 = lo * 4, c1 = std::min<int64_t>(hi * 4, N);
+      for (int64_t m = 0; m < M; ++m) gelu_inplace(yp + m * N + c0, c1 - c0);
+    }
   });
   auto sizes = x.sizes().vec();
   sizes.back() = N;
@@ -130,11 +196,11 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::
 // The GIL is released while it runs (as torch's own operators do): a Serve replica's HTTP threads keep going
 // while its decoding thread multiplies.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &linear, "y = x W^T + b for a few rows of x, float32",
-        py::call_guard<py::gil_scoped_release>());
+  m.def("linear", &linear, "y = x W^T + b (with gelu: GELU(x W^T + b)) for a few rows of x, float32",
+        py::arg("x"), py::arg("w"), py::arg("b"), py::arg("gelu") = false, py::call_guard<py::gil_scoped_release>());
 }
 
 // The same function as an operator, efftx::cpu_linear, for graphs torch.compile traces (its shape function is
 // registered from Python, efftx.kernels.linear_cpu); eager calls take the binding above (no dispatcher).
-TORCH_LIBRARY_FRAGMENT(efftx, m) { m.def("cpu_linear(Tensor x, Tensor w, Tensor? b) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(efftx, m) { m.def("cpu_linear(Tensor x, Tensor w, Tensor? b, bool gelu=False) -> Tensor"); }
 TORCH_LIBRARY_IMPL(efftx, CPU, m) { m.impl("cpu_linear", &linear); }

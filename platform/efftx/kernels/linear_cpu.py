@@ -5,7 +5,9 @@ speculative verify: gamma + 1 rows), so its time is the time to read the weights
 these products to its BLAS, which on this project's CPU machines streams the weights at about a third of the
 memory bandwidth for one row and less for 2 to 16 rows (``bench/decode_reference.py --breakdown`` prints both
 side by side); the kernel reads each weight row once, multiplies it with every input row in registers, and
-splits the output rows over torch's threads.
+splits the output rows over torch's threads. With ``gelu`` it also applies the exact GELU to its outputs as it
+finishes them (a feed-forward's up projection, :class:`efftx.models.layers.MLP`): torch's CPU GELU took ~19 us a call
+there, a tenth of a cached pass of the small speculative target, where the epilogue adds next to nothing.
 
 :func:`linear` is ``F.linear`` with the kernel taking the calls it is for: float32 CPU tensors, at most
 :data:`MAX_ROWS` input rows, a contiguous weight, no autograd graph to record (decoding runs under
@@ -34,7 +36,7 @@ from efftx.kernels.cpu_build import CpuKernel
 MAX_ROWS = 16  # beyond, the product is compute-bound and the BLAS is as fast or faster (24 rows: 0.3-1.3x)
 
 
-def _shape(x, w, b):
+def _shape(x, w, b, gelu=False):
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
@@ -53,26 +55,30 @@ def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; few-row float32 CPU products without autograd run the C++ kernel (in a graph
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           gelu: bool = False) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` (``gelu``: ``F.gelu`` of it, the exact GELU); few-row float32 CPU products
+    without autograd run the C++ kernel, which applies the GELU to the outputs as it computes them (in a graph
     torch.compile traces: as the operator ``efftx::cpu_linear``, when the kernel was loaded before tracing)."""
     if takes(x, weight):
         if torch.compiler.is_compiling():
             if KERNEL.ready:
-                return torch.ops.efftx.cpu_linear(x, weight, bias)
+                return torch.ops.efftx.cpu_linear(x, weight, bias, gelu)
         else:
             module = kernel()
             if module is not None:
-                return module.linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+                return module.linear(x, weight, bias, gelu)
+    y = F.linear(x, weight, bias)
+    return F.gelu(y) if gelu else y
 
 
 class Linear(nn.Linear):
     """``nn.Linear`` (the same parameters and state dict) whose calls go through :func:`linear`: a decoding step's
     few-row products run the kernel, every other call (training included) is ``F.linear``."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+        """``gelu``: the exact GELU of the product (a feed-forward's up projection), in the kernel where it runs."""
+        return linear(x, self.weight, self.bias, gelu)
 
 
 if __name__ == "__main__":  # make setup: build it ahead, so no run or test pays for the compile

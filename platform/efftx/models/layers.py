@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from efftx import attention
@@ -143,7 +142,7 @@ class MLP(nn.Module):
         self.chunks = chunks
 
     def _ff(self, x):
-        return _dropped(self.drop, self.down(F.gelu(self.up(x))))
+        return _dropped(self.drop, self.down(self.up(x, gelu=True)))  # GELU(up(x)), in the CPU kernel where it runs
 
     def forward(self, x, cache=None):
         """``cache`` is unused (a feed-forward has no decoding state): every residual branch is called as
