@@ -73,6 +73,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, causal: boo
     module = kernel()
     if module is None:
         return None
+    return attend_with(module, q, k, v, cache, causal, tables)
+
+
+def attend_with(module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, causal: bool,
+                tables: tuple = ()) -> torch.Tensor:
+    """:func:`attend`'s call of the kernel ``module``, for callers that made its checks already (a cached pass's
+    plan, :mod:`efftx.models.cpu_plan`, once per pass): the rows' lengths grown (raising, nothing written, where
+    they do not fit) and given back where the kernel raises; ``tables``: the rotary's (cos, sin) or ()."""
     before = list(cache.lengths)
     cache._grow(k.shape[1], cache.max_len, "KV cache")  # raises (nothing written) when the rows do not fit
     try:

@@ -20,6 +20,7 @@ from efftx.attention.cache import ModelCache
 from efftx.flops import attention_cost
 from efftx.kernels import linear_cpu
 from efftx.kernels.linear_cpu import Linear
+from efftx.models import cpu_plan
 from efftx.models.layers import Block, Rotary, make_norm
 from efftx.models.registry import numel
 from efftx.models.registry import register
@@ -80,7 +81,15 @@ class LM(nn.Module):
         longest = (cache.end if cache is not None else 0) + tokens.shape[1]
         if longest > self.max_seq_len:
             raise ValueError(f"sequence of {longest} tokens exceeds model.max_seq_len={self.max_seq_len}")
+        if cache is not None:  # a cached CPU pass all of whose calls take the C++ kernels: one flat run of them
+            planned = cpu_plan.plan_for(self, tokens, cache)
+            if planned is not None:
+                return planned[0].run(tokens, cache, planned[1])
         return self.logits(tokens, cache)
+
+    def _apply(self, fn, recurse=True):
+        cpu_plan.forget(self)  # .to(), .double(), ...: the weights the plan holds may change device or type
+        return super()._apply(fn, recurse)
 
     def logits(self, tokens: torch.Tensor, cache=None) -> torch.Tensor:
         """``forward`` without its host-side length check: what compiled decoding traces (its cache keeps row
