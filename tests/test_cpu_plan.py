@@ -74,7 +74,8 @@ def test_the_plans_logits_and_caches_are_the_module_paths_bit_for_bit(recipe, ov
     assert cpu_plan.unsupported(model) is None
     g = torch.Generator().manual_seed(1)
     vocab = model.vocab_size
-    for batch, tokens in ((1, 1), (1, 6), (3, 1), (3, 5), (4, 4), (8, 2), (16, 1), (1, 16)):
+    # rows x tokens up to 16 (the linear kernel's products) and past it (torch's, as the module path's)
+    for batch, tokens in ((1, 1), (1, 6), (3, 1), (3, 5), (4, 4), (8, 2), (16, 1), (1, 16), (4, 6), (17, 1), (16, 6)):
         prompts = [torch.randint(0, vocab, (3 + 2 * i,), generator=g).tolist() for i in range(batch)]
         feeds = [torch.randint(0, vocab, (batch, tokens), generator=g) for _ in range(3)]
         before = len(runs)
@@ -116,9 +117,8 @@ def test_which_passes_take_the_plan(runs):
     assert planned(one)
     assert not planned(one, grad=True)  # autograd records the pass: the module path (F.linear and the rest)
     assert planned(torch.randint(0, vocab, (16, 1))) and planned(torch.randint(0, vocab, (1, 16)))
-    assert not planned(torch.randint(0, vocab, (17, 1)))  # more rows than the linear kernel takes
+    assert planned(torch.randint(0, vocab, (17, 1))) and planned(torch.randint(0, vocab, (4, 5)))  # torch's products
     assert not planned(torch.randint(0, vocab, (1, 17)))  # a prompt: more tokens than the attention kernel takes
-    assert not planned(torch.randint(0, vocab, (4, 5)))  # 20 rows x tokens
     before = len(runs)
     with torch.no_grad():
         model(one)  # no cache: the module path

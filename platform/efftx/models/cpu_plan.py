@@ -3,14 +3,16 @@
 On a CPU an eager cached pass of a small model spends about as long in Python as in its kernels: every Linear,
 norm and attention call goes through ``nn.Module.__call__``, attribute lookups and the kernels' checks of what
 they take (``spec_target_small`` at batch 1: 0.96 ms a pass, of which its C++ kernels take about 0.5 ms). Where
-every call of the pass would take the C++ CPU kernels (:mod:`efftx.kernels.linear_cpu`, :mod:`~efftx.kernels.
-rms_norm_cpu`, :mod:`~efftx.kernels.decode_attention_cpu`), :class:`CpuPlan` makes the same kernel calls, on the
+the pass's norms and attention would take the C++ CPU kernels (:mod:`efftx.kernels.rms_norm_cpu`,
+:mod:`~efftx.kernels.decode_attention_cpu`) and its products :mod:`efftx.kernels.linear_cpu`'s (or, past its rows,
+torch's), :class:`CpuPlan` makes the same calls, on the
 same tensors, in the same order, from a flat list of each layer's weights made once per model: the logits are bit
 for bit the module path's (tests/test_cpu_plan.py holds the two together), in about 0.6 of its time.
 
 :func:`plan_for` says, per pass, whether the plan runs it: the model a plain dense LM (full attention with the
 rotary, RMSNorm, not reversible; :func:`unsupported` names what is not), no autograd recorded, float32 CPU
-weights, at most ``linear_cpu.MAX_ROWS`` rows x tokens and ``decode_attention_cpu.MAX_QUERIES`` tokens, every
+weights, at most ``decode_attention_cpu.MAX_QUERIES`` tokens a row (passes of more than ``linear_cpu.MAX_ROWS``
+rows x tokens, a batch's speculative verify, take torch's products there, as the module path does), every
 layer's cache a contiguous float32 :class:`~efftx.attention.cache.KVCache`, the three kernels switched on and
 built, no dropout that would drop, and no forward hook on any module the pass would call (a hook runs where the
 module path runs). A plan follows its model: made again after any module, parameter or buffer is registered
@@ -28,6 +30,7 @@ import threading
 import weakref
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as torch_module
 
@@ -145,8 +148,10 @@ class CpuPlan:
 
     def run(self, tokens: torch.Tensor, cache: ModelCache, kernels: tuple) -> torch.Tensor:
         """``model(tokens, cache=cache)``; ``kernels``: the linear, RMSNorm and decode attention kernel modules."""
-        lin, norm, attend = kernels[0].linear, kernels[1].rms_norm, kernels[2]
         b, t = tokens.shape
+        # the products: the linear kernel's up to MAX_ROWS rows x tokens, torch's beyond (as linear_cpu.linear)
+        lin = kernels[0].linear if b * t <= linear_cpu.MAX_ROWS else _torch_linear
+        norm, attend = kernels[1].rms_norm, kernels[2]
         x = torch.embedding(self.embed, tokens)
         if self.emb_in is not None:
             x = lin(x, self.emb_in, None, False)
@@ -164,6 +169,11 @@ class CpuPlan:
         return lin(x, self.head, None, False)
 
 
+def _torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool) -> torch.Tensor:
+    y = F.linear(x, weight, bias)
+    return F.gelu(y) if gelu else y
+
+
 def forget(model) -> None:
     """Drop ``model``'s plan (its weights moved or changed type: the next pass makes it again)."""
     _plans.pop(model, None)
@@ -176,8 +186,8 @@ def plan_for(model, tokens: torch.Tensor, cache) -> tuple[CpuPlan, tuple] | None
             and decode_attention_cpu._state["enabled"]) or torch.is_grad_enabled() or model.training:
         return None
     b, t = tokens.shape
-    if (b * t > linear_cpu.MAX_ROWS or t > decode_attention_cpu.MAX_QUERIES or tokens.device.type != "cpu"
-            or type(cache) is not ModelCache or torch.compiler.is_compiling()):
+    if (t > decode_attention_cpu.MAX_QUERIES or tokens.device.type != "cpu" or type(cache) is not ModelCache
+            or torch.compiler.is_compiling()):
         return None
     for layer in cache.layers:
         if (type(layer) is not KVCache or layer.k.dtype != torch.float32 or not layer.k.is_contiguous()
