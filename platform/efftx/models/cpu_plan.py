@@ -24,8 +24,6 @@ anywhere (a replaced weight; three process-wide registration hooks count them), 
 
 from __future__ import annotations
 
-import contextlib
-import os
 import threading
 import weakref
 
@@ -37,10 +35,11 @@ from torch.nn.modules import module as torch_module
 from efftx.attention.cache import KVCache, ModelCache
 from efftx.attention.full import FullAttention
 from efftx.kernels import decode_attention_cpu, linear_cpu, rms_norm_cpu
+from efftx.kernels.cpu_build import switch, switched_off
 from efftx.kernels.rms_norm_cpu import RMSNorm
 from efftx.models.layers import MLP, Attention, Block, PreNorm
 
-_state = {"enabled": os.environ.get("EFFTX_CPU_PLAN", "auto").strip().lower() not in ("off", "0", "false", "no")}
+_state = switch("EFFTX_CPU_PLAN")
 # per model: (the registration count it was made at, its plan or why it has none)
 _plans: "weakref.WeakKeyDictionary[nn.Module, tuple[int, CpuPlan | str]]" = weakref.WeakKeyDictionary()
 # registrations of modules, parameters and buffers anywhere in the process: a plan made before the last one is
@@ -52,15 +51,9 @@ _hooks: list = []
 _GLOBAL_HOOKS = (torch_module._global_forward_hooks, torch_module._global_forward_pre_hooks)
 
 
-@contextlib.contextmanager
 def disabled():
     """Inside, every pass takes the module path (benches time the plan side by side with it)."""
-    before = _state["enabled"]
-    _state["enabled"] = False
-    try:
-        yield
-    finally:
-        _state["enabled"] = before
+    return switched_off(_state)
 
 
 def _count_registration(*args) -> None:
