@@ -138,6 +138,9 @@ def test_which_passes_take_the_plan(runs):
         assert why in cpu_plan.unsupported(build(recipes.get(recipe)))
     layernorm = model_of("spec_target_debug", **{"model.norm": "layernorm"})
     assert "RMSNorm" in cpu_plan.unsupported(layernorm)
+    no_eps = model_of("spec_target_debug")
+    no_eps.blocks[1].mlp.norm.eps = None  # F.rms_norm's default eps: the kernel does not take it
+    assert "RMSNorm with a weight and an eps" in cpu_plan.unsupported(no_eps)
     before = len(runs)
     with torch.no_grad():
         layernorm(one, cache=layernorm.new_cache(2, 64))

@@ -72,6 +72,11 @@ def _linear_ok(layer) -> bool:
     return isinstance(layer, linear_cpu.Linear) and type(layer).forward is linear_cpu.Linear.forward
 
 
+def _norm_ok(norm) -> bool:
+    """An RMSNorm whose calls take the kernel (it needs the weight and the eps)."""
+    return type(norm) is RMSNorm and norm.weight is not None and norm.eps is not None
+
+
 def unsupported(model) -> str | None:
     """Why ``model``'s cached passes cannot run as a plan (None: they can, subject to :func:`plan_for`'s per-pass
     conditions)."""
@@ -86,14 +91,14 @@ def unsupported(model) -> str | None:
         layer = getattr(model, name)
         if layer is not None and not _linear_ok(layer):
             return f"{name} is not efftx's Linear"
-    if type(model.norm) is not RMSNorm:
-        return f"the final norm is {type(model.norm).__name__}, not RMSNorm"
+    if not _norm_ok(model.norm):
+        return f"the final norm is {type(model.norm).__name__}, not RMSNorm with a weight and an eps"
     for i, blk in enumerate(model.blocks):
         if type(blk) is not Block or type(blk.attn) is not PreNorm or type(blk.mlp) is not PreNorm:
             return f"block {i} is not a plain Block"
         attn, mlp = blk.attn.fn, blk.mlp.fn
-        if type(blk.attn.norm) is not RMSNorm or type(blk.mlp.norm) is not RMSNorm:
-            return f"block {i}'s norms are not RMSNorm"
+        if not (_norm_ok(blk.attn.norm) and _norm_ok(blk.mlp.norm)):
+            return f"block {i}'s norms are not RMSNorm with a weight and an eps"
         if type(attn) is not Attention or type(attn.inner) is not FullAttention or attn.rotary is not model.rotary:
             return f"block {i}'s attention is not full attention with the model's rotary"
         if type(mlp) is not MLP or mlp.chunks > 1:
@@ -114,7 +119,7 @@ class CpuPlan:
         self.embed = model.embed.weight
         self.emb_in = model.emb_in.weight if model.emb_in is not None else None
         self.emb_out = model.emb_out.weight if model.emb_out is not None else None
-        self.head = (model.embed.weight if model.head is None else model.head.weight)
+        self.head = model.embed.weight if model.head is None else model.head.weight
         self.norm = (model.norm.weight, model.norm.eps)
         self.tables = (model.rotary.cos, model.rotary.sin)
         self.layers = []
