@@ -7,7 +7,9 @@ The model is the recipe's architecture with untrained weights (seeded), in eval 
 ``--repeats`` full ``generate`` calls (eager prefill + greedy steps; the prefill is the same eager pass on both
 paths), with the device synchronised around each call on CUDA. The compiled path's first call (tracing and code
 generation, for each batch size) is reported separately as its compile time and left out of its tokens/s.
-``same`` says whether the compiled greedy tokens equal the eager ones.
+``same`` says whether the compiled greedy tokens equal the eager ones. On a CPU the eager path is timed twice, side by
+side: through eager decoding's plan (efftx.models.cpu_plan, the default) and through the module path
+(``EFFTX_CPU_PLAN=off``); ``plan`` is their ratio, and ``same`` also holds the two paths' tokens together.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from efftx import recipes
 from efftx.generation.decode import generate
-from efftx.models import build
+from efftx.models import build, cpu_plan
 
 
 def clock(fn, device: str) -> tuple[float, object]:
@@ -52,7 +54,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.recipe}: {model.num_params():,} params, {len(model.blocks)} layers, untrained; device {device}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {load:.1f}")
     print(f"{n} new tokens after {args.prompt_len}, greedy; median of {args.repeats} calls")
-    print(f"{'batch':>5}{'eager tok/s':>13}{'compiled tok/s':>16}{'ratio':>8}{'compile s':>11}{'same':>6}")
+    modules = device == "cpu"  # the eager module path beside the plan
+    print(f"{'batch':>5}" + (f"{'module tok/s':>14}" if modules else "") + f"{'eager tok/s':>13}"
+          + (f"{'plan':>7}" if modules else "") + f"{'compiled tok/s':>16}{'ratio':>8}{'compile s':>11}{'same':>6}")
     g = torch.Generator().manual_seed(0)
     for batch in (int(b) for b in args.batches.split(",")):
         prompts = torch.randint(0, model.vocab_size, (batch, args.prompt_len), generator=g).to(device)
@@ -63,18 +67,28 @@ def main(argv: list[str] | None = None) -> None:
         def compiled():
             return generate(model, prompts, n, temperature=0.0, compile="on")
 
+        def module_path():
+            with cpu_plan.disabled():
+                return generate(model, prompts, n, temperature=0.0)
+
         first_s, _ = clock(compiled, device)  # compiles for this batch size
         clock(eager, device)  # warm-up
-        eager_s, compiled_s = [], []
-        for _ in range(args.repeats):  # interleaved, so load changes hit both alike
+        eager_s, compiled_s, module_s = [], [], []
+        module_out = None
+        for _ in range(args.repeats):  # interleaved, so load changes hit them alike
+            if modules:
+                t, module_out = clock(module_path, device)
+                module_s.append(t)
             t, eager_out = clock(eager, device)
             eager_s.append(t)
             t, compiled_out = clock(compiled, device)
             compiled_s.append(t)
         e, c = statistics.median(eager_s), statistics.median(compiled_s)
-        same = torch.equal(eager_out, compiled_out)
-        print(f"{batch:>5}{batch * n / e:>13,.1f}{batch * n / c:>16,.1f}{e / c:>7.2f}x{max(first_s - c, 0):>11.1f}"
-              f"{'yes' if same else 'NO':>6}")
+        same = torch.equal(eager_out, compiled_out) and (module_out is None or torch.equal(module_out, eager_out))
+        m = statistics.median(module_s) if modules else None
+        print(f"{batch:>5}" + (f"{batch * n / m:>14,.1f}" if modules else "") + f"{batch * n / e:>13,.1f}"
+              + (f"{m / e:>6.2f}x" if modules else "")
+              + f"{batch * n / c:>16,.1f}{e / c:>7.2f}x{max(first_s - c, 0):>11.1f}{'yes' if same else 'NO':>6}")
 
 
 if __name__ == "__main__":
