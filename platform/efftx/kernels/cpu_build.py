@@ -119,10 +119,6 @@ class CpuKernel:
             self.warn_once(why)
         return module
 
-    @property
-    def enabled(self) -> bool:
-        return self.state["enabled"]
-
     def disabled(self):
         """Inside, the kernel's switch is off: every call takes the torch path it replaces."""
         return switched_off(self.state)
