@@ -247,3 +247,22 @@ def test_every_mlp_of_a_planned_model_takes_the_gelu_epilogue(monkeypatch):
     with torch.no_grad():
         model(torch.randint(0, model.vocab_size, (1, 1)), cache=model.new_cache(1, 8))
     assert gelus == {m.up.weight.data_ptr() for m in model.modules() if isinstance(m, MLP)}
+
+
+def test_continuous_batching_through_the_plan_equals_it_through_the_module_path(runs):
+    """The scheduler's mixed load (base and speculative rows, greedy, top-k and nucleus draws, arrivals while others
+    run): every request's tokens and acceptance, step for step, the same with the plan as on the module path."""
+    from efftx.serving.continuous import Scheduler
+    from test_serve_continuous import MIXED, lm, run_rounds
+
+    target, draft = lm(0, 2), lm(1, 1)
+    outcomes = {}
+    for mode in ("module", "plan"):
+        with cpu_plan.disabled() if mode == "module" else contextlib.nullcontext():
+            jobs = run_rounds(Scheduler(target, draft, max_rows=8), MIXED)
+        assert all(job.done and job.failure is None for job in jobs)
+        outcomes[mode] = [(job.tag, job.out, job.stats.accepted if job.speculative else None) for job in jobs]
+        if mode == "module":
+            assert not runs
+    assert outcomes["plan"] == outcomes["module"]
+    assert len(runs) > 20  # the decoding passes took the plan
