@@ -1,7 +1,9 @@
 """Eager decoding's plan (efftx.models.cpu_plan): a dense LM's cached CPU pass as one flat run of kernel calls. Its
 logits and caches are bit for bit the module path's (the reference), over batch sizes, tokens per pass, ragged rows
-and model shapes; it runs only where every call of the pass would take the kernels; hooks, replaced weights and
-modules, and weights moved to another type send passes back to the module path or make the plan again."""
+and model shapes, in generation and in continuous batching; it runs only where the module path's norms and
+attention would take the kernels (its products: the linear kernel's, or past 16 rows x tokens torch's); hooks,
+replaced weights and modules, and weights moved to another type send passes back to the module path or make the
+plan again."""
 
 from __future__ import annotations
 
