@@ -68,6 +68,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             module = kernel()
             if module is not None:
                 return module.linear(x, weight, bias, gelu)
+    return torch_linear(x, weight, bias, gelu)
+
+
+def torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 gelu: bool = False) -> torch.Tensor:
+    """What :func:`linear` runs where the kernel does not take the call: ``F.linear`` (and ``F.gelu`` of it)."""
     y = F.linear(x, weight, bias)
     return F.gelu(y) if gelu else y
 

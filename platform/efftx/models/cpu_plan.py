@@ -28,7 +28,6 @@ import threading
 import weakref
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as torch_module
 
@@ -148,7 +147,7 @@ class CpuPlan:
         """``model(tokens, cache=cache)``; ``kernels``: the linear, RMSNorm and decode attention kernel modules."""
         b, t = tokens.shape
         # the products: the linear kernel's up to MAX_ROWS rows x tokens, torch's beyond (as linear_cpu.linear)
-        lin = kernels[0].linear if b * t <= linear_cpu.MAX_ROWS else _torch_linear
+        lin = kernels[0].linear if b * t <= linear_cpu.MAX_ROWS else linear_cpu.torch_linear
         norm, attend = kernels[1].rms_norm, kernels[2]
         x = torch.embedding(self.embed, tokens)
         if self.emb_in is not None:
@@ -165,11 +164,6 @@ class CpuPlan:
         if self.emb_out is not None:
             x = lin(x, self.emb_out, None, False)
         return lin(x, self.head, None, False)
-
-
-def _torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool) -> torch.Tensor:
-    y = F.linear(x, weight, bias)
-    return F.gelu(y) if gelu else y
 
 
 def forget(model) -> None:
