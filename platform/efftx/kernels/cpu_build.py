@@ -39,7 +39,10 @@ def cpu_tag() -> str:
 
 
 def build_name(prefix: str, source: Path) -> str:
-    digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode())
+    """The build's name: a digest of the source, the headers beside it (``cpu_vec.h``: any of them may be included),
+    the flags and torch's version, and the CPU's tag."""
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(FLAGS).encode() + torch.__version__.encode())
     return f"{prefix}_{digest.hexdigest()[:10]}_{cpu_tag()}"
 
 
@@ -74,16 +77,18 @@ class CpuKernel:
     ahead by ``make setup`` (:meth:`build`).
 
     ``module``: the kernel module's name (its logger). ``op`` (``"efftx::name"``) with ``shape``: loading the
-    kernel also registers that operator, for graphs ``torch.compile`` traces, and ``shape`` as its fake function;
-    :attr:`ready` then says so (read while a graph is traced: a constant there). ``what`` names the kernel in the
+    kernel also registers that operator, for graphs ``torch.compile`` traces, and ``shape`` as its fake function
+    (``more_ops``: more operators of the same source, ``{op: shape}``); :attr:`ready` then says so (read while a graph
+    is traced: a constant there). ``what`` names the kernel in the
     log and in errors, ``fallback`` what runs where it is unavailable."""
 
     def __init__(self, module: str, prefix: str, source: Path, what: str, fallback: str, env: str | None = None,
-                 op: str | None = None, shape=None):
+                 op: str | None = None, shape=None, more_ops: dict | None = None):
         self.log = logging.getLogger(module)  # the kernel module's
         self.prefix, self.source, self.what, self.fallback = prefix, source, what, fallback
         self.state = switch(env) if env is not None else {"enabled": True}
         self.op, self.shape = op, shape
+        self.ops = ({op: shape} if op is not None else {}) | dict(more_ops or {})
         self.ready = False  # the operator ``op`` is registered
         self._loaded: tuple | None = None
         self._lock = threading.Lock()  # one build, one registration, whichever threads ask first
@@ -98,8 +103,9 @@ class CpuKernel:
             with self._lock:
                 if self._loaded is None:
                     module, why = load_extension(self.prefix, self.source)
-                    if module is not None and self.op is not None:
-                        torch.library.register_fake(self.op)(self.shape)
+                    if module is not None and self.ops:
+                        for op, shape in self.ops.items():
+                            torch.library.register_fake(op)(shape)
                         self.ready = True
                     self._loaded = module, why
         return self._loaded

@@ -23,41 +23,15 @@
 #include <algorithm>
 #include <cstring>
 
+#include "cpu_vec.h"
+
 namespace {
 
-constexpr int W = 16;  // floats per vector (one AVX-512 register; two AVX2 ones where the CPU has no AVX-512)
-typedef float vec __attribute__((vector_size(W * sizeof(float))));
-typedef int32_t ivec __attribute__((vector_size(W * sizeof(int32_t))));
-
-inline vec load(const float* p) {
-  vec v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline vec splat(float a) { return vec{} + a; }
-
-// e^y for y <= 0 (below -87 taken as -87: e^-87 ~ 1.6e-38, the smallest normal floats): y = n ln 2 + r with n an
-// integer and |r| <= ln 2 / 2 (ln 2 in two parts, so that r is exact), e^r by its Taylor polynomial of degree 7
-// (relative error < 1e-8 on that range), 2^n put into a float's exponent bits.
-inline vec exp_nonpositive(vec y) {
-  y = y < splat(-87.0f) ? splat(-87.0f) : y;
-  const vec round = splat(12582912.0f);  // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer
-  const vec n = (y * 1.44269504f + round) - round;
-  const vec r = (y - n * 0.693145751953125f) - n * 1.428606765330187e-6f;
-  vec p = splat(1.0f / 5040);
-  p = p * r + 1.0f / 720;
-  p = p * r + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
-  vec scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
+using efftx_vec::exp_nonpositive;
+using efftx_vec::load;
+using efftx_vec::splat;
+using efftx_vec::vec;
+using efftx_vec::W;
 
 // x Phi(x) = x (1 + erf(x / sqrt 2)) / 2, with 1 + erf(z) = erfc(-z) for z < 0 and 2 - erfc(z) otherwise (no
 // cancellation for negative x, where the result is small), erfc(a) = t P(t) e^(-a^2), t = 1 / (1 + 0.3275911 a).
