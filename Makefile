@@ -26,6 +26,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m efftx.kernels.decode_attention_cpu
 	@# sampling's counter-based noise, every row of a draw in one call (efftx/kernels/row_noise_cpu.cpp)
 	$(BIN)/python -m efftx.kernels.row_noise_cpu
+	@# sampling's distributions and races, one call per pass (efftx/kernels/sampling_cpu.cpp)
+	$(BIN)/python -m efftx.kernels.sampling_cpu
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -47,7 +47,7 @@ import torch
 from efftx.errors import ConfigError, EfftxError
 from efftx.generation.faults import device_error
 from efftx.host import host_values
-from efftx.kernels import decode_attention_cpu, linear_cpu, rms_norm_cpu
+from efftx.kernels import decode_attention_cpu, linear_cpu, rms_norm_cpu, sampling_cpu
 
 log = logging.getLogger(__name__)
 
@@ -288,10 +288,11 @@ class CompiledRunner:
         self.model, self.cache, self.mode = model, cache, mode
         self.device_type = next(model.parameters()).device.type
         self.compiled = compiled
-        if compiled and self.device_type == "cpu":  # its graphs call the few-row linear kernel, the RMSNorm kernel
-            linear_cpu.kernel()  # and the decode attention kernel where they build (loaded before tracing: their
-            rms_norm_cpu.kernel()  # operators exist)
+        if compiled and self.device_type == "cpu":  # its graphs call the few-row linear kernel, the RMSNorm kernel,
+            linear_cpu.kernel()  # the decode attention kernel and the sampling kernel where they build (loaded
+            rms_norm_cpu.kernel()  # before tracing: their operators exist, and graphs compute what eager calls do)
             decode_attention_cpu.kernel()
+            sampling_cpu.kernel()
         self._guarded: set[tuple] = set()  # calls (:func:`_signature`) this runner has run with every guard checked
 
     def _run(self, fn: Callable, tokens: torch.Tensor, *args):

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from efftx.host import host_values
+from efftx.kernels import sampling_cpu
 from efftx.kernels.row_noise import M32, M64, row_noise, splitmix64
 
 MIN_TEMPERATURE = 1e-4  # temperatures below this (0 included) sample greedily
@@ -45,7 +46,11 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
 
 
 def probabilities(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """The distribution tokens are drawn from; a greedy temperature (see :func:`is_greedy`) is one-hot at the argmax."""
+    """The distribution tokens are drawn from; a greedy temperature (see :func:`is_greedy`) is one-hot at the argmax.
+    Float32 CPU logits without autograd take the C++ kernel (:mod:`efftx.kernels.sampling_cpu`)."""
+    fused = sampling_cpu.probabilities(logits, temperature, top_k, top_p)
+    if fused is not None:
+        return fused
     if is_greedy(temperature):
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
     return filter_logits(logits.float() / temperature, top_k, top_p).softmax(-1)
@@ -58,8 +63,14 @@ def probabilities_per_row(logits: torch.Tensor, temperature: torch.Tensor, top_k
     ``probabilities(logits[b], temperature[b], top_k[b], top_p[b])`` (as float32): the same operations per row,
     a row's top-k threshold and nucleus taken from its own settings. ``kmax``: the largest top_k among the rows
     (None: work it out, a read from the device; 0: no row has one); ``nucleus`` False: no row has top_p < 1 (the
-    sort is skipped). Greedy rows (:func:`is_greedy`) are one-hot at their argmax."""
+    sort is skipped). Greedy rows (:func:`is_greedy`) are one-hot at their argmax. Float32 CPU logits without
+    autograd take the C++ kernel (:mod:`efftx.kernels.sampling_cpu`)."""
     v = logits.shape[-1]
+    if kmax is None and sampling_cpu.takes(logits):
+        kmax = int(top_k.max()) if top_k.numel() else 0  # on the CPU: no device to wait for
+    fused = sampling_cpu.probabilities_rows(logits, temperature, top_k, top_p, kmax != 0, nucleus)
+    if fused is not None:
+        return fused
     shape = (logits.shape[0],) + (1,) * (logits.dim() - 1)
     greedy = (temperature < MIN_TEMPERATURE).view(shape)
     x = logits.float() / torch.where(greedy, 1.0, temperature.view(shape).float())
@@ -166,8 +177,10 @@ def race_noise(generators: list[torch.Generator | Stream | None], width: int, ne
 
 
 def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """(B, V) probabilities, (B, V) :func:`race_noise` -> (B,) tokens: the exponential race argmax(p / E)."""
-    return (probs / noise).argmax(-1)
+    """(B, V) probabilities, (B, V) :func:`race_noise` -> (B,) tokens: the exponential race argmax(p / E) (float32
+    CPU tensors: in the C++ kernel, :mod:`efftx.kernels.sampling_cpu`)."""
+    fused = sampling_cpu.race(probs, noise)
+    return (probs / noise).argmax(-1) if fused is None else fused
 
 
 def draw(probs: torch.Tensor, generators: list[torch.Generator | Stream | None],

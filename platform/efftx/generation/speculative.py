@@ -46,6 +46,7 @@ from efftx.generation import compiled
 from efftx.generation.decode import Rows, as_rows, generators, splittable
 from efftx.generation.sampling import Stream, is_greedy, probabilities, race, stream_noise
 from efftx.host import host_values
+from efftx.kernels import sampling_cpu
 
 
 @dataclass
@@ -174,7 +175,11 @@ def accept_sampled(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, u: t
                    own: torch.Tensor) -> torch.Tensor:
     """:func:`accept` from the target's distributions p (B, G + 1, V) (continuous batching computes them per row's
     sampling settings): x_i accepted while u_i < p_i(x_i) / q_i(x_i), then the last token by its race from
-    :func:`correction` -> (B, G + 2): accepted count, last token, the drafts."""
+    :func:`correction` -> (B, G + 2): accepted count, last token, the drafts (float32 CPU tensors: in one call of the
+    C++ kernel, :func:`efftx.kernels.sampling_cpu.accept`)."""
+    fused = sampling_cpu.accept(p, q, drafted, u, noise, own)
+    if fused is not None:
+        return fused
     g = drafted.shape[1]
     within = torch.arange(g, device=drafted.device) < own[:, None]
     picked = drafted[..., None]
