@@ -15,12 +15,20 @@ Three parts, each measured side by side in one run:
   gathered by setting, each group through :func:`~efftx.generation.sampling.probabilities`, scattered back: what
   continuous batching did before) against one pass with per-row settings
   (:func:`~efftx.generation.sampling.probabilities_per_row`), whose rows are bit for bit the grouped ones
-  (checked here), and the torch operations each runs (views aside: on a GPU each is a kernel launch, the cost
+  (checked here), and the torch operations each runs (counted with the C++ sampling kernel off, as on a GPU; views
+  aside: on a GPU each is a kernel launch, the cost
   that matters beside a step of a few hundred microseconds). Goal: at 16 rows of 16 settings the one pass runs at
   most a third of the operations of a pass per setting (its time is printed beside);
+* **the C++ sampling kernel** (:mod:`efftx.kernels.sampling_cpu`; CPU) against torch's operators
+  (``EFFTX_CPU_SAMPLING=off``'s path), per call at each row count: a draft pass's distributions ((rows, 256), T=0.8,
+  top-k 32) and race, a verify pass's distributions ((rows, 6, 256)), a step's acceptance (gamma 5), and what a
+  speculative step samples in all (5 draws, the verify's distributions, the acceptance). Both paths' tokens and
+  acceptance are checked equal here. Goal: a speculative step's sampling at least 2x faster through the kernel at
+  1 and at 16 rows;
 * ``--steps``: the continuous-batching scheduler's decoding steps (every row in every step, after a warm-up, best
   of 3) at each row count, base and speculative, on untrained ``spec_{target,draft}_small`` models, its rows
-  drawing from streams against torch generators (the same scheduler, its requests' generators swapped): the
+  drawing from streams against torch generators (the same scheduler, its requests' generators swapped), and with
+  streams, the sampling kernel off against on: the
   draws' share of whole steps, as time per row stepped (a speculative row's acceptance, so how many rows each
   step holds, follows its noise, which differs between the two). Printed, no goal: on a CPU a step costs milliseconds and the draws tens of
   microseconds; on a GPU each generator call is a kernel launch, the step a few hundred microseconds.
@@ -39,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
 
 from efftx.generation.sampling import Stream, probabilities, probabilities_per_row, stream_noise  # noqa: E402
 from efftx.kernels import row_noise as rn  # noqa: E402
+from efftx.kernels import sampling_cpu  # noqa: E402
 
 SHAPES = (("base (V=256)", 256), ("speculative (6 x 257)", 6 * 257))
 
@@ -134,14 +143,61 @@ def distributions(rows: list[int], repeats: int, device: str) -> dict[int, dict[
 
         if not torch.equal(one_pass(), grouped(logits, settings)):
             raise SystemExit(f"{n} rows: the one pass's distributions are not the grouped ones")
+        with sampling_cpu.disabled():  # torch's operators, as a GPU runs them (on a CPU the C++ kernel is one call)
+            ops = {"grouped ops": operations(lambda: grouped(logits, settings)), "one pass ops": operations(one_pass)}
         times = {"grouped": best_us(lambda: grouped(logits, settings), repeats, device),
-                 "one pass": best_us(one_pass, repeats, device),
-                 "grouped ops": operations(lambda: grouped(logits, settings)), "one pass ops": operations(one_pass)}
+                 "one pass": best_us(one_pass, repeats, device), **ops}
         out[n] = times
         print(f"  {n:3d} rows, {len(set(settings)):2d} settings: a pass per setting {times['grouped']:8.1f} us "
               f"({times['grouped ops']} operations), one pass {times['one pass']:7.1f} us ({times['one pass ops']} "
               f"operations): {times['grouped'] / times['one pass']:4.1f}x the time, "
               f"{times['grouped ops'] / times['one pass ops']:4.1f}x the operations; the same distributions", flush=True)
+    return out
+
+
+def kernel_calls(rows: list[int], repeats: int) -> dict[int, dict[str, float]]:
+    """The sampling kernel against torch's operators, per call (see the module docstring)."""
+    from efftx.generation.sampling import race
+    from efftx.generation.speculative import accept_sampled, step_noise
+
+    if sampling_cpu.kernel() is None:
+        raise SystemExit(f"the C++ sampling kernel is unavailable here: {sampling_cpu.KERNEL.load()[1]}")
+    gamma, vocab = 5, 256
+    out = {}
+    for n in rows:
+        g = torch.Generator().manual_seed(n)
+        draft_logits = [torch.randn(n, vocab, generator=g) * 3 for _ in range(gamma)]
+        verify_logits = torch.randn(n, gamma + 1, vocab, generator=g) * 3
+        noises, u, last = step_noise([Stream(i) for i in range(n)], [gamma] * n, gamma, vocab, "cpu")
+        own = torch.full((n,), gamma)
+
+        def draft_draw(i=0):
+            q = probabilities(draft_logits[i], 0.8, 32, 1.0)
+            return q, race(q, noises[i])
+
+        def step():
+            qs, drafted = zip(*(draft_draw(i) for i in range(gamma)))
+            q = torch.stack(qs, 1)
+            p = probabilities(verify_logits, 0.8, 32, 1.0)
+            return accept_sampled(p, q, torch.stack(drafted, 1), u, last, own)
+
+        p = probabilities(verify_logits, 0.8, 32, 1.0)
+        q = torch.stack([draft_draw(i)[0] for i in range(gamma)], 1)
+        drafted = torch.stack([draft_draw(i)[1] for i in range(gamma)], 1)
+        parts = {"draft draw": draft_draw, "verify distributions": lambda: probabilities(verify_logits, 0.8, 32, 1.0),
+                 "acceptance": lambda: accept_sampled(p, q, drafted, u, last, own), "a step's sampling": step}
+        kernel_step = step()
+        with sampling_cpu.disabled():
+            if not torch.equal(step(), kernel_step):
+                raise SystemExit(f"{n} rows: the kernel's tokens or acceptance differ from torch's")
+        times = {}
+        for name, fn in parts.items():
+            on = best_us(fn, repeats, "cpu")
+            with sampling_cpu.disabled():
+                off = best_us(fn, repeats, "cpu")
+            times[name] = off / on
+            print(f"  {n:3d} rows, {name:21s}: torch {off:8.1f} us, kernel {on:7.1f} us ({off / on:4.1f}x)", flush=True)
+        out[n] = times
     return out
 
 
@@ -164,8 +220,9 @@ def steps(rows: list[int], device: str) -> None:
         best: dict[tuple[str, int], float] = {}
         for rep in range(4):  # the first round warms up
             for n in rows:
-                for kind, make in (("generators", torch_generator), ("streams", real)):
+                for kind, make in (("generators", torch_generator), ("torch sampling", real), ("streams", real)):
                     batches._generator = make
+                    sampling_cpu._state["enabled"] = kind != "torch sampling" and device == "cpu"
                     stepped = [0]  # rows stepped (a speculative row's acceptance, so its steps, follow its noise)
                     try:
                         scheduler = Scheduler(target, draft, max_rows=max(rows), short_tokens=0, prefill_rows=0,
@@ -180,11 +237,16 @@ def steps(rows: list[int], device: str) -> None:
                         us = (time.perf_counter() - t0) * 1e6 / max(stepped[0] - before, 1)
                     finally:
                         batches._generator = real
+                        sampling_cpu._state["enabled"] = True
                     if rep:
                         best[(kind, n)] = min(best.get((kind, n), float("inf")), us)
         line = ", ".join(f"{n} rows {best[('generators', n)]:.0f} / {best[('streams', n)]:.0f} us "
                          f"({best[('generators', n)] / best[('streams', n)]:.3f}x)" for n in rows)
         print(f"  {mode:12s} per row stepped, generators / streams: {line}", flush=True)
+        if device == "cpu":
+            line = ", ".join(f"{n} rows {best[('torch sampling', n)]:.0f} / {best[('streams', n)]:.0f} us "
+                             f"({best[('torch sampling', n)] / best[('streams', n)]:.3f}x)" for n in rows)
+            print(f"  {mode:12s} per row stepped, sampling kernel off / on: {line}", flush=True)
 
 
 def main() -> None:
@@ -204,6 +266,10 @@ def main() -> None:
     out = draws(args.rows, args.repeats, args.device)
     print(f"a step's distributions, rows of mixed settings (V=256), best of {args.repeats}:")
     dists = distributions(args.rows, args.repeats, args.device)
+    kernel = {}
+    if args.device == "cpu":
+        print(f"the C++ sampling kernel against torch's operators, best of {args.repeats}:")
+        kernel = kernel_calls(args.rows, args.repeats)
     if args.steps:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         print("the scheduler's decoding step (best of 3):")
@@ -221,6 +287,11 @@ def main() -> None:
         print(f"  [{'met' if ratio >= 3 else 'NOT met'}] distributions of 16 rows of 16 settings in one pass: at most "
               f"a third of the operations (kernel launches on a GPU) of a pass per setting: {ratio:.1f}x fewer "
               f"({t['one pass ops']} vs {t['grouped ops']}; time {t['grouped'] / t['one pass']:.1f}x here)")
+    for n in (1, 16):
+        if n in kernel:
+            ratio = kernel[n]["a step's sampling"]
+            print(f"  [{'met' if ratio >= 2 else 'NOT met'}] a speculative step's sampling at {n} row(s) at least 2x "
+                  f"faster through the C++ kernel than torch's operators: {ratio:.1f}x")
 
 
 if __name__ == "__main__":

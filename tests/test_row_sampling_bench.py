@@ -1,6 +1,6 @@
 """bench/row_sampling.py: a draw's noise with counter-based streams against a torch.Generator per row, a step's
-distributions for rows of mixed settings in one pass against a pass per setting, side by side, and the scheduler's
-steps both ways (run as a command, as a user runs it)."""
+distributions for rows of mixed settings in one pass against a pass per setting, the C++ sampling kernel against
+torch's operators, side by side, and the scheduler's steps each way (run as a command, as a user runs it)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,20 @@ def test_the_bench_times_both_draws_and_steps_and_marks_its_goals():
         line = re.search(rf"^\s+{mode}\s+per row stepped, generators / streams: (.*)$", run.stdout, re.M)
         assert line, run.stdout
         assert re.findall(r"(\d+) rows \d+ / \d+ us \([\d.]+x\)", line[1]) == ["1", "16"], line[1]
+    # the C++ sampling kernel against torch's operators, per call, with its goal at 1 and 16 rows
+    calls = re.findall(r"^\s+(\d+) rows, (draft draw|verify distributions|acceptance|a step's sampling)\s*: torch\s+"
+                       r"([\d.]+) us, kernel\s+([\d.]+) us \(\s*([\d.]+)x\)$", run.stdout, re.M)
+    assert {(int(n), name) for n, name, *_ in calls} == {
+        (n, name) for n in (1, 16) for name in ("draft draw", "verify distributions", "acceptance",
+                                                "a step's sampling")}, run.stdout
+    for *_, off, on, ratio in calls:
+        assert abs(float(ratio) - float(off) / float(on)) <= 0.05 + 0.01 * float(ratio)
+    for n in (1, 16):
+        assert re.search(rf"^\s+\[(met|NOT met)\] a speculative step's sampling at {n} row\(s\) at least 2x faster "
+                         r"through the C\+\+ kernel than torch's operators: [\d.]+x$", run.stdout, re.M), run.stdout
+        line = re.search(rf"^\s+{'speculative' if n == 16 else 'base'}\s+per row stepped, sampling kernel off / on: (.*)$",
+                         run.stdout, re.M)
+        assert line and re.findall(r"(\d+) rows \d+ / \d+ us \([\d.]+x\)", line[1]) == ["1", "16"], run.stdout
     for name in ("base \\(V=256\\)", "speculative \\(6 x 257\\)"):
         assert re.search(rf"^\s+\[(met|NOT met)\] {name}: a 16-row draw with streams >= 4x faster than per-row "
                          rf"generators: [\d.]+x", run.stdout, re.M), run.stdout
