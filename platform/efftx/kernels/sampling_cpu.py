@@ -50,9 +50,13 @@ kernel, disabled, build = KERNEL.kernel, KERNEL.disabled, KERNEL.build  # disabl
 
 def takes(*tensors: torch.Tensor) -> bool:
     """Whether the kernel takes a call on these tensors (when it is built): float32, on the CPU, no autograd."""
-    return _state["enabled"] and all(
-        t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() >= 1 and t.shape[-1] > 0
-        and not (torch.is_grad_enabled() and t.requires_grad) for t in tensors)
+    if not _state["enabled"]:
+        return False
+    grad = torch.is_grad_enabled()  # a plain loop: this check runs before every draw of a decoding step
+    for t in tensors:
+        if not t.is_cpu or t.dtype != torch.float32 or t.dim() < 1 or t.shape[-1] == 0 or (grad and t.requires_grad):
+            return False
+    return True
 
 
 def probabilities(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor | None:
