@@ -1,5 +1,6 @@
-// Vector helpers shared by efftx's C++ CPU kernels (linear_cpu.cpp, sampling_cpu.cpp): 16-float vectors in GCC's
-// vector extension (one AVX-512 register; two AVX2 ones where the CPU has no AVX-512) and e^y for y <= 0.
+// Vector helpers shared by efftx's C++ CPU kernels (linear_cpu.cpp, sampling_cpu.cpp, decode_attention_cpu.cpp):
+// 16-float vectors in GCC's vector extension (one AVX-512 register; two AVX2 ones where the CPU has no AVX-512) and
+// e^y for y <= 0.
 // A kernel's build name hashes this header with its source (efftx.kernels.cpu_build.build_name).
 #pragma once
 

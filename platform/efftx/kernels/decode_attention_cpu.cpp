@@ -24,21 +24,17 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_vec.h"
+
 namespace {
 
-constexpr int W = 16;  // floats per vector (one AVX-512 register; two AVX2 ones where the CPU has no AVX-512)
-typedef float vec __attribute__((vector_size(W * sizeof(float))));
-typedef int ivec __attribute__((vector_size(W * sizeof(int))));
-
-inline vec load(const float* p) {
-  vec v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
+using efftx_vec::exp_nonpositive;
+using efftx_vec::load;
+using efftx_vec::splat;
+using efftx_vec::vec;
+using efftx_vec::W;
 
 inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof(v)); }
-
-inline vec splat(float x) { return vec{} + x; }
 
 // The sum of a vector's lanes, halves added pairwise (16 -> 8 -> 4 -> 2 -> 1): the same order for every call.
 inline float lane_sum(vec a) {
@@ -47,29 +43,6 @@ inline float lane_sum(vec a) {
   for (int n = W / 2; n >= 1; n /= 2)
     for (int i = 0; i < n; ++i) h[i] += h[i + n];
   return h[0];
-}
-
-// exp(x) for x <= 0 (scores minus their maximum), 16 lanes at a time: x = n ln2 + r with |r| <= ln2 / 2,
-// exp(r) by its Taylor series to r^7 (truncation below 6e-9 relative), times 2^n from the exponent bits. Below
-// -87 (where exp underflows float's normal range) lanes give exp(-87) ~ 1.6e-38: nothing next to the maximum's 1.
-inline vec vexp(vec x) {
-  const vec lo = splat(-87.0f);
-  x = x < lo ? lo : x;
-  const vec shifter = splat(12582912.0f);  // 1.5 * 2^23: adding and subtracting it rounds to an integer
-  const vec n = (x * splat(1.44269504088896341f) + shifter) - shifter;
-  const vec r = (x - n * splat(0.693145751953125f)) - n * splat(1.42860682030941723e-06f);
-  vec p = splat(1.0f / 5040.0f);
-  p = p * r + splat(1.0f / 720.0f);
-  p = p * r + splat(1.0f / 120.0f);
-  p = p * r + splat(1.0f / 24.0f);
-  p = p * r + splat(1.0f / 6.0f);
-  p = p * r + splat(0.5f);
-  p = p * r + splat(1.0f);
-  p = p * r + splat(1.0f);
-  const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
-  vec two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  return p * two_n;
 }
 
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t D) {
@@ -87,7 +60,7 @@ inline float exp_sum(float* s, int64_t n, float max) {
   int64_t j = 0;
   const vec m = splat(max);
   for (; j + W <= n; j += W) {
-    const vec e = vexp(load(s + j) - m);
+    const vec e = exp_nonpositive(load(s + j) - m);
     store(s + j, e);
     acc += e;
   }
@@ -95,7 +68,7 @@ inline float exp_sum(float* s, int64_t n, float max) {
   if (j < n) {
     float buf[W];
     for (int i = 0; i < W; ++i) buf[i] = j + i < n ? s[j + i] - max : -100.0f;
-    vec e = vexp(load(buf));
+    vec e = exp_nonpositive(load(buf));
     store(buf, e);
     for (int64_t i = 0; j + i < n; ++i) {
       s[j + i] = buf[i];
