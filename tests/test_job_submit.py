@@ -120,6 +120,33 @@ def test_submit_right_after_start_waits_for_the_job_agent(tmp_path):
         kill_cluster(temp_dir)
 
 
+def test_free_port_never_names_a_port_twice(monkeypatch):
+    """The kernel may offer a port it just released again (CI once gave a head's GCS and its dashboard agent the
+    same port, and `ray start` refused): free_port skips the ports it handed out before."""
+    import socket
+
+    from efftx import cluster
+
+    offered = iter([41001, 41001, 41002, 41001, 41003])
+
+    class Socket:  # a stand-in whose bind(("", 0)) gets the next offered port
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def bind(self, address):
+            self.port = next(offered)
+
+        def getsockname(self):
+            return ("0.0.0.0", self.port)
+
+    monkeypatch.setattr(cluster, "_HANDED_OUT", set())
+    monkeypatch.setattr(socket, "socket", Socket)
+    assert [cluster.free_port() for _ in range(3)] == [41001, 41002, 41003]
+
+
 def test_submit_retries_only_while_there_is_no_agent(tmp_path, monkeypatch, capsys):
     """The retry rule alone, against a stand-in `ray` that answers "No available agent" twice, then runs."""
     from efftx import cluster

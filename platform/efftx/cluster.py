@@ -35,6 +35,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -58,12 +59,25 @@ def port_free(port: int) -> bool:
     return True
 
 
+_HANDED_OUT: set[int] = set()  # the ports free_port returned in this process
+_PORT_LOCK = threading.Lock()
+
+
 def free_port() -> int:
+    """A TCP port nothing listens on right now and that this process was not given before: the kernel may offer a
+    port it just released again, so two calls in a row could name the same port (a `ray start` given it for two of
+    its components refuses to start)."""
     import socket
 
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
+    with _PORT_LOCK:
+        for _ in range(1000):
+            with socket.socket() as sock:
+                sock.bind(("", 0))
+                port = sock.getsockname()[1]
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.add(port)
+                return port
+    raise RuntimeError("free_port: the kernel offered only ports this process was given before")
 
 
 def start_local(attempts: int = 3, **init_kwargs) -> str:
