@@ -87,9 +87,8 @@ class CpuKernel:
         self.log = logging.getLogger(module)  # the kernel module's
         self.prefix, self.source, self.what, self.fallback = prefix, source, what, fallback
         self.state = switch(env) if env is not None else {"enabled": True}
-        self.op, self.shape = op, shape
         self.ops = ({op: shape} if op is not None else {}) | dict(more_ops or {})
-        self.ready = False  # the operator ``op`` is registered
+        self.ready = False  # the operators in ``ops`` are registered
         self._loaded: tuple | None = None
         self._lock = threading.Lock()  # one build, one registration, whichever threads ask first
         self.warned: set[str] = set()  # the reasons said in the log

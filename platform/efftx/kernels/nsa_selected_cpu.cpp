@@ -23,6 +23,8 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_vec.h"
+
 namespace {
 
 struct Shape {
@@ -50,30 +52,9 @@ inline void slots_of(const Shape& s, const int32_t* sel, int64_t pos, int64_t* f
   }
 }
 
-// exp of the softmax (arguments <= 0: scores minus their maximum). float: exp(x) = 2^t exp(r), t = round(x / ln 2)
-// (rounded by adding 1.5 * 2^23, which leaves t in the low mantissa bits), r = x - t ln 2 (ln 2 in two parts) in
-// [-ln2/2, ln2/2], exp(r) by its Taylor polynomial of degree 7, 2^t from its exponent bits: branch-free, so the
-// loops vectorize; within 1e-7 relative of exp over [-87, 0] (measured). double: std::exp.
-inline float softmax_exp(float x) {
-  x = std::max(x, -87.0f);
-  const float shifted = x * 1.4426950408889634f + 12582912.0f;
-  const float t = shifted - 12582912.0f;
-  const float r = (x - t * 0.693145751953125f) - t * 1.428606765330187e-06f;
-  float e = 1.0f / 5040;
-  e = e * r + 1.0f / 720;
-  e = e * r + 1.0f / 120;
-  e = e * r + 1.0f / 24;
-  e = e * r + 1.0f / 6;
-  e = e * r + 0.5f;
-  e = e * r + 1.0f;
-  e = e * r + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &shifted, sizeof bits);
-  bits = (bits - 0x4B400000 + 127) << 23;  // t + 127 into the exponent field
-  float two;
-  std::memcpy(&two, &bits, sizeof two);
-  return e * two;
-}
+// exp of the softmax (arguments <= 0: scores minus their maximum). float: efftx_vec::exp_nonpositive's scalar form
+// (branch-free, so the loops vectorize). double: std::exp.
+inline float softmax_exp(float x) { return efftx_vec::exp_nonpositive(x); }
 inline double softmax_exp(double x) { return std::exp(x); }
 
 // The scaled scores of a query's G heads (rows q0 .. q0 + (G-1) D) against its slots' keys (transposed blocks KT)
