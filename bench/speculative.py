@@ -4,6 +4,7 @@
                                 [--distilled-draft EXPORT] [--batches 1,4,8] [--gamma 5] [--max-gamma 8]
                                 [--new-tokens 64] [--repeats 3] [--temperature 0.8] [--compile off|on|off,on]
                                 [--overhead] [--costs] [--untrained] [--device cuda] [--json VERDICT.json]
+                                [--bf16-weights]
 
 Train a pair first (python jobs/train_speculative.py --size small), and a distilled draft of its target
 (python jobs/train_speculative.py --size small --distill --target <the target's export>); any export folders
@@ -31,6 +32,10 @@ a pass of ``--costs``, a pass of ``--overhead``) waiting for the device before a
 runs this on a GPU with a pair trained here (``make gpu-pair``).
 ``--json PATH``: the verdict as JSON too (``equality``: per draft and gamma, greedy output equal to base;
 ``goals``: per batch size, the goal, the best ratio at --gamma, its row, met or not), written at the end of a run.
+``--bf16-weights``: eager rows of base and fixed-gamma speculative decoding with the models' Linear weights in
+bfloat16 (weight-only, efftx.kernels.linear_cpu.bf16_weights), beside the float32 rows, and per batch size their
+ratio to the float32 row of the same decoding; greedy speculative output under them is checked against greedy base
+decoding under them. Their rows do not count for the goals (a different model's tokens/s).
 ``--costs``: per batch size, the eager and compiled cost (fastest of 15 calls) of one target pass of 1 token (a base step), of
 gamma + 1 tokens (a verify pass) and of one draft step, and the speedup they allow at a given acceptance:
 (1 + accepted) * base step / (gamma * draft step + verify pass). All figures come from this one run.
@@ -39,6 +44,7 @@ gamma + 1 tokens (a verify pass) and of one draft step, and the speedup they all
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -53,8 +59,10 @@ from efftx.generation.compiled import StaticDecoder, capacity_for
 from efftx.generation.decode import Rows, generate
 from efftx.generation.sampling import sample
 from efftx.generation.speculative import SpecStats, speculative_generate
+from efftx.kernels.linear_cpu import bf16_weights
 from efftx.paths import default_data_dir
 
+BF16 = ", bf16 weights"  # the label suffix of --bf16-weights rows
 GOALS = {1: 2.5}  # issue 15: batch 1 at least 2.5x base tokens/s; other batch sizes at least 1.5x
 OTHER_GOAL = 1.5
 
@@ -209,6 +217,8 @@ def main() -> None:
     p.add_argument("--costs", action="store_true", help="per-pass costs and the speedup they allow")
     p.add_argument("--acceptance-prompts", type=int, default=32, help="prompts of the exactness/acceptance check")
     p.add_argument("--device", default="cpu", help="cpu or cuda (timed calls wait for the device)")
+    p.add_argument("--bf16-weights", action="store_true",
+                   help="eager rows with bfloat16 Linear weights too (weight-only), with their ratio to float32")
     p.add_argument("--json", default="", metavar="PATH",
                    help="also write the verdict (greedy equality per draft, each goal's best ratio) as JSON to PATH")
     args = p.parse_args()
@@ -227,6 +237,15 @@ def main() -> None:
         if m not in ("off", "on"):
             raise SystemExit(f"--compile takes off, on or off,on, not {m!r}")
     target, drafts = load_models(args, device)
+    halves = None  # --bf16-weights: (target, {draft name: draft}) with bfloat16 Linear weights
+    if args.bf16_weights:
+        if device.type != "cpu":
+            p.error("--bf16-weights is a CPU decoding option")
+        if "off" not in modes:
+            p.error("--bf16-weights adds eager rows beside the eager float32 ones: give --compile off or off,on")
+        halves = tuple(copy.deepcopy(m) for m in (target, drafts))
+        for m in (halves[0], *halves[1].values()):
+            bf16_weights(m)
     batches = [int(b) for b in args.batches.split(",")]
     if args.timed_prompts < max(batches):
         raise SystemExit(f"--timed-prompts ({args.timed_prompts}) must be at least the largest batch ({max(batches)})")
@@ -260,6 +279,13 @@ def main() -> None:
                          f"{greedy.acceptance_rate:.2f}, T={args.temperature} {sampled.mean_accepted:.2f} / "
                          f"{sampled.acceptance_rate:.2f}, greedy output == base: {'yes' if out == base else 'NO'}")
         print(f"  {name + ' draft':<16}" + ("\n" + " " * 18).join(cells))
+    if halves:
+        half_base = generate(halves[0], many, n, temperature=0).tolist()
+        for name, draft in halves[1].items():
+            out, greedy = speculative_generate(halves[0], draft, many, n, gamma=gamma, temperature=0)
+            verdict["equality"].append({"draft": name, "gamma": "fixed, bf16 weights", "equal": out == half_base})
+            print(f"  {name + ' draft':<16}bf16 weights, fixed: greedy {greedy.mean_accepted:.2f} / "
+                  f"{greedy.acceptance_rate:.2f}, greedy output == bf16 base: {'yes' if out == half_base else 'NO'}")
 
     if args.costs:
         first = next(iter(drafts.values()))
@@ -300,6 +326,13 @@ def main() -> None:
                     target, draft, x, n, gamma=g, seed=i, adaptive_gamma=adaptive, compile=mode,
                     max_gamma=args.max_gamma if adaptive else None, **sampling) for i, x in enumerate(groups)])),
                     (adaptive, g))
+        if halves:  # eager, fixed gamma: the float32 rows' twins with bfloat16 Linear weights
+            runs["base, KV cache" + BF16] = ((lambda: [generate(halves[0], x, n, seed=i, **sampling)
+                                                       for i, x in enumerate(groups)]), None)
+            for name, draft in halves[1].items():
+                runs[f"speculative, {name}" + BF16] = ((lambda draft=draft: merged([speculative_generate(
+                    halves[0], draft, x, n, gamma=gamma, seed=i, **sampling) for i, x in enumerate(groups)])),
+                    (False, gamma))
         for fn, _ in runs.values():  # untimed: compilation, first-touch allocations
             fn()
             sync()
@@ -310,6 +343,7 @@ def main() -> None:
             for label, (fn, _) in runs.items():
                 secs, results[label] = timed_s(fn, sync)
                 times[label].append(secs)
+        twins = []  # --bf16-weights: (label, its tokens/s over the float32 row's)
         base_s = statistics.median(times["base, KV cache"]) if "base, KV cache" in times else None
         comp_s = statistics.median(times["base, KV cache, compiled"]) if "base, KV cache, compiled" in times else None
         for label, (fn, spec) in runs.items():
@@ -319,6 +353,8 @@ def main() -> None:
             if spec is None:
                 print(f"{label:<44}{batch:>6}{'-':>7}{len(groups) * batch * n / secs:>10,.0f}{ratio:>8.2f}x{vs_comp}"
                       f"{'-':>10}{'-':>10}{'-':>7}")
+                if label.endswith(BF16):
+                    twins.append((label, base_s / secs))
                 continue
             adaptive, g = spec
             stats = results[label][1]
@@ -329,11 +365,18 @@ def main() -> None:
                     total, (_, st) = timed_s(fn, sync)
                 steps = max(st.target_calls, 1)
                 gap = f"   {(total - timer.seconds) / steps * 1e3:6.2f} ({100 * (total - timer.seconds) / total:3.0f}%)"
+            marked = (f"{'-':>7}  -" if label.endswith(BF16)  # not a goal's row
+                      else f"{goal(batch):>6.1f}x  {'MET' if ratio >= goal(batch) else 'not met'}")
             print(f"{label:<44}{batch:>6}{shown:>7}{len(groups) * batch * n / secs:>10,.0f}{ratio:>8.2f}x{vs_comp}"
-                  f"{stats.mean_accepted:>10.2f}{stats.acceptance_rate:>10.2f}{goal(batch):>6.1f}x  "
-                  f"{'MET' if ratio >= goal(batch) else 'not met'}{gap}")
+                  f"{stats.mean_accepted:>10.2f}{stats.acceptance_rate:>10.2f}{marked}{gap}")
+            if label.endswith(BF16):
+                twins.append((label, statistics.median(times[label[:-len(BF16)]]) / secs))
+                continue
             if g == gamma and ratio > best.get(batch, (0.0, ""))[0]:  # the goals are at --gamma
                 best[batch] = (ratio, label)
+        if twins:
+            print(f"  bf16 weights at batch {batch}, tokens/s over the float32 row: " + ", ".join(
+                f"{label[:-len(BF16)]} {r:.2f}x" for label, r in twins))
     print("goals (issue 15, speculative tokens/s over eager base at the same batch size):")
     for batch, (ratio, label) in best.items():
         print(f"  batch {batch}: at least {goal(batch):.1f}x: best {ratio:.2f}x ({label}): "

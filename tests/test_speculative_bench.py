@@ -46,9 +46,28 @@ def test_the_bench_checks_greedy_equality_times_both_ways_and_marks_the_goals(tm
         ("greedy speculative == base, every draft", "pass"), ("goals", "FAIL")]
 
 
+def test_bf16_weight_rows_sit_beside_the_float32_ones_and_keep_greedy_equality():
+    run = run_bench("speculative.py", "--untrained", "--batches", "1,2", "--new-tokens", "6", "--timed-prompts", "2",
+                    "--acceptance-prompts", "2", "--repeats", "1", "--no-adaptive", "--prompt-len", "16",
+                    "--bf16-weights")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert re.findall(r"greedy output == bf16 base: (\w+)", run.stdout) == ["yes"]
+    for batch in (1, 2):
+        assert re.search(rf"^base, KV cache, bf16 weights\s+{batch}\s+-\s+[\d,]+\s+[\d.]+x", run.stdout, re.M)
+        assert re.search(rf"^speculative, untrained, bf16 weights\s+{batch}\s+5\s+[\d,]+\s+[\d.]+x.*\s-$",
+                         run.stdout, re.M), run.stdout  # no goal marked on its row
+        assert re.search(rf"^  bf16 weights at batch {batch}, tokens/s over the float32 row: base, KV cache "
+                         r"[\d.]+x, speculative, untrained [\d.]+x$", run.stdout, re.M), run.stdout
+    # the goals still judge the float32 rows only
+    assert re.findall(r"^  batch \d+: at least [\d.]+x: best [\d.]+x \((.*)\)", run.stdout, re.M) == [
+        "speculative, untrained"] * 2
+
+
 def test_the_bench_refuses_a_device_it_cannot_use():
     assert_refuses("speculative.py", [(["--untrained", "--device", "cuda"], "--device cuda: this torch sees no CUDA "
                                        "device"),
                                       (["--untrained", "--device", "tpu"], "--device takes cpu or cuda (cuda:N), not "
                                        "'tpu'"),
-                                      (["--untrained", "--device", "meta"], "not 'meta'")])
+                                      (["--untrained", "--device", "meta"], "not 'meta'"),
+                                      (["--untrained", "--bf16-weights", "--compile", "on"],
+                                       "--bf16-weights adds eager rows beside the eager float32 ones")])

@@ -3,7 +3,13 @@
 // from memory; this kernel streams each weight row once and multiplies it with every row of x while it sits in
 // registers.
 //
-// Layouts (contiguous, float32): x (M, K), w (N, K) (nn.Linear's weight, read in place), b (N) or absent, y (M, N).
+// Layouts (contiguous): x (M, K) float32, w (N, K) float32 or bfloat16 (nn.Linear's weight, read in place), b (N)
+// float32 or absent, y (M, N) float32.
+//
+// bfloat16 weights (weight-only: efftx.kernels.linear_cpu.bf16_weights) are widened to float32 in registers (a
+// bfloat16 is the top half of a float32: a 16-bit shift, exact) and multiplied as above: half the bytes to read,
+// the same float32 arithmetic in the same order, so y is bit for bit what the float32 kernel gives for the widened
+// weights.
 //
 // Output rows are split over torch's intra-op threads (at::parallel_for) in blocks of 4 weight rows; each block
 // multiplies its 4 weight rows, 16 floats at a time, with the rows of x in tiles of 4, 2 and 1, keeping one vector
@@ -21,7 +27,10 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #include "cpu_vec.h"
 
@@ -32,6 +41,26 @@ using efftx_vec::load;
 using efftx_vec::splat;
 using efftx_vec::vec;
 using efftx_vec::W;
+using bf16 = uint16_t;  // a bfloat16's bits
+typedef uint16_t hvec __attribute__((vector_size(W * sizeof(uint16_t))));
+
+// W weights from p, as float32: float32 as they are, bfloat16 widened (its bits in the top half of a float32)
+inline vec load_w(const float* p) { return load(p); }
+inline vec load_w(const bf16* p) {
+  hvec h;
+  std::memcpy(&h, p, sizeof(h));
+  const efftx_vec::ivec bits = __builtin_convertvector(h, efftx_vec::ivec) << 16;
+  vec v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+inline float widen(float a) { return a; }
+inline float widen(bf16 a) {
+  const uint32_t bits = static_cast<uint32_t>(a) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
 
 // x Phi(x) = x (1 + erf(x / sqrt 2)) / 2, with 1 + erf(z) = erfc(-z) for z < 0 and 2 - erfc(z) otherwise (no
 // cancellation for negative x, where the result is small), erfc(a) = t P(t) e^(-a^2), t = 1 / (1 + 0.3275911 a).
@@ -89,8 +118,8 @@ inline void lane_sums4(const vec* a, float* s) {
 #endif
 
 // G rows of x (from xs) against R <= 4 weight rows (from w): y[g * ldy + r] = x_g . w_r (+ b[r])
-template <int G, int R>
-inline void tile(const float* __restrict xs, const float* __restrict w, const float* __restrict b, int64_t K,
+template <int G, int R, class T>
+inline void tile(const float* __restrict xs, const T* __restrict w, const float* __restrict b, int64_t K,
                  float* __restrict y, int64_t ldy) {
   vec acc[G][4];
   for (int g = 0; g < G; ++g)
@@ -98,7 +127,7 @@ inline void tile(const float* __restrict xs, const float* __restrict w, const fl
   int64_t k = 0;
   for (; k + W <= K; k += W) {
     vec wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = load(w + r * K + k);
+    for (int r = 0; r < R; ++r) wv[r] = load_w(w + r * K + k);
     for (int g = 0; g < G; ++g) {
       const vec xv = load(xs + g * K + k);
       for (int r = 0; r < R; ++r) acc[g][r] += wv[r] * xv;
@@ -108,26 +137,68 @@ inline void tile(const float* __restrict xs, const float* __restrict w, const fl
     float s[4];
     lane_sums4(acc[g], s);
     for (int r = 0; r < R; ++r) {
-      for (int64_t t = k; t < K; ++t) s[r] += xs[g * K + t] * w[r * K + t];
+      for (int64_t t = k; t < K; ++t) s[r] = std::fma(xs[g * K + t], widen(w[r * K + t]), s[r]);
       y[g * ldy + r] = b ? s[r] + b[r] : s[r];
     }
   }
 }
 
-template <int R>
-void block(const float* x, const float* w, const float* b, int64_t M, int64_t K, float* y, int64_t N) {
+template <int R, class T>
+void block(const float* x, const T* w, const float* b, int64_t M, int64_t K, float* y, int64_t N) {
   int64_t m = 0;
   for (; m + 4 <= M; m += 4) tile<4, R>(x + m * K, w, b, K, y + m * N, N);
   for (; m + 2 <= M; m += 2) tile<2, R>(x + m * K, w, b, K, y + m * N, N);
   for (; m < M; ++m) tile<1, R>(x + m * K, w, b, K, y + m * N, N);
 }
 
+template <class T>
+void block_of(const float* xp, const T* wj, const float* bj, int64_t M, int64_t K, float* yj, int64_t N, int64_t R) {
+  switch (R) {
+    case 4: block<4>(xp, wj, bj, M, K, yj, N); break;
+    case 3: block<3>(xp, wj, bj, M, K, yj, N); break;
+    case 2: block<2>(xp, wj, bj, M, K, yj, N); break;
+    default: block<1>(xp, wj, bj, M, K, yj, N);
+  }
+}
+
+// every block of 4 output columns over this thread's range [lo, hi), then the GELU of its outputs. bfloat16
+// weights with more rows of x than one tile holds are widened a block at a time into float32 scratch (in L1) and
+// multiplied from there, rather than widened again for every tile: the same floats, the same arithmetic.
+template <class T>
+void columns(const float* xp, const T* wp, const float* bp, int64_t M, int64_t K, float* yp, int64_t N, int64_t lo,
+             int64_t hi, bool gelu) {
+  constexpr bool half = std::is_same<T, bf16>::value;
+  std::vector<float> scratch(half && M > 4 ? 4 * K : 0);
+  for (int64_t i = lo; i < hi; ++i) {
+    const int64_t j = i * 4, R = std::min<int64_t>(4, N - j);
+    const float* bj = bp ? bp + j : nullptr;
+    if (!scratch.empty()) {
+      const T* w = wp + j * K;
+      int64_t e = 0;
+      for (; e + W <= R * K; e += W) {
+        const vec v = load_w(w + e);
+        std::memcpy(scratch.data() + e, &v, sizeof(v));
+      }
+      for (; e < R * K; ++e) scratch[e] = widen(w[e]);
+      block_of(xp, scratch.data(), bj, M, K, yp + j, N, R);
+    } else {
+      block_of(xp, wp + j * K, bj, M, K, yp + j, N, R);
+    }
+  }
+  if (gelu) {  // this thread's outputs, still in its cache
+    const int64_t c0 = lo * 4, c1 = std::min<int64_t>(hi * 4, N);
+    for (int64_t m = 0; m < M; ++m) gelu_inplace(yp + m * N + c0, c1 - c0);
+  }
+}
+
 }  // namespace
 
-// x (..., K) float32, w (N, K), b (N) or None -> (..., N); gelu: GELU(x W^T + b)
+// x (..., K) float32, w (N, K) float32 or bfloat16, b (N) or None -> (..., N); gelu: GELU(x W^T + b)
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& b,
                      bool gelu) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat, "linear_cpu: float32 only");
+  const bool half = w.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && (half || w.scalar_type() == torch::kFloat),
+              "linear_cpu: float32 inputs, float32 or bfloat16 weights only");
   TORCH_CHECK(!x.is_cuda() && !w.is_cuda(), "linear_cpu: CPU tensors only");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "linear_cpu: the weight must be a contiguous (N, K) matrix");
   const int64_t K = w.size(1), N = w.size(0);
@@ -142,26 +213,15 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::
   const int64_t M = x2.size(0);
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x2.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t blocks = (N + 3) / 4;
-  at::parallel_for(0, blocks, 16, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) {
-      const int64_t j = i * 4;
-      const float* wj = wp + j * K;
-      const float* bj = bp ? bp + j : nullptr;
-      switch (std::min<int64_t>(4, N - j)) {
-        case 4: block<4>(xp, wj, bj, M, K, yp + j, N); break;
-        case 3: block<3>(xp, wj, bj, M, K, yp + j, N); break;
-        case 2: block<2>(xp, wj, bj, M, K, yp + j, N); break;
-        default: block<1>(xp, wj, bj, M, K, yp + j, N);
-      }
-    }
-    if (gelu) {  // this thread's outputs, still in its cache
-      const int64_t c0 = lo * 4, c1 = std::min<int64_t>(hi * 4, N);
-      for (int64_t m = 0; m < M; ++m) gelu_inplace(yp + m * N + c0, c1 - c0);
-    }
-  });
+  if (half) {
+    const bf16* wp = reinterpret_cast<const bf16*>(w.data_ptr<at::BFloat16>());
+    at::parallel_for(0, blocks, 16, [&](int64_t lo, int64_t hi) { columns(xp, wp, bp, M, K, yp, N, lo, hi, gelu); });
+  } else {
+    const float* wp = w.data_ptr<float>();
+    at::parallel_for(0, blocks, 16, [&](int64_t lo, int64_t hi) { columns(xp, wp, bp, M, K, yp, N, lo, hi, gelu); });
+  }
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   return y.view(sizes);
@@ -170,7 +230,8 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::
 // The GIL is released while it runs (as torch's own operators do): a Serve replica's HTTP threads keep going
 // while its decoding thread multiplies.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &linear, "y = x W^T + b (with gelu: GELU(x W^T + b)) for a few rows of x, float32",
+  m.def("linear", &linear,
+        "y = x W^T + b (with gelu: GELU(x W^T + b)) for a few rows of x, float32 (the weight float32 or bfloat16)",
         py::arg("x"), py::arg("w"), py::arg("b"), py::arg("gelu") = false, py::call_guard<py::gil_scoped_release>());
 }
 

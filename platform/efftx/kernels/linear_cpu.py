@@ -18,6 +18,15 @@ output is summed in one fixed order whatever the number of rows, so a row's resu
 or in a batch of up to :data:`MAX_ROWS` (``F.linear`` promises no such thing). ``F.linear`` is the kernel's
 reference (tests/test_linear_cpu.py holds them together over many shapes).
 
+:func:`bf16_weights` stores a model's Linear weights in bfloat16 for decoding on a CPU (weight-only: activations,
+biases, norms, embeddings and caches stay float32): the kernel widens each weight to float32 in registers (exact)
+and multiplies as before, reading half the bytes, so a one-row product bound by reading its weights takes about
+two thirds of the time (``bench/speculative.py --weights float32,bfloat16`` prints it side by side) and the weights
+take half the memory; where many rows make the product compute-bound it costs about what float32 does. The result
+is bit for bit the float32 kernel's on the widened weights (rounding each weight to bfloat16 is the only change), so
+greedy speculative decoding still matches base decoding under it. Products the kernel does not take (past
+:data:`MAX_ROWS` rows: prefills) widen the weight for ``F.linear``.
+
 ``EFFTX_CPU_LINEAR=off`` (or :func:`disabled`, for side-by-side benches) keeps every call on ``F.linear``; where
 the kernel cannot be built (no C++ compiler, no ninja) the calls take ``F.linear`` and the log says why, once.
 ``make setup`` builds it ahead (``python -m efftx.kernels.linear_cpu``).
@@ -33,6 +42,7 @@ from torch import nn
 
 from efftx.kernels.cpu_build import CpuKernel
 
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16)  # bfloat16: weight-only (bf16_weights), widened in registers
 MAX_ROWS = 16  # beyond, the product is compute-bound and the BLAS is as fast or faster (24 rows: 0.3-1.3x)
 
 
@@ -50,7 +60,7 @@ kernel, disabled, build = KERNEL.kernel, KERNEL.disabled, KERNEL.build  # disabl
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`linear` hands this call to the kernel (when it is built)."""
     return (_state["enabled"] and x.device.type == "cpu" and x.dtype == torch.float32
-            and weight.dtype == torch.float32 and weight.is_contiguous() and weight.dim() == 2
+            and weight.dtype in WEIGHT_DTYPES and weight.is_contiguous() and weight.dim() == 2
             and x.numel() <= MAX_ROWS * weight.shape[1]
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
@@ -74,8 +84,38 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  gelu: bool = False) -> torch.Tensor:
     """What :func:`linear` runs where the kernel does not take the call: ``F.linear`` (and ``F.gelu`` of it)."""
-    y = F.linear(x, weight, bias)
+    y = F.linear(x, weight.to(x.dtype), bias)  # bfloat16 weights (bf16_weights): widened, float32 products
     return F.gelu(y) if gelu else y
+
+
+WEIGHTS = ("float32", "bfloat16")  # the choices of bf16_weights' callers (--weights, the text app's decode_weights)
+
+
+def bf16_weights(model: nn.Module) -> int:
+    """Store every efftx :class:`Linear` weight of ``model`` in bfloat16, in place, for decoding on a CPU (weight-only:
+    see the module docstring); returns how many it cast. For inference: the weights become frozen parameters (no
+    gradient), and a model on another device is refused, since there a whole-model bfloat16 (or float16) runs on
+    the accelerator's own units instead."""
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    for layer in layers:
+        if layer.weight.device.type != "cpu":
+            raise ValueError(f"bfloat16 weights are a CPU decoding option; this model's weights are on "
+                             f"{layer.weight.device.type} (there, run the whole model in bfloat16)")
+        if layer.weight.dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"bfloat16 weights need float32 Linear weights, got {layer.weight.dtype}")
+    for layer in layers:
+        layer.weight = nn.Parameter(layer.weight.detach().to(torch.bfloat16).contiguous(), requires_grad=False)
+    return len(layers)
+
+
+def use_weights(model: nn.Module, weights: str) -> nn.Module:
+    """``model`` with its Linear weights in ``weights`` (:data:`WEIGHTS`: ``float32`` leaves it as it is,
+    ``bfloat16`` casts them, :func:`bf16_weights`)."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    if weights == "bfloat16":
+        bf16_weights(model)
+    return model
 
 
 class Linear(nn.Linear):

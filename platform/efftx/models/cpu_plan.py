@@ -11,8 +11,9 @@ for bit the module path's (tests/test_cpu_plan.py holds the two together), in ab
 
 :func:`plan_for` says, per pass, whether the plan runs it: the model a plain dense LM (full attention with the
 rotary, RMSNorm, not reversible; :func:`unsupported` names what is not), no autograd recorded, float32 CPU
-weights, at most ``decode_attention_cpu.MAX_QUERIES`` tokens a row (passes of more than ``linear_cpu.MAX_ROWS``
-rows x tokens, a batch's speculative verify, take torch's products there, as the module path does), every
+weights (the Linear weights float32 or bfloat16, :func:`~efftx.kernels.linear_cpu.bf16_weights`), at most
+``decode_attention_cpu.MAX_QUERIES`` tokens a row (passes of more than ``linear_cpu.MAX_ROWS`` rows x tokens, a
+batch's speculative verify, take torch's products there, as the module path does), every
 layer's cache a contiguous float32 :class:`~efftx.attention.cache.KVCache`, the three kernels switched on and
 built, no dropout that would drop, and no forward hook on any module the pass would call (a hook runs where the
 module path runs). A plan follows its model: made again after any module, parameter or buffer is registered
@@ -104,9 +105,12 @@ def unsupported(model) -> str | None:
             return f"block {i}'s feed-forward is not a plain MLP"
         if not all(_linear_ok(layer) for layer in (attn.q, attn.kv, attn.out, mlp.up, mlp.down)):
             return f"block {i}'s projections are not efftx's Linear"
+    # float32 throughout, but for the Linear weights, which may be bfloat16 (linear_cpu.bf16_weights)
+    linears = {id(m.weight) for m in model.modules() if isinstance(m, linear_cpu.Linear)}
     tensors = [p for p in model.parameters()] + [model.rotary.cos, model.rotary.sin]
-    if any(t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
-        return "weights that are not contiguous float32 CPU tensors"
+    if any(t.device.type != "cpu" or not t.is_contiguous()
+           or t.dtype not in (linear_cpu.WEIGHT_DTYPES if id(t) in linears else (torch.float32,)) for t in tensors):
+        return "weights that are not contiguous float32 CPU tensors (Linear weights: float32 or bfloat16)"
     return None
 
 

@@ -27,6 +27,7 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from efftx.generation.compiled import COMPILE_CHOICES
+from efftx.kernels.linear_cpu import WEIGHTS
 from efftx.serving.continuous import slowdown_ok
 from efftx.serving.devices import DEVICES
 from efftx.serving.images import ImageLimits
@@ -43,6 +44,8 @@ CONTINUOUS_ONLY = (*PRIORITY, "warm_up_rows", "compile", "compile_rows", "cache_
                    "cache_fraction")  # settings of continuous batching alone
 Compile = Literal["auto", "on", "off"]
 assert get_args(Compile) == COMPILE_CHOICES, "Compile and efftx.generation.compiled.COMPILE_CHOICES disagree"
+Weights = Literal["float32", "bfloat16"]
+assert get_args(Weights) == WEIGHTS, "Weights and efftx.kernels.linear_cpu.WEIGHTS disagree"
 
 _PATH = ("an export folder or an MLflow registered-model URI (models:/NAME@champion, models:/NAME/VERSION or "
          "models:/NAME/latest)")
@@ -140,6 +143,11 @@ class TextAppArgs(BaseModel):
     limits: Limits | None = Field(None, description=(
         "Request limits of the text endpoints (:class:`efftx.serving.schemas.Limits`; unset fields keep their "
         "defaults): a mapping, or its JSON text. GET /openapi.json states them as the bounds of the fields."))
+    decode_weights: Weights | None = Field(None, description=(
+        "The Linear weights of the target and draft as the replicas hold them on a CPU: ``float32`` (the default) or "
+        "``bfloat16`` (weight-only: activations, norms, embeddings and caches stay float32; half the weights' memory "
+        "and bytes to read a decoding step, :func:`efftx.kernels.linear_cpu.bf16_weights`). Outputs follow the "
+        "weights rounded to bfloat16. A CPU option: refused on a CUDA device."))
     # ---------------------------------------------------------------- devices
     device: Device = Field("auto", description=(
         "Where the models run. ``auto``: CUDA when the replica was given a GPU share and torch sees a CUDA device, "
@@ -199,7 +207,7 @@ class TextAppArgs(BaseModel):
         """The continuous-batching priority settings given (the scheduler's defaults for the others)."""
         return {k: getattr(self, k) for k in PRIORITY if getattr(self, k) is not None}
 
-    @field_validator("batching", "device", "compile", mode="before")
+    @field_validator("batching", "device", "compile", "decode_weights", mode="before")
     @classmethod
     def _normalized(cls, value: Any) -> Any:
         return value.strip().lower() if isinstance(value, str) else value

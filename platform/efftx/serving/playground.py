@@ -19,6 +19,7 @@ from pathlib import Path
 
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import FileResponse, RedirectResponse
+from torch import nn
 
 from efftx.serving.schemas import ModelCard
 
@@ -62,6 +63,12 @@ def mlflow_version(source: str) -> tuple[str | None, str | None]:
         return name, version or None
 
 
+def linear_weights(model) -> str:
+    """The dtype the model's Linear weights are held in (``float32``; ``bfloat16`` with ``decode_weights``)."""
+    dtypes = {str(m.weight.dtype).removeprefix("torch.") for m in model.modules() if isinstance(m, nn.Linear)}
+    return ",".join(sorted(dtypes)) or "none"
+
+
 def model_card(role: str, model, cfg, source: str, model_id: str) -> ModelCard:
     """The card of a loaded LM; ``cfg``: the run config of its export."""
     name, version = mlflow_version(source)
@@ -69,7 +76,8 @@ def model_card(role: str, model, cfg, source: str, model_id: str) -> ModelCard:
                      recipe=cfg.recipe, parameters=sum(p.numel() for p in model.parameters()),
                      device=str(next(model.parameters()).device),
                      details={"attention": cfg.attention.kind, "depth": cfg.model.depth, "dim": cfg.model.dim,
-                              "context": cfg.model.max_seq_len, "vocab_size": cfg.model.vocab_size})
+                              "context": cfg.model.max_seq_len, "vocab_size": cfg.model.vocab_size,
+                              "linear_weights": linear_weights(model)})
 
 
 def image_card(info: dict) -> ModelCard:

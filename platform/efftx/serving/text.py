@@ -96,6 +96,7 @@ from efftx.data.lm_tokenizer import export_codec, same_tokenizer
 from efftx.generation.decode import iter_generate
 from efftx.generation.device_slots import compile_knobs
 from efftx.generation.speculative import SpecStats, iter_speculative, iter_speculative_rows
+from efftx.kernels.linear_cpu import use_weights
 from efftx.serving import metrics
 from efftx.serving.app_args import TextAppArgs
 from efftx.serving.continuous import Job, Sampling, Scheduler, warm_up
@@ -244,7 +245,7 @@ class TextGenerator:
                  batch_wait_timeout_s: float | None = None, images=None, image_limits: dict[str, Any] | None = None,
                  device: str = "auto", batching: str = "continuous", priority: dict[str, int | float] | None = None,
                  warm_up_rows: int = 16, threads: int = 1, compile: str = "off", compile_rows: int | None = None,
-                 cache_mib: float | None = None, cache_fraction: float | None = None):
+                 cache_mib: float | None = None, cache_fraction: float | None = None, weights: str = "float32"):
         from efftx.export import load_export, resolve_export
 
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
@@ -262,6 +263,9 @@ class TextGenerator:
         self.codec = export_codec(target_dir, self.target_cfg)
         draft_dir = resolve_export(draft) if draft else None
         self.draft, draft_cfg, _ = load_export(draft_dir, self.device) if draft else (None, None, None)
+        for model in (self.target, self.draft):  # decode_weights: bfloat16 Linear weights on a CPU
+            if model is not None:
+                use_weights(model, weights)
         if self.draft is not None:
             problem = same_tokenizer(self.codec, export_codec(draft_dir, draft_cfg))
             if problem is None and self.draft.vocab_size != self.target.vocab_size:
@@ -698,6 +702,9 @@ def build_with(args: TextAppArgs | dict[str, Any], *, text_deployment=TextGenera
     ``text_deployment`` / ``image_deployment``: the deployments to bind (tests pass subclasses of these)."""
     args = TextAppArgs.model_validate(args)  # a TextAppArgs is returned as it is
     device, text_gpus, image_gpus = resolve_build_devices(args.device, args.num_gpus, args.image_num_gpus)
+    if args.decode_weights == "bfloat16" and device == "cuda":
+        raise ValueError("decode_weights=bfloat16 is a CPU option (weight-only bfloat16 for CPU decoding); "
+                         "the text replicas would run on cuda")
     max_batch_size, batch_wait_timeout_s = batch_defaults(args.batching, args.max_batch_size,
                                                           args.batch_wait_timeout_s)
     images = None
@@ -712,5 +719,6 @@ def build_with(args: TextAppArgs | dict[str, Any], *, text_deployment=TextGenera
         device=device, batching=args.batching, **({"priority": args.priority()} if args.priority() else {}),
         **({"warm_up_rows": args.warm_up_rows} if args.warm_up_rows is not None else {}),
         **({"threads": args.threads} if args.threads is not None else {}),
+        **({"weights": args.decode_weights} if args.decode_weights is not None else {}),
         **{k: getattr(args, k) for k in ("compile", "compile_rows", "cache_mib", "cache_fraction")
            if getattr(args, k) is not None})
