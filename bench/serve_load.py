@@ -2,7 +2,7 @@
 
     python bench/serve_load.py [--clients 16] [--requests 64] [--modes base,speculative] [--rounds 1]
                                [--target PATH --draft PATH | --size small|debug] [--quick] [--device cpu|cuda]
-                               [--short-slowdown X]
+                               [--short-slowdown X] [--decode-weights float32|bfloat16]
     python bench/serve_load.py --inprocess [--device cpu|cuda] [--clock cpu|wall] [--threads N] [--adaptive-gamma]
                                [--compile off|on|auto] [--compile-rows N] [--long-prompts BYTES]
                                [--prefill-chunk TOKENS] [--one-pass] [--steps-per-round N] [the load options]
@@ -276,14 +276,16 @@ def print_step_costs(floors: dict[str, dict[int, float]], eager: dict[str, dict[
             for n, ms in sorted(costs.items())), flush=True)
 
 
-def load_models(paths: dict, device: str, threads: int = 1):
+def load_models(paths: dict, device: str, threads: int = 1, weights: str = "float32"):
     """(target, draft or None) on ``device``, with ``threads`` torch threads (a replica's ``threads``; the
-    scheduler's decoding thread takes them from here)."""
+    scheduler's decoding thread takes them from here) and their Linear weights in ``weights`` (a replica's
+    ``decode_weights``)."""
     from efftx.export import load_export
+    from efftx.kernels.linear_cpu import use_weights
 
     torch.set_num_threads(threads)
-    target = load_export(paths["target"], device)[0]
-    draft = load_export(paths["draft"], device)[0] if "draft" in paths else None
+    target = use_weights(load_export(paths["target"], device)[0], weights)
+    draft = use_weights(load_export(paths["draft"], device)[0], weights) if "draft" in paths else None
     return target, draft
 
 
@@ -606,6 +608,9 @@ def main() -> None:
     p.add_argument("--short-slowdown", type=float, default=None,
                    help="the continuous configuration's short_slowdown (the scheduler's measured-cost priority; "
                         "default: the scheduler's, 1.5; 0: only long_every)")
+    p.add_argument("--decode-weights", default="float32", choices=["float32", "bfloat16"],
+                   help="the models' Linear weights, in-process and in the replicas (the text app's decode_weights; "
+                        "bfloat16: weight-only, CPU only)")
     p.add_argument("--clock", default=None, choices=["cpu", "wall"], help="--inprocess: the decoding thread's CPU "
                                                                           "clock (default on cpu) or the wall clock "
                                                                           "(default on cuda)")
@@ -618,6 +623,8 @@ def main() -> None:
         p.error("--clock cpu measures the decoding thread, not the GPU: use --clock wall with --device cuda")
     if args.threads < 1:
         p.error(f"--threads must be at least 1, got {args.threads}")
+    if args.decode_weights == "bfloat16" and args.device == "cuda":
+        p.error("--decode-weights bfloat16 is a CPU option (weight-only bfloat16 for CPU decoding)")
     if args.compile_rows is not None and (args.compile == "off" or args.compile_rows < 1):
         p.error(f"--compile-rows takes a count >= 1 with --compile on|auto, got {args.compile_rows} with --compile "
                 f"{args.compile}")
@@ -654,13 +661,16 @@ def main() -> None:
         note = f"models: {paths}"
     else:
         paths, note = export_models(args.size)
+    if args.decode_weights != "float32":
+        note += f"; Linear weights in {args.decode_weights} (decode_weights)"
     load_before = " ".join(f"{x:.1f}" for x in os.getloadavg())
     rng = random.Random(0)
     # a fixed mix of lengths (the same for every configuration): a third short, the rest spread up to max_new
     lengths = [rng.choice([args.min_new, SHORT]) if i % 3 == 0 else rng.randint(args.min_new, args.max_new)
                for i in range(args.requests)]
     counts = sorted({1, 4, 8, args.clients})
-    target, draft = load_models(paths, args.device, args.threads)  # in this process: the step costs (and --inprocess)
+    # in this process: the step costs (and --inprocess)
+    target, draft = load_models(paths, args.device, args.threads, args.decode_weights)
     host: tuple[dict, dict] = ({}, {})  # the scheduler's own us per round in those steps: eager, compiled
     floors = step_costs(target, draft, counts, modes, host=host[0])
     compiled = {}
@@ -705,7 +715,8 @@ def main() -> None:
                 devices = {"device": "cuda", "num_gpus": 1} if cuda else {"threads": args.threads}
                 app_compile = ({"compile": args.compile, "compile_rows": args.compile_rows}
                                if args.compile != "off" and cfg["batching"] == "continuous" else {})
-                serve.run(build(TextAppArgs(**paths, name="load", limits=limits, **devices, **cfg, **app_compile)),
+                serve.run(build(TextAppArgs(**paths, name="load", limits=limits, **devices, **cfg, **app_compile,
+                                            decode_weights=args.decode_weights)),
                           name="load", route_prefix="/")
                 for mode in modes:
                     one(url, body_for(0, 16, mode), False, args.timeout)  # warm-up

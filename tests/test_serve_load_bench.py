@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("serve_load", REPO / "bench" / "serve_load.py")
@@ -144,6 +145,21 @@ def test_speculative_batches_take_several_steps_a_round_under_the_load(tmp_path)
     assert multi["timing"]["rounds"] < one["timing"]["rounds"]  # the same work in fewer scheduling rounds
     assert re.search(r"^\s+\[info\] speculative: 4 steps a round while nothing waits: requests/s [\d.]+x one step's; ",
                      proc.stdout, re.M), proc.stdout
+
+
+def test_the_load_decodes_with_bf16_weights_when_asked(tmp_path):
+    """``--decode-weights bfloat16``: the scheduler's models hold bfloat16 Linear weights (as a replica's with the
+    text app's ``decode_weights``), and the load runs without an error."""
+    out = tmp_path / "figures.json"
+    proc = bench("--inprocess", "--size", "debug", "--modes", "speculative", "--configs", "continuous", "--requests",
+                 "4", "--clients", "2", "--max-new", "16", "--unloaded", "1", "--decode-weights", "bfloat16",
+                 "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "; Linear weights in bfloat16 (decode_weights)" in proc.stdout
+    assert all((r["ok"], r["errors"]) == (4, 0) for (r,) in json.loads(out.read_text()).values())
+    paths, _ = serve_load.export_models("debug")
+    for model in serve_load.load_models(paths, "cpu", 1, "bfloat16"):
+        assert model.blocks[0].attn.fn.q.weight.dtype == torch.bfloat16 and model.embed.weight.dtype == torch.float32
 
 
 @pytest.mark.parametrize("rps, p99, errors, marks", [
