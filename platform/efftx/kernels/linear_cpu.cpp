@@ -12,7 +12,7 @@
 // weights.
 //
 // Output rows are split over torch's intra-op threads (at::parallel_for) in blocks of 4 weight rows; each block
-// multiplies its 4 weight rows, 16 floats at a time, with the rows of x in tiles of 4, 2 and 1, keeping one vector
+// multiplies its 4 weight rows, 16 floats at a time, with the rows of x in tiles of 6, 4, 2 and 1, keeping one vector
 // accumulator per (x row, weight row). Each output y[m, j] is accumulated in the same order whatever M, the tile
 // holding row m or the thread: a row's result is bit for bit the same alone or among other rows.
 //
@@ -146,6 +146,7 @@ inline void tile(const float* __restrict xs, const T* __restrict w, const float*
 template <int R, class T>
 void block(const float* x, const T* w, const float* b, int64_t M, int64_t K, float* y, int64_t N) {
   int64_t m = 0;
+  for (; m + 6 <= M; m += 6) tile<6, R>(x + m * K, w, b, K, y + m * N, N);
   for (; m + 4 <= M; m += 4) tile<4, R>(x + m * K, w, b, K, y + m * N, N);
   for (; m + 2 <= M; m += 2) tile<2, R>(x + m * K, w, b, K, y + m * N, N);
   for (; m < M; ++m) tile<1, R>(x + m * K, w, b, K, y + m * N, N);
