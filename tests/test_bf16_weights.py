@@ -182,6 +182,22 @@ def test_compiled_graphs_take_bf16_weights_through_the_operator():
         assert torch.equal(fn(x), want_layer(x, gelu=True)) and graphs[-1]
 
 
+def test_compiled_decoding_with_bf16_weights_gives_the_eager_tokens():
+    """torch.compile'd base decoding and speculative passes (efftx.generation.compiled) over bfloat16 weights: the
+    tokens of eager decoding, and greedy speculative equal to greedy base."""
+    torch.manual_seed(0)
+    target = build(recipes.get("spec_target_debug")).eval()
+    torch.manual_seed(1)
+    draft = build(recipes.get("spec_draft_debug")).eval()
+    for m in (target, draft):
+        linear_cpu.bf16_weights(m)
+    prompts = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(2))
+    eager = generate(target, prompts, 12, temperature=0)
+    assert torch.equal(generate(target, prompts, 12, temperature=0, compile="on"), eager)
+    spec, _ = speculative_generate(target, draft, prompts.tolist(), 12, gamma=3, temperature=0, compile="on")
+    assert spec == eager.tolist()
+
+
 EXPORT = str(Path(__file__).parent / "data" / "export_v0")
 
 
