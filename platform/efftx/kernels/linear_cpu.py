@@ -21,7 +21,7 @@ reference (tests/test_linear_cpu.py holds them together over many shapes).
 :func:`bf16_weights` stores a model's Linear weights in bfloat16 for decoding on a CPU (weight-only: activations,
 biases, norms, embeddings and caches stay float32): the kernel widens each weight to float32 in registers (exact)
 and multiplies as before, reading half the bytes, so a one-row product bound by reading its weights takes about
-two thirds of the time (``bench/speculative.py --weights float32,bfloat16`` prints it side by side) and the weights
+two thirds of the time (``bench/speculative.py --bf16-weights`` prints it side by side) and the weights
 take half the memory; where many rows make the product compute-bound it costs about what float32 does. The result
 is bit for bit the float32 kernel's on the widened weights (rounding each weight to bfloat16 is the only change), so
 greedy speculative decoding still matches base decoding under it. Products the kernel does not take (past
