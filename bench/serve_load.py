@@ -560,6 +560,8 @@ def export_models(size: str) -> tuple[dict, str]:
 
 
 def main() -> None:
+    from efftx.kernels.linear_cpu import WEIGHTS
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--requests", type=int, default=64, help="requests per configuration and mode")
@@ -608,7 +610,7 @@ def main() -> None:
     p.add_argument("--short-slowdown", type=float, default=None,
                    help="the continuous configuration's short_slowdown (the scheduler's measured-cost priority; "
                         "default: the scheduler's, 1.5; 0: only long_every)")
-    p.add_argument("--decode-weights", default="float32", choices=["float32", "bfloat16"],
+    p.add_argument("--decode-weights", default="float32", choices=WEIGHTS,
                    help="the models' Linear weights, in-process and in the replicas (the text app's decode_weights; "
                         "bfloat16: weight-only, CPU only)")
     p.add_argument("--clock", default=None, choices=["cpu", "wall"], help="--inprocess: the decoding thread's CPU "

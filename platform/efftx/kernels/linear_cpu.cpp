@@ -216,12 +216,13 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::
   const float* xp = x2.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t blocks = (N + 3) / 4;
+  const auto run = [&](const auto* wp) {
+    at::parallel_for(0, blocks, 16, [&](int64_t lo, int64_t hi) { columns(xp, wp, bp, M, K, yp, N, lo, hi, gelu); });
+  };
   if (half) {
-    const bf16* wp = reinterpret_cast<const bf16*>(w.data_ptr<at::BFloat16>());
-    at::parallel_for(0, blocks, 16, [&](int64_t lo, int64_t hi) { columns(xp, wp, bp, M, K, yp, N, lo, hi, gelu); });
+    run(reinterpret_cast<const bf16*>(w.data_ptr<at::BFloat16>()));
   } else {
-    const float* wp = w.data_ptr<float>();
-    at::parallel_for(0, blocks, 16, [&](int64_t lo, int64_t hi) { columns(xp, wp, bp, M, K, yp, N, lo, hi, gelu); });
+    run(w.data_ptr<float>());
   }
   auto sizes = x.sizes().vec();
   sizes.back() = N;
