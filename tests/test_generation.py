@@ -31,6 +31,23 @@ def test_temperature_zero_is_greedy_and_sampling_is_seeded():
     assert any((draw(3) != draw(s)).any() for s in range(4, 12))
 
 
+@pytest.mark.parametrize("kernel", [True, False])
+def test_a_top_k_at_or_past_the_vocabulary_keeps_every_token(kernel):
+    """top_k >= V is no filter, whatever its size: a top_k past 64 bits was a TypeError from the C++ kernel's
+    binding (a 500 over HTTP, found by the fuzz test)."""
+    from contextlib import nullcontext
+
+    from efftx.kernels import sampling_cpu
+
+    logits = torch.randn(3, 40)
+    with nullcontext() if kernel else sampling_cpu.disabled():
+        for temperature, top_p in ((0.8, 1.0), (1.3, 0.9), (9.8e-126, 1.0)):
+            free = probabilities(logits, temperature, 0, top_p)
+            for k in (40, 41, 2**63 - 1, 2**63, 801822355082104390287360):
+                assert torch.equal(probabilities(logits, temperature, k, top_p), free), (temperature, k)
+        assert not torch.equal(probabilities(logits, 0.8, 39, 1.0), probabilities(logits, 0.8, 0, 1.0))
+
+
 def test_sampled_tokens_follow_the_filtered_distribution():
     logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]]).repeat(20000, 1)
     tokens = sample(logits, temperature=1.0, top_k=3, generator=torch.Generator().manual_seed(0))

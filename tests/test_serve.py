@@ -409,6 +409,10 @@ def test_openai_image_size_below_the_minimum_is_a_422_naming_size(server):
     ("/generate", {"prompt": "hi", "max_new_tokens": 4, "temperature": "0.5"}, "temperature"),
     ("/generate", {"prompt": "\ud800", "max_new_tokens": 4}, "prompt"),  # a lone surrogate: was a 500
     ("/generate", {"prompt": "hi", "max_new_tokens": 4, "gamma": 42}, "gamma"),  # base mode too, as the schema says
+    ("/generate", {"prompt": "hi", "max_new_tokens": 4, "mode": "speculative", "temperature": 9.8e-126,
+                   "top_k": 801822355082104390287360}, "top_k"),  # was a 500 (the fuzz test's find)
+    ("/generate", {"prompt": "hi", "max_new_tokens": 4, "top_k": 2**63}, "top_k"),
+    ("/generate/stream", {"prompt": "hi", "max_new_tokens": 4, "top_k": 2**64}, "top_k"),
     ("/generate/stream", {"prompt": "hi", "max_new_tokens": 4, "seed": 2**64}, "seed"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 4, "seed": 2**64, "stream": True}, "seed"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "stream": "yes"}, "stream"),
@@ -443,6 +447,10 @@ def test_tiny_temperatures_and_top_p_decode_greedily(server):
         tiny = text_of(post(f"{server}/generate", json={"prompt": "def ", "max_new_tokens": 12, "temperature": t,
                                                          "mode": "both", "gamma": 3, "seed": 4}))
         assert {m: r["text"] for m, r in tiny.items()} == {m: r["text"] for m, r in greedy.items()}
+    sampled = {"prompt": "def ", "max_new_tokens": 12, "temperature": 0.9, "mode": "both", "gamma": 3, "seed": 4}
+    free = text_of(post(f"{server}/generate", json=sampled))
+    wide = text_of(post(f"{server}/generate", json={**sampled, "top_k": 2**63 - 1}))  # past the vocabulary: no filter
+    assert {m: r["text"] for m, r in wide.items()} == {m: r["text"] for m, r in free.items()}
     nucleus = text_of(post(f"{server}/generate", json={"prompt": "def ", "max_new_tokens": 12, "temperature": 1.0,
                                                         "top_p": 1e-300, "mode": "both", "gamma": 3, "seed": 4}))
     assert nucleus["base"]["text"] == greedy["base"]["text"]  # one token left: the argmax
@@ -466,7 +474,7 @@ def test_the_schema_states_the_configured_limits(server):
     assert (gen["gamma"]["minimum"], gen["gamma"]["maximum"]) == (1, 8)  # gamma 42 was refused, the schema said nothing
     assert gen["max_new_tokens"]["maximum"] == LIMITS["max_new_tokens"] and gen["prompt"]["maxLength"] == 64
     assert gen["temperature"]["maximum"] == 2.0
-    assert gen["seed"]["anyOf"][0]["maximum"] == 2**63 - 1  # exact (FastAPI alone writes a float: 2**63)
+    assert gen["seed"]["anyOf"][0]["maximum"] == gen["top_k"]["maximum"] == 2**63 - 1  # exact (FastAPI: 2**63)
     assert props["CompletionRequest"]["model"]["enum"] == ["tiny", "tiny-speculative"]
     img = props["ImageRequest"]
     assert (img["n"]["maximum"], img["cond_scale"]["maximum"], img["size"]["anyOf"][0]["maximum"]) == (4, 5, 1024)

@@ -47,7 +47,10 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
 
 def probabilities(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """The distribution tokens are drawn from; a greedy temperature (see :func:`is_greedy`) is one-hot at the argmax.
-    Float32 CPU logits without autograd take the C++ kernel (:mod:`efftx.kernels.sampling_cpu`)."""
+    Float32 CPU logits without autograd take the C++ kernel (:mod:`efftx.kernels.sampling_cpu`). A ``top_k`` of
+    the vocabulary or more keeps every token, as 0 does (any Python int: the kernel takes 64 bits)."""
+    if top_k >= logits.shape[-1]:
+        top_k = 0
     fused = sampling_cpu.probabilities(logits, temperature, top_k, top_p)
     if fused is not None:
         return fused

@@ -23,6 +23,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from efftx.generation.sampling import MIN_TEMPERATURE
 
+TOP_K_MAX = 2**63 - 1  # top_k reaches the sampling kernel as a 64-bit integer; the vocabulary's size or more keeps all
 SEED_MAX = 2**63 - 1  # seeds are 0..2**63-1 (torch.Generator.manual_seed takes 64 bits; this leaves room)
 
 
@@ -67,7 +68,8 @@ class GenerateRequest(BaseModel):
                                                                "max_new_tokens (+ gamma + 1 when speculative) "
                                                                "within the model's context")
     temperature: Temperature = 0.8
-    top_k: int = Field(default=0, ge=0, description="0 = no top-k filter")
+    top_k: int = Field(default=0, ge=0, le=TOP_K_MAX, description="0 = no top-k filter; the vocabulary's size "
+                                                                 "or more keeps every token too")
     top_p: TopP = 1.0
     seed: Seed | None = None
     mode: Literal["base", "speculative", "both"] = "base"
@@ -238,7 +240,7 @@ def apply_field_limits(schema: dict, limits: dict[str, dict]) -> dict:
 
 def exact_integer_bounds(schema: dict) -> dict:
     """FastAPI writes every ``minimum``/``maximum`` as a float (``2**63 - 1`` becomes ``9.223372036854776e+18``,
-    i.e. 2**63): integer fields get integer bounds back, and seeds their exact maximum."""
+    i.e. 2**63): integer fields get integer bounds back, and seeds and top_k their exact maximum."""
     def walk(node):
         if isinstance(node, dict):
             if node.get("type") == "integer":
@@ -253,11 +255,11 @@ def exact_integer_bounds(schema: dict) -> dict:
 
     walk(schema)
     for model in schema.get("components", {}).get("schemas", {}).values():
-        if "seed" in model.get("properties", {}):
-            prop = model["properties"]["seed"]
-            for branch in prop.get("anyOf", [prop]):
+        for field, top in (("seed", SEED_MAX), ("top_k", TOP_K_MAX)):
+            prop = model.get("properties", {}).get(field)
+            for branch in [] if prop is None else prop.get("anyOf", [prop]):
                 if branch.get("type") == "integer":
-                    branch.update(minimum=0, maximum=SEED_MAX)
+                    branch.update(minimum=0, maximum=top)
     return schema
 
 
