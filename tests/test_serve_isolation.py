@@ -17,6 +17,7 @@ One Serve instance holds three apps built by :func:`efftx.serving.text.build` ov
 from __future__ import annotations
 
 import json
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -288,7 +289,8 @@ def test_the_image_replica_answers_while_it_draws(apps):
 
 
 # ---------------------------------------------------------------------------------------------- fuzz
-FUZZ_EXAMPLES = 100  # per operation and generation mode (positive, negative)
+# per operation and generation mode (positive, negative); EFFTX_FUZZ_EXAMPLES=N runs a longer search
+FUZZ_EXAMPLES = int(os.environ.get("EFFTX_FUZZ_EXAMPLES", "100"))
 
 
 def test_fuzz_every_operation_no_5xx_and_still_healthy(apps):
