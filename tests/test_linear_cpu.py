@@ -106,6 +106,32 @@ def test_a_rows_result_is_bit_for_bit_the_same_alone_and_in_any_batch():
                 torch.set_num_threads(threads)
 
 
+def test_the_prefetch_changes_no_result_and_its_switch_is_restored():
+    """A block's first tile asks for the next block's weights (linear_cpu.cpp): the same bits with it off, at every
+    row count (a first tile of 6, 4, 2 or 1 rows), N around the blocks (the last full block asks for none past the
+    weights), float32 and bfloat16 weights, both thread counts; without_prefetch puts the setting back."""
+    g = torch.Generator().manual_seed(5)
+    threads = torch.get_num_threads()
+    for k, n in ((192, 768), (17, 9), (100, 12), (768, 192)):
+        w32 = torch.randn(n, k, generator=g)
+        b = torch.randn(n, generator=g)
+        for w in (w32, w32.to(torch.bfloat16)):
+            for rows in (1, 2, 3, 4, 5, 6, 7, 12, 16):
+                x = torch.randn(rows, k, generator=g)
+                for nthreads in {1, threads}:
+                    torch.set_num_threads(nthreads)
+                    try:
+                        on = MODULE.linear(x, w, b, True)
+                        with linear_cpu.without_prefetch():
+                            off = MODULE.linear(x, w, b, True)
+                    finally:
+                        torch.set_num_threads(threads)
+                    assert torch.equal(on, off), (k, n, w.dtype, rows, nthreads)
+    with linear_cpu.without_prefetch():
+        assert MODULE.set_prefetch(False) is False  # off inside (and still off after this call)
+    assert MODULE.set_prefetch(True) is True  # back on after
+
+
 def test_which_calls_take_the_kernel():
     w = torch.randn(16, 32, requires_grad=True)
     x = torch.randn(1, 8, 32)
