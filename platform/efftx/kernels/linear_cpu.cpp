@@ -132,9 +132,9 @@ inline void prefetch4(const T* p, int64_t K, int64_t k) {
 
 // G rows of x (from xs) against R <= 4 weight rows (from w): y[g * ldy + r] = x_g . w_r (+ b[r]). ``next``: the
 // weight rows to ask the memory for meanwhile (the next block's, on a block's first tile; else null).
-template <int G, int R, class T, class U>
+template <int G, int R, class T>
 inline void tile(const float* __restrict xs, const T* __restrict w, const float* __restrict b, int64_t K,
-                 float* __restrict y, int64_t ldy, const U* next) {
+                 float* __restrict y, int64_t ldy, const T* next) {
   vec acc[G][4];
   for (int g = 0; g < G; ++g)
     for (int r = 0; r < 4; ++r) acc[g][r] = vec{};  // rows past R stay zero (the same reduction for every R)
@@ -159,8 +159,8 @@ inline void tile(const float* __restrict xs, const T* __restrict w, const float*
 }
 
 // the first tile (the one that reads the block from memory) asks for ``next`` meanwhile
-template <int R, class T, class U>
-void block(const float* x, const T* w, const float* b, int64_t M, int64_t K, float* y, int64_t N, const U* next) {
+template <int R, class T>
+void block(const float* x, const T* w, const float* b, int64_t M, int64_t K, float* y, int64_t N, const T* next) {
   int64_t m = 0;
   for (; m + 6 <= M; m += 6, next = nullptr) tile<6, R>(x + m * K, w, b, K, y + m * N, N, next);
   for (; m + 4 <= M; m += 4, next = nullptr) tile<4, R>(x + m * K, w, b, K, y + m * N, N, next);
@@ -168,9 +168,9 @@ void block(const float* x, const T* w, const float* b, int64_t M, int64_t K, flo
   for (; m < M; ++m, next = nullptr) tile<1, R>(x + m * K, w, b, K, y + m * N, N, next);
 }
 
-template <class T, class U>
+template <class T>
 void block_of(const float* xp, const T* wj, const float* bj, int64_t M, int64_t K, float* yj, int64_t N, int64_t R,
-              const U* next) {
+              const T* next) {
   switch (R) {
     case 4: block<4>(xp, wj, bj, M, K, yj, N, next); break;
     case 3: block<3>(xp, wj, bj, M, K, yj, N, next); break;
@@ -201,7 +201,7 @@ void columns(const float* xp, const T* wp, const float* bp, int64_t M, int64_t K
         std::memcpy(scratch.data() + e, &v, sizeof(v));
       }
       for (; e < R * K; ++e) scratch[e] = widen(w[e]);
-      block_of(xp, scratch.data(), bj, M, K, yp + j, N, R, static_cast<const float*>(nullptr));
+      block_of<float>(xp, scratch.data(), bj, M, K, yp + j, N, R, nullptr);  // the widening loop asked for next
     } else {
       block_of(xp, wp + j * K, bj, M, K, yp + j, N, R, next);
     }
