@@ -39,8 +39,9 @@ decoding under them. Their rows do not count for the goals (a different model's 
 ``--costs``: per batch size, the eager and compiled cost (fastest of 15 calls) of one target pass of 1 token (a base step), of
 gamma + 1 tokens (a verify pass) and of one draft step, and the speedup they allow at a given acceptance:
 (1 + accepted) * base step / (gamma * draft step + verify pass); on a CPU, the eager costs again with the linear
-kernel's prefetch off (``efftx.kernels.linear_cpu.without_prefetch``) and what the prefetch gains per pass. All
-figures come from this one run.
+kernel's prefetch off (``efftx.kernels.linear_cpu.without_prefetch``) and what the prefetch gains per pass, and with
+the attention kernel key by key (``efftx.kernels.decode_attention_cpu.key_by_key``, its reference) and what its
+blocked path gains per pass. All figures come from this one run.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from efftx.generation.compiled import StaticDecoder, capacity_for
 from efftx.generation.decode import Rows, generate
 from efftx.generation.sampling import sample
 from efftx.generation.speculative import SpecStats, speculative_generate
+from efftx.kernels.decode_attention_cpu import key_by_key
 from efftx.kernels.linear_cpu import bf16_weights, without_prefetch
 from efftx.paths import default_data_dir
 
@@ -301,13 +303,16 @@ def main() -> None:
                 print(f"  batch {batch} {'compiled' if mode == 'on' else 'eager':<8}"
                       + "".join(f"{k} {v:6.2f}" + "  " for k, v in c.items())
                       + f"verify/base {c['verify'] / c['base step']:.2f}  allows {allows}")
-                if mode == "off" and args.device == "cpu":  # the linear kernel's prefetch, side by side
-                    with without_prefetch():
-                        off = step_costs(target, first, batch, gamma, args.prompt_len, mode, sync)
-                    print(f"  batch {batch} eager, the linear kernel's prefetch off: "
-                          + "".join(f"{k} {v:6.2f}" + "  " for k, v in off.items())
-                          + f"verify/base {off['verify'] / off['base step']:.2f}; the prefetch makes "
-                          + ", ".join(f"a {k} {off[k] / c[k]:.2f}x" for k in c) + " as fast")
+                if mode == "off" and args.device == "cpu":  # the CPU kernels' reference paths, side by side
+                    for switch, what, gain in ((without_prefetch, "the linear kernel's prefetch off", "the prefetch"),
+                                               (key_by_key, "the attention kernel key by key",
+                                                "the blocked attention")):
+                        with switch():
+                            off = step_costs(target, first, batch, gamma, args.prompt_len, mode, sync)
+                        print(f"  batch {batch} eager, {what}: "
+                              + "".join(f"{k} {v:6.2f}" + "  " for k, v in off.items())
+                              + f"verify/base {off['verify'] / off['base step']:.2f}; {gain} makes "
+                              + ", ".join(f"a {k} {off[k] / c[k]:.2f}x" for k in c) + " as fast")
 
     header = (f"{'decoding':<44}{'batch':>6}{'gamma':>7}{'tokens/s':>10}{'vs base':>9}{'vs comp':>9}{'acc/step':>10}"
               f"{'acc/draft':>10}{'goal':>7}  met" + ("   gap ms/step (% of step)" if args.overhead else ""))

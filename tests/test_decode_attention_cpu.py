@@ -3,6 +3,7 @@ float64 softmax over many shapes and against the torch path it replaces (SDPA), 
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -342,3 +343,42 @@ def test_the_model_over_a_device_cache_attends_through_the_operator(monkeypatch)
         got = model.logits(step, device)
     assert calls == [((2, 1, model.blocks[0].attention.spec.heads, model.blocks[0].attention.spec.head_dim), True)] * 3
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(3, 6, 6, 1, 32), (2, 5, 2, 3, 40), (2, 7, 1, 4, 64), (1, 4, 2, 2, 160),
+                                   (4, 3, 3, 1, 17)], ids=lambda s: "x".join(map(str, s)))
+def test_a_new_token_is_bit_for_bit_the_same_fed_alone_or_among_the_passs_tokens(shape):
+    """The kernel takes a pass's queries several at a time (their weighted sums of the values together); a speculative
+    verify pass of gamma + 1 tokens must give each token exactly what a one-token decoding step at its position
+    gives (greedy speculative output equals base decoding), whatever its query's neighbours see."""
+    b, t, hkv, g, d = shape
+    q, k_new, v_new, cache = case(11, b, t, hkv, g, d, 90, True)
+    k0, v0, before = cache.k.clone(), cache.v.clone(), list(cache.lengths)
+    with torch.no_grad():
+        together = dac.attend(q, k_new, v_new, cache, True)
+        cache.k.copy_(k0)
+        cache.v.copy_(v0)
+        cache.lengths = list(before)
+        for i in range(t):  # one token at a time, as decoding steps feed them
+            one = dac.attend(q[:, i:i + 1].contiguous(), k_new[:, i:i + 1].contiguous(),
+                             v_new[:, i:i + 1].contiguous(), cache, True)
+            assert torch.equal(one[:, 0], together[:, i]), f"token {i}"
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(3, 6, 2, 3, 160, 70, True), (2, 9, 1, 1, 16, 200, False)],
+                         ids=lambda s: "x".join(map(str, s[:6])) + ("c" if s[6] else "n"))
+def test_the_blocked_kernel_is_bit_for_bit_its_key_by_key_reference(shape):
+    """Scores 16 keys at a time and queries four at a time through the values (with rotary in the kernel too) give
+    exactly what every score and every query on its own gives: outputs and cache contents."""
+    from efftx.models.layers import Rotary
+
+    rot = Rotary(shape[4], shape[5]) if shape[4] % 2 == 0 else None
+    runs = []
+    for reference in (False, True):
+        q, k_new, v_new, cache = case(23 + SHAPES.index(shape) if shape in SHAPES else 5, *shape)
+        with torch.no_grad(), (dac.key_by_key() if reference else contextlib.nullcontext()):
+            runs.append((dac.attend(q, k_new, v_new, cache, shape[-1], rot), cache.k, cache.v))
+    (got, k, v), (want, k_ref, v_ref) = runs
+    assert got is not None and torch.equal(got, want) and torch.equal(k, k_ref) and torch.equal(v, v_ref)
+    assert MODULE.set_blocked(True) is True  # the switch is back where it was
+

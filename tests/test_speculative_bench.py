@@ -52,17 +52,22 @@ def test_bf16_weight_rows_sit_beside_the_float32_ones_and_keep_greedy_equality()
                     "--bf16-weights", "--costs")
     assert run.returncode == 0, run.stderr[-3000:]
     assert re.findall(r"greedy output == bf16 base: (\w+)", run.stdout) == ["yes"]
-    # --costs: per batch the eager pass costs, and beside them the same with the linear kernel's prefetch off
+    # --costs: per batch the eager pass costs, and beside them the same with the linear kernel's prefetch off and
+    # with the attention kernel key by key
     number = r"\s*([\d.]+)"
     passes = rf"base step{number}  verify{number}  draft step{number}  verify/base{number}"
     for batch in (1, 2):
         on = re.search(rf"^  batch {batch} eager\s+{passes}  allows a=2: [\d.]+x", run.stdout, re.M)
-        off = re.search(rf"^  batch {batch} eager, the linear kernel's prefetch off: {passes}; the prefetch makes "
-                        rf"a base step ([\d.]+)x, a verify ([\d.]+)x, a draft step ([\d.]+)x as fast$", run.stdout, re.M)
-        assert on and off, run.stdout
-        on_ms, off_ms = [float(v) for v in on.groups()[:3]], [float(v) for v in off.groups()[:3]]
-        for a, b, ratio in zip(on_ms, off_ms, off.groups()[4:]):  # the printed ratio is off / on (ms to 0.01)
-            assert (b - 0.005) / (a + 0.005) - 0.005 <= float(ratio) <= (b + 0.005) / (a - 0.005) + 0.005, (a, b, ratio)
+        assert on, run.stdout
+        for what, gain in (("the linear kernel's prefetch off", "the prefetch"),
+                           ("the attention kernel key by key", "the blocked attention")):
+            off = re.search(rf"^  batch {batch} eager, {what}: {passes}; {gain} makes a base step ([\d.]+)x, "
+                            rf"a verify ([\d.]+)x, a draft step ([\d.]+)x as fast$", run.stdout, re.M)
+            assert off, run.stdout
+            on_ms, off_ms = [float(v) for v in on.groups()[:3]], [float(v) for v in off.groups()[:3]]
+            for a, b, ratio in zip(on_ms, off_ms, off.groups()[4:]):  # the printed ratio is off / on (ms to 0.01)
+                assert (b - 0.005) / (a + 0.005) - 0.005 <= float(ratio) <= (b + 0.005) / (a - 0.005) + 0.005, (
+                    a, b, ratio)
     for batch in (1, 2):
         assert re.search(rf"^base, KV cache, bf16 weights\s+{batch}\s+-\s+[\d,]+\s+[\d.]+x", run.stdout, re.M)
         assert re.search(rf"^speculative, untrained, bf16 weights\s+{batch}\s+5\s+[\d,]+\s+[\d.]+x.*\s-$",

@@ -18,6 +18,11 @@ output is bit for bit the same alone or in a batch (each sum is taken in one ord
 own keys). The reference is the torch path it replaces (:class:`~efftx.attention.full.FullAttention` with the
 kernel off), and a float64 softmax in the tests, over many shapes (tests/test_decode_attention_cpu.py).
 
+The kernel takes each query's scores 16 keys at a time and a row's queries four at a time through the values (see
+``decode_attention_cpu.cpp``); :func:`key_by_key` switches it to its reference inside, every score and every
+query on its own, with the same bits (tests/test_decode_attention_cpu.py holds the two together;
+``bench/speculative.py --costs`` times passes both ways side by side).
+
 ``EFFTX_CPU_ATTENTION=off`` (or :func:`disabled`, for side-by-side benches) keeps every call on the torch path;
 where the kernel cannot be built (no C++ compiler, no ninja) the calls take the torch path and the log says why,
 once. ``make setup`` builds it ahead (``python -m efftx.kernels.decode_attention_cpu``).
@@ -25,6 +30,7 @@ once. ``make setup`` builds it ahead (``python -m efftx.kernels.decode_attention
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -43,6 +49,19 @@ KERNEL = CpuKernel(__name__, "efftx_decode_attention", Path(__file__).with_name(
                    env="EFFTX_CPU_ATTENTION", op="efftx::cpu_decode_attention", shape=_shape)
 _state = KERNEL.state
 kernel, disabled, build = KERNEL.kernel, KERNEL.disabled, KERNEL.build  # disabled: benches time it side by side
+
+
+@contextmanager
+def key_by_key():
+    """Inside, the kernel takes every query's scores key by key and each query's weighted sum of the values alone
+    (the blocked path's reference: the same bits, more time), for benches and tests that hold the two side by side."""
+    module = kernel()
+    was = module.set_blocked(False) if module is not None else None
+    try:
+        yield
+    finally:
+        if module is not None:
+            module.set_blocked(was)
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, cache) -> bool:
