@@ -55,6 +55,9 @@ prompts prefilled that many tokens a round), beside ``continuous`` with whole pr
 ``--steps-per-round N``: another policy, ``multi-step`` (the scheduler's ``steps_per_round=N``: a batch runs up to
 N steps a round while nothing waits), beside ``continuous``, compared in an [info] line: requests/s, the short
 requests' p99, time to first token and the scheduling's time per round.
+``--attention-reference``: the step costs again with the CPU attention kernel key by key (its reference path,
+:func:`efftx.kernels.decode_attention_cpu.key_by_key`: the same bits), printed beside the blocked path's as their
+ratio per row count.
 ``--unpipelined``: another policy, ``unpipelined`` (the scheduler's ``pipeline=False``), beside ``continuous`` (the
 scheduler's default: base decoding's steps pipelined on CUDA, not on a CPU), compared in an [info] line as
 ``multi-step`` is.
@@ -264,14 +267,14 @@ def print_prefill_costs(eager: dict[str, dict[int, float]], compiled: dict[str, 
 
 
 def print_step_costs(floors: dict[str, dict[int, float]], eager: dict[str, dict[int, float]] | None = None,
-                     what: str = "", host: dict[str, dict[int, float]] | None = None) -> None:
+                     what: str = "", host: dict[str, dict[int, float]] | None = None, versus: str = "eager") -> None:
     """Each mode's step cost per row count (and its ratio to one row); with ``eager``, also each cost's ratio to
-    the eager step's of the same rows (measured in the same run); with ``host``, the scheduler's own time per
-    round in it (:func:`step_costs`)."""
+    the step's of the same rows in ``eager`` (measured in the same run; ``versus`` names it); with ``host``, the
+    scheduler's own time per round in it (:func:`step_costs`)."""
     for mode, costs in floors.items():
         print(f"in-process decoding step{what}, {mode}, best of 3: " + ", ".join(
             f"{n} rows {ms:.2f} ms ({ms / costs[1]:.2f}x"
-            + (f"; eager / this: {eager[mode][n] / ms:.2f}x" if eager else "")
+            + (f"; {versus} / this: {eager[mode][n] / ms:.2f}x" if eager else "")
             + (f"; scheduling {host[mode][n]:.0f} us of it" if host else "") + ")"
             for n, ms in sorted(costs.items())), flush=True)
 
@@ -607,6 +610,9 @@ def main() -> None:
     p.add_argument("--unpipelined", action="store_true",
                    help="--inprocess: another policy, continuous batching with base steps unpipelined "
                         "(pipeline=False), beside continuous (the scheduler's default: pipelined on CUDA)")
+    p.add_argument("--attention-reference", action="store_true",
+                   help="the step costs again with the CPU attention kernel key by key (its reference path, "
+                        "efftx.kernels.decode_attention_cpu.key_by_key), beside the blocked path's")
     p.add_argument("--short-slowdown", type=float, default=None,
                    help="the continuous configuration's short_slowdown (the scheduler's measured-cost priority; "
                         "default: the scheduler's, 1.5; 0: only long_every)")
@@ -625,6 +631,8 @@ def main() -> None:
         p.error("--clock cpu measures the decoding thread, not the GPU: use --clock wall with --device cuda")
     if args.threads < 1:
         p.error(f"--threads must be at least 1, got {args.threads}")
+    if args.attention_reference and args.device != "cpu":
+        p.error("--attention-reference times the CPU attention kernel: it needs --device cpu")
     if args.decode_weights == "bfloat16" and args.device == "cuda":
         p.error("--decode-weights bfloat16 is a CPU option (weight-only bfloat16 for CPU decoding)")
     if args.compile_rows is not None and (args.compile == "off" or args.compile_rows < 1):
@@ -675,6 +683,12 @@ def main() -> None:
     target, draft = load_models(paths, args.device, args.threads, args.decode_weights)
     host: tuple[dict, dict] = ({}, {})  # the scheduler's own us per round in those steps: eager, compiled
     floors = step_costs(target, draft, counts, modes, host=host[0])
+    reference = None  # --attention-reference: the same steps with the attention kernel key by key
+    if args.attention_reference:
+        from efftx.kernels.decode_attention_cpu import key_by_key
+
+        with key_by_key():
+            reference = step_costs(target, draft, counts, modes)
     compiled = {}
     if args.compile != "off":  # the app's default rows: every pass (2 rows on a CPU without the attention kernel)
         from efftx.generation.device_slots import compile_knobs
@@ -688,6 +702,8 @@ def main() -> None:
     if args.inprocess:
         print(note)
         print_step_costs(floors, host=host[0])
+        if reference:
+            print_step_costs(floors, reference, " (the attention kernel blocked)", versus="key by key")
         if compiled:
             print_step_costs(every, floors, f" compiled ({args.compile}) at every row count", host[1])
             print_prefill_costs(*prefills)
@@ -760,6 +776,8 @@ def main() -> None:
           "interpolated between the 8- and 16-token medians; fifo: continuous batching without priority, "
           "short_tokens=0)")
     print_step_costs(floors, host=host[0])
+    if reference:
+        print_step_costs(floors, reference, " (the attention kernel blocked)", versus="key by key")
     if compiled:
         print_step_costs(every, floors, f" compiled ({args.compile}) at every row count", host[1])
         print_prefill_costs(*prefills)

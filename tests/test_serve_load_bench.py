@@ -162,6 +162,22 @@ def test_the_load_decodes_with_bf16_weights_when_asked(tmp_path):
         assert model.blocks[0].attn.fn.q.weight.dtype == torch.bfloat16 and model.embed.weight.dtype == torch.float32
 
 
+def test_the_step_costs_sit_beside_the_attention_kernels_key_by_key_reference():
+    """``--attention-reference``: the step costs per row count are timed again with the CPU attention kernel key by
+    key, and printed beside the blocked path's (the same costs as the plain line's) with their ratio."""
+    proc = bench("--inprocess", "--size", "debug", "--modes", "base", "--configs", "continuous", "--requests", "2",
+                 "--clients", "2", "--max-new", "8", "--unloaded", "1", "--attention-reference")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = re.search(r"^in-process decoding step \(the attention kernel blocked\), base, best of 3: (.*)$",
+                     proc.stdout, re.M)
+    assert line, proc.stdout
+    cells = re.findall(r"(\d+) rows ([\d.]+) ms \([\d.]+x; key by key / this: ([\d.]+)x\)", line.group(1))
+    assert [int(n) for n, _, _ in cells] == [1, 2, 4, 8]
+    plain = re.search(r"^in-process decoding step, base, best of 3: (.*)$", proc.stdout, re.M)
+    assert plain and re.findall(r"(\d+) rows ([\d.]+) ms", plain.group(1)) == [(n, ms) for n, ms, _ in cells]
+    assert all(float(r) > 0 for _, _, r in cells)
+
+
 @pytest.mark.parametrize("rps, p99, errors, marks", [
     (3.0, 2.0, 0, ["met", "met", "met"]),
     (2.99, 2.01, 0, ["NOT met", "NOT met", "met"]),
