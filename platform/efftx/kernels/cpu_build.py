@@ -128,6 +128,19 @@ class CpuKernel:
         """Inside, the kernel's switch is off: every call takes the torch path it replaces."""
         return switched_off(self.state)
 
+    @contextlib.contextmanager
+    def setting(self, setter: str, value: bool):
+        """Inside, the built module's ``setter(value)`` holds (a switch of the kernel's own, e.g. the linear
+        kernel's prefetch, for benches and tests that time or check its paths side by side; the setter returns
+        the setting it replaced, which is put back after); nothing where the kernel cannot be built."""
+        module = self.kernel()
+        was = getattr(module, setter)(value) if module is not None else None
+        try:
+            yield
+        finally:
+            if module is not None:
+                getattr(module, setter)(was)
+
     def build(self, log_line=print) -> float:
         """Build (or load from the cache) the kernel ahead of the first run (``make setup``); -> seconds. Raises
         with the reason when it cannot be built."""

@@ -30,7 +30,6 @@ once. ``make setup`` builds it ahead (``python -m efftx.kernels.decode_attention
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -51,17 +50,10 @@ _state = KERNEL.state
 kernel, disabled, build = KERNEL.kernel, KERNEL.disabled, KERNEL.build  # disabled: benches time it side by side
 
 
-@contextmanager
 def key_by_key():
     """Inside, the kernel takes every query's scores key by key and each query's weighted sum of the values alone
     (the blocked path's reference: the same bits, more time), for benches and tests that hold the two side by side."""
-    module = kernel()
-    was = module.set_blocked(False) if module is not None else None
-    try:
-        yield
-    finally:
-        if module is not None:
-            module.set_blocked(was)
+    return KERNEL.setting("set_blocked", False)
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, cache) -> bool:

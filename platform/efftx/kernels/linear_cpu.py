@@ -34,7 +34,6 @@ the kernel cannot be built (no C++ compiler, no ninja) the calls take ``F.linear
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -58,17 +57,10 @@ _state = KERNEL.state
 kernel, disabled, build = KERNEL.kernel, KERNEL.disabled, KERNEL.build  # disabled: benches time it side by side
 
 
-@contextmanager
 def without_prefetch():
     """Inside, the kernel does not ask the memory for the next block of weights ahead (``linear_cpu.cpp``), for
     benches that time the prefetch side by side; results are the same bit for bit either way."""
-    module = kernel()
-    was = module.set_prefetch(False) if module is not None else None
-    try:
-        yield
-    finally:
-        if module is not None:
-            module.set_prefetch(was)
+    return KERNEL.setting("set_prefetch", False)
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
