@@ -60,7 +60,6 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t D
   return s;
 }
 
-
 // Scores of 16 keys at once: acc[k] holds key k's lane products (as dot() accumulates them); their lane sums, as
 // lane_sum() takes them (halves added pairwise: 16 -> 8 -> 4 -> 2 -> 1), come out in lane k of the result. Each
 // level adds the halves of two keys' partial sums side by side, so every key's sum is bit for bit lane_sum's.
@@ -88,8 +87,7 @@ inline float scores_block(const float* __restrict qv, const float* __restrict kb
   vec q[DV];
   for (int i = 0; i < DV; ++i) q[i] = load(qv + i * W);
   const vec scale = splat(sc);
-  const vec lowest = splat(-INFINITY);
-  vec top = lowest;
+  vec top = splat(-INFINITY);
   vec acc[W];
   for (int64_t j0 = 0; j0 < n; j0 += W) {
     const int64_t m = std::min<int64_t>(W, n - j0);
@@ -298,6 +296,13 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new, 
     std::vector<float> scores(NQ * longest);  // NQ queries' scores, then their softmax weights
     std::vector<float> acc(NQ * D);
     std::vector<float> turned(D);  // a rotated query
+    // query head h of token i of the current row, rotated at the token's position (into turned) where rotary
+    auto query = [&](int64_t b, int64_t start, int64_t i, int64_t h) -> const float* {
+      const float* qv = qp + ((b * T + i) * H + h) * D;
+      if (!rotary) return qv;
+      rotate(qv, cp + (start + i) * (D / 2), sp + (start + i) * (D / 2), D / 2, turned.data());
+      return turned.data();
+    };
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t b = task / Hkv, kh = task % Hkv;
       const int64_t start = before[b];
@@ -318,11 +323,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new, 
           const int64_t visible = causal ? start + i + 1 : start + T;
           for (int64_t g = 0; g < G; ++g) {
             const int64_t h = kh * G + g;
-            const float* qv = qp + ((b * T + i) * H + h) * D;
-            if (rotary) {
-              rotate(qv, cp + (start + i) * (D / 2), sp + (start + i) * (D / 2), D / 2, turned.data());
-              qv = turned.data();
-            }
+            const float* qv = query(b, start, i, h);
             float max = -INFINITY;
             for (int64_t j = 0; j < visible; ++j) {
               scores[j] = dot(qv, kb + j * stride, D) * sc;
@@ -356,11 +357,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new, 
         for (int r = 0; r < nq; ++r) {
           const int64_t i = (q0 + r) / G, h = kh * G + (q0 + r) % G;
           visible[r] = causal ? start + i + 1 : start + T;
-          const float* qv = qp + ((b * T + i) * H + h) * D;
-          if (rotary) {
-            rotate(qv, cp + (start + i) * (D / 2), sp + (start + i) * (D / 2), D / 2, turned.data());
-            qv = turned.data();
-          }
+          const float* qv = query(b, start, i, h);
           float* s = scores.data() + r * longest;
           const float max = scores_of(qv, kb, vb, stride, visible[r], D, sc, s);
           inv[r] = 1.0f / exp_sum(s, visible[r], max);
