@@ -1,6 +1,6 @@
 """Load on the text app over loopback: continuous batching vs static batching vs unbatched serving.
 
-    python bench/serve_load.py [--clients 16] [--requests 64] [--modes base,speculative] [--rounds 1]
+    python bench/serve_load.py [--clients 16] [--requests 64] [--modes base,speculative[,coupled]] [--rounds 1]
                                [--target PATH --draft PATH | --size small|debug] [--quick] [--device cpu|cuda]
                                [--short-slowdown X] [--decode-weights float32|bfloat16]
     python bench/serve_load.py --inprocess [--device cpu|cuda] [--clock cpu|wall] [--threads N] [--adaptive-gamma]
@@ -15,7 +15,9 @@ measured-cost knob). Without ``--target``/``--draft`` it exports randomly initia
 ``spec_{target,draft}_{size}`` models itself (the load, not the text, is measured;
 ``debug`` models get a 256-token context so that 128 new tokens fit) and says so.
 
-For each configuration and mode (base, speculative with gamma 5):
+For each configuration and mode (base, speculative with gamma 5; ``--modes base,speculative,coupled`` adds
+speculative requests with ``coupled`` acceptance, whose tokens are base decoding's and whose draft lengths, at most 5,
+the server chooses by its load, :mod:`efftx.serving.draft_length`):
 
 * **unloaded**: short requests of 8 and of 16 new tokens (the shortest and the longest short request) sent one
   at a time: their median latency per length;
@@ -98,8 +100,10 @@ def free_port() -> int:
 
 
 def body_for(i: int, new: int, mode: str) -> dict:
+    """Request ``i``'s body in ``mode`` (``coupled``: a speculative request with coupled acceptance)."""
     return {"prompt": PROMPTS[i % len(PROMPTS)], "max_new_tokens": new, "temperature": 0.8, "top_k": 32,
-            "seed": 1000 + i, "mode": mode, "gamma": 5, **({"adaptive_gamma": True} if ADAPTIVE_CAP else {})}
+            "seed": 1000 + i, "mode": "base" if mode == "base" else "speculative", "gamma": 5,
+            **({"adaptive_gamma": True} if ADAPTIVE_CAP else {}), **({"coupled": True} if mode == "coupled" else {})}
 
 
 def one(url: str, body: dict, stream: bool, timeout: float) -> tuple[bool, float, float | None]:
@@ -213,7 +217,7 @@ def step_costs(target, draft, counts: list[int], modes: list[str], repeats: int 
                                       **(compiled or {}))
                 for i in range(n):
                     scheduler.submit(Job(list(PROMPTS[i % len(PROMPTS)].encode()), 32, Sampling(0.8, 32), i,
-                                         5 if mode == "speculative" else None))
+                                         5 if mode != "base" else None, coupled=mode == "coupled"))
                 scheduler.run_once()  # admission (prefill) and a first step, not timed
                 steps, rounds, host_s = scheduler.steps, scheduler.rounds, scheduler.host_seconds
                 t0 = time.perf_counter()
@@ -243,7 +247,7 @@ def prefill_costs(target, draft, counts: list[int], modes: list[str], repeats: i
         for rep in range(repeats + 1):
             for n in counts:
                 jobs = [Job(list(PROMPTS[i % len(PROMPTS)].encode()), 32, Sampling(0.8, 32), i,
-                            5 if mode == "speculative" else None) for i in range(n)]
+                            5 if mode != "base" else None, coupled=mode == "coupled") for i in range(n)]
                 engine = scheduler._engine(jobs[0])
                 t0 = time.perf_counter()
                 with torch.no_grad():
@@ -324,8 +328,8 @@ def inprocess_load(target, draft, mode: str, knobs: dict, clients: int, lengths:
     def run(i: int, new: int) -> tuple[float, float | None, Job]:
         done = threading.Event()
         job = Job(prompt_of(i, new, long_prompt), new, Sampling(0.8, 32), 1000 + i,
-                  5 if mode == "speculative" else None,
-                  max_gamma=ADAPTIVE_CAP if mode == "speculative" else None)
+                  5 if mode != "base" else None,
+                  max_gamma=ADAPTIVE_CAP if mode != "base" else None, coupled=mode == "coupled")
         spent = []
         job.on_done = lambda j: (spent.append(now() - t0), done.set())  # runs on the decoding thread
         t0 = now()
@@ -398,9 +402,9 @@ def inprocess(target, draft, modes: list[str], clients: int, lengths: list[int],
     compiled = compiled or {}
     # as a replica starts (one-time costs: on CUDA its kernels' first launches; the compiled passes' graphs), for
     # the modes this load runs (a base-only load compiles no speculative pass)
-    spec = "speculative" in modes and draft is not None
+    spec = {"speculative", "coupled"} & set(modes) and draft is not None
     warmed = warm_up(target, draft if spec else None, gamma=5 if spec else None,
-                     max_gamma=ADAPTIVE_CAP if spec else None, **compiled)
+                     max_gamma=ADAPTIVE_CAP if spec else None, coupled="coupled" in modes, **compiled)
     print(f"in-process on {device} ({clock} clock, {threads} torch thread{'s' * (threads > 1)}"
           + (f", compile={compiled['compile']} up to {compiled.get('compile_rows') or 'any number of'} rows"
              if compiled.get("compile", "off") != "off" else "") + f"), {clients} clients, "
@@ -658,8 +662,8 @@ def main() -> None:
     ADAPTIVE_CAP = 8 if args.adaptive_gamma else None  # the server's cap: its limits' max_gamma (8 by default)
     args.clock = args.clock or ("wall" if args.device == "cuda" or args.threads > 1 else "cpu")
     modes = [m for m in args.modes.split(",") if m]
-    if not modes or not set(modes) <= {"base", "speculative"}:
-        p.error(f"--modes takes base and/or speculative, got {args.modes!r}")
+    if not modes or not set(modes) <= {"base", "speculative", "coupled"}:
+        p.error(f"--modes takes base, speculative and/or coupled, got {args.modes!r}")
     if args.quick:
         args.clients, args.requests, args.max_new, args.unloaded = 8, 24, 48, 3
     configs = [(name, cfg) for name, cfg in CONFIGS if name in args.configs.split(",")]

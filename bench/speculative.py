@@ -209,6 +209,8 @@ def main() -> None:
     p.add_argument("--more-gammas", default="", help="more fixed gammas to time, e.g. 2,3 (comma-separated)")
     p.add_argument("--max-gamma", type=int, default=8, help="the cap of the adaptive gamma rows")
     p.add_argument("--no-adaptive", action="store_true", help="leave out the adaptive gamma rows")
+    p.add_argument("--coupled", action="store_true",
+                   help="rows with coupled acceptance too (sampled tokens those of base decoding with the same seed)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--timed-prompts", type=int, default=32,
@@ -283,6 +285,16 @@ def main() -> None:
                          f"{greedy.acceptance_rate:.2f}, T={args.temperature} {sampled.mean_accepted:.2f} / "
                          f"{sampled.acceptance_rate:.2f}, greedy output == base: {'yes' if out == base else 'NO'}")
         print(f"  {name + ' draft':<16}" + ("\n" + " " * 18).join(cells))
+    if args.coupled:  # coupled acceptance: sampled speculative output is base decoding's with the same seeds
+        sampled_base = generate(target, many, n, seed=0, **sampling).tolist()
+        for name, draft in drafts.items():
+            out, coupled = speculative_generate(target, draft, many, n, gamma=gamma, seed=0, coupled=True, **sampling)
+            _, ratio_test = speculative_generate(target, draft, many, n, gamma=gamma, seed=0, **sampling)
+            verdict["equality"].append({"draft": name, "gamma": "fixed, coupled, sampled", "equal": out == sampled_base})
+            print(f"  {name + ' draft':<16}coupled, fixed: T={args.temperature} {coupled.mean_accepted:.2f} / "
+                  f"{coupled.acceptance_rate:.2f} (the ratio test's {ratio_test.mean_accepted:.2f} / "
+                  f"{ratio_test.acceptance_rate:.2f}), sampled output == sampled base (same seeds): "
+                  f"{'yes' if out == sampled_base else 'NO'}")
     if halves:
         half_base = generate(halves[0], many, n, temperature=0).tolist()
         for name, draft in halves[1].items():
@@ -333,13 +345,14 @@ def main() -> None:
         for mode in modes:
             configs = [(name, draft, False, g) for name, draft in drafts.items() for g in more if g != gamma]
             configs += [(name, draft, adaptive, gamma) for name, draft in drafts.items() for adaptive in adaptives]
-            for name, draft, adaptive, g in configs:
-                label = (f"speculative, {name}" + (", adaptive" if adaptive else "")
+            for (name, draft, adaptive, g), coupled in ((c, j) for j in (False, True)[:1 + args.coupled]
+                                                        for c in configs):
+                label = (f"speculative, {name}" + (", adaptive" if adaptive else "") + (", coupled" if coupled else "")
                          + (", compiled" if mode == "on" else "") + (f" ({g})" if g != gamma else ""))
-                runs[label] = ((lambda draft=draft, adaptive=adaptive, g=g, mode=mode: merged([speculative_generate(
-                    target, draft, x, n, gamma=g, seed=i, adaptive_gamma=adaptive, compile=mode,
-                    max_gamma=args.max_gamma if adaptive else None, **sampling) for i, x in enumerate(groups)])),
-                    (adaptive, g))
+                runs[label] = ((lambda draft=draft, adaptive=adaptive, g=g, mode=mode, coupled=coupled: merged([
+                    speculative_generate(target, draft, x, n, gamma=g, seed=i, adaptive_gamma=adaptive, compile=mode,
+                                         max_gamma=args.max_gamma if adaptive else None, coupled=coupled, **sampling)
+                    for i, x in enumerate(groups)])), (adaptive, g))
         if halves:  # eager, fixed gamma: the float32 rows' twins with bfloat16 Linear weights
             runs["base, KV cache" + BF16] = ((lambda: [generate(halves[0], x, n, seed=i, **sampling)
                                                        for i, x in enumerate(groups)]), None)

@@ -55,7 +55,8 @@ def test_models_info_names_the_device_and_the_batching(server):
     assert [(m["role"], m["device"]) for m in info["models"]] == [("target", "cpu"), ("draft", "cpu"), ("image", "cpu")]
     warmed = info["batching"].pop("warm_up_s")
     assert info["batching"] == {"mode": "continuous", "max_batch_size": 32, "batch_wait_timeout_s": 0.25,
-                                "warm_up_rows": 2 * (16 + 8 + 4 + 2 + 1),  # base and speculative: 16, 8, ..., 1
+                                # base, speculative and coupled speculative: 16, 8, ..., 1
+                                "warm_up_rows": 3 * (16 + 8 + 4 + 2 + 1),
                                 "compile": "off", "steps_per_round": 1, "pipeline": False}
     assert warmed > 0
     assert info["threads"] == 1  # the replica's torch threads (the default)
@@ -83,6 +84,10 @@ def test_models_info_reports_the_schedulers_measured_costs(server):
     # this request's steps are of one row; the others come from the warm-up's batches (16, 8, ... rows): the
     # replica's scheduler started from the costs its warm-up measured
     assert max(map(int, costs["base"]["step_ms"])) >= 8
+    # coupled requests' draft lengths: the warm-up measured a step at every length 0..5 (the default gamma)
+    lengths = costs["speculative gamma=5 coupled"]["draft_lengths"]
+    assert set(lengths["step_ms"]) == {str(g) for g in range(6)} and all(n > 0 for n in lengths["steps"])
+    assert 0 < lengths["acceptance"] < 1
     for batch in ("base", "speculative gamma=2"):  # this request's prefill passes (and earlier tests')
         assert costs[batch]["prefill_passes"] >= 1
         assert costs[batch]["padded_tokens"] >= costs[batch]["prompt_tokens"] > 0
@@ -97,6 +102,30 @@ def test_generate_both_modes_greedy_agree(server):
     spec = res["speculative"]
     assert 0 <= spec["mean_accepted"] <= 3 and len(spec["acceptance_histogram"]) == 4
     assert spec["target_calls"] >= 1 and res["base"]["tokens_per_s"] > 0
+
+
+def test_coupled_speculative_text_is_the_base_text(server):
+    """``coupled``: sampled speculative decoding gives the base text of the same seed and settings, from /generate
+    (both modes in one request), a stream and a streamed completion; without it the text is another sample."""
+    from openai import OpenAI
+
+    body = {"prompt": "def foo(", "max_new_tokens": 24, "temperature": 1.0, "top_k": 20, "seed": 9, "mode": "both",
+            "gamma": 3, "coupled": True}
+    res = post(f"{server}/generate", json=body).json()["results"]
+    assert res["base"]["text"] == res["speculative"]["text"] and res["speculative"]["tokens"] == 24
+    assert len(res["speculative"]["acceptance_histogram"]) == 4
+    ratio = post(f"{server}/generate", json={**body, "coupled": False}).json()["results"]
+    assert ratio["base"]["text"] == res["base"]["text"] and ratio["speculative"]["text"] != res["base"]["text"]
+    with requests.post(f"{server}/generate/stream", json={**body, "mode": "speculative"}, stream=True,
+                       timeout=120) as r:
+        blocks = [b for b in "\n".join(r.iter_lines(decode_unicode=True)).split("\n\n") if b.strip()]
+    assert blocks[-1].startswith("event: done")
+    assert json.loads(blocks[-1].split("data: ", 1)[1])["text"] == res["base"]["text"]
+    client = OpenAI(base_url=f"{server}/v1", api_key="unused")
+    kwargs = {"prompt": "x = ", "max_tokens": 20, "temperature": 1.0, "seed": 5}
+    base = client.completions.create(model="tiny", **kwargs).choices[0].text
+    chunks = client.completions.create(model="tiny-speculative", stream=True, extra_body={"coupled": True}, **kwargs)
+    assert "".join(c.choices[0].text for c in chunks) == base
 
 
 def test_sampling_is_seeded(server):

@@ -343,9 +343,9 @@ def test_a_compiled_app_answers_as_the_library_decodes(ray_cluster, debug_export
                   name="compiled", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         info = requests.get(f"{url}/models/info", timeout=30).json()["batching"]
-        # base, speculative (gamma 5) and adaptive speculative (cap: the limits' max_gamma): a row each with a
-        # prompt of up to 16 tokens and one with 32 (the compiled prefills' shapes)
-        assert (info["compile"], info["compile_rows"], info["warm_up_rows"]) == ("on", 1, 3 * 2 * 1)
+        # base, speculative (gamma 5), adaptive speculative (cap: the limits' max_gamma) and coupled speculative: a
+        # row each with a prompt of up to 16 tokens and one with 32 (the compiled prefills' shapes)
+        assert (info["compile"], info["compile_rows"], info["warm_up_rows"]) == ("on", 1, 4 * 2 * 1)
         assert info["steps_per_round"] == 4  # rows take up to four steps a round while nothing waits
         target, draft = load_export(debug_exports["target"])[0], load_export(debug_exports["draft"])[0]
         bodies = [{"prompt": p, "max_new_tokens": 12, "temperature": 1.0, "top_k": 20, "seed": i, "mode": "both"}

@@ -25,6 +25,7 @@ from efftx.models import build as build_model
 from efftx.models.lm import LM
 from efftx.serving import batches, continuous
 from efftx.serving.continuous import Job, Sampling, Scheduler, StepCosts, warm_up
+from efftx.serving.cost_table import CostTable
 
 from cores import cores_used, needs_two_cores
 
@@ -893,7 +894,7 @@ def test_a_speculative_request_waiting_for_the_budget_keeps_its_empty_batch_hold
         spec = specs[0]
         while not spec.out:
             scheduler.run_once()
-            engine = scheduler.spec.get((2, None))
+            engine = scheduler.spec.get((2, None, False))
             if not spec.out:
                 waited.append(engine)
                 assert engine is not None and all(scheduler.budget._held.get(s, 0) == 0 for s in engine.slots)
@@ -1920,7 +1921,7 @@ def test_the_cost_tables_estimates_equal_their_reference_over_many_tables():
 
     rng = random.Random(0)
     for trial in range(60):
-        table = continuous._Table(0.25)
+        table = CostTable(0.25)
         for _ in range(rng.choice([1, 2, 3, 10, 300])):
             table.add(rng.randint(1, 400), rng.random() * 10)
         assert list(table._sizes) == sorted(table.seconds)
@@ -1932,7 +1933,7 @@ def test_a_long_lived_prefill_table_stays_bounded_and_close():
     """Every padded length from 1 to 131,072 tokens (32 rows of 4,096), measured once at a cost linear in the
     tokens: the table keeps every size up to 64 and a few hundred in all, and estimates every length within 1/32 of
     its cost."""
-    table = continuous._Table(0.25)
+    table = CostTable(0.25)
     cost = lambda n: 0.002 + 1e-5 * n  # noqa: E731
     top = 32 * 4096
     for n in range(1, top + 1):

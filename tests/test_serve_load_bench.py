@@ -206,7 +206,7 @@ def test_pipelined_runs_say_how_many_steps_followed_the_step_in_flight():
 
 @pytest.mark.parametrize("args, says", [
     (["--device", "cuda"], "torch sees no CUDA device"),
-    (["--modes", "base,fast"], "--modes takes base and/or speculative"),
+    (["--modes", "base,fast"], "--modes takes base, speculative and/or coupled"),
     (["--rounds", "0"], "--rounds must be at least 1"),
     (["--threads", "2", "--clock", "cpu"], "use --clock wall with --threads above 1"),
     (["--compile-rows", "2"], "--compile-rows takes a count >= 1 with --compile on|auto"),

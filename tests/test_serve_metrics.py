@@ -163,6 +163,29 @@ def test_metrics_move_after_requests(apps):
         assert total(now, "ray_efftx_requests_total", endpoint="other", application=app) == 0
 
 
+def test_static_batching_serves_coupled_requests_as_base_decoding(apps, debug_exports):
+    """``coupled`` with ``batching=static``: a batch of two such requests (and a stream) get the base tokens of
+    their seeds, as the library's base decoding samples them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from efftx.export import load_export
+    from efftx.generation.decode import decode_bytes, generate
+
+    target = load_export(debug_exports["target"])[0]
+    body = {"max_new_tokens": 16, "temperature": 1.0, "top_k": 20, "mode": "speculative", "gamma": 3,
+            "coupled": True}
+    reqs = [{**body, "prompt": "x = ", "seed": 3}, {**body, "prompt": "def f(", "seed": 4}]
+    with ThreadPoolExecutor(2) as pool:  # one @serve.batch
+        results = list(pool.map(lambda b: post(f"{apps}/static/generate", json=b), reqs))
+    texts = [decode_bytes(generate(target, [list(r["prompt"].encode())], 16, temperature=1.0, top_k=20,
+                                   seed=r["seed"])[0].tolist()) for r in reqs]
+    for res, text in zip(results, texts):
+        assert res.status_code == 200, res.text
+        assert res.json()["results"]["speculative"]["text"] == text
+    stream = sse_blocks(post(f"{apps}/static/generate/stream", json=reqs[0]))
+    assert json.loads(stream[-1].split("data: ", 1)[1])["text"] == texts[0]
+
+
 def test_static_batching_serves_an_adaptive_gamma_as_the_library_decodes_it(apps, debug_exports):
     """``adaptive_gamma`` with ``batching=static``: a batch of two such requests and a stream decode as the
     library's adaptive speculative decoding (cap: the limits' max_gamma, 8), each request its own seed."""

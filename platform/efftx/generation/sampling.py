@@ -132,9 +132,14 @@ class Stream:
         return cls(int(torch.randint(0, 2**62, ())))
 
     def key(self) -> tuple[int, int]:
-        """The next draw's key (two 32-bit halves), counting the draw: ``splitmix64(splitmix64(seed) ^ draws)``."""
-        z = splitmix64(self._base ^ self.draws)
+        """The next draw's key (two 32-bit halves), counting the draw: :meth:`key_at` ``(draws)``."""
+        key = self.key_at(self.draws)
         self.draws += 1
+        return key
+
+    def key_at(self, n: int) -> tuple[int, int]:
+        """Draw ``n``'s key (two 32-bit halves), ``splitmix64(splitmix64(seed) ^ n)``, without counting a draw."""
+        z = splitmix64(self._base ^ n)
         return z & M32, z >> 32
 
     def get_state(self) -> int:
@@ -153,6 +158,15 @@ def stream_noise(streams: Sequence[Stream | None], width: int, device: torch.dev
     every row in one :func:`~efftx.kernels.row_noise.row_noise` call."""
     keys = [(0, 0) if s is None else s.key() for s in streams]
     return row_noise(host_values(keys, torch.int64, device).view(len(keys), 2), width)
+
+
+def position_noise(streams: Sequence[Stream | None], count: int, width: int,
+                   device: torch.device | str | None = None) -> torch.Tensor:
+    """(B, count, width) float32 Exp(1) noise of each row's next ``count`` draws, without counting them: row b's
+    ``[i]`` is draw ``streams[b].draws + i`` (the noise :func:`stream_noise` would give it i draws later; None: a row
+    that draws nothing, values never read), every row in one :func:`~efftx.kernels.row_noise.row_noise` call."""
+    keys = [(0, 0) if s is None else s.key_at(s.draws + i) for s in streams for i in range(count)]
+    return row_noise(host_values(keys, torch.int64, device).view(len(keys), 2), width).view(len(streams), count, width)
 
 
 def race_noise(generators: list[torch.Generator | Stream | None], width: int, need: Sequence[bool] | None = None,

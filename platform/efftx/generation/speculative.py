@@ -44,7 +44,7 @@ import torch
 
 from efftx.generation import compiled
 from efftx.generation.decode import Rows, as_rows, generators, splittable
-from efftx.generation.sampling import Stream, is_greedy, probabilities, race, stream_noise
+from efftx.generation.sampling import Stream, is_greedy, position_noise, probabilities, race, stream_noise
 from efftx.host import host_values
 from efftx.kernels import sampling_cpu
 
@@ -162,13 +162,44 @@ def accept(t_logits: torch.Tensor, drafted: torch.Tensor, q: torch.Tensor | None
     row's) -> (B, G + 2): accepted count, last token (residual or bonus), the drafts. Greedy: q, u, noise None
     (p and q are one-hot: x_i is accepted iff it is the target's argmax, which is also the last token)."""
     if q is None:
-        g = drafted.shape[1]
-        within = torch.arange(g, device=drafted.device) < own[:, None]
-        best = t_logits.argmax(-1)  # (B, G + 1)
-        n = accepted_counts((drafted == best[:, :g]) & within)
-        last = best.gather(1, n[:, None])[:, 0]
-        return torch.cat([n[:, None], last[:, None], drafted], 1)
+        return agreed(t_logits.argmax(-1), drafted, own)
     return accept_sampled(probabilities(t_logits, temperature, top_k, top_p), q, drafted, u, noise, own)
+
+
+def agreed(best: torch.Tensor, drafted: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """Acceptance where the target's token at every position is known: (B, G + 1) the target's tokens at [pending,
+    drafts], (B, G) drafts, (B,) drafts each row verifies -> (B, G + 2) as :func:`accept`: x_i accepted while it is
+    the target's token there; the last token is the target's at the first disagreement (or its bonus)."""
+    g = drafted.shape[1]
+    within = torch.arange(g, device=drafted.device) < own[:, None]
+    n = accepted_counts((drafted == best[:, :g]) & within)
+    last = best.gather(1, n[:, None])[:, 0]
+    return torch.cat([n[:, None], last[:, None], drafted], 1)
+
+
+def accept_coupled(p: torch.Tensor, drafted: torch.Tensor, noise: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """*Coupled* acceptance: (B, G + 1, V) target distributions at [pending, drafts], (B, G) drafts, (B, G + 1, V) the
+    noise of those positions (:func:`~efftx.generation.sampling.position_noise`), (B,) drafts each row verifies ->
+    (B, G + 2) as :func:`accept`. The target's token at each position is its race with that position's noise, the
+    token base decoding draws there with the same stream; a draft, raced by the draft with the same noise, is accepted
+    while it is that token (:func:`agreed`). So every emitted token is base decoding's, whatever the draft, gamma or
+    batch; a draft is accepted a little less often than by :func:`accept_sampled`'s ratio test (the small pair at
+    temperature 0.8: 0.70 against 0.73 per draft)."""
+    return agreed(coupled_tokens(p, noise), drafted, own)
+
+
+def coupled_tokens(p: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """(B, G + 1, V) distributions and their positions' noise -> (B, G + 1) the tokens they race to."""
+    b, width, v = p.shape
+    return race(p.reshape(b * width, v), noise.reshape(b * width, v)).view(b, width)
+
+
+def agreed_row(best: Sequence[int], drafted: Sequence[int], own: int) -> list[int]:
+    """:func:`agreed` for one row on the host: its target tokens, drafts and own count -> [accepted, last, *drafts]."""
+    n = 0
+    while n < own and drafted[n] == best[n]:
+        n += 1
+    return [n, best[n], *drafted]
 
 
 def accept_sampled(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, u: torch.Tensor, noise: torch.Tensor,
@@ -217,6 +248,13 @@ def verify_step(model, tokens: torch.Tensor, cache, drafted: torch.Tensor, q, u,
     return accept(compiled.forward_step(model, tokens, cache), drafted, q, u, noise, own, temperature, top_k, top_p)
 
 
+def verify_coupled(model, tokens: torch.Tensor, cache, drafted: torch.Tensor, noise: torch.Tensor, own: torch.Tensor,
+                   temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The target's verify pass over [pending, drafts] and :func:`accept_coupled`, in one compiled graph."""
+    logits = compiled.forward_step(model, tokens, cache)
+    return accept_coupled(probabilities(logits, temperature, top_k, top_p), drafted, noise, own)
+
+
 def kept_tokens(accepted: int, emitted: int, drafted: int) -> int:
     """Tokens a row's caches keep after its pending token: the accepted drafts, fewer where its output was cut at
     its limit (so a finished row's caches end where its output ends)."""
@@ -249,7 +287,8 @@ def iter_speculative_rows(target, draft, prompts: Sequence[Sequence[int]] | torc
                           gamma: int = 5, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                           seed: int | Sequence[int | None] | None = None, stats: SpecStats | None = None,
                           row_stats: list[SpecStats] | None = None, batched: bool | None = None,
-                          adaptive_gamma: bool = False, max_gamma: int | None = None, compile: str = "off"):
+                          adaptive_gamma: bool = False, max_gamma: int | None = None, compile: str = "off",
+                          coupled: bool = False):
     """Speculative decoding of a batch of prompts (any lengths). Yields, per step, one list per row of
     the tokens that row emitted (empty once a row has its ``max_new_tokens``, which may be given per row).
 
@@ -267,6 +306,10 @@ def iter_speculative_rows(target, draft, prompts: Sequence[Sequence[int]] | torc
     (:mod:`efftx.generation.compiled`; "auto" decodes eagerly, logging why, where either model or the machine
     cannot, "on" raises). The prompts are prefilled eagerly either way; the tokens are the same up to float
     rounding (exactly, in the tests' CPU fp32 runs).
+    ``coupled``: :func:`accept_coupled` instead of the ratio test: a row's tokens are then those
+    :func:`~efftx.generation.decode.generate` samples with the same seed and settings (its token at each position
+    raced with that position's noise), whatever the draft and gamma; a row without a seed draws from a
+    :class:`~efftx.generation.sampling.Stream` seeded from torch's global RNG.
     """
     cap = _check(target, draft, gamma, adaptive_gamma, max_gamma)
     rows = as_rows(prompts)
@@ -284,6 +327,8 @@ def iter_speculative_rows(target, draft, prompts: Sequence[Sequence[int]] | torc
     row_gamma = [gamma] * n_rows  # each row's draft length (fixed unless adaptive_gamma)
     device = next(target.parameters()).device
     gens = generators(seed, n_rows, device)
+    if coupled:  # noise by position: every row needs a stream
+        gens = [Stream.fresh() if g is None else g for g in gens]
     sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
     greedy = is_greedy(temperature)
     if batched is None:
@@ -303,7 +348,7 @@ def iter_speculative_rows(target, draft, prompts: Sequence[Sequence[int]] | torc
                 decoder.load(eager.caches[0], eager.lengths)
             t_rows, d_rows = static
         yield from _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy, adaptive_gamma,
-                          stats, row_stats, device, static=static is not None)
+                          stats, row_stats, device, static=static is not None, coupled=coupled)
     finally:
         for decoder in static or ():
             decoder.release()
@@ -332,7 +377,7 @@ def _static_pair(target, draft, compile: str, batch: int, needed: int, batched: 
 
 
 def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy, adaptive_gamma, stats, row_stats,
-           device, static: bool):
+           device, static: bool, coupled: bool = False):
     """The decoding loop of :func:`iter_speculative_rows` over prefilled target/draft states (eager
     :class:`~efftx.generation.decode.Rows` or compiled :class:`~efftx.generation.compiled.StaticDecoder`).
 
@@ -346,7 +391,8 @@ def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy,
     has all its tokens leaves the batch (its cache rows are dropped with
     :meth:`~efftx.generation.decode.Rows.select`), so the steps that wait for the batch's slowest row do not
     also pass the finished rows through both models; each row draws from its own generator, so the others' tokens
-    do not change. Compiled states keep their fixed batch shape."""
+    do not change. Compiled states keep their fixed batch shape. ``coupled``: each row's noise is that of its
+    positions, its stream moved on by the tokens it emits (:func:`accept_coupled`)."""
     n_rows = len(rows)
     live = list(range(n_rows))  # the rows in the batch, by their index in ``rows``
     # finished rows may leave: eager states whose caches' rows can be taken apart (or per-row caches)
@@ -388,7 +434,11 @@ def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy,
         # the passes): one race per drafted token, the acceptance uniforms of its own drafts, the last token's race
         width = cap if static else gamma_step  # compiled: one verify shape for every gamma_step
         noises, u, last_noise = [None] * gamma_step, None, None
-        if not greedy:
+        joint = coupled and not greedy
+        if joint:  # the noise of each row's next positions: (width + 1, B, V), position i's for draft i
+            position = position_noise(row_gens, width + 1, vocab, device)
+            noises = position.transpose(0, 1).contiguous()
+        elif not greedy:
             noises, u, last_noise = step_noise(row_gens, own, width, vocab, device)
         first = torch.stack([prev, pending], 1) if catch_up else pending[:, None]
         if static and not adaptive_gamma:  # every step drafts gamma tokens: all of them in one graph
@@ -412,7 +462,11 @@ def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy,
                 q = torch.cat([q, q.new_ones(len(live), pad, vocab)], 1)
         fed = torch.cat([pending[:, None], drafted], 1)
         n_fed = fed.shape[1]
-        if static:
+        if joint and static:
+            packed = t_rows.run(verify_coupled, fed, drafted, position, own_t, *knobs)
+        elif joint:
+            packed = accept_coupled(probabilities(t_rows.forward(fed), *knobs), drafted, position, own_t)
+        elif static:
             packed = t_rows.run(verify_step, fed, drafted, q, u, last_noise, own_t, *knobs)
         else:
             packed = accept(t_rows.forward(fed), drafted, q, u, last_noise, own_t, *knobs)
@@ -441,6 +495,9 @@ def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy,
         for s in [stats] + [row_stats[r] for r, a in zip(live, active) if a]:
             s.draft_calls += gamma_step
             s.target_calls += 1
+        if joint:  # a row's stream moves on by its tokens: one draw each, as base decoding draws them
+            for r, gen in zip(live, row_gens):
+                gen.set_state(gen.get_state() + len(emitted[r]))
         for r, a in zip(live, active):
             if a:
                 for s in (stats, row_stats[r]):
@@ -467,7 +524,7 @@ def speculative_generate(target, draft, prompts: Sequence[Sequence[int]] | torch
                          max_new_tokens: int | Sequence[int], *,
                          gamma: int = 5, seed: int | None = None, batched: bool | None = None,
                          adaptive_gamma: bool = False, max_gamma: int | None = None, compile: str = "off",
-                         **sampling) -> tuple[list[list[int]], SpecStats]:
+                         coupled: bool = False, **sampling) -> tuple[list[list[int]], SpecStats]:
     """Generate ``max_new_tokens`` per prompt (prompts may differ in length). Returns tokens and stats.
 
     Row r uses seed ``seed + r``; see :func:`iter_speculative_rows` (``adaptive_gamma``: a draft length per row
@@ -478,7 +535,7 @@ def speculative_generate(target, draft, prompts: Sequence[Sequence[int]] | torch
     outputs: list[list[int]] = [[] for _ in rows]
     for step in iter_speculative_rows(target, draft, rows, max_new_tokens, gamma=gamma, seed=seed, stats=stats,
                                       batched=batched, adaptive_gamma=adaptive_gamma, max_gamma=max_gamma,
-                                      compile=compile, **sampling):
+                                      compile=compile, coupled=coupled, **sampling):
         for out, toks in zip(outputs, step):
             out.extend(toks)
     return outputs, stats

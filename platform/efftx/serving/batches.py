@@ -22,9 +22,12 @@ import torch
 
 from efftx.generation.decode import CacheBudget, CacheBudgetFull, Rows, free_memory, kv_only, splittable
 from efftx.generation.device_slots import slots_for
-from efftx.generation.sampling import Stream, draw, is_greedy, probabilities, probabilities_per_row, race
-from efftx.generation.speculative import SpecStats, accept_sampled, kept_tokens, next_gamma, step_noise
+from efftx.generation.sampling import (Stream, draw, is_greedy, position_noise, probabilities, probabilities_per_row,
+                                      race)
+from efftx.generation.speculative import (SpecStats, accept_sampled, agreed_row, coupled_tokens, kept_tokens,
+                                         next_gamma, step_noise)
 from efftx.host import Readback, host_values
+from efftx.serving.draft_length import DraftLength
 from efftx.serving.faults import FaultLatch
 
 if TYPE_CHECKING:  # the scheduler runs with torch alone (bench/serve_load.py --inprocess on a bare GPU image)
@@ -90,7 +93,7 @@ class Job:
 
     def __init__(self, prompt: Sequence[int], max_new_tokens: int, sampling: Sampling = Sampling(),
                  seed: int | None = None, gamma: int | None = None, *, max_gamma: int | None = None,
-                 on_step: Callable[[list[int], int | None], None] | None = None,
+                 coupled: bool = False, on_step: Callable[[list[int], int | None], None] | None = None,
                  on_done: Callable[["Job"], None] | None = None, tag: Any = None):
         self.prompt = [int(t) for t in prompt]
         self.max_new = int(max_new_tokens)
@@ -99,12 +102,14 @@ class Job:
         self.gamma = gamma
         self.max_gamma = max_gamma  # adaptive gamma: each step's draft length follows the acceptance, up to this
         self.draft_gamma = gamma  # this step's draft length (speculative decoding)
+        # speculative: coupled acceptance (its tokens are base decoding's; the draft length may follow the load)
+        self.coupled = bool(coupled) and gamma is not None
         self.on_step, self.on_done, self.tag = on_step, on_done, tag
         self.out: list[int] = []
         self.ahead = 0  # tokens its row computed that the host has not read yet (a pipelined step, _Engine.settle)
         self.stats = SpecStats(gamma=max_gamma or gamma) if gamma is not None else None
         self.steps = 0
-        self.draft_tail: int | None = None  # speculative: the last kept draft, not fed to the draft model yet
+        self.draft_tail: list[int] = []  # speculative: tokens kept but not fed to the draft model yet
         self.generator: Stream | None = None
         self.batch_size = 0  # the most rows it shared a step with (itself included)
         self.submitted = time.perf_counter()
@@ -746,11 +751,13 @@ class _Engine:
 
 
 def _engine_name(of) -> str:
-    """The running batch a job (or an engine) belongs to: ``base``, or speculative with its gamma (and cap)."""
+    """The running batch a job (or an engine) belongs to: ``base``, or speculative with its gamma (and cap, and
+    ``coupled``)."""
     gamma, cap = getattr(of, "gamma", None), getattr(of, "max_gamma", None)
     if gamma is None:
         return "base"
-    return f"speculative gamma={gamma}" + (f" max_gamma={cap}" if cap is not None else "")
+    return (f"speculative gamma={gamma}" + (f" max_gamma={cap}" if cap is not None else "")
+            + (" coupled" if getattr(of, "coupled", False) else ""))
 
 
 def _device(model) -> torch.device:
@@ -855,15 +862,28 @@ class BaseEngine(_Engine):
         return finished
 
 
+def _next_own(gamma: int, drafted: int, accepted: int, cap: int) -> int:
+    """An adaptive row's draft length after a step that drafted ``drafted`` tokens for it (a coupled step may draft
+    fewer than its length, or none: then it learns nothing)."""
+    return next_gamma(gamma, drafted, accepted, cap) if drafted else gamma
+
+
 class SpeculativeEngine(_Engine):
     """Speculative decoding with one ``gamma``: ``gamma`` batched draft passes and one batched target pass per
-    step, acceptance and rewinds per row (:func:`~efftx.generation.speculative.iter_speculative_rows`'s step)."""
+    step, acceptance and rewinds per row (:func:`~efftx.generation.speculative.iter_speculative_rows`'s step).
+
+    ``coupled``: acceptance by :func:`~efftx.generation.speculative.accept_coupled`, each row's noise that of its
+    positions (:func:`~efftx.generation.sampling.position_noise`: the draws base decoding makes for those tokens), so
+    a row's tokens are those base decoding gives it with the same seed and settings, whatever is drafted; each step's
+    draft length is then chosen by the load (``lengths``, a :class:`~efftx.serving.draft_length.DraftLength`; a row
+    drafts at most its own gamma), down to 0: a step of the target alone, the tokens it emits fed to the draft at
+    the next step that drafts (the row's :attr:`Job.draft_tail`)."""
 
     kind = "speculative"
 
     def __init__(self, target, draft, gamma: int, hook=None, max_gamma: int | None = None, compile: str = "off",
                  compile_rows: int | None = None, budget: CacheBudget | None = None, fit: bool = True,
-                 pass_time: PassTime | None = None):
+                 pass_time: PassTime | None = None, coupled: bool = False, lengths: DraftLength | None = None):
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
         if max_gamma is not None and max_gamma < gamma:
@@ -872,8 +892,10 @@ class SpeculativeEngine(_Engine):
                          budget, fit, pass_time)
         self.target, self.draft, self.gamma = target, draft, gamma
         self.max_gamma = max_gamma  # adaptive rows (:func:`~efftx.generation.speculative.next_gamma`), or None
+        self.coupled = bool(coupled)
         self.name = _engine_name(self)
         self.cap = max_gamma or gamma  # the most tokens a row drafts in one step
+        self.lengths = (lengths if lengths is not None else DraftLength(self.cap)) if self.coupled else None
 
     def check(self, job):
         if not job.prompt:
@@ -928,7 +950,7 @@ class SpeculativeEngine(_Engine):
         jobs = state.jobs
         dist_of = distributions([j.sampling for j in jobs], state.last.device)  # every pass: settings sent once
         pending, lasts = state.last, state.host_lasts()
-        own, tails = [j.draft_gamma for j in jobs], [j.draft_tail for j in jobs]
+        own, tails = [j.draft_gamma for j in jobs], [list(j.draft_tail) for j in jobs]
         left = [j.max_new - len(j.out) for j in jobs]
         results = []
         for i in range(state.steps):
@@ -939,7 +961,7 @@ class SpeculativeEngine(_Engine):
                 pending = host_values(lasts, torch.long, pending.device)
                 tails = results[-1][3]
                 if self.max_gamma is not None:
-                    own = [next_gamma(g, g, n, self.max_gamma) for g, n in zip(own, results[-1][1])]
+                    own = [_next_own(g, d, n, self.max_gamma) for g, d, n in zip(own, results[-1][4], results[-1][1])]
             results.append(self._step(state, pending, lasts, own, tails, left, dist_of))
             left = [n - len(e) for n, e in zip(left, results[-1][0])]
             if min(left) <= 0:  # a row has its tokens: it leaves before another step
@@ -948,38 +970,52 @@ class SpeculativeEngine(_Engine):
         return results
 
     def _step(self, state, pending, lasts, own, tails, left, dist_of):
-        """One speculative step of ``state``'s rows: ``pending`` tokens (``lasts`` on the host), drafts per row
-        ``own``, kept drafts not fed yet ``tails``, tokens ``left`` -> (emitted, accepted, kept, next tails, own)."""
+        """One speculative step of ``state``'s rows: ``pending`` tokens (``lasts`` on the host), draft lengths per row
+        ``own``, kept tokens not fed to the draft yet ``tails`` (lists), tokens ``left`` -> (emitted, accepted, kept,
+        next tails, drafted per row)."""
         t_rows, d_rows = state.rows
         jobs = state.jobs
         gens = [j.generator for j in jobs]
         device, vocab = pending.device, self.target.vocab_size
+        started = time.perf_counter()
+        if self.coupled:  # this step's draft length by the load (0: the target alone), at most each row's own
+            self.lengths.least = int(d_rows.compiles(len(jobs)))  # a compiled draft catches up one token a pass
+            cut = self.lengths.choose(own)
+            own = [min(g, cut) for g in own]
         # each row drafts its own number of tokens (all alike but with an adaptive gamma); the step drafts as many
         # as its longest-drafting row, and a row verifies only its own (its extra drafts are never looked at)
         gamma = max(own)
-        # every random number of the step first, each row's one draw as it makes it alone
-        # (speculative.iter_speculative_rows): the races of its own drafts and of its last token, its uniforms
-        noises, u, last_noise = step_noise(gens, own, gamma, vocab, device)
-        # A row that kept every draft of its previous step has not fed the last one to the draft model (its "tail"):
-        # the first draft pass feeds [tail, pending] to such rows and [pending, padding] to the others (their
-        # logits at pending, the padding rewound): one pass instead of a separate pass for the tails.
-        if any(t is not None for t in tails):
-            first = host_values([[pad, p] if pad is not None else [p, 0] for pad, p in zip(tails, lasts)],
-                                torch.long, device)
-            at = host_values([int(t is not None) for t in tails], torch.long, device)
-            logits = d_rows.forward(first)[torch.arange(len(jobs), device=device), at]
-            d_rows.rewind([int(t is None) for t in tails])
+        if self.coupled:  # the noise of each row's next gamma + 1 positions, as base decoding draws it
+            noise = position_noise(gens, gamma + 1, vocab, device)
+            noises = noise.unbind(1)
         else:
-            logits = d_rows.forward(pending[:, None])[:, -1]
+            # every random number of the step first, each row's one draw as it makes it alone
+            # (speculative.iter_speculative_rows): the races of its own drafts and of its last token, its uniforms
+            noises, u, last_noise = step_noise(gens, own, gamma, vocab, device)
         tokens, q = [], []
-        for i in range(gamma):
-            if i:
-                logits = d_rows.forward(token[:, None])[:, -1]
-            dist = dist_of(logits)  # (B, V)
-            token = race(dist, noises[i])
-            tokens.append(token)
-            q.append(dist)
-        drafted, q = torch.stack(tokens, 1), torch.stack(q, 1)  # (B, gamma), (B, gamma, V)
+        if gamma:
+            # Tokens kept but not fed to the draft yet (a row's "tail": the last draft of a step that kept them all,
+            # or the tokens of coupled steps that drafted nothing) go in the first draft pass, before pending: each
+            # row feeds [tail, pending], right-padded to the longest (its logits at pending, the padding rewound):
+            # one pass instead of separate passes for the tails.
+            if any(tails):
+                width = max(len(t) for t in tails) + 1
+                first = host_values([t + [p] + [0] * (width - 1 - len(t)) for t, p in zip(tails, lasts)],
+                                    torch.long, device)
+                at = host_values([len(t) for t in tails], torch.long, device)
+                logits = d_rows.forward(first)[torch.arange(len(jobs), device=device), at]
+                d_rows.rewind([width - 1 - len(t) for t in tails])
+            else:
+                logits = d_rows.forward(pending[:, None])[:, -1]
+            for i in range(gamma):
+                if i:
+                    logits = d_rows.forward(tokens[-1][:, None])[:, -1]
+                dist = dist_of(logits)  # (B, V)
+                tokens.append(race(dist, noises[i]))
+                q.append(dist)
+            drafted, q = torch.stack(tokens, 1), torch.stack(q, 1)  # (B, gamma), (B, gamma, V)
+        else:  # coupled, drafting nothing: the draft is not run (its tails grow by pending, below)
+            drafted = pending.new_zeros(len(jobs), 0)
         verify = torch.cat([pending[:, None], drafted], 1)
         # a compiled verify pass always feeds cap + 1 tokens (padding after the drafts, rewound below: causal
         # attention keeps them from every real position), so that an adaptive gamma has one graph, not one per length
@@ -988,18 +1024,30 @@ class SpeculativeEngine(_Engine):
             verify = torch.cat([verify, verify.new_zeros(len(jobs), pad)], 1)
         p = dist_of(t_rows.forward(verify)[:, :gamma + 1])
         # every row's acceptance and last token at once; the host reads one (B, gamma + 2) tensor
-        packed = accept_sampled(p, q, drafted, u, last_noise, host_values(own, torch.long, device)).tolist()
-        emitted, accepted, keep, tails = [], [], [], []
-        for g, room, (n_r, last_r, *drafts) in zip(own, left, packed):
+        if self.coupled:  # the target's tokens and the drafts in one read; each row's agreement on the host
+            host = torch.cat([coupled_tokens(p, noise), drafted], 1).tolist()
+            packed = [agreed_row(r[:gamma + 1], r[gamma + 1:], g) for r, g in zip(host, own)]
+        else:
+            packed = accept_sampled(p, q, drafted, u, last_noise, host_values(own, torch.long, device)).tolist()
+        emitted, accepted, keep, next_tails = [], [], [], []
+        for g, room, tail, pend, (n_r, last_r, *drafts) in zip(own, left, tails, lasts, packed):
             out = (drafts[:n_r] + [last_r])[:room]
             emitted.append(out)
             accepted.append(n_r)
             keep.append(kept_tokens(n_r, len(out), g))  # tokens the caches keep after pending
-            # the draft saw pending + gamma - 1 drafted; a row that keeps all lacks the last one: its next tail
-            tails.append(drafts[-1] if keep[-1] == gamma else None)
+            if gamma:  # the draft saw pending + gamma - 1 drafted; a row that keeps all lacks the last one
+                next_tails.append([drafts[-1]] if keep[-1] == gamma else [])
+            else:  # the draft saw nothing of this step: pending joins its tail
+                next_tails.append(tail + [pend])
         t_rows.rewind([gamma + pad - k for k in keep])  # the target saw pending + gamma drafted tokens (+ padding)
-        d_rows.rewind([max(gamma - 1 - k, 0) for k in keep])
-        return emitted, accepted, keep, tails, own
+        if gamma:
+            d_rows.rewind([max(gamma - 1 - k, 0) for k in keep])
+        if self.coupled:  # a row's stream moves on by the tokens it emitted: one draw each, as in base decoding
+            for gen, out in zip(gens, emitted):
+                if gen is not None:
+                    gen.set_state(gen.get_state() + len(out))
+            self.lengths.record(gamma, len(jobs), time.perf_counter() - started, own, accepted)
+        return emitted, accepted, keep, next_tails, own
 
     def commit(self, state, result, batch):
         """``result``: None from a prefill, else the steps' results from :meth:`compute`, applied in order."""
@@ -1020,7 +1068,7 @@ class SpeculativeEngine(_Engine):
                 st.target_calls += 1
                 st.draft_calls += g  # as alone: its draft passes a step (a tail rides on the next step's first)
                 if self.max_gamma is not None:
-                    job.draft_gamma = next_gamma(g, g, n, self.max_gamma)
+                    job.draft_gamma = _next_own(job.draft_gamma, g, n, self.max_gamma)
                 finished[r] = job._push(out, n, batch)
             state.lasts = [e[-1] if e else t for e, t in zip(emitted, state.host_lasts())]
         state.last = host_values(state.lasts, torch.long, state.last.device)

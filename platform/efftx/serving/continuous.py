@@ -105,7 +105,6 @@ loop) that repeats rounds: admit the requests that may start, then run one decod
 
 from __future__ import annotations
 
-import bisect
 import logging
 import threading
 import time
@@ -122,6 +121,8 @@ from efftx.generation.device_slots import MIN_PREFILL, PREFILL_ROWS, PREFILL_TOK
 from efftx.generation.faults import DeviceFault
 from efftx.serving.batches import (BaseEngine, DeviceMemoryFull, Job, PassTime, Sampling,
                                    SpeculativeEngine, _call, _device, _Engine, _engine_name, device_sync)
+from efftx.serving.cost_table import CostTable
+from efftx.serving.draft_length import DraftLength
 from efftx.serving.faults import FaultLatch
 
 __all__ = ["DeviceFault", "DeviceMemoryFull", "Job", "Sampling", "Scheduler", "StepCosts", "slowdown_ok", "warm_up"]
@@ -132,7 +133,7 @@ logger = logging.getLogger("ray.serve")
 # ---------------------------------------------------------------------------------------------- warm-up
 def warm_up(target, draft=None, *, rows: int = 16, gamma: int | None = None, tokens: int = 4,
             compile: str = "off", compile_rows: int | None = None, max_gamma: int | None = None,
-            cache_budget: int | None = None, pipeline: bool | None = None) -> dict[str, Any]:
+            cache_budget: int | None = None, pipeline: bool | None = None, coupled: bool = False) -> dict[str, Any]:
     """Decode throwaway requests at a replica's start, so that its first real burst does not pay one-time costs.
 
     A freshly loaded model's first batched steps are slower than later ones of the same size (first use of each
@@ -144,7 +145,10 @@ def warm_up(target, draft=None, *, rows: int = 16, gamma: int | None = None, tok
     decoding with that gamma, on a scheduler of its own (no hook, no metrics: nothing of it is counted or kept);
     with ``compile``, also batches of 2 and 1 prompts of 32 tokens (the compiled prefills' shapes, with those of
     the batches before). ``cache_budget``: the replica's (its batches take no more rows than it holds); ``pipeline``:
-    the replica's (the costs measured are those of the steps it will run).
+    the replica's (the costs measured are those of the steps it will run). ``coupled`` (with a draft and ``gamma``):
+    also coupled speculative batches, their steps taking every draft length 0..gamma in turn with ``3 * (gamma + 1)``
+    new tokens a request (or the context's room), so that the replica's draft lengths
+    (:class:`~efftx.serving.draft_length.DraftLength`) start from measured costs at every length and row count.
     In a short context the requests get fewer new tokens, and a mode none of whose requests fits is skipped.
     ``rows=0`` does nothing. Returns ``{"rows": requests decoded, "seconds": wall time, "costs": the step and prefill
     costs measured}`` (``costs``, on :func:`time.perf_counter`, is for the replica's :class:`Scheduler` to start
@@ -161,14 +165,17 @@ def warm_up(target, draft=None, *, rows: int = 16, gamma: int | None = None, tok
                           compile_rows=compile_rows, cache_budget=cache_budget, group_prefills=False,
                           pipeline=pipeline)
     batches = [rows >> k for k in range(rows.bit_length())]  # rows, rows // 2, ..., 1
-    kinds = [(None, None)] + ([(gamma, None)] if draft is not None and gamma else [])
+    kinds = [(None, None, False)] + ([(gamma, None, False)] if draft is not None and gamma else [])
     if draft is not None and gamma and max_gamma:
-        kinds.append((gamma, max_gamma))  # adaptive requests: a batch of their own (with compiled passes: its graphs)
-    for gam, cap in kinds:
+        kinds.append((gamma, max_gamma, False))  # adaptive requests: a batch of their own (with compiled passes: its
+        # graphs)
+    if draft is not None and gamma and coupled:
+        kinds.append((gamma, None, True))
+    for gam, cap, joint in kinds:
         # a prompt and its new tokens (speculative: and gamma) must fit the context: fewer new tokens in a short
         # one, and no warm-up of a mode whose requests cannot fit at all
         room = target.max_seq_len if gam is None else min(target.max_seq_len, draft.max_seq_len) - (cap or gam)
-        new = min(tokens, room - 1)
+        new = min(3 * (gam + 1) if joint else tokens, room - 1)
         if new < 1:
             continue
         longest = max(1, min(16, room - new))
@@ -179,8 +186,10 @@ def warm_up(target, draft=None, *, rows: int = 16, gamma: int | None = None, tok
             prompts += [[[1] * min(PREFILL_TOKENS, room - new)] * n for n in batches
                         if n <= PREFILL_ROWS and room - new > MIN_PREFILL]
         for batch in prompts:
-            jobs = [scheduler.submit(Job(prompt, new, Sampling(1.0, 8), i, gam, max_gamma=cap))
+            jobs = [scheduler.submit(Job(prompt, new, Sampling(1.0, 8), i, gam, max_gamma=cap, coupled=joint))
                     for i, prompt in enumerate(batch)]
+            if joint:  # every draft length in turn
+                scheduler._costs(_engine_name(jobs[0])).draft_length(gam).sweep = True
             scheduler.drain()
             for job in jobs:
                 if job.error is not None:
@@ -190,6 +199,10 @@ def warm_up(target, draft=None, *, rows: int = 16, gamma: int | None = None, tok
     for model in [target] + ([draft] if draft is not None and gamma else []):
         if slots_for(model, compile, budget=scheduler.budget).fits:
             pool_widths(model, rows, scheduler.budget)
+    for costs in scheduler.costs.values():
+        if costs.lengths is not None:
+            costs.lengths.sweep = False
+            costs.lengths.forget_acceptance()
     return {"rows": done, "seconds": round(time.perf_counter() - started, 3), "costs": scheduler.costs}
 
 
@@ -232,66 +245,6 @@ class _Room(NamedTuple):
 NO_ROOM = _Room(False, False, True)  # the fixed lanes: long_every alone, the fast lanes' long rows keep stepping
 
 
-class _Table:
-    """Measured seconds per size (a moving average each, the newest weighing ``weight``) and estimates between and
-    beyond them, a cost growing about linearly in the size (rows of a step, prompt tokens of a prefill).
-
-    A pass's time has outliers (a graph compiled at its first call, the machine's other work), which would make
-    every round look unaffordable for many rounds: a sample under half the average replaces it (the average was
-    the outlier), and one over twice the average counts as twice the average.
-
-    Sizes up to ``EXACT`` are kept as they are (a step's rows, a short prompt's tokens); a larger one counts at the
-    nearest of ``PER_OCTAVE`` sizes spaced evenly in its power-of-two octave (within 1/32 of it), so a long-lived
-    replica's prefill table, which would gain a size for each new padded length, stays at a few hundred sizes."""
-
-    EXACT, PER_OCTAVE = 64, 16
-
-    def __init__(self, weight: float):
-        self.weight = weight
-        self.seconds: dict[int, float] = {}
-        self._sizes: list[int] = []  # the sizes measured, in order (estimates run every round: no sort each time)
-
-    @classmethod
-    def key(cls, size: int) -> int:
-        """The size that ``size``'s samples count at."""
-        if size <= cls.EXACT:
-            return size
-        spacing = max(1, (1 << (size.bit_length() - 1)) // cls.PER_OCTAVE)  # the octave's lowest / PER_OCTAVE
-        return round(size / spacing) * spacing
-
-    def add(self, size: int, seconds: float) -> None:
-        size = self.key(int(size))
-        seconds = max(float(seconds), 0.0)
-        old = self.seconds.get(size)
-        if old is None:
-            bisect.insort(self._sizes, size)
-        if old is None or seconds < old / 2:
-            self.seconds[size] = seconds
-        else:
-            self.seconds[size] = old + self.weight * (min(seconds, 2 * old) - old)
-
-    def estimate(self, size: int) -> float | None:
-        """The seconds at ``size``: measured, else interpolated between the nearest sizes measured, else
-        extrapolated from the two nearest (never below their line's floor: at least the nearest cost scaled by the
-        sizes' ratio below it, at least the largest cost above it). None before anything was measured."""
-        got = self.seconds.get(size)
-        if got is not None or not self._sizes:
-            return got
-        sizes, at = self._sizes, bisect.bisect_left(self._sizes, size)  # sizes[at - 1] < size < sizes[at]
-        if 0 < at < len(sizes):
-            n1, n2 = sizes[at - 1], sizes[at]
-            c1, c2 = self.seconds[n1], self.seconds[n2]
-            return c1 + (c2 - c1) * (size - n1) / (n2 - n1)
-        above = at == 0
-        near = sizes[:2] if above else sizes[-2:]
-        n1 = near[0] if above else near[-1]
-        c1 = self.seconds[n1]
-        slope = ((self.seconds[near[1]] - self.seconds[near[0]]) / (near[1] - near[0]) if len(near) == 2
-                 else c1 / n1)
-        line = c1 + max(slope, 0.0) * (size - n1)
-        return max(line, c1 * size / n1) if above else max(line, c1)
-
-
 def _padded(sizes: list[int]) -> int:
     """The tokens a prefill pass of prompts of ``sizes`` tokens runs: its rows times the longest."""
     return len(sizes) * max(sizes)
@@ -303,9 +256,10 @@ class StepCosts:
     (speculative decoding: its acceptance)."""
 
     def __init__(self, weight: float = 0.25):
-        self.steps, self.prefills = _Table(weight), _Table(weight)
+        self.steps, self.prefills = CostTable(weight), CostTable(weight)
         self.weight = weight
         self.tokens_per_step = 1.0
+        self.lengths: DraftLength | None = None  # a coupled speculative batch's draft lengths (draft_length)
         self.count_from_zero()
 
     def count_from_zero(self) -> None:
@@ -314,6 +268,13 @@ class StepCosts:
         # their seconds
         self.prefill_passes = self.padded_tokens = self.prompt_tokens = 0
         self.prefill_seconds = 0.0
+
+    def draft_length(self, cap: int) -> DraftLength:
+        """The draft lengths of a coupled speculative batch drafting at most ``cap`` tokens a row (kept here, with
+        its other costs, so a warm-up's measured lengths carry over to the replica's scheduler)."""
+        if self.lengths is None or self.lengths.cap != cap:
+            self.lengths = DraftLength(cap, self.weight)
+        return self.lengths
 
     def add_prefill(self, padded: int, prompt: int, seconds: float) -> None:
         self.prefills.add(padded, seconds)
@@ -477,7 +438,7 @@ class Scheduler:
         if draft is not None and self.compile == "on" and eager_reason(draft):  # now, not at the first request
             raise CompileUnavailable(f"compile='on' but compiled continuous batching cannot run the draft: "
                                      f"{eager_reason(draft)}")
-        self.spec: dict[tuple[int, int | None], SpeculativeEngine] = {}  # per (gamma, max_gamma)
+        self.spec: dict[tuple[int, int | None, bool], SpeculativeEngine] = {}  # per (gamma, max_gamma, coupled)
         self._queue: deque[Job] = deque()
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -536,11 +497,13 @@ class Scheduler:
     def _engine(self, job: Job) -> _Engine:
         if not job.speculative:
             return self.base
-        key = (job.gamma, job.max_gamma)  # a batch per fixed gamma, and per starting gamma and cap when adaptive
+        # a batch per fixed gamma, and per starting gamma and cap when adaptive; coupled requests batch apart
+        key = (job.gamma, job.max_gamma, job.coupled)
         if key not in self.spec:
+            lengths = self._costs(_engine_name(job)).draft_length(job.max_gamma or job.gamma) if job.coupled else None
             self.spec[key] = SpeculativeEngine(self.target, self.draft, job.gamma, self.hook, job.max_gamma,
                                                self.compile, self.compile_rows, self.budget, self.fit_positions,
-                                               self.pass_time)
+                                               self.pass_time, job.coupled, lengths)
             self.spec[key].interrupt = self._arrived  # as the base batch's
             self.spec[key].latch = self.latch
             self.spec[key].engines = self._engines
@@ -807,7 +770,7 @@ class Scheduler:
             if id(engine) not in stepped or not len(engine):
                 engine.land()
         with self._cv:  # a speculative batch that queued requests wait for stays (its slots emptied), not made anew
-            wanted = {(j.gamma, j.max_gamma) for j in self._queue if j.speculative}
+            wanted = {(j.gamma, j.max_gamma, j.coupled) for j in self._queue if j.speculative}
         released = [k for k, e in self.spec.items() if not len(e) and k not in wanted]
         for key, engine in self.spec.items():
             if not len(engine) and key in wanted:  # as a new batch would be (its row limit: cleared as it drained)
@@ -849,10 +812,12 @@ class Scheduler:
 
     def measured(self) -> dict[str, dict]:
         """The measured costs per running batch (any thread: dict copies are atomic): ``step_ms`` per row count,
-        ``prefill_ms`` per prompt tokens (past 64, at the nearest of 16 sizes an octave: :meth:`_Table.key`),
-        ``tokens_per_step``, ``positions`` (a slot's positions now: its rows'
-        need with slots that fit them, else the model's context), ``prefill_passes`` run and their
-        ``prompt_tokens`` and ``padded_tokens`` (each pass's rows times its longest prompt: what padding costs);
+        ``prefill_ms`` per prompt tokens (past 64, at the nearest of 16 sizes an octave:
+        :meth:`~efftx.serving.cost_table.CostTable.key`), ``tokens_per_step``, ``positions`` (a slot's positions now:
+        its rows' need with slots that fit them, else the model's context), ``prefill_passes`` run and their
+        ``prompt_tokens`` and ``padded_tokens`` (each pass's rows times its longest prompt: what padding costs), and
+        for a coupled speculative batch ``draft_lengths`` (:meth:`~efftx.serving.draft_length.DraftLength.report`:
+        its measured acceptance, steps per draft length, step costs per length and rows);
         batches not measured yet are left out. A batch the
         device's memory holds back also reports it: ``row_limit`` (the rows it takes) and ``step_rows`` (the most
         rows of a pass)."""
@@ -866,6 +831,8 @@ class Scheduler:
                              "tokens_per_step": round(costs.tokens_per_step, 3),
                              "prefill_passes": costs.prefill_passes, "prompt_tokens": costs.prompt_tokens,
                              "padded_tokens": costs.padded_tokens}
+                if costs.lengths is not None:
+                    out[name]["draft_lengths"] = costs.lengths.report()
                 engine = engines.get(name)
                 if engine is not None:
                     out[name]["positions"] = max(s.capacity for s in engine.slots)

@@ -80,11 +80,17 @@ class GenerateRequest(BaseModel):
         "after a step that accepted every draft, one fewer after a rejection, between 1 and limits.max_gamma "
         "(the context must then hold prompt + max_new_tokens + limits.max_gamma + 1); the tokens are the same "
         "distribution, only the passes differ"))
+    coupled: bool = Field(default=False, description=(
+        "speculative: coupled acceptance: the tokens are exactly those base decoding gives this request with the same "
+        "seed and settings (each position's token raced with that position's noise; a draft is accepted where it is "
+        "that token, a little less often than by the ratio test); with continuous batching the server then drafts "
+        "at most gamma tokens a step, as many as its load makes pay (none in a full batch on a CPU)"))
 
     def adaptive(self, max_gamma: int) -> dict:
-        """The library's speculative-decoding arguments for this request's gamma schedule (capped at ``max_gamma``):
-        none for a fixed gamma."""
-        return {"adaptive_gamma": True, "max_gamma": max_gamma} if self.adaptive_gamma else {}
+        """The library's speculative-decoding arguments for this request's gamma schedule (capped at ``max_gamma``)
+        and acceptance: none for a fixed gamma and the ratio test."""
+        return ({"adaptive_gamma": True, "max_gamma": max_gamma} if self.adaptive_gamma else {}) | (
+            {"coupled": True} if self.coupled else {})
 
     def draft_cap(self, max_gamma: int) -> int:
         """The most tokens a speculative step of this request drafts (its acceptance histogram's last bin)."""
@@ -159,6 +165,14 @@ class ModelCard(BaseModel):
     details: dict[str, int | float | str] = Field(default_factory=dict)  # e.g. attention kind, context length
 
 
+class DraftLengths(BaseModel):
+    """A coupled speculative batch's draft lengths (:meth:`efftx.serving.draft_length.DraftLength.report`)."""
+
+    acceptance: float  # measured: drafts accepted over drafts tried, recent steps weighing most
+    steps: list[int]  # steps run at each draft length 0..gamma (a replica's warm-up's included)
+    step_ms: dict[str, dict[str, float]]  # per draft length, the measured ms of a step per row count
+
+
 class ModelsInfo(BaseModel):
     """``GET /models/info``: what the app serves and the limits requests are checked against."""
 
@@ -172,8 +186,9 @@ class ModelsInfo(BaseModel):
     replica: dict[str, str] | None = None  # the replica that answered: its Serve id and its Ray node id
     threads: int | None = None  # torch's intra-op threads in the replica's decoding threads
     # continuous batching, per running batch (base, speculative gamma=...): its measured step times in ms per row
-    # count, prefill times in ms per prompt tokens, tokens a step gives a row (efftx.serving.continuous.StepCosts)
-    costs: dict[str, dict[str, dict[str, float] | float]] | None = None
+    # count, prefill times in ms per prompt tokens, tokens a step gives a row (efftx.serving.continuous.StepCosts);
+    # a coupled speculative batch's draft lengths too
+    costs: dict[str, dict[str, dict[str, float] | float | DraftLengths]] | None = None
     # continuous batching with cache_mib / cache_fraction: MiB of the budget (limit_mib), of what the running batches'
     # slots hold (held_mib) and of the caches kept for reuse (pooled_mib)
     cache_memory: dict[str, float] | None = None
@@ -203,6 +218,9 @@ class CompletionRequest(BaseModel):
     adaptive_gamma: bool = Field(default=False, description=(
         "the speculative model: each step's draft length follows this request's acceptance, as /generate's "
         "adaptive_gamma"))
+    coupled: bool = Field(default=False, description=(
+        "the speculative model: coupled acceptance, as /generate's coupled (the tokens are the base model's with the "
+        "same seed)"))
 
 
 # ---------------------------------------------------------------------------------------------- the schema

@@ -9,12 +9,13 @@ converts ``key=value`` strings and YAML values to the fields' types and refuses 
 
 Endpoints (FastAPI; OpenAPI docs at /docs and /openapi.json):
 
-* ``POST /generate``: ``{prompt, max_new_tokens, temperature, top_k, top_p, seed, mode, gamma, adaptive_gamma}``
+* ``POST /generate``: ``{prompt, max_new_tokens, temperature, top_k, top_p, seed, mode, gamma, adaptive_gamma,
+  coupled}``
   with ``mode`` = ``base`` | ``speculative`` | ``both``; per mode the text, latency, tokens/s and, for
   speculative decoding, the acceptance statistics.
 * ``POST /v1/completions``: the OpenAI completions API (``stream: true`` answers server-sent events); the
-  model name chooses base (``<name>``) or speculative (``<name>-speculative``) decoding; efftx's own ``gamma`` and
-  ``adaptive_gamma`` fields set the speculative model's draft schedule.
+  model name chooses base (``<name>``) or speculative (``<name>-speculative``) decoding; efftx's own ``gamma``,
+  ``adaptive_gamma`` and ``coupled`` fields set the speculative model's draft schedule and acceptance.
 * ``POST /generate/stream``: one mode's decoding as server-sent events, step by step, the draft-accepted
   tokens told apart from the target's (:mod:`efftx.serving.streaming`).
 * ``GET /v1/models``, ``GET /models/info`` (sources, MLflow versions, recipes, parameter counts, limits),
@@ -293,7 +294,8 @@ class TextGenerator:
         self.scheduler: Scheduler | None = None
         if batching == "continuous":
             # throwaway requests first (efftx.serving.continuous.warm_up): the first burst of real ones does not pay
-            # the one-time costs of a fresh model; speculative with the requests' default gamma, within the limits
+            # the one-time costs of a fresh model; speculative with the requests' default gamma, within the limits,
+            # coupled too (its draft lengths' costs measured: coupled requests choose by them from the first)
             gamma = min(max(GenerateRequest.model_fields["gamma"].default, self.limits.min_gamma),
                         self.limits.max_gamma)
             compiled = compile_knobs(compile, compile_rows, self.device)
@@ -302,7 +304,7 @@ class TextGenerator:
             budget = cache_budget(cache_mib, cache_fraction, self.device, replica_gpu_share())  # bytes, or None
             warmed = warm_up(self.target, self.draft, rows=warm_up_size(warm_up_rows, max_batch_size, compiled),
                              gamma=gamma, max_gamma=adaptive, cache_budget=budget,
-                             pipeline=(priority or {}).get("pipeline"), **compiled)
+                             pipeline=(priority or {}).get("pipeline"), coupled=True, **compiled)
             self.batching.update(warm_up_rows=warmed["rows"], warm_up_s=warmed["seconds"], **compiled)
             self.scheduler = Scheduler(self.target, self.draft, max_rows=max_batch_size,
                                        admit_wait_s=batch_wait_timeout_s, **(priority or {}), **compiled,
@@ -393,8 +395,8 @@ class TextGenerator:
             groups: dict[tuple, list[int]] = {}
             for i, r in enumerate(requests):
                 if r.mode in (mode, "both") and i not in failed:
-                    key = (r.temperature, r.top_k, r.top_p) + ((r.gamma, r.adaptive_gamma) if mode == "speculative"
-                                                               else ())
+                    key = (r.temperature, r.top_k, r.top_p) + ((r.gamma, r.adaptive_gamma, r.coupled)
+                                                               if mode == "speculative" else ())
                     groups.setdefault(key, []).append(i)
             for rows in groups.values():  # a failing group is decoded again request by request: only its culprit fails
                 metrics.batch("static", mode, len(rows))
@@ -426,7 +428,8 @@ class TextGenerator:
         speculative = mode == "speculative"
         return Job(self.codec.encode(req.prompt), req.max_new_tokens, Sampling(req.temperature, req.top_k, req.top_p),
                    req.seed, req.gamma if speculative else None, on_step=on_step, tag=req,
-                   max_gamma=self.limits.max_gamma if speculative and req.adaptive_gamma else None)
+                   max_gamma=self.limits.max_gamma if speculative and req.adaptive_gamma else None,
+                   coupled=speculative and req.coupled)
 
     def _step_hook(self, mode: str, requests: list) -> None:
         """Called on the decoding thread before every prefill and step with the requests it covers (tests
@@ -636,7 +639,7 @@ class TextGenerator:
         mode = "speculative" if speculative else "base"
         gen = GenerateRequest(prompt=req.prompt, max_new_tokens=req.max_tokens, temperature=req.temperature,
                               top_p=req.top_p, seed=req.seed, mode=mode, gamma=gamma,
-                              adaptive_gamma=req.adaptive_gamma)
+                              adaptive_gamma=req.adaptive_gamma, coupled=req.coupled)
         if not req.stream:  # joins the batch of /generate requests
             return body((await self._decode(gen)).results[mode].text, "length", usage)
 
