@@ -211,10 +211,12 @@ def step_costs(target, draft, counts: list[int], modes: list[str], repeats: int 
     for mode in modes:
         best: dict[int, float] = {}
         own: dict[int, float] = {}
+        measured: dict = {}  # the schedulers' measured costs, carried on (coupled: the draft lengths' costs)
         for rep in range(repeats + 1):  # the first round warms up
             for n in counts:
                 scheduler = Scheduler(target, draft, max_rows=max(counts), short_tokens=0, prefill_rows=0,
-                                      **(compiled or {}))
+                                      costs=measured, **(compiled or {}))
+                measured = scheduler.costs
                 for i in range(n):
                     scheduler.submit(Job(list(PROMPTS[i % len(PROMPTS)].encode()), 32, Sampling(0.8, 32), i,
                                          5 if mode != "base" else None, coupled=mode == "coupled"))
@@ -374,7 +376,8 @@ def inprocess_load(target, draft, mode: str, knobs: dict, clients: int, lengths:
             "long_rounds": scheduler.long_rounds, "rounds": scheduler.rounds, "knobs": knobs,
             "prefills": scheduler.prefills, "prefill_tokens": scheduler.prefill_tokens,
             "prefill_s": scheduler.prefill_s, "free_joins": scheduler.free_joins, "timing": scheduler.timing(),
-            "pipelining": scheduler.pipelining()}
+            "pipelining": scheduler.pipelining(),
+            "draft_lengths": [m["draft_lengths"] for m in scheduler.measured().values() if "draft_lengths" in m]}
 
 
 def inprocess(target, draft, modes: list[str], clients: int, lengths: list[int], unloaded: int, device: str = "cpu",
@@ -536,6 +539,12 @@ def goals(runs: dict[tuple[str, str], list[dict]], modes: list[str], notes: dict
                              f"flight: {statistics.median(p['share'] for p in piped):.0%} of "
                              f"{statistics.median(p['steps'] for p in piped):.0f} (the others had none to follow: "
                              "a batch's first step, or the first after a round that did not step it)")
+            for policy, got in (("unbatched", u), ("continuous", c)):
+                chosen = [a["draft_lengths"][0] for a in got or () if a.get("draft_lengths")]
+                if chosen:  # coupled: the steps the load chose at each draft length (the warm-up's among them)
+                    lines.append(f"[info] {mode}: {policy}: steps per draft length 0..: "
+                                 + ", ".join(str(r["steps"]) for r in chosen) + "; measured acceptance "
+                                 + ", ".join(f"{r['acceptance']:.2f}" for r in chosen))
             if u:
                 lines.append(f"[info] {mode}: time to first token p50 {statistics.median(a['ttft_p50'] for a in c):.0f}"
                              f" ms, p99 {statistics.median(a['ttft_p99'] for a in c):.0f} ms (unbatched: p50 "

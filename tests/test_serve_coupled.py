@@ -217,3 +217,38 @@ def test_coupled_and_ratio_test_requests_batch_apart(pairs, monkeypatch):
     assert a.out == base_tokens(target, (0, [1, 2, 3], 10, HOT, 4))
     assert b.out == speculative_generate(target, draft, [[1, 2, 3]], 10, gamma=3, temperature=1.0, top_k=20,
                                          seed=4)[0][0]
+
+
+def test_a_coupled_batchs_unloaded_latency_is_a_row_alone_at_its_best_length():
+    """The priority's estimate of a short request's latency alone: for a coupled batch, steps of the length one row
+    would take (its measured cost and expected tokens), not the batch's steps of every length mixed."""
+    from efftx.serving.continuous import StepCosts
+
+    costs = StepCosts()
+    lengths = costs.draft_length(3)
+    assert lengths.alone() is None  # before every length was measured
+    for g, ms in enumerate((1.0, 1.2, 1.3, 2.0)):
+        lengths.costs[g].add(1, ms / 1e3)
+    lengths.accepted, lengths.tried = 8.0, 10.0  # 0.8: length 2 pays best alone (2.44 tokens in 1.3 ms)
+    assert lengths.alone() == pytest.approx((1.3e-3, 1 + 0.8 + 0.64))
+    costs.add_prefill(3, 3, 2e-3)
+    costs.add_step(1, 5e-3, 1)  # the batch's measured steps: mixed lengths, about a token each
+    job = Job([1, 2, 3], 10, HOT, 1, 3, coupled=True)
+    assert costs.unloaded(job) == pytest.approx(2e-3 + 5 * 1.3e-3)  # 10 tokens, 2 a step
+    assert costs.steps_left(10) == 5
+
+
+def test_lengths_are_measured_again_at_far_larger_batches():
+    """Costs measured at one row do not decide a step of 16: each length is tried there first (largest first), then
+    the choice goes by the costs measured at that size (here a base step pays best)."""
+    lengths = DraftLength(2)
+    for g in range(3):
+        lengths.costs[g].add(1, 0.001 * (1 + g / 10))
+    assert lengths.costs[0].near(2) and not lengths.costs[0].near(3)
+    picks = []
+    for _ in range(3):
+        g = lengths.choose([2] * 16)
+        picks.append(g)
+        lengths.record(g, 16, 0.002 * (1 + 3 * g), [g] * 16, [g] * 16)
+    assert picks == [2, 1, 0]
+    assert lengths.choose([2] * 16) == 0 and lengths.choose([2]) == 2

@@ -218,3 +218,18 @@ def test_pipelined_runs_say_how_many_steps_followed_the_step_in_flight():
 def test_bad_arguments_are_refused_by_name(args, says):
     proc = bench("--inprocess", *args)
     assert proc.returncode == 2 and says in proc.stderr, proc.stderr[-2000:]
+
+
+def test_coupled_requests_load_beside_and_report_their_draft_lengths(tmp_path):
+    """``--modes coupled``: coupled speculative requests under the load, their goals marked, and the steps the load
+    chose at each draft length."""
+    out = tmp_path / "figures.json"
+    proc = bench("--inprocess", "--size", "debug", "--modes", "coupled", "--requests", "6", "--clients", "2",
+                 "--max-new", "24", "--unloaded", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(out.read_text())["continuous/coupled"][0]
+    assert got["errors"] == 0 and got["ok"] == 6
+    assert len(got["draft_lengths"][0]["steps"]) == 6  # lengths 0..5, the warm-up having stepped each
+    assert re.search(r"^\s+\[(met|NOT met)\] coupled: requests/s >= 3x unbatched", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^\s+\[info\] coupled: continuous: steps per draft length 0\.\.: \[[\d, ]+\]; measured "
+                     r"acceptance [\d.]+", proc.stdout, re.M), proc.stdout

@@ -87,3 +87,14 @@ def test_the_bench_refuses_a_device_it_cannot_use():
                                       (["--untrained", "--device", "meta"], "not 'meta'"),
                                       (["--untrained", "--bf16-weights", "--compile", "on"],
                                        "--bf16-weights adds eager rows beside the eager float32 ones")])
+
+
+def test_coupled_rows_check_sampled_output_against_base_and_sit_beside_the_ratio_tests():
+    """``--coupled``: an acceptance line per draft with coupled acceptance beside the ratio test's, its sampled output
+    checked against sampled base decoding (same seeds; in the verdict too), and a timed coupled row per batch."""
+    run = run_bench("speculative.py", "--untrained", "--batches", "1", "--new-tokens", "6", "--timed-prompts", "2",
+                    "--acceptance-prompts", "2", "--repeats", "1", "--no-adaptive", "--prompt-len", "16", "--coupled")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert re.search(r"coupled, fixed: T=0.8 [\d.]+ / [\d.]+ \(the ratio test's [\d.]+ / [\d.]+\), sampled output == "
+                     r"sampled base \(same seeds\): yes", run.stdout), run.stdout
+    assert re.search(r"^speculative, untrained, coupled\s+1\s+5\s+[\d,]+\s+[\d.]+x", run.stdout, re.M), run.stdout

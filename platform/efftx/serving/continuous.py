@@ -292,12 +292,19 @@ class StepCosts:
         """``job``'s latency alone (its prefill and its steps of one row), None before both were measured. Base
         decoding's prefill gives the first token."""
         step, prefill = self.steps.estimate(1), self.prefills.estimate(len(job.prompt))
+        alone = self.lengths.alone() if self.lengths is not None else None
+        if alone is not None:  # a coupled batch: a row alone takes the draft length it pays best
+            step = alone[0]
         if step is None or prefill is None:
             return None
         return prefill + self.steps_left(job.max_new - (not job.speculative)) * step
 
     def steps_left(self, tokens: int) -> int:
-        return -(-max(tokens, 0) // max(1, int(self.tokens_per_step)))
+        """Steps a row alone takes for ``tokens`` more (coupled batches: at the draft length it would take alone;
+        their measured tokens a step mix every length the load chose)."""
+        alone = self.lengths.alone() if self.lengths is not None else None
+        per_step = alone[1] if alone is not None else self.tokens_per_step
+        return -(-max(tokens, 0) // max(1, int(per_step)))
 
 
 class Scheduler:

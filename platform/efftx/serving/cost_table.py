@@ -44,6 +44,11 @@ class CostTable:
         else:
             self.seconds[size] = old + self.weight * (min(seconds, 2 * old) - old)
 
+    def near(self, size: int, factor: float = 2.0) -> bool:
+        """Whether a size within ``factor`` of ``size`` (either way) was measured."""
+        at = bisect.bisect_left(self._sizes, size / factor)
+        return at < len(self._sizes) and self._sizes[at] <= size * factor
+
     def estimate(self, size: int) -> float | None:
         """The seconds at ``size``: measured, else interpolated between the nearest sizes measured, else
         extrapolated from the two nearest (never below their line's floor: at least the nearest cost scaled by the

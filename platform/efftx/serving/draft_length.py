@@ -11,9 +11,11 @@ the draft not run; its cache catches up at the next drafting step) with the most
 ``sum over rows of E(min(g, own)) / cost(B, g)``, where ``E(k) = 1 + a + ... + a^k`` (each draft accepted with
 probability ``a``, independently) and ``cost(B, g)`` the measured seconds of such steps (a
 :class:`~efftx.serving.cost_table.CostTable` per length, by rows). ``a`` is the batch's measured acceptance: drafts
-accepted over drafts tried (a rejected one counts as tried; those after it do not). A length not measured yet is
-tried first (largest first), so the tables fill from the first steps; :func:`~efftx.serving.continuous.warm_up`
-measures every length at a replica's start.
+accepted over drafts tried (a rejected one counts as tried; those after it do not). A length not measured yet within
+a factor of two of the step's rows is tried first (largest first), so the tables fill from the first steps at each
+batch size, and a cost is never only extrapolated from far smaller batches (which would keep a length that was
+measured at this size over one that was not); :func:`~efftx.serving.continuous.warm_up` measures every length at a
+replica's start.
 """
 
 from __future__ import annotations
@@ -60,10 +62,10 @@ class DraftLength:
             g = lengths[self._turn % len(lengths)]
             self._turn += 1
             return g
-        unmeasured = [g for g in lengths if not self.costs[g].seconds]
+        rows, a = len(own), self.acceptance
+        unmeasured = [g for g in lengths if not self.costs[g].near(rows)]
         if unmeasured:
             return unmeasured[-1]
-        rows, a = len(own), self.acceptance
 
         def rate(g: int) -> float:
             seconds = self.costs[g].estimate(rows)
@@ -76,6 +78,15 @@ class DraftLength:
         """Back to the prior acceptance, the measured costs kept (after a warm-up, whose prompts are not the
         replica's)."""
         self.accepted, self.tried = self.PRIOR
+
+    def alone(self) -> tuple[float, float] | None:
+        """(seconds, expected tokens) of a step of one row drafting up to the cap, at the length it would take; None
+        before every length was measured."""
+        if any(not t.seconds for t in self.costs.values()):
+            return None
+        g = max(range(self.least, self.cap + 1),
+                key=lambda k: self.expected(self.acceptance, k) / self.costs[k].estimate(1))
+        return self.costs[g].estimate(1), self.expected(self.acceptance, g)
 
     def record(self, g: int, rows: int, seconds: float, drafted: Sequence[int], accepted: Sequence[int]) -> None:
         """A step of length ``g`` over ``rows`` rows took ``seconds``; row r drafted ``drafted[r]`` and kept
