@@ -420,3 +420,27 @@ def test_random_load_with_compiled_passes_gets_every_request_its_solo_output(mod
     target, draft = models
     settings, _ = soak(target, draft, seed, compile="on", pipeline=pipeline)
     assert settings["cache_budget"] is not None
+
+
+def test_coupled_rows_always_draft_under_compiled_passes_and_get_their_base_tokens(models, monkeypatch):
+    """Coupled requests with compiled passes: every step drafts (a compiled draft catches up one kept token a pass,
+    never the several a step without drafts would leave), the draft's compiled passes feed at most two tokens a row,
+    and every row's tokens are base decoding's with its seed."""
+    from test_serve_coupled import PLAN, base_tokens, coupled_job
+
+    target, draft = models
+    widths = set()  # the draft's compiled passes: tokens per row
+    real = device_slots._CompiledRows.forward
+
+    def forward(self, tokens):
+        if self.model is draft and self.compiles(tokens.shape[0]):
+            widths.add(tokens.shape[1])
+        return real(self, tokens)
+
+    monkeypatch.setattr(device_slots._CompiledRows, "forward", forward)
+    scheduler = Scheduler(target, draft, max_rows=8, short_tokens=0, compile="on", compile_rows=2)
+    jobs = run_rounds(scheduler, PLAN, coupled_job)
+    for job in jobs:
+        assert job.failure is None and job.out == base_tokens(target, job.tag), job.tag
+        assert 0 not in job.stats.drafted, job.tag
+    assert widths and max(widths) <= 2, widths

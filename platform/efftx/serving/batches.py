@@ -896,6 +896,8 @@ class SpeculativeEngine(_Engine):
         self.name = _engine_name(self)
         self.cap = max_gamma or gamma  # the most tokens a row drafts in one step
         self.lengths = (lengths if lengths is not None else DraftLength(self.cap)) if self.coupled else None
+        if self.lengths is not None and compile != "off":  # compiled draft passes catch up one kept token, as ever:
+            self.lengths.least = 1  # every step drafts (a step without drafts would leave the draft more behind)
 
     def check(self, job):
         if not job.prompt:
@@ -979,7 +981,6 @@ class SpeculativeEngine(_Engine):
         device, vocab = pending.device, self.target.vocab_size
         started = time.perf_counter()
         if self.coupled:  # this step's draft length by the load (0: the target alone), at most each row's own
-            self.lengths.least = int(d_rows.compiles(len(jobs)))  # a compiled draft catches up one token a pass
             cut = self.lengths.choose(own)
             own = [min(g, cut) for g in own]
         # each row drafts its own number of tokens (all alike but with an adaptive gamma); the step drafts as many

@@ -81,8 +81,8 @@ class DraftLength:
 
     def alone(self) -> tuple[float, float] | None:
         """(seconds, expected tokens) of a step of one row drafting up to the cap, at the length it would take; None
-        before every length was measured."""
-        if any(not t.seconds for t in self.costs.values()):
+        before every length it may take was measured."""
+        if any(not self.costs[g].seconds for g in range(self.least, self.cap + 1)):
             return None
         g = max(range(self.least, self.cap + 1),
                 key=lambda k: self.expected(self.acceptance, k) / self.costs[k].estimate(1))
