@@ -184,7 +184,7 @@ def accept_coupled(p: torch.Tensor, drafted: torch.Tensor, noise: torch.Tensor, 
     token base decoding draws there with the same stream; a draft, raced by the draft with the same noise, is accepted
     while it is that token (:func:`agreed`). So every emitted token is base decoding's, whatever the draft, gamma or
     batch; a draft is accepted a little less often than by :func:`accept_sampled`'s ratio test (the small pair at
-    temperature 0.8: 0.70 against 0.73 per draft)."""
+    temperature 0.8, gamma 5, 32 corpus prompts: 2.23 against 2.42 accepted drafts a step)."""
     return agreed(coupled_tokens(p, noise), drafted, own)
 
 

@@ -1,9 +1,9 @@
 """Each step's draft length of a *coupled* speculative batch, chosen by its load.
 
 Speculation pays where a step's cost hardly grows with the tokens it verifies: one row, or a GPU. On a CPU a batch's
-verify pass soon costs its tokens (the small pair on a 2-core CPU, eager passes at 48 positions: 16 rows verifying
-6 tokens each cost 10.0 ms, a 16-row base step 2.2 ms), so a full batch gets more tokens a second from short drafts
-or none. Coupled acceptance (:func:`~efftx.generation.speculative.accept_coupled`) makes every emitted token base
+verify pass soon costs its tokens (the small pair on a 2-core CPU, eager passes at 48 positions: a 16-row step
+drafting 5 tokens, five draft passes and a verify pass of 6 tokens a row, cost 10.0 ms, a 16-row base step 2.2 ms),
+so a full batch gets more tokens a second from short drafts or none. Coupled acceptance (:func:`~efftx.generation.speculative.accept_coupled`) makes every emitted token base
 decoding's, whatever the draft length: the length may then follow the load without changing a request's tokens.
 
 :class:`DraftLength` picks, for a step of B rows each drafting at most its own gamma, the length g (0: a base step,
