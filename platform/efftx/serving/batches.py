@@ -979,7 +979,7 @@ class SpeculativeEngine(_Engine):
         jobs = state.jobs
         gens = [j.generator for j in jobs]
         device, vocab = pending.device, self.target.vocab_size
-        started = time.perf_counter()
+        started = self.pass_time.clock()  # the scheduler's clock, as its other measured costs
         if self.coupled:  # this step's draft length by the load (0: the target alone), at most each row's own
             cut = self.lengths.choose(own)
             own = [min(g, cut) for g in own]
@@ -1047,7 +1047,7 @@ class SpeculativeEngine(_Engine):
             for gen, out in zip(gens, emitted):
                 if gen is not None:
                     gen.set_state(gen.get_state() + len(out))
-            self.lengths.record(gamma, len(jobs), time.perf_counter() - started, own, accepted)
+            self.lengths.record(gamma, len(jobs), self.pass_time.clock() - started, own, accepted)
         return emitted, accepted, keep, next_tails, own
 
     def commit(self, state, result, batch):
