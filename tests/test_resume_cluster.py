@@ -7,7 +7,10 @@ writes; ~/.ray is never read); drivers are `python jobs/train_lm.py` with RAY_AD
 attempts run with RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=3 (Ray Train's poll, 2 s by default) so that the window between
 a checkpoint's manifest and Ray's commit is wide enough to kill in every time; the killed driver's Train controller
 (an actor Ray reaps only some time after its driver died, long enough to poll and commit) is killed with it. An
-uninterrupted run of the same config runs beside them for the reference losses.
+uninterrupted run of the same config runs beside them for the reference losses. The rerun starts once the killed
+job's placement group has let its CPU go (else it would wait for it without a word, Ray Train retrying the start
+without limit); a driver that runs too long, or a CPU never freed, fails with the driver's output, `ray status` and
+the cluster's placement groups (CI once saw a rerun run past 900 s with neither).
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ class Driver:
 
     def __init__(self, env: dict, name: str, out_dir: Path, *extra: str, poll_s: float | None = None):
         env = {**env, **({"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": str(poll_s)} if poll_s else {})}
+        self.env = env
         cmd = [sys.executable, "jobs/train_lm.py", "--recipe", "lm_debug", "--run-name", name, "--workers", "2",
                *SETS, *extra]
         self.log = out_dir / f"{name}-{time.time_ns()}.log"
@@ -86,11 +90,45 @@ class Driver:
             time.sleep(0.05)
         raise AssertionError(f"no {pattern!r} in the driver's output:\n{self.out()[-4000:]}")
 
-    def finish(self) -> tuple[dict, str]:
-        self.proc.wait(timeout=900)
+    def finish(self, timeout: float = 600) -> tuple[dict, str]:
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:  # what the driver and the cluster were doing, in the failure itself
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"the driver ran past {timeout:g} s; its output:\n{self.out()[-6000:]}\n"
+                                 f"the cluster:\n{cluster_state(self.env)}") from None
         out = self.out()
         assert self.proc.returncode == 0, out[-4000:]
         return json.loads(next(ln for ln in reversed(out.splitlines()) if ln.startswith("{"))), out
+
+
+def cluster_state(env: dict) -> str:
+    """`ray status` (resources in use, pending demands) and the placement groups, as a client of the cluster."""
+    code = ("import ray; ray.init(); from ray.util import placement_group_table as t; "
+            "[print(v['placement_group_id'], v['state'], v['bundles'], v['stats']) for v in t().values()]")
+    out = []
+    for cmd in ([str(BIN / "ray"), "status", "--address", env["RAY_ADDRESS"]], [sys.executable, "-c", code]):
+        try:
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+            out.append(done.stdout[-3000:] + done.stderr[-1500:])
+        except subprocess.TimeoutExpired:
+            out.append(f"{cmd[:2]} ran past 60 s")
+    return "\n".join(out)
+
+
+def wait_for_free_cpus(env: dict, need: float, timeout: float = 180) -> None:
+    """Block until the cluster has ``need`` CPUs free (a killed job's placement group released), else fail with
+    the cluster's state rather than leave the next driver waiting for a placement group that never comes."""
+    code = ("import ray, sys, time; ray.init(); deadline = time.time() + float(sys.argv[2])\n"
+            "while ray.available_resources().get('CPU', 0) < float(sys.argv[1]) - 1e-9 and time.time() < deadline:\n"
+            "    time.sleep(0.5)\n"
+            "print(ray.available_resources().get('CPU', 0))")
+    done = subprocess.run([sys.executable, "-c", code, str(need), str(timeout)], env=env, capture_output=True,
+                          text=True, timeout=timeout + 120)
+    free = float(done.stdout.split()[-1]) if done.returncode == 0 and done.stdout.split() else None
+    assert free is not None and free >= need - 1e-9, (
+        f"{need:g} CPUs not free after {timeout:g} s ({free}; {done.stderr[-1500:]}):\n{cluster_state(env)}")
 
 
 def run_dir(name: str) -> Path:
@@ -202,6 +240,7 @@ def test_killed_worker_then_killed_driver_resume_from_the_newest_complete_checkp
     deadline = time.time() + 60  # the job's workers die with their driver
     while psutil.pid_exists(rank0) and time.time() < deadline:
         time.sleep(0.2)
+    wait_for_free_cpus(env, 1.0)  # the uninterrupted run holds the other one
     summary, out = Driver(env, "killed", tmp_path).finish()  # the same command again
     assert (f"resuming from checkpoint {run / name2} (step {step2}, files match its manifest; "
             f"Ray Train's latest is step {max(committed.values())})") in out, out[-4000:]
