@@ -628,7 +628,7 @@ def main() -> None:
                         "efftx.kernels.decode_attention_cpu.key_by_key), beside the blocked path's")
     p.add_argument("--short-slowdown", type=float, default=None,
                    help="the continuous configuration's short_slowdown (the scheduler's measured-cost priority; "
-                        "default: the scheduler's, 1.5; 0: only long_every)")
+                        "default: the scheduler's, 1.2; 0: only long_every)")
     p.add_argument("--decode-weights", default="float32", choices=WEIGHTS,
                    help="the models' Linear weights, in-process and in the replicas (the text app's decode_weights; "
                         "bfloat16: weight-only, CPU only)")

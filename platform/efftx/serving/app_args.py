@@ -85,7 +85,7 @@ class TextAppArgs(BaseModel):
     short_slowdown: float | None = Field(None, description=(
         "continuous: while short requests decode or wait, the long ones also step, and long arrivals are prefilled, "
         "in the rounds every short request can afford: by the replica's measured step and prefill times it still "
-        "finishes within this many times its latency alone (default 1.5; 0: only every long_every rounds). On a GPU, "
+        "finishes within this many times its latency alone (default 1.2; 0: only every long_every rounds). On a GPU, "
         "where a step costs about the same at any row count, that is nearly every round."))
     prefill_rows: int | None = Field(None, ge=0, description=(
         "continuous: at most this many waiting requests are prefilled per decoding round, short ones first "
