@@ -540,8 +540,10 @@ def goals(runs: dict[tuple[str, str], list[dict]], modes: list[str], notes: dict
                              f"{statistics.median(p['steps'] for p in piped):.0f} (the others had none to follow: "
                              "a batch's first step, or the first after a round that did not step it)")
             for policy, got in (("unbatched", u), ("continuous", c)):
-                chosen = [a["draft_lengths"][0] for a in got or () if a.get("draft_lengths")]
-                if chosen:  # coupled: the steps the load chose at each draft length (the warm-up's among them)
+                # coupled: the steps the load chose at each draft length (the warm-up's among them; the other modes'
+                # schedulers hold the warm-up's coupled costs too, untouched)
+                chosen = [a["draft_lengths"][0] for a in got or () if a.get("draft_lengths") and mode == "coupled"]
+                if chosen:
                     lines.append(f"[info] {mode}: {policy}: steps per draft length 0..: "
                                  + ", ".join(str(r["steps"]) for r in chosen) + "; measured acceptance "
                                  + ", ".join(f"{r['acceptance']:.2f}" for r in chosen))

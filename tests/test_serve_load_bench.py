@@ -221,10 +221,11 @@ def test_bad_arguments_are_refused_by_name(args, says):
 
 
 def test_coupled_requests_load_beside_and_report_their_draft_lengths(tmp_path):
-    """``--modes coupled``: coupled speculative requests under the load, their goals marked, and the steps the load
-    chose at each draft length."""
+    """``--modes base,coupled``: coupled speculative requests under the load, their goals marked, and the steps the
+    load chose at each draft length; none for base requests (whose schedulers hold the warm-up's coupled costs,
+    never stepped)."""
     out = tmp_path / "figures.json"
-    proc = bench("--inprocess", "--size", "debug", "--modes", "coupled", "--requests", "6", "--clients", "2",
+    proc = bench("--inprocess", "--size", "debug", "--modes", "base,coupled", "--requests", "6", "--clients", "2",
                  "--max-new", "24", "--unloaded", "1", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(out.read_text())["continuous/coupled"][0]
@@ -233,3 +234,5 @@ def test_coupled_requests_load_beside_and_report_their_draft_lengths(tmp_path):
     assert re.search(r"^\s+\[(met|NOT met)\] coupled: requests/s >= 3x unbatched", proc.stdout, re.M), proc.stdout
     assert re.search(r"^\s+\[info\] coupled: continuous: steps per draft length 0\.\.: \[[\d, ]+\]; measured "
                      r"acceptance [\d.]+", proc.stdout, re.M), proc.stdout
+    assert "base: unbatched: steps per draft length" not in proc.stdout
+    assert "base: continuous: steps per draft length" not in proc.stdout
