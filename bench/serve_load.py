@@ -17,7 +17,7 @@ measured-cost knob). Without ``--target``/``--draft`` it exports randomly initia
 
 For each configuration and mode (base, speculative with gamma 5; ``--modes base,speculative,coupled`` adds
 speculative requests with ``coupled`` acceptance, whose tokens are base decoding's and whose draft lengths, at most 5,
-the server chooses by its load, :mod:`efftx.serving.draft_length`):
+the server chooses by its load, :mod:`efftx.generation.draft_length`):
 
 * **unloaded**: short requests of 8 and of 16 new tokens (the shortest and the longest short request) sent one
   at a time: their median latency per length;

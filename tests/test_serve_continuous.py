@@ -25,7 +25,7 @@ from efftx.models import build as build_model
 from efftx.models.lm import LM
 from efftx.serving import batches, continuous
 from efftx.serving.continuous import Job, Sampling, Scheduler, StepCosts, warm_up
-from efftx.serving.cost_table import CostTable
+from efftx.generation.cost_table import CostTable
 
 from cores import cores_used, needs_two_cores
 

@@ -11,7 +11,7 @@ import torch
 
 from efftx.generation.decode import generate
 from efftx.serving.continuous import Job, Sampling, Scheduler, warm_up
-from efftx.serving.draft_length import DraftLength
+from efftx.generation.draft_length import DraftLength
 
 from test_serve_continuous import HOT, NUCLEUS, lm, run_rounds
 

@@ -27,7 +27,7 @@ from efftx.generation.sampling import (Stream, draw, is_greedy, position_noise, 
 from efftx.generation.speculative import (SpecStats, accept_sampled, agreed_row, coupled_tokens, kept_tokens,
                                          next_gamma, step_noise)
 from efftx.host import Readback, host_values
-from efftx.serving.draft_length import DraftLength
+from efftx.generation.draft_length import DraftLength
 from efftx.serving.faults import FaultLatch
 
 if TYPE_CHECKING:  # the scheduler runs with torch alone (bench/serve_load.py --inprocess on a bare GPU image)
@@ -875,7 +875,7 @@ class SpeculativeEngine(_Engine):
     ``coupled``: acceptance by :func:`~efftx.generation.speculative.accept_coupled`, each row's noise that of its
     positions (:func:`~efftx.generation.sampling.position_noise`: the draws base decoding makes for those tokens), so
     a row's tokens are those base decoding gives it with the same seed and settings, whatever is drafted; each step's
-    draft length is then chosen by the load (``lengths``, a :class:`~efftx.serving.draft_length.DraftLength`; a row
+    draft length is then chosen by the load (``lengths``, a :class:`~efftx.generation.draft_length.DraftLength`; a row
     drafts at most its own gamma), down to 0: a step of the target alone, the tokens it emits fed to the draft at
     the next step that drafts (the row's :attr:`Job.draft_tail`)."""
 

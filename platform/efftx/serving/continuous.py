@@ -121,8 +121,8 @@ from efftx.generation.device_slots import MIN_PREFILL, PREFILL_ROWS, PREFILL_TOK
 from efftx.generation.faults import DeviceFault
 from efftx.serving.batches import (BaseEngine, DeviceMemoryFull, Job, PassTime, Sampling,
                                    SpeculativeEngine, _call, _device, _Engine, _engine_name, device_sync)
-from efftx.serving.cost_table import CostTable
-from efftx.serving.draft_length import DraftLength
+from efftx.generation.cost_table import CostTable
+from efftx.generation.draft_length import DraftLength
 from efftx.serving.faults import FaultLatch
 
 __all__ = ["DeviceFault", "DeviceMemoryFull", "Job", "Sampling", "Scheduler", "StepCosts", "slowdown_ok", "warm_up"]
@@ -148,7 +148,7 @@ def warm_up(target, draft=None, *, rows: int = 16, gamma: int | None = None, tok
     the replica's (the costs measured are those of the steps it will run). ``coupled`` (with a draft and ``gamma``):
     also coupled speculative batches, their steps taking every draft length 0..gamma in turn with ``3 * (gamma + 1)``
     new tokens a request (or the context's room), so that the replica's draft lengths
-    (:class:`~efftx.serving.draft_length.DraftLength`) start from measured costs at every length and row count.
+    (:class:`~efftx.generation.draft_length.DraftLength`) start from measured costs at every length and row count.
     In a short context the requests get fewer new tokens, and a mode none of whose requests fits is skipped.
     ``rows=0`` does nothing. Returns ``{"rows": requests decoded, "seconds": wall time, "costs": the step and prefill
     costs measured}`` (``costs``, on :func:`time.perf_counter`, is for the replica's :class:`Scheduler` to start
@@ -824,10 +824,10 @@ class Scheduler:
     def measured(self) -> dict[str, dict]:
         """The measured costs per running batch (any thread: dict copies are atomic): ``step_ms`` per row count,
         ``prefill_ms`` per prompt tokens (past 64, at the nearest of 16 sizes an octave:
-        :meth:`~efftx.serving.cost_table.CostTable.key`), ``tokens_per_step``, ``positions`` (a slot's positions now:
+        :meth:`~efftx.generation.cost_table.CostTable.key`), ``tokens_per_step``, ``positions`` (a slot's positions now:
         its rows' need with slots that fit them, else the model's context), ``prefill_passes`` run and their
         ``prompt_tokens`` and ``padded_tokens`` (each pass's rows times its longest prompt: what padding costs), and
-        for a coupled speculative batch ``draft_lengths`` (:meth:`~efftx.serving.draft_length.DraftLength.report`:
+        for a coupled speculative batch ``draft_lengths`` (:meth:`~efftx.generation.draft_length.DraftLength.report`:
         its measured acceptance, steps per draft length, step costs per length and rows);
         batches not measured yet are left out. A batch the
         device's memory holds back also reports it: ``row_limit`` (the rows it takes) and ``step_rows`` (the most

@@ -166,7 +166,7 @@ class ModelCard(BaseModel):
 
 
 class DraftLengths(BaseModel):
-    """A coupled speculative batch's draft lengths (:meth:`efftx.serving.draft_length.DraftLength.report`)."""
+    """A coupled speculative batch's draft lengths (:meth:`efftx.generation.draft_length.DraftLength.report`)."""
 
     acceptance: float  # measured: drafts accepted over drafts tried, recent steps weighing most
     steps: list[int]  # steps run at each draft length 0..gamma (a replica's warm-up's included)

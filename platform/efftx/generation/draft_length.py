@@ -10,7 +10,7 @@ decoding's, whatever the draft length: the length may then follow the load witho
 the draft not run; its cache catches up at the next drafting step) with the most expected tokens a second:
 ``sum over rows of E(min(g, own)) / cost(B, g)``, where ``E(k) = 1 + a + ... + a^k`` (each draft accepted with
 probability ``a``, independently) and ``cost(B, g)`` the measured seconds of such steps (a
-:class:`~efftx.serving.cost_table.CostTable` per length, by rows). ``a`` is the batch's measured acceptance: drafts
+:class:`~efftx.generation.cost_table.CostTable` per length, by rows). ``a`` is the batch's measured acceptance: drafts
 accepted over drafts tried (a rejected one counts as tried; those after it do not). A length not measured yet within
 a factor of two of the step's rows is tried first (largest first), so the tables fill from the first steps at each
 batch size, and a cost is never only extrapolated from far smaller batches (which would keep a length that was
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from efftx.serving.cost_table import CostTable
+from efftx.generation.cost_table import CostTable
 
 
 class DraftLength:

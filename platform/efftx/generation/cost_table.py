@@ -1,5 +1,5 @@
 """Measured costs by size, for schedulers that choose by them (:mod:`efftx.serving.continuous`'s steps and prefills,
-:mod:`efftx.serving.draft_length`'s speculative steps per draft length)."""
+:mod:`efftx.generation.draft_length`'s speculative steps per draft length)."""
 
 from __future__ import annotations
 
