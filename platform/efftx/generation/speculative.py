@@ -37,6 +37,7 @@ the acceptance (:func:`verify_step`) compiled over preallocated caches with devi
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -44,6 +45,7 @@ import torch
 
 from efftx.generation import compiled
 from efftx.generation.decode import Rows, as_rows, generators, splittable
+from efftx.generation.draft_length import DraftLength
 from efftx.generation.sampling import Stream, is_greedy, position_noise, probabilities, race, stream_noise
 from efftx.host import host_values
 from efftx.kernels import sampling_cpu
@@ -288,7 +290,7 @@ def iter_speculative_rows(target, draft, prompts: Sequence[Sequence[int]] | torc
                           seed: int | Sequence[int | None] | None = None, stats: SpecStats | None = None,
                           row_stats: list[SpecStats] | None = None, batched: bool | None = None,
                           adaptive_gamma: bool = False, max_gamma: int | None = None, compile: str = "off",
-                          coupled: bool = False):
+                          coupled: bool = False, lengths: DraftLength | None = None):
     """Speculative decoding of a batch of prompts (any lengths). Yields, per step, one list per row of
     the tokens that row emitted (empty once a row has its ``max_new_tokens``, which may be given per row).
 
@@ -310,8 +312,21 @@ def iter_speculative_rows(target, draft, prompts: Sequence[Sequence[int]] | torc
     :func:`~efftx.generation.decode.generate` samples with the same seed and settings (its token at each position
     raced with that position's noise), whatever the draft and gamma; a row without a seed draws from a
     :class:`~efftx.generation.sampling.Stream` seeded from torch's global RNG.
+    ``lengths`` (coupled, eager passes): each step's draft length by measured cost, a
+    :class:`~efftx.generation.draft_length.DraftLength` (its costs and acceptance carried from call to call): from 0,
+    a step of the target alone, to each row's own gamma, the length with the most expected tokens a second at the
+    batch's rows, so that drafting at a batch size where it does not pay (a CPU's 8 rows) costs about nothing. A
+    step that drafts nothing leaves the draft behind by the tokens it emits; the next step that drafts feeds them
+    first, in its first draft pass (each row's missed tokens, then its pending one, right-padded to the longest). The
+    tokens are base decoding's whatever the lengths (coupled acceptance).
     """
     cap = _check(target, draft, gamma, adaptive_gamma, max_gamma)
+    if lengths is not None:
+        if not coupled:
+            raise ValueError("draft lengths by cost (lengths) would change a ratio-test row's tokens with the load: "
+                             "they go with coupled=True")
+        if lengths.cap < cap:
+            raise ValueError(f"lengths chooses up to {lengths.cap} drafts, the rows draft up to {cap}")
     rows = as_rows(prompts)
     n_rows = len(rows)
     limits = [int(max_new_tokens)] * n_rows if isinstance(max_new_tokens, int) else [int(m) for m in max_new_tokens]
@@ -335,6 +350,10 @@ def iter_speculative_rows(target, draft, prompts: Sequence[Sequence[int]] | torc
         batched = target.supports_ragged and draft.supports_ragged
     total = longest + cap + 1
     static = _static_pair(target, draft, compile, n_rows, longest + cap, batched)
+    if static is not None and lengths is not None:
+        for decoder in static:
+            decoder.release()
+        raise ValueError("draft lengths by cost (lengths) run eager passes: use compile='off'")
     try:
         t_rows, d_rows = Rows(target, n_rows, total, batched), Rows(draft, n_rows, total, batched)
         if max(len(r) for r in rows) > 1:  # caches hold every prompt token but the last: the first "pending"
@@ -348,7 +367,7 @@ def iter_speculative_rows(target, draft, prompts: Sequence[Sequence[int]] | torc
                 decoder.load(eager.caches[0], eager.lengths)
             t_rows, d_rows = static
         yield from _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy, adaptive_gamma,
-                          stats, row_stats, device, static=static is not None, coupled=coupled)
+                          stats, row_stats, device, static=static is not None, coupled=coupled, lengths=lengths)
     finally:
         for decoder in static or ():
             decoder.release()
@@ -377,7 +396,7 @@ def _static_pair(target, draft, compile: str, batch: int, needed: int, batched: 
 
 
 def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy, adaptive_gamma, stats, row_stats,
-           device, static: bool, coupled: bool = False):
+           device, static: bool, coupled: bool = False, lengths: DraftLength | None = None):
     """The decoding loop of :func:`iter_speculative_rows` over prefilled target/draft states (eager
     :class:`~efftx.generation.decode.Rows` or compiled :class:`~efftx.generation.compiled.StaticDecoder`).
 
@@ -392,7 +411,9 @@ def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy,
     :meth:`~efftx.generation.decode.Rows.select`), so the steps that wait for the batch's slowest row do not
     also pass the finished rows through both models; each row draws from its own generator, so the others' tokens
     do not change. Compiled states keep their fixed batch shape. ``coupled``: each row's noise is that of its
-    positions, its stream moved on by the tokens it emits (:func:`accept_coupled`)."""
+    positions, its stream moved on by the tokens it emits (:func:`accept_coupled`). ``lengths``: each step's draft
+    length by cost (see :func:`iter_speculative_rows`); each row's tokens not fed to the draft yet (its *tail*) are
+    then kept on the host."""
     n_rows = len(rows)
     live = list(range(n_rows))  # the rows in the batch, by their index in ``rows``
     # finished rows may leave: eager states whose caches' rows can be taken apart (or per-row caches)
@@ -412,6 +433,9 @@ def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy,
     # that row's last draft was drawn but never fed, and every other row, rewound one token further, feeds its
     # token before pending again (one batched shape; this replaces a separate draft pass for the missing token).
     catch_up, prev = False, None
+    # with lengths: per row, the tokens the draft has not been fed (before pending), and pending, on the host
+    tails: list[list[int]] = [[] for _ in range(n_rows)]
+    pend_of = [r[-1] for r in rows]
 
     while True:
         if not any(n < m for n, m in zip(produced, limits)):
@@ -430,6 +454,11 @@ def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy,
         # this step drafts as many tokens as its longest-drafting row; a row verifies only its own
         gamma_step = max(g for g, a in zip(gammas, active) if a)
         own = [g if a else 0 for g, a in zip(gammas, active)]  # drafts each row verifies (0: finished)
+        if lengths is not None:  # this step's length by cost (0: the target alone), at most each row's own
+            started = time.perf_counter()
+            cut = lengths.choose([g for g, a in zip(gammas, active) if a])
+            own = [min(g, cut) for g in own]
+            gamma_step = max(own)
         # every random number of the step, drawn first in each row's fixed order (the values do not depend on
         # the passes): one race per drafted token, the acceptance uniforms of its own drafts, the last token's race
         width = cap if static else gamma_step  # compiled: one verify shape for every gamma_step
@@ -441,7 +470,10 @@ def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy,
         elif not greedy:
             noises, u, last_noise = step_noise(row_gens, own, width, vocab, device)
         first = torch.stack([prev, pending], 1) if catch_up else pending[:, None]
-        if static and not adaptive_gamma:  # every step drafts gamma tokens: all of them in one graph
+        if lengths is not None:
+            drafted, q = _draft_with_tails(d_rows, [tails[r] for r in live], [pend_of[r] for r in live], pending,
+                                           gamma_step, noises, draft_once, knobs, device)
+        elif static and not adaptive_gamma:  # every step drafts gamma tokens: all of them in one graph
             drafted, q = d_rows.run(draft_steps, first, None if greedy else noises[:gamma_step],
                                     gamma_step, *knobs, positions=gamma_step + catch_up)
         else:
@@ -483,12 +515,25 @@ def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy,
                 keep.append(-1)
         # The target cache got pending + n_fed - 1 tokens; a row keeps pending + its kept tokens.
         t_rows.rewind([n_fed - 1 - k for k in keep])
+        if lengths is not None:  # the draft saw [tail, pending] and gamma_step - 1 drafts (or, drafting nothing,
+            # none of them: pending joins the tail); a row keeps its tail, pending and its kept drafts, its last draft
+            # the next tail if it kept every draft; a finished row drops all it was fed
+            if gamma_step:
+                d_rows.rewind([len(tails[r]) + gamma_step if k < 0 else max(gamma_step - 1 - k, 0)
+                               for r, k in zip(live, keep)])
+            for r, k, (_, last_r, *drafts) in zip(live, keep, host):
+                tails[r] = [] if k < 0 else ([drafts[-1]] if gamma_step and k == gamma_step else
+                                             [] if gamma_step else tails[r] + [pend_of[r]])
+                pend_of[r] = last_r
+            lengths.record(gamma_step, len(live), time.perf_counter() - started,
+                           [o for o, a in zip(own, active) if a], [accepted[r] for r, a in zip(live, active) if a])
         # The draft saw [prev,] pending and gamma_step - 1 drafts; a row keeps [prev,] pending and its kept drafts,
         # all but the last of them when the next step catches up (a row that keeps every draft lacks the last one);
         # a finished row drops all it was fed (its cache may hold nothing else: a one-token prompt, no new tokens).
         fed_draft = gamma_step + catch_up
-        catch_up = gamma_step in keep
-        d_rows.rewind([fed_draft if k < 0 else gamma_step - 1 - k + catch_up for k in keep])
+        catch_up = lengths is None and gamma_step in keep
+        if lengths is None:
+            d_rows.rewind([fed_draft if k < 0 else gamma_step - 1 - k + catch_up for k in keep])
         if catch_up:  # each row's token before its next pending: [pending, drafts][kept drafts]
             at = host_values([max(k, 0) for k in keep], torch.long, device)
             prev = torch.cat([pending[:, None], drafted], 1).gather(1, at[:, None])[:, 0]
@@ -498,17 +543,43 @@ def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy,
         if joint:  # a row's stream moves on by its tokens: one draw each, as base decoding draws them
             for r, gen in zip(live, row_gens):
                 gen.set_state(gen.get_state() + len(emitted[r]))
-        for r, a in zip(live, active):
+        for r, a, o in zip(live, active, own):
             if a:
                 for s in (stats, row_stats[r]):
                     s.steps += 1
                     s.accepted.append(accepted[r])
-                    s.drafted.append(row_gamma[r])
+                    s.drafted.append(o)
                 produced[r] += len(emitted[r])
-                if adaptive_gamma:
-                    row_gamma[r] = next_gamma(row_gamma[r], row_gamma[r], accepted[r], cap)
+                if adaptive_gamma and o:  # a step that drafted nothing for the row says nothing of its acceptance
+                    row_gamma[r] = next_gamma(row_gamma[r], o, accepted[r], cap)
         pending = packed[:, 1]  # a row still decoding ended its step on its last token; a finished row's is unused
         yield emitted
+
+
+def _draft_with_tails(d_rows, tails: list[list[int]], pends: list[int], pending: torch.Tensor, gamma: int, noises,
+                      draft_once, knobs, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A step's ``gamma`` draft passes where rows may lag (their ``tails``, tokens not fed to the draft yet): the first
+    pass feeds each row [tail, pending] right-padded to the longest (its logits at pending, the padding rewound) ->
+    (drafts (B, gamma), their distributions (B, gamma, V) or None when greedy)."""
+    if not gamma:
+        return pending.new_zeros(len(tails), 0), None
+    tokens, q = [], []
+    if any(tails):
+        width = max(len(t) for t in tails) + 1
+        first = host_values([t + [p] + [0] * (width - 1 - len(t)) for t, p in zip(tails, pends)], torch.long, device)
+        at = host_values([len(t) for t in tails], torch.long, device)
+        logits = d_rows.forward(first)[torch.arange(len(tails), device=device), at]
+        d_rows.rewind([width - 1 - len(t) for t in tails])
+        drawn, dist = draft_pick(logits, noises[0], *knobs)
+    else:
+        drawn, dist = draft_once(pending[:, None], noises[0])
+    tokens.append(drawn)
+    q.append(dist)
+    for i in range(1, gamma):
+        drawn, dist = draft_once(drawn[:, None], noises[i])
+        tokens.append(drawn)
+        q.append(dist)
+    return torch.stack(tokens, 1), None if q[0] is None else torch.stack(q, 1)
 
 
 def iter_speculative(target, draft, prompt: list[int], max_new_tokens: int, *, stats: SpecStats | None = None,
@@ -524,7 +595,8 @@ def speculative_generate(target, draft, prompts: Sequence[Sequence[int]] | torch
                          max_new_tokens: int | Sequence[int], *,
                          gamma: int = 5, seed: int | None = None, batched: bool | None = None,
                          adaptive_gamma: bool = False, max_gamma: int | None = None, compile: str = "off",
-                         coupled: bool = False, **sampling) -> tuple[list[list[int]], SpecStats]:
+                         coupled: bool = False, lengths: DraftLength | None = None,
+                         **sampling) -> tuple[list[list[int]], SpecStats]:
     """Generate ``max_new_tokens`` per prompt (prompts may differ in length). Returns tokens and stats.
 
     Row r uses seed ``seed + r``; see :func:`iter_speculative_rows` (``adaptive_gamma``: a draft length per row
@@ -535,7 +607,7 @@ def speculative_generate(target, draft, prompts: Sequence[Sequence[int]] | torch
     outputs: list[list[int]] = [[] for _ in rows]
     for step in iter_speculative_rows(target, draft, rows, max_new_tokens, gamma=gamma, seed=seed, stats=stats,
                                       batched=batched, adaptive_gamma=adaptive_gamma, max_gamma=max_gamma,
-                                      compile=compile, coupled=coupled, **sampling):
+                                      compile=compile, coupled=coupled, lengths=lengths, **sampling):
         for out, toks in zip(outputs, step):
             out.extend(toks)
     return outputs, stats
