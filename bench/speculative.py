@@ -42,6 +42,10 @@ gamma + 1 tokens (a verify pass) and of one draft step, and the speedup they all
 kernel's prefetch off (``efftx.kernels.linear_cpu.without_prefetch``) and what the prefetch gains per pass, and with
 the attention kernel key by key (``efftx.kernels.decode_attention_cpu.key_by_key``, its reference) and what its
 blocked path gains per pass. All figures come from this one run.
+``--coupled``: coupled acceptance too (sampled output checked against base decoding's with the same seeds), a
+coupled row beside each ratio-test row, and, eagerly, a row per draft whose steps take their draft length 0..gamma
+by measured cost (``speculative_generate(..., lengths=DraftLength(gamma))``, one chooser per draft and batch size,
+its costs measured in the untimed run; 0: a step of the target alone), with the steps it took at each length.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ from efftx.data.bytes import ByteData, prepare
 from efftx.export import load_export, resolve_export
 from efftx.generation.compiled import StaticDecoder, capacity_for
 from efftx.generation.decode import Rows, generate
+from efftx.generation.draft_length import DraftLength
 from efftx.generation.sampling import sample
 from efftx.generation.speculative import SpecStats, speculative_generate
 from efftx.kernels.decode_attention_cpu import key_by_key
@@ -210,7 +215,8 @@ def main() -> None:
     p.add_argument("--max-gamma", type=int, default=8, help="the cap of the adaptive gamma rows")
     p.add_argument("--no-adaptive", action="store_true", help="leave out the adaptive gamma rows")
     p.add_argument("--coupled", action="store_true",
-                   help="rows with coupled acceptance too (sampled tokens those of base decoding with the same seed)")
+                   help="rows with coupled acceptance too (sampled tokens those of base decoding with the same seed), and "
+                        "rows whose draft lengths follow measured costs")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--timed-prompts", type=int, default=32,
@@ -353,6 +359,13 @@ def main() -> None:
                     speculative_generate(target, draft, x, n, gamma=g, seed=i, adaptive_gamma=adaptive, compile=mode,
                                          max_gamma=args.max_gamma if adaptive else None, coupled=coupled, **sampling)
                     for i, x in enumerate(groups)])), (adaptive, g))
+        choosers = {}  # --coupled: per draft, each step's length 0..gamma by measured cost (the library's lengths)
+        if args.coupled and "off" in modes:
+            for name, draft in drafts.items():
+                choosers[name] = chooser = DraftLength(gamma)  # costs measured in the untimed run, then carried
+                runs[f"speculative, {name}, coupled, by cost"] = ((lambda draft=draft, chooser=chooser: merged([
+                    speculative_generate(target, draft, x, n, gamma=gamma, seed=i, coupled=True, lengths=chooser,
+                                         **sampling) for i, x in enumerate(groups)])), (False, gamma))
         if halves:  # eager, fixed gamma: the float32 rows' twins with bfloat16 Linear weights
             runs["base, KV cache" + BF16] = ((lambda: [generate(halves[0], x, n, seed=i, **sampling)
                                                        for i, x in enumerate(groups)]), None)
@@ -401,6 +414,9 @@ def main() -> None:
                 continue
             if g == gamma and ratio > best.get(batch, (0.0, ""))[0]:  # the goals are at --gamma
                 best[batch] = (ratio, label)
+        for name, chooser in choosers.items():
+            print(f"  {name} draft, coupled, by cost at batch {batch}: steps per draft length 0..{gamma} "
+                  f"{chooser.chosen} (untimed run included), measured acceptance {chooser.acceptance:.2f}")
         if twins:
             print(f"  bf16 weights at batch {batch}, tokens/s over the float32 row: " + ", ".join(
                 f"{label[:-len(BF16)]} {r:.2f}x" for label, r in twins))

@@ -98,3 +98,8 @@ def test_coupled_rows_check_sampled_output_against_base_and_sit_beside_the_ratio
     assert re.search(r"coupled, fixed: T=0.8 [\d.]+ / [\d.]+ \(the ratio test's [\d.]+ / [\d.]+\), sampled output == "
                      r"sampled base \(same seeds\): yes", run.stdout), run.stdout
     assert re.search(r"^speculative, untrained, coupled\s+1\s+5\s+[\d,]+\s+[\d.]+x", run.stdout, re.M), run.stdout
+    # and a row whose steps take their draft length by cost, with the steps it took at each length
+    assert re.search(r"^speculative, untrained, coupled, by cost\s+1\s+5\s+[\d,]+\s+[\d.]+x", run.stdout, re.M)
+    steps = re.search(r"untrained draft, coupled, by cost at batch 1: steps per draft length 0..5 \[([\d, ]+)\]",
+                      run.stdout)
+    assert steps and sum(int(x) for x in steps.group(1).split(",")) > 0, run.stdout
