@@ -46,7 +46,8 @@ import torch
 from efftx.generation import compiled
 from efftx.generation.decode import Rows, as_rows, generators, splittable
 from efftx.generation.draft_length import DraftLength
-from efftx.generation.sampling import Stream, is_greedy, position_noise, probabilities, race, stream_noise
+from efftx.generation.sampling import (Stream, draw, is_greedy, position_noise, probabilities, race,
+                                      stream_noise)
 from efftx.host import host_values
 from efftx.kernels import sampling_cpu
 
@@ -459,6 +460,12 @@ def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy,
             cut = lengths.choose([g for g, a in zip(gammas, active) if a])
             own = [min(g, cut) for g in own]
             gamma_step = max(own)
+        if lengths is not None and not gamma_step:  # the target alone: a base step
+            pending, emitted = _target_alone(t_rows, pending, live, active, row_gens, greedy, knobs, tails, pend_of,
+                                             produced, stats, row_stats)
+            lengths.record(0, len(live), time.perf_counter() - started, [0] * sum(active), [0] * sum(active))
+            yield emitted
+            continue
         # every random number of the step, drawn first in each row's fixed order (the values do not depend on
         # the passes): one race per drafted token, the acceptance uniforms of its own drafts, the last token's race
         width = cap if static else gamma_step  # compiled: one verify shape for every gamma_step
@@ -554,6 +561,34 @@ def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy,
                     row_gamma[r] = next_gamma(row_gamma[r], o, accepted[r], cap)
         pending = packed[:, 1]  # a row still decoding ended its step on its last token; a finished row's is unused
         yield emitted
+
+
+def _target_alone(t_rows, pending: torch.Tensor, live: list[int], active: list[bool], row_gens, greedy: bool, knobs,
+                  tails: list[list[int]], pend_of: list[int], produced: list[int], stats: SpecStats,
+                  row_stats: list[SpecStats]) -> tuple[torch.Tensor, list[list[int]]]:
+    """A coupled step of draft length 0 as base decoding steps: the target's pass over pending and base decoding's
+    pick (each row's race with its stream's next draw, counted; greedy: the argmax), none of the verify's work. Each
+    active row's pending token joins its tail (the draft has not seen it) and its new token becomes pending (in
+    ``pend_of``); a finished row still in the batch is rewound. -> (the new pending tokens (B,), each row's tokens
+    by its index in ``produced``)."""
+    logits = t_rows.forward(pending[:, None])[:, -1]
+    picked = logits.argmax(-1) if greedy else draw(probabilities(logits, *knobs), row_gens)
+    if not all(active):
+        t_rows.rewind([0 if a else 1 for a in active])
+    emitted: list[list[int]] = [[] for _ in produced]
+    for r, a, token in zip(live, active, picked.tolist()):
+        if a:
+            emitted[r] = [token]
+            tails[r].append(pend_of[r])
+            pend_of[r] = token
+            produced[r] += 1
+            for s in (stats, row_stats[r]):
+                s.steps += 1
+                s.accepted.append(0)
+                s.drafted.append(0)
+    for s in [stats] + [row_stats[r] for r, a in zip(live, active) if a]:
+        s.target_calls += 1
+    return picked, emitted
 
 
 def _draft_with_tails(d_rows, tails: list[list[int]], pends: list[int], pending: torch.Tensor, gamma: int, noises,
