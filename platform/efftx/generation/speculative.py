@@ -479,7 +479,7 @@ def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy,
         first = torch.stack([prev, pending], 1) if catch_up else pending[:, None]
         if lengths is not None:
             drafted, q = _draft_with_tails(d_rows, [tails[r] for r in live], [pend_of[r] for r in live], pending,
-                                           gamma_step, noises, draft_once, knobs, device)
+                                           gamma_step, noises, knobs)
         elif static and not adaptive_gamma:  # every step drafts gamma tokens: all of them in one graph
             drafted, q = d_rows.run(draft_steps, first, None if greedy else noises[:gamma_step],
                                     gamma_step, *knobs, positions=gamma_step + catch_up)
@@ -522,15 +522,13 @@ def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy,
                 keep.append(-1)
         # The target cache got pending + n_fed - 1 tokens; a row keeps pending + its kept tokens.
         t_rows.rewind([n_fed - 1 - k for k in keep])
-        if lengths is not None:  # the draft saw [tail, pending] and gamma_step - 1 drafts (or, drafting nothing,
-            # none of them: pending joins the tail); a row keeps its tail, pending and its kept drafts, its last draft
-            # the next tail if it kept every draft; a finished row drops all it was fed
-            if gamma_step:
-                d_rows.rewind([len(tails[r]) + gamma_step if k < 0 else max(gamma_step - 1 - k, 0)
-                               for r, k in zip(live, keep)])
+        if lengths is not None:  # (a step of length 0 ran as _target_alone) the draft saw [tail, pending] and
+            # gamma_step - 1 drafts; a row keeps its tail, pending and its kept drafts, its last draft the next tail if
+            # it kept every draft; a finished row drops all it was fed
+            d_rows.rewind([len(tails[r]) + gamma_step if k < 0 else max(gamma_step - 1 - k, 0)
+                           for r, k in zip(live, keep)])
             for r, k, (_, last_r, *drafts) in zip(live, keep, host):
-                tails[r] = [] if k < 0 else ([drafts[-1]] if gamma_step and k == gamma_step else
-                                             [] if gamma_step else tails[r] + [pend_of[r]])
+                tails[r] = [drafts[-1]] if k == gamma_step else []
                 pend_of[r] = last_r
             lengths.record(gamma_step, len(live), time.perf_counter() - started,
                            [o for o, a in zip(own, active) if a], [accepted[r] for r, a in zip(live, active) if a])
@@ -591,27 +589,31 @@ def _target_alone(t_rows, pending: torch.Tensor, live: list[int], active: list[b
     return picked, emitted
 
 
+def tail_logits(d_rows, tails: list[list[int]], pends: list[int], pending: torch.Tensor) -> torch.Tensor:
+    """The draft's (B, V) logits at each row's pending token, where rows may lag (their ``tails``: tokens kept but not
+    fed to the draft yet): one pass feeding each row [tail, pending], right-padded to the longest (``pends``: pending
+    on the host), its logits read at pending and the padding rewound; without tails, a pass over pending alone."""
+    if not any(tails):
+        return d_rows.forward(pending[:, None])[:, -1]
+    device = pending.device
+    width = max(len(t) for t in tails) + 1
+    first = host_values([t + [p] + [0] * (width - 1 - len(t)) for t, p in zip(tails, pends)], torch.long, device)
+    at = host_values([len(t) for t in tails], torch.long, device)
+    logits = d_rows.forward(first)[torch.arange(len(tails), device=device), at]
+    d_rows.rewind([width - 1 - len(t) for t in tails])
+    return logits
+
+
 def _draft_with_tails(d_rows, tails: list[list[int]], pends: list[int], pending: torch.Tensor, gamma: int, noises,
-                      draft_once, knobs, device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A step's ``gamma`` draft passes where rows may lag (their ``tails``, tokens not fed to the draft yet): the first
-    pass feeds each row [tail, pending] right-padded to the longest (its logits at pending, the padding rewound) ->
+                      knobs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A step's ``gamma`` (>= 1) eager draft passes where rows may lag, the first through :func:`tail_logits` ->
     (drafts (B, gamma), their distributions (B, gamma, V) or None when greedy)."""
-    if not gamma:
-        return pending.new_zeros(len(tails), 0), None
+    logits = tail_logits(d_rows, tails, pends, pending)
     tokens, q = [], []
-    if any(tails):
-        width = max(len(t) for t in tails) + 1
-        first = host_values([t + [p] + [0] * (width - 1 - len(t)) for t, p in zip(tails, pends)], torch.long, device)
-        at = host_values([len(t) for t in tails], torch.long, device)
-        logits = d_rows.forward(first)[torch.arange(len(tails), device=device), at]
-        d_rows.rewind([width - 1 - len(t) for t in tails])
-        drawn, dist = draft_pick(logits, noises[0], *knobs)
-    else:
-        drawn, dist = draft_once(pending[:, None], noises[0])
-    tokens.append(drawn)
-    q.append(dist)
-    for i in range(1, gamma):
-        drawn, dist = draft_once(drawn[:, None], noises[i])
+    for i in range(gamma):
+        if i:
+            logits = d_rows.forward(tokens[-1][:, None])[:, -1]
+        drawn, dist = draft_pick(logits, noises[i], *knobs)
         tokens.append(drawn)
         q.append(dist)
     return torch.stack(tokens, 1), None if q[0] is None else torch.stack(q, 1)

@@ -25,7 +25,7 @@ from efftx.generation.device_slots import slots_for
 from efftx.generation.sampling import (Stream, draw, is_greedy, position_noise, probabilities, probabilities_per_row,
                                       race)
 from efftx.generation.speculative import (SpecStats, accept_sampled, agreed_row, coupled_tokens, kept_tokens,
-                                         next_gamma, step_noise)
+                                          next_gamma, step_noise, tail_logits)
 from efftx.host import Readback, host_values
 from efftx.generation.draft_length import DraftLength
 from efftx.serving.faults import FaultLatch
@@ -1001,30 +1001,18 @@ class SpeculativeEngine(_Engine):
             # every random number of the step first, each row's one draw as it makes it alone
             # (speculative.iter_speculative_rows): the races of its own drafts and of its last token, its uniforms
             noises, u, last_noise = step_noise(gens, own, gamma, vocab, device)
+        # Tokens kept but not fed to the draft yet (a row's "tail": the last draft of a step that kept them all, or
+        # the tokens of coupled steps that drafted nothing) go in the first draft pass, before pending (tail_logits:
+        # one pass instead of separate passes for the tails).
         tokens, q = [], []
-        if gamma:
-            # Tokens kept but not fed to the draft yet (a row's "tail": the last draft of a step that kept them all,
-            # or the tokens of coupled steps that drafted nothing) go in the first draft pass, before pending: each
-            # row feeds [tail, pending], right-padded to the longest (its logits at pending, the padding rewound):
-            # one pass instead of separate passes for the tails.
-            if any(tails):
-                width = max(len(t) for t in tails) + 1
-                first = host_values([t + [p] + [0] * (width - 1 - len(t)) for t, p in zip(tails, lasts)],
-                                    torch.long, device)
-                at = host_values([len(t) for t in tails], torch.long, device)
-                logits = d_rows.forward(first)[torch.arange(len(jobs), device=device), at]
-                d_rows.rewind([width - 1 - len(t) for t in tails])
-            else:
-                logits = d_rows.forward(pending[:, None])[:, -1]
-            for i in range(gamma):
-                if i:
-                    logits = d_rows.forward(tokens[-1][:, None])[:, -1]
-                dist = dist_of(logits)  # (B, V)
-                tokens.append(race(dist, noises[i]))
-                q.append(dist)
-            drafted, q = torch.stack(tokens, 1), torch.stack(q, 1)  # (B, gamma), (B, gamma, V)
-        else:  # coupled, drafting nothing: the draft is not run (its tails grow by pending, below)
-            drafted = pending.new_zeros(len(jobs), 0)
+        logits = tail_logits(d_rows, tails, lasts, pending)
+        for i in range(gamma):
+            if i:
+                logits = d_rows.forward(tokens[-1][:, None])[:, -1]
+            dist = dist_of(logits)  # (B, V)
+            tokens.append(race(dist, noises[i]))
+            q.append(dist)
+        drafted, q = torch.stack(tokens, 1), torch.stack(q, 1)  # (B, gamma), (B, gamma, V)
         verify = torch.cat([pending[:, None], drafted], 1)
         # a compiled verify pass always feeds cap + 1 tokens (padding after the drafts, rewound below: causal
         # attention keeps them from every real position), so that an adaptive gamma has one graph, not one per length
@@ -1039,18 +1027,15 @@ class SpeculativeEngine(_Engine):
         else:
             packed = accept_sampled(p, q, drafted, u, last_noise, host_values(own, torch.long, device)).tolist()
         emitted, accepted, keep, next_tails = [], [], [], []
-        for g, room, tail, pend, (n_r, last_r, *drafts) in zip(own, left, tails, lasts, packed):
+        for g, room, (n_r, last_r, *drafts) in zip(own, left, packed):
             out = (drafts[:n_r] + [last_r])[:room]
             emitted.append(out)
             accepted.append(n_r)
             keep.append(kept_tokens(n_r, len(out), g))  # tokens the caches keep after pending
-            if gamma:  # the draft saw pending + gamma - 1 drafted; a row that keeps all lacks the last one
-                next_tails.append([drafts[-1]] if keep[-1] == gamma else [])
-            else:  # the draft saw nothing of this step: pending joins its tail
-                next_tails.append(tail + [pend])
+            # the draft saw pending + gamma - 1 drafted; a row that keeps all lacks the last one
+            next_tails.append([drafts[-1]] if keep[-1] == gamma else [])
         t_rows.rewind([gamma + pad - k for k in keep])  # the target saw pending + gamma drafted tokens (+ padding)
-        if gamma:
-            d_rows.rewind([max(gamma - 1 - k, 0) for k in keep])
+        d_rows.rewind([max(gamma - 1 - k, 0) for k in keep])
         if self.coupled:  # a row's stream moves on by the tokens it emitted: one draw each, as in base decoding
             for gen, out in zip(gens, emitted):
                 if gen is not None:
