@@ -66,11 +66,13 @@ Sections (each row: pass / FAIL / skip with the reason, and its figures):
   attention alone; its goals marked met or not (``OUT/decodeattn.log``).
 * ``speculative``: ``bench/speculative.py --device cuda`` on the trained pair in ``--pair`` (``target``, ``draft`` and
   ``distilled`` exports, made by ``make gpu-pair``: ``jobs/train_speculative.py --size small``, plain and
-  ``--distill``): base vs speculative tokens/s at batch 1, 4 and 8, eager and compiled (CUDA graphs), gamma 5, the
-  step time outside the passes and the pass costs, greedy output equal to base; a row per goal of its verdict
-  (its ``--json``, kept as ``OUT/speculative.json``: batch 1 at least 2.5x base, batches 4 and 8 at least 1.5x),
-  then ``bench/serve_load.py --inprocess`` on the same pair (``OUT/serveload-trained.log``: the serving goals with
-  real acceptance). Skipped, saying how to make one, when ``--pair`` holds no pair.
+  ``--distill``): base vs speculative tokens/s at batch 1, 4 and 8, eager and compiled (CUDA graphs), gamma 5, with
+  coupled acceptance too (``--coupled``: fixed gamma, and eager draft lengths by measured cost, 0 = the target
+  alone), the step time outside the passes and the pass costs, greedy output equal to base and coupled sampled
+  output equal to sampled base; a row per goal of its verdict (its ``--json``, kept as ``OUT/speculative.json``:
+  batch 1 at least 2.5x base, batches 4 and 8 at least 1.5x), then ``bench/serve_load.py --inprocess --modes
+  base,speculative,coupled`` on the same pair (``OUT/serveload-trained.log``: the serving goals with real
+  acceptance, coupled requests' draft lengths by the load). Skipped, saying how to make one, when ``--pair`` holds no pair.
 * ``serve``: the Serve app on the device: ``/generate`` in both modes and ``/images/generate`` answered, and
   ``/models/info`` naming the device.
 
@@ -555,8 +557,8 @@ def check_speculative(args, out: Path) -> list[Row]:
         return [Row("speculative", name, "skip", f"no trained pair in {pair} (no {' or '.join(missing)} export): "
                     "make gpu-pair where the project is installed, then carry it", correctness=False)]
     models = ["--target", str(pair / "target"), "--draft", str(pair / "draft")]
-    cmd = ["bench/speculative.py", "--device", "cuda", *models, "--compile", "off,on", "--no-adaptive", "--overhead",
-           "--costs"]
+    cmd = ["bench/speculative.py", "--device", "cuda", *models, "--compile", "off,on", "--no-adaptive", "--coupled",
+           "--overhead", "--costs"]
     if (pair / "distilled" / "config.json").is_file():
         cmd[cmd.index("--compile"):cmd.index("--compile")] = ["--distilled-draft", str(pair / "distilled")]
     if args.quick:
@@ -567,8 +569,9 @@ def check_speculative(args, out: Path) -> list[Row]:
     if rows[0].status == "pass":
         rows += verdict_rows(json.loads(verdict.read_text()) if verdict.is_file() else None)
     return rows + bench_section("speculative", "bench/serve_load.py --inprocess --device cuda (trained pair)",
-                                ["bench/serve_load.py", "--inprocess", "--device", "cuda", *models, "--rounds",
-                                 "1" if args.quick else "2"] + (["--quick"] if args.quick else []), args, out,
+                                ["bench/serve_load.py", "--inprocess", "--device", "cuda", *models, "--modes",
+                                 "base,speculative,coupled", "--rounds", "1" if args.quick else "2"]
+                                + (["--quick"] if args.quick else []), args, out,
                                 log="serveload-trained")
 
 

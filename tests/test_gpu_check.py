@@ -203,9 +203,9 @@ def test_the_decodeattn_section_runs_the_decode_attention_bench_on_cuda(monkeypa
 
 def test_the_speculative_section_judges_a_trained_pair_and_says_how_to_make_one(monkeypatch, tmp_path):
     """``--only speculative`` (torch alone): with a pair in ``--pair`` it runs bench/speculative.py on the device,
-    eager and compiled, with the distilled draft when the pair has one (fewer prompts with --quick), its verdict as
-    rows, then the in-process serving load on the same pair; without a pair it is skipped, naming the command that
-    makes one; without CUDA, skipped."""
+    eager and compiled, coupled rows included, with the distilled draft when the pair has one (fewer prompts with
+    --quick), its verdict as rows, then the in-process serving load on the same pair in every mode; without a pair
+    it is skipped, naming the command that makes one; without CUDA, skipped."""
     ran, silent = [], []
 
     def bench(section, name, cmd, args, out, log=None):
@@ -228,9 +228,10 @@ def test_the_speculative_section_judges_a_trained_pair_and_says_how_to_make_one(
     models = ["--target", str(pair / "target"), "--draft", str(pair / "draft")]
     spec = ["bench/speculative.py", "--device", "cuda", *models]
     verdict = ["--json", str((tmp_path / "speculative.json").resolve())]
-    assert ran == [(spec + ["--compile", "off,on", "--no-adaptive", "--overhead", "--costs", *verdict], None),
-                   (["bench/serve_load.py", "--inprocess", "--device", "cuda", *models, "--rounds", "2"],
-                    "serveload-trained")]
+    assert ran == [(spec + ["--compile", "off,on", "--no-adaptive", "--coupled", "--overhead", "--costs", *verdict],
+                    None),
+                   (["bench/serve_load.py", "--inprocess", "--device", "cuda", *models, "--modes",
+                     "base,speculative,coupled", "--rounds", "2"], "serveload-trained")]
     assert [(r.name, r.status) for r in rows] == [
         ("bench/speculative.py --device cuda (trained pair)", "pass"), ("greedy speculative == base, every draft", "pass"),
         ("batch 1: at least 2.5x", "info"), ("bench/serve_load.py --inprocess --device cuda (trained pair)", "pass")]
@@ -245,7 +246,7 @@ def test_the_speculative_section_judges_a_trained_pair_and_says_how_to_make_one(
     args.quick = True
     gpu_check.check_speculative(args, tmp_path)
     assert ran[0][0] == spec + ["--distilled-draft", str(pair / "distilled"), "--compile", "off,on", "--no-adaptive",
-                                "--overhead", "--costs", "--repeats", "1", "--timed-prompts", "8",
+                                "--coupled", "--overhead", "--costs", "--repeats", "1", "--timed-prompts", "8",
                                 "--acceptance-prompts", "8", *verdict]
     assert ran[1][0][-3:] == ["--rounds", "1", "--quick"]
     monkeypatch.undo()
