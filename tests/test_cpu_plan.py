@@ -48,7 +48,7 @@ def twin_passes(model, prompts: list[list[int]], feeds: list[torch.Tensor], capa
     out = {}
     for mode in ("plan", "module"):
         cache = model.new_cache(len(prompts), capacity)
-        with torch.no_grad(), cpu_plan.disabled():  # prompts longer than 16 tokens take the module path anyway
+        with torch.no_grad(), cpu_plan.disabled():
             for i, prompt in enumerate(prompts):  # each row its own length
                 row = model.new_cache(1, capacity)
                 model(torch.tensor([prompt]), cache=row)
@@ -89,6 +89,24 @@ def test_the_plans_logits_and_caches_are_the_module_paths_bit_for_bit(recipe, ov
             assert p.lengths == r.lengths and torch.equal(p.k, r.k) and torch.equal(p.v, r.v)
 
 
+@pytest.mark.parametrize("batch,tokens", [(1, 17), (3, 40), (1, decode_attention_cpu.MAX_QUERIES),
+                                          (1, decode_attention_cpu.MAX_QUERIES + 1), (3, 150)])
+def test_prefills_of_longer_prompts_take_the_plan_bit_for_bit(batch, tokens, runs):
+    """Passes of more tokens a row than a decoding step (prompts' prefills) run through the plan, the attention
+    kernel's up to MAX_QUERIES tokens a row and torch's attention (the rotary, then SDPA) past them, as the module
+    path does: the same logits and caches, over ragged rows."""
+    model = model_of("spec_target_debug", **{"model.max_seq_len": 512})
+    g = torch.Generator().manual_seed(tokens)
+    prompts = [torch.randint(0, model.vocab_size, (3 + 5 * i,), generator=g).tolist() for i in range(batch)]
+    feeds = [torch.randint(0, model.vocab_size, (batch, tokens), generator=g) for _ in range(2)]
+    (plan, plan_cache), (ref, ref_cache) = twin_passes(model, prompts, feeds, capacity=3 + 5 * batch + 2 * tokens)
+    assert len(runs) == len(feeds), "every pass through the plan"
+    for a, b in zip(plan, ref):
+        assert torch.equal(a, b)
+    for p, r in zip(plan_cache.layers, ref_cache.layers):
+        assert p.lengths == r.lengths and torch.equal(p.k, r.k) and torch.equal(p.v, r.v)
+
+
 def test_greedy_and_sampled_generation_through_the_plan_equal_the_module_paths(runs):
     model = model_of("spec_target_debug")
     prompts = torch.randint(0, model.vocab_size, (3, 7), generator=torch.Generator().manual_seed(2))
@@ -120,7 +138,7 @@ def test_which_passes_take_the_plan(runs):
     assert not planned(one, grad=True)  # autograd records the pass: the module path (F.linear and the rest)
     assert planned(torch.randint(0, vocab, (16, 1))) and planned(torch.randint(0, vocab, (1, 16)))
     assert planned(torch.randint(0, vocab, (17, 1))) and planned(torch.randint(0, vocab, (4, 5)))  # torch's products
-    assert not planned(torch.randint(0, vocab, (1, 17)))  # a prompt: more tokens than the attention kernel takes
+    assert planned(torch.randint(0, vocab, (1, 17))) and planned(torch.randint(0, vocab, (2, 40)))  # prompts' prefills
     before = len(runs)
     with torch.no_grad():
         model(one)  # no cache: the module path

@@ -59,7 +59,10 @@ SHAPES = [(1, 1, 1, 1, 8, 4, True), (1, 1, 6, 1, 32, 256, True), (2, 1, 6, 1, 32
           (9, 1, 3, 2, 17, 50, True), (2, 5, 2, 2, 40, 21, True), (33, 1, 1, 2, 48, 70, True),
           (1, 16, 4, 2, 24, 16, True), (6, 4, 2, 1, 80, 300, True), (3, 7, 3, 1, 1, 30, True),
           (1, 1, 6, 1, 32, 256, False), (4, 6, 2, 2, 32, 64, False), (8, 16, 1, 4, 16, 40, False),
-          (2, 3, 3, 3, 20, 10, False), (11, 2, 4, 1, 64, 130, False)]
+          (2, 3, 3, 3, 20, 10, False), (11, 2, 4, 1, 64, 130, False),
+          # prefills of longer prompts, up to MAX_QUERIES tokens a row
+          (1, 17, 6, 1, 32, 40, True), (3, 45, 2, 2, 32, 100, True), (2, 128, 1, 4, 64, 140, True),
+          (2, 77, 3, 1, 16, 90, False)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:6])) + ("c" if s[6] else "n"))
@@ -149,9 +152,13 @@ def test_which_passes_take_the_kernel(spy):
     depth = len(model.blocks)
     assert [s[1] for s in spy] == [5] * depth + [1] * 3 * depth  # the prompt's pass, then one token per step
     spy.clear()
+    longer = lm(**{"model.max_seq_len": 2 * dac.MAX_QUERIES})
     with torch.no_grad():
-        generate(model, torch.randint(0, 256, (2, dac.MAX_QUERIES + 1)), 2, temperature=0.0)
-    assert all(s[1] == 1 for s in spy) and len(spy) == depth  # a long prompt: SDPA; then a step
+        generate(longer, torch.randint(0, 256, (2, dac.MAX_QUERIES)), 2, temperature=0.0)
+        assert [s[1] for s in spy] == [dac.MAX_QUERIES] * depth + [1] * depth  # a prompt of MAX_QUERIES tokens
+        spy.clear()
+        generate(longer, torch.randint(0, 256, (2, dac.MAX_QUERIES + 1)), 2, temperature=0.0)
+    assert all(s[1] == 1 for s in spy) and len(spy) == depth  # a longer prompt: SDPA; then a step
     spy.clear()
     model.train()
     model(torch.randint(0, 256, (2, 8))).sum().backward()  # training: no cache, never the kernel

@@ -11,9 +11,10 @@ for bit the module path's (tests/test_cpu_plan.py holds the two together), in ab
 
 :func:`plan_for` says, per pass, whether the plan runs it: the model a plain dense LM (full attention with the
 rotary, RMSNorm, not reversible; :func:`unsupported` names what is not), no autograd recorded, float32 CPU
-weights (the Linear weights float32 or bfloat16, :func:`~efftx.kernels.linear_cpu.bf16_weights`), at most
-``decode_attention_cpu.MAX_QUERIES`` tokens a row (passes of more than ``linear_cpu.MAX_ROWS`` rows x tokens, a
-batch's speculative verify, take torch's products there, as the module path does), every
+weights (the Linear weights float32 or bfloat16, :func:`~efftx.kernels.linear_cpu.bf16_weights`), any number of
+tokens a row (passes of more than ``linear_cpu.MAX_ROWS`` rows x tokens, a batch's speculative verify, take torch's
+products there, and passes of more than ``decode_attention_cpu.MAX_QUERIES`` tokens a row, prefills of longer
+prompts, the rotary and torch's attention (:meth:`FullAttention.forward`'s SDPA), as the module path does), every
 layer's cache a contiguous float32 :class:`~efftx.attention.cache.KVCache`, the three kernels switched on and
 built, no dropout that would drop, and no forward hook on any module the pass would call (a hook runs where the
 module path runs). A plan follows its model: made again after any module, parameter or buffer is registered
@@ -32,7 +33,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-from efftx.attention.cache import KVCache, ModelCache
+from efftx.attention.cache import KVCache, ModelCache, cache_limit, cache_offset
 from efftx.attention.full import FullAttention
 from efftx.kernels import decode_attention_cpu, linear_cpu, rms_norm_cpu
 from efftx.kernels.cpu_build import switch, switched_off
@@ -125,7 +126,8 @@ class CpuPlan:
         self.head = model.embed.weight if model.head is None else model.head.weight
         self.norm = (model.norm.weight, model.norm.eps)
         self.tables = (model.rotary.cos, model.rotary.sin)
-        self.layers = []
+        self.rotary = model.rotary
+        self.layers = []  # each layer's weights, eps and sizes, and its FullAttention (for passes of many tokens a row)
         called: list[nn.Module] = [model.embed, model.norm, *(m for m in (model.emb_in, model.emb_out) if m)]
         self.dropping = []  # modules whose training flag makes the module path drop out
         for blk in model.blocks:
@@ -134,7 +136,7 @@ class CpuPlan:
             self.layers.append((blk.attn.norm.weight, blk.attn.norm.eps, attn.q.weight, attn.q.bias, attn.kv.weight,
                                 attn.kv.bias, attn.out.weight, attn.out.bias, blk.mlp.norm.weight, blk.mlp.norm.eps,
                                 mlp.up.weight, mlp.up.bias, mlp.down.weight, mlp.down.bias, s.heads, s.kv_heads,
-                                s.head_dim, s.causal))
+                                s.head_dim, s.causal, attn.inner))
             called += [blk, blk.attn, blk.attn.norm, attn, attn.q, attn.kv, attn.out, blk.mlp, blk.mlp.norm, mlp,
                        mlp.up, mlp.down]
             self.dropping += [d for d in (attn.drop, mlp.drop) if d.p]
@@ -153,15 +155,24 @@ class CpuPlan:
         # the products: the linear kernel's up to MAX_ROWS rows x tokens, torch's beyond (as linear_cpu.linear)
         lin = kernels[0].linear if b * t <= linear_cpu.MAX_ROWS else linear_cpu.torch_linear
         norm, attend = kernels[1].rms_norm, kernels[2]
+        # more tokens a row than the attention kernel takes (a longer prompt's prefill): the rotary and torch's
+        # attention, as the module path runs them (on a 2-core CPU the kernel's attention costs several times SDPA's
+        # at a thousand tokens); the rest of the pass stays flat (a 17-token prefill of spec_target_small: 2.0 ms
+        # against the module path's 3.2)
+        long = t > decode_attention_cpu.MAX_QUERIES
         x = torch.embedding(self.embed, tokens)
         if self.emb_in is not None:
             x = lin(x, self.emb_in, None, False)
-        for (n1, e1, qw, qb, kvw, kvb, ow, ob, n2, e2, uw, ub, dw, db, heads, kv_heads, dim, causal), layer in zip(
-                self.layers, cache.layers):
+        for weights, layer in zip(self.layers, cache.layers):
+            n1, e1, qw, qb, kvw, kvb, ow, ob, n2, e2, uw, ub, dw, db, heads, kv_heads, dim, causal, inner = weights
             h = norm(x, n1, e1)
             q = lin(h, qw, qb, False).view(b, t, heads, dim)
             k, v = lin(h, kvw, kvb, False).view(b, t, 2, kv_heads, dim).unbind(2)
-            y = decode_attention_cpu.attend_with(attend, q, k, v, layer, causal, self.tables)
+            if long:
+                q, k = self.rotary.pair(q, k, cache_offset(layer), cache_limit(layer, t))
+                y = inner(q, k, v, cache=layer)
+            else:
+                y = decode_attention_cpu.attend_with(attend, q, k, v, layer, causal, self.tables)
             x = x + lin(y.reshape(b, t, heads * dim), ow, ob, False)
             x = x + lin(lin(norm(x, n2, e2), uw, ub, True), dw, db, False)
         x = norm(x, *self.norm)
@@ -181,9 +192,7 @@ def plan_for(model, tokens: torch.Tensor, cache) -> tuple[CpuPlan, tuple] | None
     if not (_state["enabled"] and linear_cpu._state["enabled"] and rms_norm_cpu._state["enabled"]
             and decode_attention_cpu._state["enabled"]) or torch.is_grad_enabled() or model.training:
         return None
-    b, t = tokens.shape
-    if (t > decode_attention_cpu.MAX_QUERIES or tokens.device.type != "cpu" or type(cache) is not ModelCache
-            or torch.compiler.is_compiling()):
+    if tokens.device.type != "cpu" or type(cache) is not ModelCache or torch.compiler.is_compiling():
         return None
     for layer in cache.layers:
         if (type(layer) is not KVCache or layer.k.dtype != torch.float32 or not layer.k.is_contiguous()
