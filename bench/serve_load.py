@@ -72,6 +72,7 @@ tokens, requests/s and the short requests' p99.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -263,6 +264,51 @@ def prefill_costs(target, draft, counts: list[int], modes: list[str], repeats: i
                     best[n] = min(best.get(n, float("inf")), ms)
         out[mode] = best
     return out
+
+
+def prefill_lengths(target, repeats: int = 5) -> list[tuple[int, float, float, float]]:
+    """In-process, on a CPU: ms to prefill one prompt of each of a few lengths (best of ``repeats``, the three ways
+    alternated): as decoding does (the CPU attention kernel up to ``decode_attention_cpu.MAX_QUERIES`` tokens a row,
+    eager decoding's plan), with torch's attention past 16 tokens (the kernel's earlier limit) in the plan, and on the
+    module path with torch's attention past 16 tokens (before the plan ran prefills of more than 16 tokens).
+    -> (tokens, now, SDPA in the plan, module path) per length."""
+    from efftx.generation.decode import Rows
+    from efftx.kernels import decode_attention_cpu
+    from efftx.models import cpu_plan
+
+    def before(plan: bool):
+        @contextlib.contextmanager
+        def limit():
+            kept, decode_attention_cpu.MAX_QUERIES = decode_attention_cpu.MAX_QUERIES, 16
+            try:
+                with contextlib.nullcontext() if plan else cpu_plan.disabled():
+                    yield
+            finally:
+                decode_attention_cpu.MAX_QUERIES = kept
+        return limit
+
+    ways = [contextlib.nullcontext, before(True), before(False)]
+    rows = []
+    for n in sorted({16, 17, 29, 64, decode_attention_cpu.MAX_QUERIES, decode_attention_cpu.MAX_QUERIES + 1, 200}):
+        if n + 1 > target.max_seq_len:
+            continue
+        prompt = [(7 * i + 3) % target.vocab_size for i in range(n)]
+        best = [float("inf")] * len(ways)
+        for _ in range(repeats):
+            for w, way in enumerate(ways):
+                fresh = Rows(target, 1, n + 1)
+                with torch.no_grad(), way():
+                    t0 = time.perf_counter()
+                    fresh.prefill([prompt])
+                    best[w] = min(best[w], (time.perf_counter() - t0) * 1e3)
+        rows.append((n, *best))
+    return rows
+
+
+def print_prefill_lengths(rows: list[tuple[int, float, float, float]]) -> None:
+    print("in-process prefill of one prompt (base), best of 5: " + ", ".join(
+        f"{n} tokens {now:.2f} ms (SDPA past 16 tokens in the plan {plan:.2f} ms, {plan / now:.2f}x; on the module "
+        f"path {module:.2f} ms, {module / now:.2f}x)" for n, now, plan, module in rows), flush=True)
 
 
 def print_prefill_costs(eager: dict[str, dict[int, float]], compiled: dict[str, dict[int, float]]) -> None:
@@ -717,6 +763,8 @@ def main() -> None:
     if args.inprocess:
         print(note)
         print_step_costs(floors, host=host[0])
+        if args.device == "cpu":
+            print_prefill_lengths(prefill_lengths(target))
         if reference:
             print_step_costs(floors, reference, " (the attention kernel blocked)", versus="key by key")
         if compiled:

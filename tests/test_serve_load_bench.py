@@ -70,6 +70,12 @@ def test_the_inprocess_load_runs_with_torch_alone_and_marks_the_goals(tmp_path):
         line = next(x for x in proc.stdout.splitlines() if x.startswith(f"in-process decoding step, {mode}"))
         shares = [float(v) for v in re.findall(r"scheduling (\d+) us of it", line)]
         assert len(shares) == 3 and all(v > 0 for v in shares), line
+    # one prompt's prefill by its length, as decoding runs it beside torch's attention past 16 tokens (in the plan, and
+    # on the module path): 16 and 17 tokens, and either side of the kernel's limit (MAX_QUERIES, 128)
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("in-process prefill of one prompt (base)"))
+    got = re.findall(r"(\d+) tokens ([\d.]+) ms \(SDPA past 16 tokens in the plan ([\d.]+) ms, [\d.]+x; on the module "
+                     r"path ([\d.]+) ms, [\d.]+x\)", line)
+    assert [int(g[0]) for g in got] == [16, 17, 29, 64, 128, 129, 200] and all(float(v) > 0 for g in got for v in g[1:]), line
 
 
 def test_the_inprocess_load_runs_compiled_passes_with_torch_alone(tmp_path):
