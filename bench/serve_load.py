@@ -276,18 +276,16 @@ def prefill_lengths(target, repeats: int = 5) -> list[tuple[int, float, float, f
     from efftx.kernels import decode_attention_cpu
     from efftx.models import cpu_plan
 
+    @contextlib.contextmanager
     def before(plan: bool):
-        @contextlib.contextmanager
-        def limit():
-            kept, decode_attention_cpu.MAX_QUERIES = decode_attention_cpu.MAX_QUERIES, 16
-            try:
-                with contextlib.nullcontext() if plan else cpu_plan.disabled():
-                    yield
-            finally:
-                decode_attention_cpu.MAX_QUERIES = kept
-        return limit
+        kept, decode_attention_cpu.MAX_QUERIES = decode_attention_cpu.MAX_QUERIES, 16
+        try:
+            with contextlib.nullcontext() if plan else cpu_plan.disabled():
+                yield
+        finally:
+            decode_attention_cpu.MAX_QUERIES = kept
 
-    ways = [contextlib.nullcontext, before(True), before(False)]
+    ways = [contextlib.nullcontext, lambda: before(True), lambda: before(False)]
     rows = []
     for n in sorted({16, 17, 29, 64, decode_attention_cpu.MAX_QUERIES, decode_attention_cpu.MAX_QUERIES + 1, 200}):
         if n + 1 > target.max_seq_len:

@@ -122,13 +122,13 @@ def test_acceptance_per_step_is_the_serving_engines_under_the_same_lengths(monke
 
     from efftx.generation import speculative
 
-    lagged, first_pass = [], speculative._draft_with_tails
+    lagged, first_pass = [], speculative.draft_with_tails
 
     def recording(d_rows, tails, *rest):
         lagged.append(len({len(t) for t in tails}) > 1 and rest[2] > 0)  # a drafting step, rows padded apart
         return first_pass(d_rows, tails, *rest)
 
-    monkeypatch.setattr(speculative, "_draft_with_tails", recording)
+    monkeypatch.setattr(speculative, "draft_with_tails", recording)
     lengths_from(7)
     row_stats = [SpecStats(gamma=4) for _ in prompts]
     out = [[] for _ in prompts]

@@ -478,8 +478,8 @@ def _steps(t_rows, d_rows, rows, limits, row_gamma, cap, gens, sampling, greedy,
             noises, u, last_noise = step_noise(row_gens, own, width, vocab, device)
         first = torch.stack([prev, pending], 1) if catch_up else pending[:, None]
         if lengths is not None:
-            drafted, q = _draft_with_tails(d_rows, [tails[r] for r in live], [pend_of[r] for r in live], pending,
-                                           gamma_step, noises, knobs)
+            drafted, q = draft_with_tails(d_rows, [tails[r] for r in live], [pend_of[r] for r in live], pending,
+                                          gamma_step, lambda logits, i: draft_pick(logits, noises[i], *knobs))
         elif static and not adaptive_gamma:  # every step drafts gamma tokens: all of them in one graph
             drafted, q = d_rows.run(draft_steps, first, None if greedy else noises[:gamma_step],
                                     gamma_step, *knobs, positions=gamma_step + catch_up)
@@ -589,31 +589,27 @@ def _target_alone(t_rows, pending: torch.Tensor, live: list[int], active: list[b
     return picked, emitted
 
 
-def tail_logits(d_rows, tails: list[list[int]], pends: list[int], pending: torch.Tensor) -> torch.Tensor:
-    """The draft's (B, V) logits at each row's pending token, where rows may lag (their ``tails``: tokens kept but not
-    fed to the draft yet): one pass feeding each row [tail, pending], right-padded to the longest (``pends``: pending
-    on the host), its logits read at pending and the padding rewound; without tails, a pass over pending alone."""
-    if not any(tails):
-        return d_rows.forward(pending[:, None])[:, -1]
-    device = pending.device
-    width = max(len(t) for t in tails) + 1
-    first = host_values([t + [p] + [0] * (width - 1 - len(t)) for t, p in zip(tails, pends)], torch.long, device)
-    at = host_values([len(t) for t in tails], torch.long, device)
-    logits = d_rows.forward(first)[torch.arange(len(tails), device=device), at]
-    d_rows.rewind([width - 1 - len(t) for t in tails])
-    return logits
-
-
-def _draft_with_tails(d_rows, tails: list[list[int]], pends: list[int], pending: torch.Tensor, gamma: int, noises,
-                      knobs) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A step's ``gamma`` (>= 1) eager draft passes where rows may lag, the first through :func:`tail_logits` ->
-    (drafts (B, gamma), their distributions (B, gamma, V) or None when greedy)."""
-    logits = tail_logits(d_rows, tails, pends, pending)
+def draft_with_tails(d_rows, tails: list[list[int]], pends: list[int], pending: torch.Tensor, gamma: int, pick
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A step's ``gamma`` (>= 1) eager draft passes where rows may lag (their ``tails``: tokens kept but not fed to the
+    draft yet): the first pass feeds each row [tail, pending], right-padded to the longest (``pends``: pending on the
+    host), its logits read at pending and the padding rewound (without tails, a pass over pending alone); each later
+    pass feeds the draft drawn before. ``pick(logits, i)`` draws draft ``i`` from its (B, V) logits -> (tokens (B,),
+    distributions (B, V) or None). -> (drafts (B, gamma), their distributions (B, gamma, V) or None)."""
+    if any(tails):
+        device = pending.device
+        width = max(len(t) for t in tails) + 1
+        first = host_values([t + [p] + [0] * (width - 1 - len(t)) for t, p in zip(tails, pends)], torch.long, device)
+        at = host_values([len(t) for t in tails], torch.long, device)
+        logits = d_rows.forward(first)[torch.arange(len(tails), device=device), at]
+        d_rows.rewind([width - 1 - len(t) for t in tails])
+    else:
+        logits = d_rows.forward(pending[:, None])[:, -1]
     tokens, q = [], []
     for i in range(gamma):
         if i:
             logits = d_rows.forward(tokens[-1][:, None])[:, -1]
-        drawn, dist = draft_pick(logits, noises[i], *knobs)
+        drawn, dist = pick(logits, i)
         tokens.append(drawn)
         q.append(dist)
     return torch.stack(tokens, 1), None if q[0] is None else torch.stack(q, 1)

@@ -73,14 +73,15 @@ inline float widen(bf16 a) {
 inline vec gelu(vec x) {
   const vec z = x * 0.70710678118654752f;
   const vec a = z < vec{} ? -z : z;
-  const vec c = a > 9.0f ? splat(9.0f) : a;
+  const auto far = a > 9.0f;
+  const vec c = far ? splat(9.0f) : a;
   const vec t = 1.0f / (c * 0.3275911f + 1.0f);
   vec p = splat(1.061405429f);
   p = p * t - 1.453152027f;
   p = p * t + 1.421413741f;
   p = p * t - 0.284496736f;
   p = p * t + 0.254829592f;
-  const vec erfc = a > 9.0f ? vec{} : p * t * exp_nonpositive(-(c * c));
+  const vec erfc = far ? vec{} : p * t * exp_nonpositive(-(c * c));
   return 0.5f * x * (z < vec{} ? erfc : 2.0f - erfc);
 }
 

@@ -25,7 +25,7 @@ from efftx.generation.device_slots import slots_for
 from efftx.generation.sampling import (Stream, draw, is_greedy, position_noise, probabilities, probabilities_per_row,
                                       race)
 from efftx.generation.speculative import (SpecStats, accept_sampled, agreed_row, coupled_tokens, kept_tokens,
-                                          next_gamma, step_noise, tail_logits)
+                                          next_gamma, step_noise, draft_with_tails)
 from efftx.host import Readback, host_values
 from efftx.generation.draft_length import DraftLength
 from efftx.serving.faults import FaultLatch
@@ -1002,17 +1002,14 @@ class SpeculativeEngine(_Engine):
             # (speculative.iter_speculative_rows): the races of its own drafts and of its last token, its uniforms
             noises, u, last_noise = step_noise(gens, own, gamma, vocab, device)
         # Tokens kept but not fed to the draft yet (a row's "tail": the last draft of a step that kept them all, or
-        # the tokens of coupled steps that drafted nothing) go in the first draft pass, before pending (tail_logits:
-        # one pass instead of separate passes for the tails).
-        tokens, q = [], []
-        logits = tail_logits(d_rows, tails, lasts, pending)
-        for i in range(gamma):
-            if i:
-                logits = d_rows.forward(tokens[-1][:, None])[:, -1]
+        # the tokens of coupled steps that drafted nothing) go in the first draft pass, before pending (one pass
+        # instead of separate passes for the tails).
+
+        def pick(logits, i):
             dist = dist_of(logits)  # (B, V)
-            tokens.append(race(dist, noises[i]))
-            q.append(dist)
-        drafted, q = torch.stack(tokens, 1), torch.stack(q, 1)  # (B, gamma), (B, gamma, V)
+            return race(dist, noises[i]), dist
+
+        drafted, q = draft_with_tails(d_rows, tails, lasts, pending, gamma, pick)  # (B, gamma), (B, gamma, V)
         verify = torch.cat([pending[:, None], drafted], 1)
         # a compiled verify pass always feeds cap + 1 tokens (padding after the drafts, rewound below: causal
         # attention keeps them from every real position), so that an adaptive gamma has one graph, not one per length
