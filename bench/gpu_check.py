@@ -74,7 +74,8 @@ Sections (each row: pass / FAIL / skip with the reason, and its figures):
   base,speculative,coupled`` on the same pair (``OUT/serveload-trained.log``: the serving goals with real
   acceptance, coupled requests' draft lengths by the load). Skipped, saying how to make one, when ``--pair`` holds no pair.
 * ``serve``: the Serve app on the device: ``/generate`` in both modes and ``/images/generate`` answered, and
-  ``/models/info`` naming the device.
+  ``/models/info`` naming the device; the text app again with ``engine=process`` (its scheduler in a decoding
+  process of the replica's own), its greedy texts those of ``engine=thread``.
 
 ``--device cpu`` runs the same plumbing on the CPU (what the test suite does, with a few families): the CUDA-only
 rows are skipped, saying so. The exit code is 1 when a correctness row fails, else 0. The table is also written to
@@ -611,21 +612,29 @@ def check_serve(args, summaries: dict) -> list[Row]:
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     rows = []
+    texts = {}
     try:
-        app = build({"target": summaries["target-bf16"]["export_path"], "draft": summaries["draft-bf16"]["export_path"],
-                     "dalle": summaries["dalle-bf16"]["export_path"], "device": args.device})
-        serve.run(app, name="gpu-check", route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-        info = requests.get(f"{url}/models/info", timeout=60).json()
-        devices = sorted({m.get("device", "?").split(":")[0] for m in info.get("models", [])})  # cuda:0 -> cuda
-        rows.append(Row("serve", "models on the device", "pass" if devices == [args.device] else "FAIL",
-                        f"/models/info devices: {devices}"))
-        t0 = time.perf_counter()
-        r = requests.post(f"{url}/generate", json={"prompt": "def ", "max_new_tokens": 32, "temperature": 0,
-                                                   "mode": "both", "gamma": 5}, timeout=120)
-        ok = r.status_code == 200 and r.json()["results"]["base"]["text"] == r.json()["results"]["speculative"]["text"]
-        rows.append(Row("serve", "/generate both modes", "pass" if ok else "FAIL",
-                        f"HTTP {r.status_code}, {1e3 * (time.perf_counter() - t0):.0f} ms, greedy texts equal: {ok}"))
+        # the scheduler on a thread of the replica, then in a decoding process of its own (engine=process): the
+        # same greedy texts
+        for engine in ("thread", "process"):
+            app = build({"target": summaries["target-bf16"]["export_path"],
+                         "draft": summaries["draft-bf16"]["export_path"],
+                         "dalle": summaries["dalle-bf16"]["export_path"], "device": args.device, "engine": engine})
+            serve.run(app, name="gpu-check", route_prefix="/")
+            url = f"http://127.0.0.1:{port}"
+            info = requests.get(f"{url}/models/info", timeout=60).json()
+            devices = sorted({m.get("device", "?").split(":")[0] for m in info.get("models", [])})  # cuda:0 -> cuda
+            rows.append(Row("serve", f"models on the device (engine={engine})",
+                            "pass" if devices == [args.device] else "FAIL", f"/models/info devices: {devices}"))
+            t0 = time.perf_counter()
+            r = requests.post(f"{url}/generate", json={"prompt": "def ", "max_new_tokens": 32, "temperature": 0,
+                                                       "mode": "both", "gamma": 5}, timeout=120)
+            res = r.json()["results"] if r.status_code == 200 else {}
+            texts[engine] = res.get("base", {}).get("text")
+            ok = bool(res) and res["base"]["text"] == res["speculative"]["text"] and texts[engine] == texts["thread"]
+            rows.append(Row("serve", f"/generate both modes (engine={engine})", "pass" if ok else "FAIL",
+                            f"HTTP {r.status_code}, {1e3 * (time.perf_counter() - t0):.0f} ms, greedy texts equal"
+                            f"{' (and to engine=thread)' if engine != 'thread' else ''}: {ok}"))
         r = requests.post(f"{url}/images/generate", json={"prompt": "a red circle", "n": 1, "seed": 0}, timeout=300)
         png = r.status_code == 200 and r.content[:8] == b"\x89PNG\r\n\x1a\n"
         rows.append(Row("serve", "/images/generate", "pass" if png else "FAIL", f"HTTP {r.status_code}, "

@@ -9,9 +9,11 @@
 
 Starts a local Ray cluster and Serve on 127.0.0.1 and deploys the text app several ways, one after another, in
 one run: ``unbatched`` (``batching=static``, ``max_batch_size=1``), ``static`` (``@serve.batch``, 8 per batch),
-``fifo`` (continuous batching without priority: ``short_tokens=0``, every row in every step) and ``continuous``
+``fifo`` (continuous batching without priority: ``short_tokens=0``, every row in every step), ``continuous``
 (iteration-level scheduling with its default priority to short requests; ``--short-slowdown`` sets its
-measured-cost knob). Without ``--target``/``--draft`` it exports randomly initialised
+measured-cost knob) and ``process`` (the same, with ``engine=process``: the scheduler in a decoding process of the
+replica's own, :mod:`efftx.serving.engine_process`; its goals are marked too, and its requests/s paired with
+``continuous``'s in an [info] line). Without ``--target``/``--draft`` it exports randomly initialised
 ``spec_{target,draft}_{size}`` models itself (the load, not the text, is measured;
 ``debug`` models get a 256-token context so that 128 new tokens fit) and says so.
 
@@ -89,7 +91,9 @@ PROMPTS = ["def main():\n    ", "import os\n", "class Foo(object):\n", "for i in
 CONFIGS = [("unbatched", {"batching": "static", "max_batch_size": 1}),
            ("static (8)", {"batching": "static", "max_batch_size": 8, "batch_wait_timeout_s": 0.02}),
            ("fifo", {"batching": "continuous", "max_batch_size": 32, "short_tokens": 0}),
-           ("continuous", {"batching": "continuous", "max_batch_size": 32})]
+           ("continuous", {"batching": "continuous", "max_batch_size": 32}),
+           # continuous batching in a decoding process of the replica's own (efftx.serving.engine_process)
+           ("process", {"batching": "continuous", "max_batch_size": 32, "engine": "process"})]
 SHORT = 16  # requests with at most this many new tokens are "short"
 ADAPTIVE_CAP = None  # --adaptive-gamma: speculative requests' draft lengths follow their acceptance, up to this
 
@@ -591,6 +595,26 @@ def goals(runs: dict[tuple[str, str], list[dict]], modes: list[str], notes: dict
                     lines.append(f"[info] {mode}: {policy}: steps per draft length 0..: "
                                  + ", ".join(str(r["steps"]) for r in chosen) + "; measured acceptance "
                                  + ", ".join(f"{r['acceptance']:.2f}" for r in chosen))
+            proc = runs.get(("process", mode))
+            if proc:  # the scheduler in a decoding process of the replica's own, beside the one on a thread
+                if u:
+                    paired = [a["rps"] / b["rps"] if b["rps"] else float("nan") for a, b in zip(proc, u)]
+                    lines.append(f"[{'met' if statistics.median(paired) >= 3 else 'NOT met'}] {mode} (engine=process): "
+                                 f"requests/s >= 3x unbatched: {statistics.median(paired):.2f}x"
+                                 f"{rounds_of(paired, '.2f')} ({statistics.median(a['rps'] for a in proc):.2f} vs "
+                                 f"{statistics.median(b['rps'] for b in u):.2f})")
+                p99 = [a["short_ratio_p99"] for a in proc]
+                lines.append(f"[{'met' if statistics.median(p99) <= 2 else 'NOT met'}] {mode} (engine=process): short "
+                             f"requests' p99 under load <= 2x unloaded: {statistics.median(p99):.2f}x"
+                             f"{rounds_of(p99, '.2f')}; without the opening burst "
+                             f"{statistics.median(a['later_ratio_p99'] for a in proc):.2f}x")
+                errors = sum(a["errors"] for a in proc)
+                lines.append(f"[{'met' if errors == 0 else 'NOT met'}] {mode} (engine=process): no errors: {errors}")
+                rps = [a["rps"] / b["rps"] for a, b in zip(proc, c)]
+                lines.append(f"[info] {mode}: engine=process: requests/s {statistics.median(rps):.2f}x engine=thread's"
+                             f"{rounds_of(rps, '.2f')}; time to first token p50 "
+                             f"{statistics.median(a['ttft_p50'] for a in proc):.0f} ms, p99 "
+                             f"{statistics.median(a['ttft_p99'] for a in proc):.0f} ms")
             if u:
                 lines.append(f"[info] {mode}: time to first token p50 {statistics.median(a['ttft_p50'] for a in c):.0f}"
                              f" ms, p99 {statistics.median(a['ttft_p99'] for a in c):.0f} ms (unbatched: p50 "
@@ -629,7 +653,8 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=64, help="requests per configuration and mode")
     p.add_argument("--modes", default="base,speculative")
     p.add_argument("--configs", default=",".join(c for c, _ in CONFIGS), help="some of: unbatched, static (8), fifo, "
-                                                                              "continuous")
+                                                                              "continuous, process (continuous "
+                                                                              "batching with engine=process)")
     p.add_argument("--target", default=None)
     p.add_argument("--draft", default=None)
     p.add_argument("--size", default="small", choices=["debug", "small"], help="models to export when none given")
@@ -723,7 +748,7 @@ def main() -> None:
         args.clients, args.requests, args.max_new, args.unloaded = 8, 24, 48, 3
     configs = [(name, cfg) for name, cfg in CONFIGS if name in args.configs.split(",")]
     slowdown = {} if args.short_slowdown is None else {"short_slowdown": args.short_slowdown}
-    configs = [(name, {**cfg, **slowdown} if name == "continuous" else cfg) for name, cfg in configs]
+    configs = [(name, {**cfg, **slowdown} if name in ("continuous", "process") else cfg) for name, cfg in configs]
 
     if args.target:
         paths = {"target": args.target, **({"draft": args.draft} if args.draft else {})}

@@ -17,8 +17,10 @@ CACHE_MIB = 0.5  # the debug pair's caches: 0.047 MiB a base row of 64 positions
 # the context's 128), 0.0625 a speculative one: ten base rows of short requests at most
 
 
-@pytest.fixture(scope="module")
-def server(ray_cluster, debug_exports):
+# every test here runs against both engines: the scheduler on a thread of the replica, and in a decoding process of
+# its own (efftx.serving.engine_process)
+@pytest.fixture(scope="module", params=["thread", "process"])
+def server(request, ray_cluster, debug_exports):
     from ray import serve
 
     from efftx.serving.text import build
@@ -31,10 +33,19 @@ def server(ray_cluster, debug_exports):
                      "batch_wait_timeout_s": "0.25",  # long enough for concurrent test requests to meet
                      "cache_mib": str(CACHE_MIB),
                      "dalle": paths["dalle"], "image_batch_wait_timeout_s": "0.25",
-                     "image_limits": json.dumps(IMAGE_LIMITS)}),
+                     "image_limits": json.dumps(IMAGE_LIMITS), "engine": request.param}),
               name="text", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
+    yield Server(f"http://127.0.0.1:{port}", request.param)
     serve.shutdown()
+
+
+class Server(str):
+    """The app's address, which knows its engine."""
+
+    def __new__(cls, url: str, engine: str):
+        self = super().__new__(cls, url)
+        self.engine = engine
+        return self
 
 
 def post(url, **kwargs):
@@ -57,7 +68,8 @@ def test_models_info_names_the_device_and_the_batching(server):
     assert info["batching"] == {"mode": "continuous", "max_batch_size": 32, "batch_wait_timeout_s": 0.25,
                                 # base, speculative and coupled speculative: 16, 8, ..., 1
                                 "warm_up_rows": 3 * (16 + 8 + 4 + 2 + 1),
-                                "compile": "off", "steps_per_round": 1, "pipeline": False}
+                                "compile": "off", "steps_per_round": 1, "pipeline": False,
+                                "engine": server.engine}
     assert warmed > 0
     assert info["threads"] == 1  # the replica's torch threads (the default)
 

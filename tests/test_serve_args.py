@@ -312,8 +312,20 @@ def test_a_model_instance_and_its_dict_build_the_same_app():
     assert bound(build(args)) == bound(build(args.model_dump(exclude_unset=True) | {"limits": {"max_gamma": 4}}))
 
 
+def test_the_engine_reaches_the_replica_and_needs_continuous_batching():
+    _, kwargs, _ = bound(serve_run("target=/nowhere/target", "engine=process"))["TextGenerator"]
+    assert kwargs["engine"] == "process"
+    _, kwargs, _ = bound(serve_run("target=/nowhere/target"))["TextGenerator"]
+    assert "engine" not in kwargs  # the replica's default: a thread
+    for bad, message in (({"engine": "fork"}, named("engine", "Input should be 'thread' or 'process'")),
+                         ({"engine": "process", "batching": "static"}, "engine: only with batching=continuous")):
+        with pytest.raises(ValidationError, match=message):
+            build({"target": "/nowhere/target", **bad})
+
+
 def test_the_model_matches_the_deployment_and_documents_every_argument():
     assert get_args(TextAppArgs.model_fields["batching"].annotation) == text.BATCHING
+    assert get_args(TextAppArgs.model_fields["engine"].annotation.__args__[0]) == text.ENGINES
     undocumented = [name for name, field in TextAppArgs.model_fields.items() if not field.description]
     assert not undocumented
 

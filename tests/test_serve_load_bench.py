@@ -198,6 +198,23 @@ def test_goals_are_marked_at_their_thresholds(rps, p99, errors, marks):
     assert f"{rps:.2f}x [{rps:.2f}, {rps:.2f}]" in lines[0] and "a note" in lines[1]
 
 
+@pytest.mark.parametrize("rps, p99, errors, marks", [
+    (3.0, 2.0, 0, ["met", "met", "met"]),
+    (2.99, 2.01, 2, ["NOT met", "NOT met", "NOT met"]),
+])
+def test_the_process_engine_gets_its_own_goals_beside_the_thread(rps, p99, errors, marks):
+    """The ``process`` configuration (engine=process): its goals marked at the same thresholds, and its requests/s
+    paired with ``continuous``'s (engine=thread) round by round."""
+    runs = {("unbatched", "base"): [run(1.0, 9.0), run(2.0, 9.0)],
+            ("continuous", "base"): [run(2.0, 3.0), run(4.0, 3.0)],
+            ("process", "base"): [run(rps, p99, errors), run(2 * rps, p99)]}
+    lines = [line for line in serve_load.goals(runs, ["base"]) if "engine=process" in line]
+    assert [line[1:line.index("]")] for line in lines[:3]] == marks
+    assert f"requests/s >= 3x unbatched: {rps:.2f}x [{rps:.2f}, {rps:.2f}]" in lines[0]
+    assert f"<= 2x unloaded: {p99:.2f}x" in lines[1] and f"no errors: {errors}" in lines[2]
+    assert lines[3].startswith("[info]") and f"requests/s {rps / 2:.2f}x engine=thread's" in lines[3]
+
+
 def test_pipelined_runs_say_how_many_steps_followed_the_step_in_flight():
     """In-process runs of a pipelining scheduler (its ``pipelining()``) get an [info] line with the median share of
     base steps that followed the step in flight; runs without it (a CPU's default, or over HTTP) get none."""

@@ -30,6 +30,7 @@ from efftx.generation.compiled import COMPILE_CHOICES
 from efftx.kernels.linear_cpu import WEIGHTS
 from efftx.serving.continuous import slowdown_ok
 from efftx.serving.devices import DEVICES
+from efftx.serving.engine_process import ENGINES
 from efftx.serving.images import ImageLimits
 from efftx.serving.schemas import Limits
 
@@ -41,8 +42,10 @@ assert get_args(Device) == DEVICES, "Device and efftx.serving.devices.DEVICES di
 PRIORITY = ("short_tokens", "fast_rows", "long_every", "prefill_rows", "short_slowdown", "prefill_chunk",
             "group_prefills", "steps_per_round", "pipeline")
 CONTINUOUS_ONLY = (*PRIORITY, "warm_up_rows", "compile", "compile_rows", "cache_mib",
-                   "cache_fraction")  # settings of continuous batching alone
+                   "cache_fraction", "engine")  # settings of continuous batching alone
 Compile = Literal["auto", "on", "off"]
+Engine = Literal["thread", "process"]
+assert get_args(Engine) == ENGINES, "Engine and efftx.serving.engine_process.ENGINES disagree"
 assert get_args(Compile) == COMPILE_CHOICES, "Compile and efftx.generation.compiled.COMPILE_CHOICES disagree"
 Weights = Literal["float32", "bfloat16"]
 assert get_args(Weights) == WEIGHTS, "Weights and efftx.kernels.linear_cpu.WEIGHTS disagree"
@@ -112,6 +115,12 @@ class TextAppArgs(BaseModel):
         "the host reads those tokens, so that the device runs while the host hands tokens over and schedules "
         "(default: on where the replica decodes on a CUDA device, off on a CPU, where nothing runs ahead of the "
         "host). A request's output is the same; its tokens reach it one decoding round later."))
+    engine: Engine | None = Field(None, description=(
+        "continuous: where each replica's scheduler decodes: ``thread`` (the default), a thread of the replica, "
+        "sharing its interpreter lock with the request handling (Serve's request path, FastAPI, the streams' events), "
+        "or ``process``, a decoding process of the replica's own (:mod:`efftx.serving.engine_process`), which loads "
+        "the models itself. The tokens are the same. Should the decoding process exit, its requests fail with a 503 "
+        "and Serve replaces the replica."))
     warm_up_rows: int | None = Field(None, ge=0, description=(
         "continuous: at start, each replica decodes throwaway batches of this many requests, half as many, ..., 1 "
         "(default 16, at most max_batch_size; 0: none), so that its first burst of real requests does not pay a "
@@ -207,7 +216,7 @@ class TextAppArgs(BaseModel):
         """The continuous-batching priority settings given (the scheduler's defaults for the others)."""
         return {k: getattr(self, k) for k in PRIORITY if getattr(self, k) is not None}
 
-    @field_validator("batching", "device", "compile", "decode_weights", mode="before")
+    @field_validator("batching", "device", "compile", "decode_weights", "engine", mode="before")
     @classmethod
     def _normalized(cls, value: Any) -> Any:
         return value.strip().lower() if isinstance(value, str) else value

@@ -125,7 +125,8 @@ from efftx.generation.cost_table import CostTable
 from efftx.generation.draft_length import DraftLength
 from efftx.serving.faults import FaultLatch
 
-__all__ = ["DeviceFault", "DeviceMemoryFull", "Job", "Sampling", "Scheduler", "StepCosts", "slowdown_ok", "warm_up"]
+__all__ = ["DeviceFault", "DeviceMemoryFull", "Job", "Sampling", "Scheduler", "StepCosts", "slowdown_ok",
+           "start_scheduler", "warm_up"]
 
 logger = logging.getLogger("ray.serve")
 
@@ -204,6 +205,20 @@ def warm_up(target, draft=None, *, rows: int = 16, gamma: int | None = None, tok
             costs.lengths.sweep = False
             costs.lengths.forget_acceptance()
     return {"rows": done, "seconds": round(time.perf_counter() - started, 3), "costs": scheduler.costs}
+
+
+def start_scheduler(target, draft=None, *, warm: dict[str, Any], knobs: dict[str, Any],
+                    hook: Callable[[str, list["Job"]], None] | None = None,
+                    observe: Callable[[str, int], None] | None = None) -> tuple["Scheduler", dict[str, Any]]:
+    """A replica's running :class:`Scheduler`, warmed up first: :func:`warm_up` with ``warm``, then the scheduler
+    with ``knobs``, starting from the costs the warm-up measured, its thread started. The text app runs this in its
+    replica (``engine="thread"``) or in its decoding process (``engine="process"``,
+    :mod:`efftx.serving.engine_process`): the same code, the same tokens. Returns the scheduler and what the app
+    reports of it (``warm_up_rows``, ``warm_up_s``, ``steps_per_round``, ``pipeline``)."""
+    warmed = warm_up(target, draft, **warm)
+    scheduler = Scheduler(target, draft, **knobs, costs=warmed.get("costs"), hook=hook, observe=observe).start()
+    return scheduler, {"warm_up_rows": warmed["rows"], "warm_up_s": warmed["seconds"],
+                       "steps_per_round": scheduler.steps_per_round, "pipeline": scheduler.pipeline}
 
 
 # ---------------------------------------------------------------------------------------------- scheduler
@@ -820,6 +835,11 @@ class Scheduler:
 
     def _costs(self, name: str) -> StepCosts:
         return self.costs.setdefault(name, StepCosts())
+
+    def report(self) -> dict[str, Any]:
+        """What the app's ``GET /models/info`` shows of the scheduler (any thread): ``costs`` (:meth:`measured`),
+        ``cache_memory`` and ``scheduling`` (:meth:`timing`)."""
+        return {"costs": self.measured(), "cache_memory": self.cache_memory(), "scheduling": self.timing()}
 
     def measured(self) -> dict[str, dict]:
         """The measured costs per running batch (any thread: dict copies are atomic): ``step_ms`` per row count,

@@ -69,12 +69,13 @@ def linear_weights(model) -> str:
     return ",".join(sorted(dtypes)) or "none"
 
 
-def model_card(role: str, model, cfg, source: str, model_id: str) -> ModelCard:
-    """The card of a loaded LM; ``cfg``: the run config of its export."""
+def model_card(role: str, model, cfg, source: str, model_id: str, device: str | None = None) -> ModelCard:
+    """The card of a loaded LM; ``cfg``: the run config of its export; ``device``: where it decodes (default: where
+    ``model`` is)."""
     name, version = mlflow_version(source)
     return ModelCard(role=role, id=model_id, source=source, mlflow_model=name, mlflow_version=version,
                      recipe=cfg.recipe, parameters=sum(p.numel() for p in model.parameters()),
-                     device=str(next(model.parameters()).device),
+                     device=device or str(next(model.parameters()).device),
                      details={"attention": cfg.attention.kind, "depth": cfg.model.depth, "dim": cfg.model.dim,
                               "context": cfg.model.max_seq_len, "vocab_size": cfg.model.vocab_size,
                               "linear_weights": linear_weights(model)})

@@ -43,6 +43,9 @@ Endpoints (FastAPI; OpenAPI docs at /docs and /openapi.json):
   models; :mod:`efftx.generation.device_slots`), the graphs compiled as the replica warms up. ``cache_mib`` (or
   ``cache_fraction`` of the replica's part of its device's memory) bounds what the decoding caches hold: requests
   beyond it wait for rows to leave, before the device runs out of memory (``GET /models/info``: ``cache_memory``).
+  ``engine=thread|process``: the scheduler runs on a thread of the replica (the default), or in a decoding
+  process of its own (:mod:`efftx.serving.engine_process`), whose interpreter lock the replica's request handling
+  does not share; the same rounds, the same tokens.
 * ``static``: ``@serve.batch`` groups requests (``max_batch_size`` default 8, ``batch_wait_timeout_s`` default
   0.02) and a batch is answered when its longest request is done; streams decode alone.
 
@@ -100,7 +103,8 @@ from efftx.generation.speculative import SpecStats, iter_speculative, iter_specu
 from efftx.kernels.linear_cpu import use_weights
 from efftx.serving import metrics
 from efftx.serving.app_args import TextAppArgs
-from efftx.serving.continuous import Job, Sampling, Scheduler, warm_up
+from efftx.serving.continuous import Job, Sampling, Scheduler, start_scheduler
+from efftx.serving.engine_process import ENGINES, EngineProcess
 from efftx.serving.devices import (cache_budget, replica_device, replica_gpu_share, resolve_build_devices,
                                    with_resources, with_threads)
 from efftx.serving.images import (ImageGenerator, ImageLimits, ImageRequest, OpenAIImageRequest, as_image_request,
@@ -246,7 +250,8 @@ class TextGenerator:
                  batch_wait_timeout_s: float | None = None, images=None, image_limits: dict[str, Any] | None = None,
                  device: str = "auto", batching: str = "continuous", priority: dict[str, int | float] | None = None,
                  warm_up_rows: int = 16, threads: int = 1, compile: str = "off", compile_rows: int | None = None,
-                 cache_mib: float | None = None, cache_fraction: float | None = None, weights: str = "float32"):
+                 cache_mib: float | None = None, cache_fraction: float | None = None, weights: str = "float32",
+                 engine: str = "thread"):
         from efftx.export import load_export, resolve_export
 
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
@@ -256,14 +261,21 @@ class TextGenerator:
         torch.set_num_threads(threads)  # the scheduler's thread takes it from here
         if batching not in BATCHING:
             raise ValueError(f"batching must be one of {', '.join(BATCHING)}; got {batching!r}")
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}; got {engine!r}")
+        if engine == "process" and batching != "continuous":
+            raise ValueError(f"engine=process: only with batching=continuous (got batching={batching})")
         max_batch_size, batch_wait_timeout_s = batch_defaults(batching, max_batch_size, batch_wait_timeout_s)
         self.device = replica_device(device)  # efftx.serving.devices: CUDA when this replica was given a GPU
+        # engine=process: the decoding process loads the models onto the device; the replica's copies (request
+        # checks, model cards) stay on the CPU
+        load_on = torch.device("cpu") if engine == "process" else self.device
         target_dir = resolve_export(target)
-        self.target, self.target_cfg, _ = load_export(target_dir, self.device)
+        self.target, self.target_cfg, _ = load_export(target_dir, load_on)
         # text <-> ids: UTF-8 bytes, or the tokenizer.json a token LM's export carries (efftx.data.lm_tokenizer)
         self.codec = export_codec(target_dir, self.target_cfg)
         draft_dir = resolve_export(draft) if draft else None
-        self.draft, draft_cfg, _ = load_export(draft_dir, self.device) if draft else (None, None, None)
+        self.draft, draft_cfg, _ = load_export(draft_dir, load_on) if draft else (None, None, None)
         for model in (self.target, self.draft):  # decode_weights: bfloat16 Linear weights on a CPU
             if model is not None:
                 use_weights(model, weights)
@@ -275,8 +287,10 @@ class TextGenerator:
                 raise ValueError(f"draft={draft} cannot draft for target={target}: {problem}")
         self.name = name or self.target_cfg.recipe
         self.sources = {"target": target, "draft": draft}
-        self.model_cards = [model_card("target", self.target, self.target_cfg, target, self.name)] + (
-            [model_card("draft", self.draft, draft_cfg, draft, f"{self.name}-speculative")] if self.draft is not None
+        where = str(self.device)  # engine=process: the decoding process's device, not that of the copies here
+        self.model_cards = [model_card("target", self.target, self.target_cfg, target, self.name, where)] + (
+            [model_card("draft", self.draft, draft_cfg, draft, f"{self.name}-speculative", where)]
+            if self.draft is not None
             else [])
         try:  # which replica, on which node, answers (GET /models/info): several replicas share one address
             import ray
@@ -291,7 +305,7 @@ class TextGenerator:
         self.limits = Limits(**(limits or {}))
         self.batching = {"mode": batching, "max_batch_size": int(max_batch_size),
                          "batch_wait_timeout_s": float(batch_wait_timeout_s)}
-        self.scheduler: Scheduler | None = None
+        self.scheduler: Scheduler | EngineProcess | None = None
         if batching == "continuous":
             # throwaway requests first (efftx.serving.continuous.warm_up): the first burst of real ones does not pay
             # the one-time costs of a fresh model; speculative with the requests' default gamma, within the limits,
@@ -302,18 +316,23 @@ class TextGenerator:
             # compiled: adaptive-gamma requests too (their verify pass feeds max_gamma + 1 tokens: a graph of its own)
             adaptive = self.limits.max_gamma if compiled["compile"] != "off" else None
             budget = cache_budget(cache_mib, cache_fraction, self.device, replica_gpu_share())  # bytes, or None
-            warmed = warm_up(self.target, self.draft, rows=warm_up_size(warm_up_rows, max_batch_size, compiled),
-                             gamma=gamma, max_gamma=adaptive, cache_budget=budget,
-                             pipeline=(priority or {}).get("pipeline"), coupled=True, **compiled)
-            self.batching.update(warm_up_rows=warmed["rows"], warm_up_s=warmed["seconds"], **compiled)
-            self.scheduler = Scheduler(self.target, self.draft, max_rows=max_batch_size,
-                                       admit_wait_s=batch_wait_timeout_s, **(priority or {}), **compiled,
-                                       cache_budget=budget, costs=warmed.get("costs"),  # measured while warming up
-                                       hook=lambda kind, jobs: self._step_hook(kind, [j.tag for j in jobs]),
-                                       observe=lambda kind, rows: metrics.batch("continuous", kind, rows)).start()
+            warm = dict(rows=warm_up_size(warm_up_rows, max_batch_size, compiled), gamma=gamma, max_gamma=adaptive,
+                        cache_budget=budget, pipeline=(priority or {}).get("pipeline"), coupled=True, **compiled)
+            knobs = dict(max_rows=max_batch_size, admit_wait_s=batch_wait_timeout_s, **(priority or {}), **compiled,
+                         cache_budget=budget)
+            observe = lambda kind, rows: metrics.batch("continuous", kind, rows)  # noqa: E731
+            if engine == "process":
+                self.scheduler = EngineProcess(
+                    {"target": str(target_dir), "draft": str(draft_dir) if draft_dir else None,
+                     "device": str(self.device), "weights": weights, "threads": threads, "warm": warm,
+                     "knobs": knobs}, observe=observe)
+                started = self.scheduler.info
+            else:
+                self.scheduler, started = start_scheduler(
+                    self.target, self.draft, warm=warm, knobs=knobs, observe=observe,
+                    hook=lambda kind, jobs: self._step_hook(kind, [j.tag for j in jobs]))
             self.latch = self.scheduler.latch
-            self.batching["steps_per_round"] = self.scheduler.steps_per_round
-            self.batching["pipeline"] = self.scheduler.pipeline
+            self.batching.update(**compiled, **started, engine=engine)
         else:
             self._batched.set_max_batch_size(max_batch_size)
             self._batched.set_batch_wait_timeout_s(batch_wait_timeout_s)
@@ -584,9 +603,7 @@ class TextGenerator:
                           limits=dataclasses.asdict(self.limits),
                           image_limits=self.image_limits.model_dump() if info else None, batching=self.batching,
                           replica=self.replica, threads=self.threads,
-                          costs=self.scheduler.measured() if self.scheduler is not None else None,
-                          cache_memory=self.scheduler.cache_memory() if self.scheduler is not None else None,
-                          scheduling=self.scheduler.timing() if self.scheduler is not None else None)
+                          **(await asyncio.to_thread(self.scheduler.report) if self.scheduler is not None else {}))
 
     @app.post("/generate/stream")
     async def generate_stream(self, req: StreamRequest) -> StreamingResponse:
@@ -723,5 +740,5 @@ def build_with(args: TextAppArgs | dict[str, Any], *, text_deployment=TextGenera
         **({"warm_up_rows": args.warm_up_rows} if args.warm_up_rows is not None else {}),
         **({"threads": args.threads} if args.threads is not None else {}),
         **({"weights": args.decode_weights} if args.decode_weights is not None else {}),
-        **{k: getattr(args, k) for k in ("compile", "compile_rows", "cache_mib", "cache_fraction")
+        **{k: getattr(args, k) for k in ("compile", "compile_rows", "cache_mib", "cache_fraction", "engine")
            if getattr(args, k) is not None})
