@@ -5,9 +5,10 @@ of the replica, beside Serve's request path, FastAPI, pydantic and the streams' 
 lock: torch's kernels release it, but each of a step's few hundred operations takes it back, and waits for it
 while the request handling holds it. Over HTTP, with 16 clients on a 2-core CPU, the decoding thread never waited
 for work (py-spy: every sample of it inside a round) yet ran only 62% of a core. In a process of its own the same
-load served 1.11-1.23x the requests/s (``bench/serve_load.py``'s ``process`` configuration, paired round by round
-with ``continuous``, base and speculative decoding). On that machine the decoding process, too, ran about two
-thirds of a core: the Serve proxy, the replica's request handling and the clients share the two cores with it.
+load served 1.02-1.15x the requests/s for base decoding and 1.11-1.23x for speculative decoding
+(``bench/serve_load.py``'s ``process`` configuration, paired round by round with ``continuous``; two runs of three
+rounds). On that machine the decoding process, too, ran only about two thirds of a core: the Serve proxy, the
+replica's request handling and the clients share the two cores with it (CPU pressure 42%).
 
 **How.** :class:`EngineProcess` starts a child process (multiprocessing, ``spawn``) that loads the exports itself,
 warms up and runs the scheduler (:func:`~efftx.serving.continuous.start_scheduler`: the code the thread runs, so the
