@@ -214,7 +214,8 @@ def test_the_generate_cli_takes_weights_and_refuses_bad_ones(capsys):
         cli.sample_text(EXPORT, "ab", 4, device="cuda", weights="bfloat16")
 
 
-def test_the_text_app_holds_bf16_weights_and_decodes_as_the_rounded_model(debug_exports):
+@pytest.mark.parametrize("engine", ["thread", "process"])
+def test_the_text_app_holds_bf16_weights_and_decodes_as_the_rounded_model(debug_exports, engine):
     from efftx.export import load_export
     from efftx.serving.app_args import TextAppArgs
     from efftx.serving.batches import Sampling
@@ -228,9 +229,14 @@ def test_the_text_app_holds_bf16_weights_and_decodes_as_the_rounded_model(debug_
     with pytest.raises(ValueError, match="decode_weights"):
         TextAppArgs(target="/nowhere", decode_weights="fp8")
     cls = TextGenerator.func_or_class.__bases__[0]  # the app's own class, under Serve's ingress wrapper
-    replica = cls(debug_exports["target"], debug_exports["draft"], name="tiny", warm_up_rows=1, weights="bfloat16")
+    replica = cls(debug_exports["target"], debug_exports["draft"], name="tiny", warm_up_rows=1, weights="bfloat16",
+                  engine=engine)
     try:
+        # engine=process: the cards say what the decoding process holds (the replica's own models are skeletons)
         assert [card.details["linear_weights"] for card in replica.model_cards] == ["bfloat16", "bfloat16"]
+        assert [card.device for card in replica.model_cards] == ["cpu", "cpu"]
+        assert replica.model_cards[0].parameters == sum(p.numel() for p in load_export(debug_exports["target"])[0]
+                                                        .parameters())
         target, _, _ = load_export(debug_exports["target"], torch.device("cpu"))
         prompt = [5, 6, 7, 8]
         want = generate(_rounded(target.eval()), torch.tensor([prompt]), 10, temperature=0)[0].tolist()

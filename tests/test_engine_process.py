@@ -139,3 +139,27 @@ def test_a_process_that_cannot_start_fails_with_its_error(debug_exports):
     with pytest.raises(EngineProcessError, match="cannot read|No such file|not an export|failed to start"):
         EngineProcess(spec({"target": "/nowhere/target", "draft": None}))
     assert torch.get_num_threads() == 1  # nothing of the child leaked into this process
+
+
+def test_the_replica_of_a_process_engine_reads_no_weights_and_cards_what_the_process_holds(debug_exports,
+                                                                                             monkeypatch):
+    """engine=process: the replica builds its models on the meta device (request checks, model cards); only the
+    decoding process reads the weights."""
+    from efftx import weights
+    from efftx.serving.text import TextGenerator
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the replica read weights")
+
+    monkeypatch.setattr(weights, "load", refuse)  # the replica's process only: the child is spawned fresh
+    cls = TextGenerator.func_or_class.__bases__[0]  # the app's own class, under Serve's ingress wrapper
+    replica = cls(debug_exports["target"], debug_exports["draft"], name="tiny", warm_up_rows=1, engine="process")
+    try:
+        assert all(p.device.type == "meta" for p in replica.target.parameters())
+        assert [(c.role, c.device, c.details["linear_weights"]) for c in replica.model_cards] == [
+            ("target", "cpu", "float32"), ("draft", "cpu", "float32")]
+        assert replica.batching["engine"] == "process" and "linear_weights" not in replica.batching
+        (job,) = finished(replica.scheduler, [Job([5, 6, 7], 6, Sampling(0.0), 1, 3)])
+        assert job.error is None and len(job.out) == 6
+    finally:
+        replica.scheduler.close()

@@ -211,6 +211,19 @@ def read_export_config(path: str | Path) -> tuple[Config, dict[str, Any]]:
         raise ExportError(f"{cfg_file} is not a valid efftx export config: {exc}") from None
 
 
+def export_skeleton(path: str | Path) -> tuple[torch.nn.Module, Config, dict]:
+    """The model of an export built on the meta device, its weights not read: its settings, shapes and parameter
+    counts, for a process that checks requests against a model another process loads (the text app's
+    ``engine=process``). ``path`` as :func:`load_export`'s."""
+    from efftx import models
+
+    path = resolve_export(path) if str(path).startswith("models:/") else export_folder(path)
+    cfg, meta = read_export_config(path)
+    with torch.device("meta"):
+        model = models.build(cfg)
+    return model.eval(), cfg, meta
+
+
 def load_export(path: str | Path, device: str | torch.device = "cpu") -> tuple[torch.nn.Module, Config, dict]:
     """Rebuild the model of an export from its config and load its weights (strictly). ``path``: an export folder,
     an MLflow model folder, or a registered-model URI of the default registry (``models:/NAME@champion``)."""

@@ -78,6 +78,7 @@ class _Child:
         from efftx.export import load_export
         from efftx.kernels.linear_cpu import use_weights
         from efftx.serving.continuous import start_scheduler
+        from efftx.serving.playground import linear_weights
 
         self.conn = conn
         self.outbox: list[tuple] = []
@@ -91,6 +92,7 @@ class _Child:
                 use_weights(model, spec["weights"])
         self.scheduler, info = start_scheduler(*models, warm=spec["warm"], knobs=spec["knobs"],
                                                observe=lambda kind, rows: self.put(("batch", kind, rows)))
+        info["linear_weights"] = [linear_weights(m) for m in models if m is not None]  # the replica's model cards
         threading.Thread(target=self._send, name="efftx-decoding-sender", daemon=True).start()
         self.put(("ready", info))
 

@@ -252,7 +252,7 @@ class TextGenerator:
                  warm_up_rows: int = 16, threads: int = 1, compile: str = "off", compile_rows: int | None = None,
                  cache_mib: float | None = None, cache_fraction: float | None = None, weights: str = "float32",
                  engine: str = "thread"):
-        from efftx.export import load_export, resolve_export
+        from efftx.export import export_skeleton, load_export, resolve_export
 
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
@@ -267,18 +267,18 @@ class TextGenerator:
             raise ValueError(f"engine=process: only with batching=continuous (got batching={batching})")
         max_batch_size, batch_wait_timeout_s = batch_defaults(batching, max_batch_size, batch_wait_timeout_s)
         self.device = replica_device(device)  # efftx.serving.devices: CUDA when this replica was given a GPU
-        # engine=process: the decoding process loads the models onto the device; the replica's copies (request
-        # checks, model cards) stay on the CPU
-        load_on = torch.device("cpu") if engine == "process" else self.device
+        # engine=process: the decoding process loads the models; the replica builds them on the meta device (their
+        # settings and shapes, for the request checks and model cards), reading no weights
+        load = export_skeleton if engine == "process" else (lambda path: load_export(path, self.device))
         target_dir = resolve_export(target)
-        self.target, self.target_cfg, _ = load_export(target_dir, load_on)
+        self.target, self.target_cfg, _ = load(target_dir)
         # text <-> ids: UTF-8 bytes, or the tokenizer.json a token LM's export carries (efftx.data.lm_tokenizer)
         self.codec = export_codec(target_dir, self.target_cfg)
         draft_dir = resolve_export(draft) if draft else None
-        self.draft, draft_cfg, _ = load_export(draft_dir, load_on) if draft else (None, None, None)
-        for model in (self.target, self.draft):  # decode_weights: bfloat16 Linear weights on a CPU
-            if model is not None:
-                use_weights(model, weights)
+        self.draft, draft_cfg, _ = load(draft_dir) if draft else (None, None, None)
+        for model in (self.target, self.draft) if engine == "thread" else ():  # decode_weights: bfloat16 Linear
+            if model is not None:                                              # weights on a CPU (the decoding
+                use_weights(model, weights)                                    # process's own, there)
         if self.draft is not None:
             problem = same_tokenizer(self.codec, export_codec(draft_dir, draft_cfg))
             if problem is None and self.draft.vocab_size != self.target.vocab_size:
@@ -326,7 +326,9 @@ class TextGenerator:
                     {"target": str(target_dir), "draft": str(draft_dir) if draft_dir else None,
                      "device": str(self.device), "weights": weights, "threads": threads, "warm": warm,
                      "knobs": knobs}, observe=observe)
-                started = self.scheduler.info
+                started = dict(self.scheduler.info)
+                for card, kinds in zip(self.model_cards, started.pop("linear_weights")):  # the child's, as it holds them
+                    card.details["linear_weights"] = kinds
             else:
                 self.scheduler, started = start_scheduler(
                     self.target, self.draft, warm=warm, knobs=knobs, observe=observe,
