@@ -163,3 +163,41 @@ def test_the_replica_of_a_process_engine_reads_no_weights_and_cards_what_the_pro
         assert job.error is None and len(job.out) == 6
     finally:
         replica.scheduler.close()
+
+
+def test_the_process_exits_when_its_replica_dies(debug_exports, tmp_path):
+    """A replica killed outright (no clean-up runs) leaves no decoding process behind: the child reads the end of
+    its pipe and exits."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    script = tmp_path / "replica.py"
+    script.write_text("import sys, time\n"
+                      "from efftx.serving.engine_process import EngineProcess\n"
+                      "if __name__ == '__main__':\n"
+                      f"    engine = EngineProcess({spec(debug_exports, warm={'rows': 1})!r})\n"
+                      "    print(engine.pid, flush=True)\n"
+                      "    time.sleep(600)\n")
+    replica = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        child = psutil.Process(int(replica.stdout.readline()))
+        assert child.is_running() and child.ppid() == replica.pid
+        replica.kill()
+        replica.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if child.status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.2)
+        else:
+            child.kill()
+            pytest.fail("the decoding process outlived its replica by 30 s")
+    finally:
+        replica.kill()
