@@ -98,10 +98,13 @@ def test_a_cancelled_request_leaves_and_the_next_one_decodes(engine):
     assert len(after.out) == 8 and not after.cancelled
 
 
-def test_a_request_the_process_refuses_fails_alone(debug_exports):
-    ep = EngineProcess(spec(debug_exports, draft=False, warm={"rows": 1}))
+def test_a_request_the_process_refuses_fails_alone_and_its_cache_budget_holds(debug_exports):
+    # and a cache budget the process works out itself (its device's memory is read there)
+    ep = EngineProcess(spec(debug_exports, draft=False, warm={"rows": 1},
+                            cache={"cache_mib": 0.5, "cache_fraction": None, "gpu_share": None}))
     try:
         spec_job, base_job = finished(ep, [Job([5, 6], 8, Sampling(0.0), 1, 3), Job([5, 6], 8, Sampling(0.0), 1)])
+        assert ep.report()["cache_memory"]["limit_mib"] == 0.5
     finally:
         ep.close()
     assert spec_job.failure.status == 422 and "draft model" in str(spec_job.failure.detail)

@@ -78,6 +78,7 @@ class _Child:
         from efftx.export import load_export
         from efftx.kernels.linear_cpu import use_weights
         from efftx.serving.continuous import start_scheduler
+        from efftx.serving.devices import cache_budget
         from efftx.serving.playground import linear_weights
 
         self.conn = conn
@@ -90,7 +91,12 @@ class _Child:
         for model in models:
             if model is not None:
                 use_weights(model, spec["weights"])
-        self.scheduler, info = start_scheduler(*models, warm=spec["warm"], knobs=spec["knobs"],
+        warm, knobs = spec["warm"], spec["knobs"]
+        if spec.get("cache"):  # the caches' budget, worked out here, on the device (its memory read in this process)
+            budget = cache_budget(spec["cache"]["cache_mib"], spec["cache"]["cache_fraction"], device,
+                                  spec["cache"]["gpu_share"])
+            warm, knobs = {**warm, "cache_budget": budget}, {**knobs, "cache_budget": budget}
+        self.scheduler, info = start_scheduler(*models, warm=warm, knobs=knobs,
                                                observe=lambda kind, rows: self.put(("batch", kind, rows)))
         info["linear_weights"] = [linear_weights(m) for m in models if m is not None]  # the replica's model cards
         threading.Thread(target=self._send, name="efftx-decoding-sender", daemon=True).start()
@@ -168,8 +174,10 @@ class EngineProcess:
 
     ``spec``: ``target`` and ``draft`` (export folders; draft None), ``device`` (``"cpu"``, ``"cuda:0"``),
     ``weights`` (:func:`~efftx.kernels.linear_cpu.use_weights`), ``threads`` (torch's intra-op threads), ``warm``
-    (:func:`~efftx.serving.continuous.warm_up`'s arguments) and ``knobs`` (the
-    :class:`~efftx.serving.continuous.Scheduler`'s). ``observe(kind, rows)``: called, on the reader thread, for
+    (:func:`~efftx.serving.continuous.warm_up`'s arguments), ``knobs`` (the
+    :class:`~efftx.serving.continuous.Scheduler`'s) and optionally ``cache`` (``cache_mib``, ``cache_fraction``,
+    ``gpu_share``: :func:`~efftx.serving.devices.cache_budget`'s, worked out in the child on its device, the budget
+    given to both). ``observe(kind, rows)``: called, on the reader thread, for
     every pass the child runs (the replica's metrics). Blocks until the child has warmed up (``start_timeout``
     seconds at most)."""
 

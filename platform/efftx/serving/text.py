@@ -315,7 +315,11 @@ class TextGenerator:
             compiled = compile_knobs(compile, compile_rows, self.device)
             # compiled: adaptive-gamma requests too (their verify pass feeds max_gamma + 1 tokens: a graph of its own)
             adaptive = self.limits.max_gamma if compiled["compile"] != "off" else None
-            budget = cache_budget(cache_mib, cache_fraction, self.device, replica_gpu_share())  # bytes, or None
+            cache = {"cache_mib": cache_mib, "cache_fraction": cache_fraction, "gpu_share": replica_gpu_share()}
+            # bytes, or None; engine=process: the decoding process works it out on its device (a GPU's memory is
+            # read there, and this process never touches the GPU)
+            budget = cache_budget(cache["cache_mib"], cache["cache_fraction"], self.device, cache["gpu_share"]) \
+                if engine == "thread" else None
             warm = dict(rows=warm_up_size(warm_up_rows, max_batch_size, compiled), gamma=gamma, max_gamma=adaptive,
                         cache_budget=budget, pipeline=(priority or {}).get("pipeline"), coupled=True, **compiled)
             knobs = dict(max_rows=max_batch_size, admit_wait_s=batch_wait_timeout_s, **(priority or {}), **compiled,
@@ -325,7 +329,7 @@ class TextGenerator:
                 self.scheduler = EngineProcess(
                     {"target": str(target_dir), "draft": str(draft_dir) if draft_dir else None,
                      "device": str(self.device), "weights": weights, "threads": threads, "warm": warm,
-                     "knobs": knobs}, observe=observe)
+                     "knobs": knobs, "cache": cache}, observe=observe)
                 started = dict(self.scheduler.info)
                 for card, kinds in zip(self.model_cards, started.pop("linear_weights")):  # the child's, as it holds them
                     card.details["linear_weights"] = kinds
