@@ -504,17 +504,26 @@ def goals(runs: dict[tuple[str, str], list[dict]], modes: list[str], notes: dict
     """The issue's goals for continuous batching, each line marked met or NOT met: requests/s >= 3x unbatched
     (each round's paired ratio, their median), short requests' p99 latency under load <= 2x unloaded, no errors;
     with [info] lines (``notes[mode]`` among them)."""
+    def throughput(who: str, got: list[dict], u: list[dict]) -> str:
+        """The requests/s goal of ``got`` (one result per round) against unbatched ``u``: each round's paired ratio,
+        their median marked."""
+        paired = [a["rps"] / b["rps"] if b["rps"] else float("nan") for a, b in zip(got, u)]
+        ratio = statistics.median(paired)
+        return (f"[{'met' if ratio >= 3 else 'NOT met'}] {who}: requests/s >= 3x unbatched: {ratio:.2f}x"
+                f"{rounds_of(paired, '.2f')} ({statistics.median(a['rps'] for a in got):.2f} vs "
+                f"{statistics.median(b['rps'] for b in u):.2f})")
+
+    def no_errors(who: str, got: list[dict]) -> str:
+        errors = sum(a["errors"] for a in got)
+        return f"[{'met' if errors == 0 else 'NOT met'}] {who}: no errors: {errors}"
+
     lines = []
     for mode in modes:
         c, u, f = (runs.get((n, mode)) for n in ("continuous", "unbatched", "fifo"))
         if c and u:
-            paired = [a["rps"] / b["rps"] if b["rps"] else float("nan") for a, b in zip(c, u)]
-            ratio = statistics.median(paired)
             fifo = statistics.median(a["rps"] / b["rps"] for a, b in zip(f, u)) if f else None
-            lines.append(f"[{'met' if ratio >= 3 else 'NOT met'}] {mode}: requests/s >= 3x unbatched: {ratio:.2f}x"
-                         f"{rounds_of(paired, '.2f')} ({statistics.median(a['rps'] for a in c):.2f} vs "
-                         f"{statistics.median(b['rps'] for b in u):.2f})"
-                         + (f"; without priority (fifo): {fifo:.2f}x" if fifo is not None else ""))
+            lines.append(throughput(mode, c, u) + (f"; without priority (fifo): {fifo:.2f}x" if fifo is not None
+                                                   else ""))
         if c:
             lats = [a["short_ratio_p99"] for a in c]
             lat = statistics.median(lats)
@@ -526,8 +535,7 @@ def goals(runs: dict[tuple[str, str], list[dict]], modes: list[str], notes: dict
             later = [a["later_ratio_p99"] for a in c]
             lines.append(f"[info] {mode}: the same p99 without the opening burst (the short requests among the first "
                          f"clients, sent at once): {statistics.median(later):.2f}x{rounds_of(later, '.2f')}")
-            errors = sum(a["errors"] for a in c)
-            lines.append(f"[{'met' if errors == 0 else 'NOT met'}] {mode}: no errors: {errors}")
+            lines.append(no_errors(mode, c))
             chunked = runs.get(("chunked", mode))
             if chunked:  # --prefill-chunk: continuous batching with long prompts in chunks, beside whole prompts
                 p99 = [a["short_ratio_p99"] for a in chunked]
@@ -598,18 +606,13 @@ def goals(runs: dict[tuple[str, str], list[dict]], modes: list[str], notes: dict
             proc = runs.get(("process", mode))
             if proc:  # the scheduler in a decoding process of the replica's own, beside the one on a thread
                 if u:
-                    paired = [a["rps"] / b["rps"] if b["rps"] else float("nan") for a, b in zip(proc, u)]
-                    lines.append(f"[{'met' if statistics.median(paired) >= 3 else 'NOT met'}] {mode} (engine=process): "
-                                 f"requests/s >= 3x unbatched: {statistics.median(paired):.2f}x"
-                                 f"{rounds_of(paired, '.2f')} ({statistics.median(a['rps'] for a in proc):.2f} vs "
-                                 f"{statistics.median(b['rps'] for b in u):.2f})")
+                    lines.append(throughput(f"{mode} (engine=process)", proc, u))
                 p99 = [a["short_ratio_p99"] for a in proc]
                 lines.append(f"[{'met' if statistics.median(p99) <= 2 else 'NOT met'}] {mode} (engine=process): short "
                              f"requests' p99 under load <= 2x unloaded: {statistics.median(p99):.2f}x"
                              f"{rounds_of(p99, '.2f')}; without the opening burst "
                              f"{statistics.median(a['later_ratio_p99'] for a in proc):.2f}x")
-                errors = sum(a["errors"] for a in proc)
-                lines.append(f"[{'met' if errors == 0 else 'NOT met'}] {mode} (engine=process): no errors: {errors}")
+                lines.append(no_errors(f"{mode} (engine=process)", proc))
                 rps = [a["rps"] / b["rps"] for a, b in zip(proc, c)]
                 lines.append(f"[info] {mode}: engine=process: requests/s {statistics.median(rps):.2f}x engine=thread's"
                              f"{rounds_of(rps, '.2f')}; time to first token p50 "

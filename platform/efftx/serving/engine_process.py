@@ -196,8 +196,7 @@ class EngineProcess:
         self._next = itertools.count()
         self._reports: dict[int, list] = {}  # key -> [Event, report]
         self._closing = False
-        self.info = self._started(start_timeout)
-        self.steps_per_round, self.pipeline = self.info["steps_per_round"], self.info["pipeline"]
+        self.info = self._started(start_timeout)  # start_scheduler's report (the app's batching info)
         self._reader = threading.Thread(target=self._read, name="efftx-decoding-reader", daemon=True)
         self._reader.start()
 
