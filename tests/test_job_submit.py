@@ -52,8 +52,8 @@ def cluster_up(env: dict[str, str], temp_dir: str, *extra: str) -> str:
 
     dash = port()
     cmd = [str(BIN / "python"), "-m", "efftx.cluster", "up", "--num-cpus", "2", "--port", str(port()),
-           "--dashboard-port", str(dash), "--temp-dir", temp_dir, *extra, "--dashboard-agent-listen-port",
-           str(port()), "--ray-client-server-port", str(port()), "--metrics-export-port", str(port())]
+           "--dashboard-port", str(dash), "--temp-dir", temp_dir, *extra, "--ray-client-server-port", str(port()),
+           "--metrics-export-port", str(port())]  # the agent's port: `up` picks one, and picks again if it was taken
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     return f"http://127.0.0.1:{dash}"
@@ -266,6 +266,67 @@ def test_cluster_up_starts_a_head_again_when_its_raylet_registers_late(tmp_path,
                 psutil.Process(pid).kill()
             except psutil.NoSuchProcess:
                 pass
+
+
+def test_cluster_up_starts_the_head_again_when_another_process_takes_its_agents_port(tmp_path, monkeypatch, capsys):
+    """Between `up` choosing a free port for the dashboard agent and the agent binding it, another process on the
+    machine may take it (CI saw it: the agent then runs without HTTP, and every submission answered "No available
+    agent" until the wait ran out). `up` reads that in the agent's log, stops that head (all of its processes) and
+    starts it again on a new port, and the cluster takes jobs; a port the user gave is not replaced: a clear error
+    naming it, and no head left running."""
+    import re
+    import socket
+
+    import psutil
+
+    from efftx import cluster
+
+    holder = socket.socket()
+    holder.bind(("", 0))  # every address: the agent's bind on the node's address fails
+    holder.listen()
+    taken = holder.getsockname()[1]
+    real_free_port = cluster.free_port
+    offered = iter([taken])
+    monkeypatch.setattr(cluster, "port_free", lambda port: False)  # Ray's default agent port "in use"
+    monkeypatch.setattr(cluster, "free_port", lambda: next(offered, None) or real_free_port())
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    temp_dir = tempfile.mkdtemp(prefix="efftx-ray-", dir="/tmp")
+
+    def live_sessions() -> set[str]:
+        found = set()
+        for proc in psutil.process_iter(["cmdline"]):
+            try:
+                for part in proc.info["cmdline"] or []:
+                    if temp_dir + "/" in part:
+                        found.update(re.findall(r"session_[0-9_-]+", part))
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+        return found
+
+    base = ["up", "--num-cpus", "1", "--temp-dir", temp_dir, "--wait", "90", "--ray-client-server-port",
+            str(real_free_port()), "--metrics-export-port", str(real_free_port())]
+    try:
+        dash = real_free_port()
+        assert cluster.main(base + ["--port", str(real_free_port()), "--dashboard-port", str(dash)]) == 0
+        err = capsys.readouterr().err
+        assert f"could not listen on port {taken}" in err, err[-3000:]
+        assert re.search(r"starting it again with the agent on port \d+ \(2 of 3\)", err), err[-3000:]
+        assert len(live_sessions()) == 1  # the first head is gone, the second one runs (and ran a job)
+        cluster.kill_node(temp_dir + "/")
+        time.sleep(1)
+        given = base + ["--port", str(real_free_port()), "--dashboard-port", str(real_free_port()),
+                        "--dashboard-agent-listen-port", str(taken)]
+        assert cluster.main(given) == 2
+        err = capsys.readouterr().err
+        assert f"could not listen on port {taken}" in err and "--dashboard-agent-listen-port" in err, err[-3000:]
+        assert "starting it again" not in err
+        deadline = time.monotonic() + 10
+        while live_sessions() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not live_sessions()
+    finally:
+        holder.close()
+        cluster.kill_node(temp_dir + "/")
 
 
 def test_start_local_starts_the_cluster_again_when_its_raylet_registers_late(tmp_path, monkeypatch, capsys):

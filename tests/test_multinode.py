@@ -69,8 +69,9 @@ class Cluster:
     def start_head(self) -> None:
         cmd = [str(BIN / "python"), "-m", "efftx.cluster", "up", "--num-cpus", "0", "--port", str(self.gcs_port),
                "--dashboard-port", str(self.dash_port), "--temp-dir", str(self.root / "head"),
-               "--dashboard-agent-listen-port", str(free_port()), "--ray-client-server-port", str(free_port()),
-               "--metrics-export-port", str(free_port())]
+               "--ray-client-server-port", str(free_port()), "--metrics-export-port", str(free_port())]
+        # no --dashboard-agent-listen-port: `up` picks a free one and, when another process takes it before the
+        # agent binds it (seen in `make test`: no job was ever accepted), starts the head again on another
         proc = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=400)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
 

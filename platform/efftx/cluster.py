@@ -23,6 +23,11 @@ longer, and ``ray start`` then fails ("The current node timed out during startup
 node running. ``up`` and ``join`` stop that node's processes (only its own: the head's by its session, which is
 named after the ``ray start`` process, a joining node's by its ``--temp-dir``) and start it again, up to
 ``--attempts`` times.
+
+The head's dashboard agent takes jobs on an HTTP port: Ray's 52365 when free, else ``up`` picks a free one. Another
+process may take it before the agent binds it; Ray then keeps the agent running without HTTP, and no job could ever
+be submitted. ``up`` reads that in the agent's log, stops the head and starts it again on a new free port (up to
+``--attempts`` times); a port given with ``--dashboard-agent-listen-port`` is not replaced: a clear error names it.
 """
 
 from __future__ import annotations
@@ -195,8 +200,9 @@ def submit(args: list[str], address: str | None = None, wait_s: float = 120.0) -
         delay = min(delay * 2, 8.0)
 
 
-def wait_for_jobs(address: str, wait_s: float = 120.0) -> None:
-    """Block until the cluster at ``address`` has accepted and run a no-op job (auth and job agent work)."""
+def wait_for_jobs(address: str, wait_s: float = 120.0, check: Callable[[], None] | None = None) -> None:
+    """Block until the cluster at ``address`` has accepted and run a no-op job (auth and job agent work).
+    ``check``: called after each refused submission; it raises when waiting longer is pointless."""
     os.environ["RAY_AUTH_MODE"] = "token"  # before Ray reads it: the SDK then sends the token
     from ray.job_submission import JobStatus, JobSubmissionClient
 
@@ -219,6 +225,8 @@ def wait_for_jobs(address: str, wait_s: float = 120.0) -> None:
             last = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
             if "401" in last or "Unauthorized" in last or "authentication" in last.lower():
                 raise LaunchError(f"the cluster at {address} refused this token: {last}") from None
+            if check is not None:
+                check()
             time.sleep(1.0)
     raise LaunchError(f"the cluster at {address} did not accept a job within {wait_s:.0f} s ({last})")
 
@@ -285,12 +293,13 @@ def start_node(cmd: list[str], attempts: int, node_marker, env: dict[str, str] |
     """Run ``ray start`` (``cmd``) with token auth; when its raylet did not register in time, stop the
     half-started node (``node_marker(pid of ray start)``, see ``kill_node``; None: it cannot be told apart from
     others, so no retry) and start again, ``attempts`` times in all. ``env``: the command's environment (default
-    this process's), token auth added. Raises LaunchError on failure."""
+    this process's), token auth added. Returns the pid of the ``ray start`` that succeeded (a head's session dir
+    is named after it). Raises LaunchError on failure."""
     for attempt in range(1, attempts + 1):
         proc = subprocess.Popen(cmd, env=auth_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         out, err = proc.communicate()
         if proc.returncode == 0:
-            return
+            return proc.pid
         text = (err or out).strip()
         marker = node_marker(proc.pid)
         if STARTUP_TIMEOUT not in text or attempt == attempts or marker is None:
@@ -315,24 +324,87 @@ def join(ns: argparse.Namespace) -> int:
     return 0
 
 
+class AgentPortTaken(LaunchError):
+    """The head's dashboard agent could not listen on its HTTP port (another process holds it): the node runs,
+    but it can never take a job."""
+
+    def __init__(self, port: int, log: Path):
+        self.port = port
+        super().__init__(f"Ray's dashboard agent could not listen on port {port} (address already in use, see {log}): "
+                         f"the cluster cannot take jobs; give --dashboard-agent-listen-port a free port")
+
+
+AGENT_BIND_FAILED = re.compile(r"Agent port #(\d+) failed to bind")
+
+
+def session_dir(pid: int) -> Path | None:
+    """The session dir of the head node that ``ray start`` (pid ``pid``) started, from its processes' command
+    lines (the raylet's name it); None while none is found."""
+    import psutil
+
+    pattern = re.compile(rf"(/\S*?/session_\d{{4}}-\d\d-\d\d_\d\d-\d\d-\d\d_\d+_{pid})(?![0-9])")
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            for part in proc.info["cmdline"] or []:
+                m = pattern.search(part)
+                if m:
+                    return Path(m.group(1))
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return None
+
+
+def agent_port_check(pid: int) -> Callable[[], None]:
+    """A ``wait_for_jobs`` check: raises AgentPortTaken once the head's agent log (node of ``ray start`` pid)
+    says its HTTP port could not be bound (Ray's agent then stays up without HTTP, so waiting would not help)."""
+
+    def check() -> None:
+        found = session_dir(pid)
+        log = found / "logs" / "dashboard_agent.log" if found else None
+        if log is not None and log.is_file():
+            m = AGENT_BIND_FAILED.search(log.read_text(errors="replace"))
+            if m:
+                raise AgentPortTaken(int(m.group(1)), log)
+
+    return check
+
+
 def up(ns: argparse.Namespace) -> int:
+    """``ray start --head`` with token auth, then wait until it runs a job. The agent's port, when not given: Ray's
+    default if free, else a free one; if another process takes it before the agent binds it (a race with other
+    Ray nodes on this machine), the head is stopped and started again on a new free port, ``--attempts`` times."""
     source = ensure_token()
     cmd = [ray_bin(), "start", "--head", "--disable-usage-stats", "--dashboard-port", str(ns.dashboard_port)]
     for flag, value in (("--num-cpus", ns.num_cpus), ("--num-gpus", ns.num_gpus), ("--port", ns.port),
                         ("--temp-dir", ns.temp_dir)):
         if value is not None:
             cmd += [flag, str(value)]
-    if not any(a.startswith("--dashboard-agent-listen-port") for a in ns.ray_args) and not port_free(DEFAULT_AGENT_PORT):
+    agent_given = any(a.startswith("--dashboard-agent-listen-port") for a in ns.ray_args)
+    agent_port = None
+    if not agent_given and not port_free(DEFAULT_AGENT_PORT):
         # Another Ray node on this machine holds it: the new agent would start without HTTP and no job could
         # ever be submitted ("No available agent").
         agent_port = free_port()
         print(f"[efftx] port {DEFAULT_AGENT_PORT} (Ray's dashboard agent) is taken, by another Ray cluster on this "
               f"machine: the agent listens on {agent_port} instead", file=sys.stderr)
-        cmd += ["--dashboard-agent-listen-port", str(agent_port)]
-    start_node(cmd + ns.ray_args, ns.attempts, session_of)
     address = f"http://127.0.0.1:{ns.dashboard_port}"
-    if not ns.no_wait:
-        wait_for_jobs(address, ns.wait)
+    for attempt in range(1, ns.attempts + 1):
+        agent = [] if agent_port is None else ["--dashboard-agent-listen-port", str(agent_port)]
+        pid = start_node(cmd + agent + ns.ray_args, ns.attempts, session_of)
+        if ns.no_wait:
+            break
+        try:
+            wait_for_jobs(address, ns.wait, check=agent_port_check(pid))
+            break
+        except AgentPortTaken as exc:
+            if agent_given or attempt == ns.attempts:
+                kill_node(session_of(pid))
+                raise
+            killed = kill_node(session_of(pid))
+            agent_port = free_port()
+            print(f"[efftx] {exc}; stopped the head's {len(killed)} processes, starting it again with the agent on "
+                  f"port {agent_port} ({attempt + 1} of {ns.attempts})", file=sys.stderr)
+            time.sleep(2.0)
     print(f"Ray head running with token authentication (token: {source}); jobs: {address}\n"
           f"  RAY_AUTH_MODE=token {ray_bin()} job submit --address {address} --working-dir . -- python jobs/train_sinkhorn.py\n"
           f"  (or: python -m efftx.cluster submit --address {address} --working-dir . -- python jobs/...)")
@@ -357,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     j.add_argument("--temp-dir", help="this node's own temp dir (needed to start it again after a timeout)")
     for parser in (u, j):
         parser.add_argument("--attempts", type=int, default=3,
-                            help="`ray start` tries when the raylet does not register in time (default 3)")
+                            help="`ray start` tries when the raylet does not register in time, and (up) head starts when "
+                                 "another process took the agent's port (default 3)")
     s = sub.add_parser("submit", help="`ray job submit` with the token, retried while there is no job agent yet")
     s.add_argument("--address", help="the dashboard URL (default: $RAY_ADDRESS or Ray's default)")
     s.add_argument("--wait", type=float, default=120.0)
