@@ -52,6 +52,57 @@ def test_the_driver_drops_only_the_noise_of_real_workers(ray_cluster, capsys):
     assert out.count(token) == 1, out  # neither noise line reached the driver's output
 
 
+def test_the_driver_drops_a_real_actors_poll_failure_and_keeps_its_other_lines(ray_cluster, capsys):
+    import ray
+
+    from efftx.console import filter_worker_logs
+
+    class PreemptionWatcher:  # named as Ray Train's actor: its log lines reach the driver with that actor name
+        def fail_a_poll(self, token):
+            import logging
+
+            try:
+                raise ConnectionError(f"the GCS is gone {token}")
+            except ConnectionError:
+                logging.getLogger("ray.train").warning("PreemptionWatcher poll failed", exc_info=True)
+            print(f"[efftx] watcher line {token}", flush=True)
+
+    assert filter_worker_logs()
+    token = uuid.uuid4().hex
+    watcher = ray.remote(num_cpus=0.01)(PreemptionWatcher).remote()
+    ray.get(watcher.fail_a_poll.remote(token))
+    out, deadline = "", time.monotonic() + 30
+    while f"watcher line {token}" not in out and time.monotonic() < deadline:
+        time.sleep(0.2)
+        captured = capsys.readouterr()
+        out += captured.out + captured.err
+    ray.kill(watcher)
+    assert f"[efftx] watcher line {token}" in out, out
+    assert "poll failed" not in out and "Traceback" not in out and f"the GCS is gone {token}" not in out, out
+
+
+POLL_FAILED = ["PreemptionWatcher poll failed", "Traceback (most recent call last):",
+               '  File "/x/ray/train/v2/_internal/execution/preemption.py", line 175, in _poll_once',
+               "    drained = _get_draining_nodes() or {}", "ray.exceptions.RpcError: failed to connect to all addresses",
+               "", "During handling of the above exception, another exception occurred:", "",
+               "Traceback (most recent call last):", '  File "/x/y.py", line 1, in f', "KeyError: 'gcs'"]
+
+
+def test_the_watchers_poll_failures_are_dropped_with_their_tracebacks_and_nothing_else():
+    from efftx.console import PollFailures
+
+    polls, watcher, other = PollFailures(), {"actor_name": "PreemptionWatcher", "pid": 7}, {"pid": 8}
+    assert polls.keep(other, POLL_FAILED) == POLL_FAILED  # another process's lines: untouched
+    news = "PreemptionWatcher: node abc is draining, deadline 30 s"
+    # a traceback split over batches, a chained exception, then the watcher's other lines stay
+    assert polls.keep(watcher, POLL_FAILED[:3]) == []
+    assert polls.keep(other, ["[efftx] step 1/2"]) == ["[efftx] step 1/2"]  # another process between the batches
+    assert polls.keep(watcher, POLL_FAILED[3:] + [news, "", "Traceback (most recent call last):"]) == [
+        news, "", "Traceback (most recent call last):"]  # a traceback not after the warning is not dropped
+    assert polls.keep(watcher, ["PreemptionWatcher poll failed", "Traceback (most recent call last):",
+                                "  File ...", "SomeOddThing: broke", news]) == ["SomeOddThing: broke", news]
+
+
 STEP_LINES = ["[efftx] step 5/10 loss 5.1234 lr 3.00e-03 tok/s 18,062 mfu 18.37% eta 12s",
               "[efftx] step 10/10 loss 4.9000 lr 3.00e-04 tok/s 8,635 mfu 8.78% eta 0s"]
 

@@ -4,8 +4,11 @@ Ray prints every worker's stdout/stderr on the driver (``log_to_driver``), and a
 Ray's own actors print lines a user cannot act on: DeepSpeed's "DeepSpeed deepspeed.ops.comm..._op built
 successfully" (a bare ``print`` on every worker at every engine start) and Ray Train's controller's
 error-level "Actor with class name: 'PreemptionWatcher' ... max_restarts > 0" (Ray's own actor; see
-ray-project/ray#53727). :func:`filter_worker_logs` wraps the driver's handler of those lines so that exactly
-the lines matching :data:`NOISE` are dropped; everything else is printed as Ray prints it.
+ray-project/ray#53727); that actor also warns "PreemptionWatcher poll failed" with a traceback when one of its
+polls of the GCS fails (seen in CI on a busy machine as a run's cluster shut down, after the run's summary; Ray
+polls again). :func:`filter_worker_logs` wraps the driver's handler of those lines so that exactly the lines
+matching :data:`NOISE`, and that warning of Ray Train's PreemptionWatcher actor with its traceback
+(:class:`PollFailures`), are dropped; everything else is printed as Ray prints it.
 
 On a terminal (the driver's stdout is a TTY, or ``EFFTX_PROGRESS=bar``) the training loop's step lines
 ("[efftx] step N/M loss ... eta ...") are drawn as one progress bar that redraws in place (:class:`Progress`):
@@ -35,6 +38,46 @@ STEP = re.compile(r"\[efftx\] step (\d+)/(\d+) loss (\S+) lr \S+ tok/s (\S+) .*\
 def is_noise(line: str) -> bool:
     text = line.strip()
     return any(p.search(text) for p in NOISE)
+
+
+WATCHER_ACTOR = "PreemptionWatcher"  # Ray Train's actor (its log lines come with this actor name)
+POLL_FAILED = re.compile(r"\bPreemptionWatcher poll failed$")
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Timeout)\b")
+
+
+class PollFailures:
+    """Drops Ray Train's PreemptionWatcher "poll failed" warnings and their tracebacks (chained ones included)
+    from worker output batches (:func:`filter_worker_logs`' data dicts), following a traceback across batches per
+    process. Only lines of that actor are touched, and of them only that warning and the traceback after it."""
+
+    CHAIN = ("During handling of the above exception", "The above exception was the direct cause")
+
+    def __init__(self):
+        self._state: dict = {}  # pid -> "traceback" (inside one) or "raised" (after its exception line)
+
+    def keep(self, data: dict, lines: list[str]) -> list[str]:
+        if WATCHER_ACTOR not in str(data.get("actor_name") or ""):
+            return lines
+        pid = data.get("pid")
+        kept = []
+        for line in lines:
+            text = line.rstrip()
+            state = self._state.get(pid)
+            if POLL_FAILED.search(text):
+                self._state[pid] = "traceback"
+            elif state == "traceback" and (not text or text[0].isspace() or text.startswith(("Traceback (",
+                                                                                          *self.CHAIN))):
+                pass
+            elif state == "traceback" and EXCEPTION_LINE.match(text):
+                self._state[pid] = "raised"  # the end, unless a chained exception follows
+            elif state == "raised" and not text:
+                pass
+            elif state == "raised" and text.startswith(("Traceback (", *self.CHAIN)):
+                self._state[pid] = "traceback"
+            else:
+                self._state.pop(pid, None)
+                kept.append(line)
+        return kept
 
 
 def progress_mode(stream=None) -> str:
@@ -101,10 +144,12 @@ def filter_worker_logs() -> bool:
 
     lock = threading.Lock()
     bar = Progress() if progress_mode() == "bar" else None
+    polls = PollFailures()
 
     def filtered(data):
         lines = [ln for ln in data.get("lines", []) if not is_noise(ln)]
         with lock:
+            lines = polls.keep(data, lines)
             if bar is None:
                 if lines:
                     printer({**data, "lines": lines})
