@@ -51,22 +51,29 @@ def finished(engine, jobs: list[Job], timeout: float = 120.0) -> list[Job]:
 
 
 def mixed_jobs() -> list[Job]:
-    """Base, speculative, adaptive and coupled requests, greedy and sampled, each streaming its steps."""
+    """Base, speculative, adaptive and coupled requests, greedy and sampled; every other one streams its steps."""
     settings = [(None, None, False, Sampling(0.0)), (None, None, False, Sampling(0.9, 16)),
                 (3, None, False, Sampling(0.0)), (3, None, False, Sampling(1.0, 0, 0.9)),
                 (3, 6, False, Sampling(0.8, 8)), (3, None, True, Sampling(0.8, 8)), (None, None, False, Sampling(1.2))]
     jobs = []
     for i, (gamma, cap, coupled, sampling) in enumerate(settings):
         steps: list = []
+        stream = i % 2 == 0
         job = Job([3 + i, 40 + 5 * i, 9, 1 + i][: 2 + i % 3], 6 + 3 * i, sampling, 100 + i, gamma, max_gamma=cap,
-                  coupled=coupled, on_step=lambda tokens, accepted, s=steps: s.append((list(tokens), accepted)))
-        job.streamed = steps
+                  coupled=coupled, on_step=(lambda tokens, accepted, s=steps: s.append((list(tokens), accepted)))
+                  if stream else None)
+        job.streamed = steps if stream else None
         jobs.append(job)
     return jobs
 
 
-def test_every_request_gets_the_tokens_stream_and_acceptance_the_thread_gives_it(engine, debug_exports):
+def test_every_request_gets_the_tokens_stream_and_acceptance_the_thread_gives_it(engine, debug_exports, monkeypatch):
+    stepped: list[int] = []  # the keys of the step messages the replica read
+    handle = engine._handle
+    monkeypatch.setattr(engine, "_handle", lambda item: (stepped.append(item[1]) if item[0] == "step" else None,
+                                                         handle(item)))
     remote = finished(engine, mixed_jobs())
+    assert not engine._jobs  # every job ended
     target, draft = (load_export(debug_exports[role])[0] for role in ("target", "draft"))
     scheduler, _ = start_scheduler(target, draft, warm=WARM, knobs=KNOBS)
     try:
@@ -76,12 +83,17 @@ def test_every_request_gets_the_tokens_stream_and_acceptance_the_thread_gives_it
     for a, b in zip(remote, local):
         assert a.error is None and a.failure is None and not a.cancelled
         assert a.out == b.out and len(a.out) == a.max_new
-        assert [t for tokens, _ in a.streamed for t in tokens] == a.out  # the stream carries every token, in order
-        assert [acc for _, acc in a.streamed] == [acc for _, acc in b.streamed] or a.coupled
+        if a.streamed is not None:
+            assert [t for tokens, _ in a.streamed for t in tokens] == a.out  # the stream carries every token, in order
+            assert [acc for _, acc in a.streamed] == [acc for _, acc in b.streamed] or a.coupled
         if a.speculative and not a.coupled:  # coupled draft lengths follow measured costs: its tokens are base's
             assert a.stats.accepted == b.stats.accepted and a.stats.draft_calls == b.stats.draft_calls
         assert a.first_token is not None and a.finished >= a.first_token >= a.submitted
         assert a.batch_size >= 1 and a.steps == b.steps or a.coupled
+    # only the streams' steps crossed the pipe one by one: a row without a stream got its tokens with its end
+    streams = sum(job.streamed is not None for job in remote)
+    assert 0 < streams < len(remote) and len(set(stepped)) == streams
+    assert len(stepped) == sum(len(job.streamed) for job in remote if job.streamed is not None)
     kinds = {kind for kind, _ in engine.passes}
     assert {"base", "speculative"} <= kinds  # every pass the process ran reached the replica's metrics
     report = engine.report()

@@ -17,8 +17,12 @@ where the scheduler would (``submit``, ``cancel``, ``latch``, ``report``): a sub
 :class:`~efftx.serving.continuous.Job` goes to the child as its settings; the child sends back, batched into one
 message per wake-up of its sender, each step's tokens (and acceptance) per row, each pass's row count (the replica's
 metrics), and when a row ends its statistics, failure or cancellation. A reader thread of the replica hands them to
-the job as the scheduler would (``on_step``, then ``on_done``, the app's callbacks). A row's first-token and finish
-times are the replica's, when it received them.
+the job as the scheduler would (``on_step``, then ``on_done``, the app's callbacks). Only a row with an ``on_step``
+(a stream) has its steps sent as they happen; any other row's tokens and first-token time come with its end
+(a step's tokens per row are most of the messages: with 16 rows, a few thousand a second on a CPU, each pickled by
+the child's sender thread and read by the replica's reader, both beside a busy thread). A streamed row's
+first-token time is the replica's, when it received the token; another row's is the child's (``perf_counter``,
+the system's monotonic clock, the same in both processes); finish times are the replica's.
 
 **Faults.** A request's failure is the one it gets in the thread (contained passes, 422 / 503 / 500). A device fault
 in the child fails its rows as in the thread, and the child tells the replica, whose health check then fails. Should
@@ -120,20 +124,21 @@ class _Child:
                 return
 
     def _submit(self, key: int, prompt: list[int], max_new: int, sampling: tuple, seed, gamma, max_gamma,
-                coupled: bool) -> None:
+                coupled: bool, stream: bool) -> None:
+        on_step = (lambda tokens, accepted: self.put(("step", key, tokens, accepted))) if stream else None
         job = Job(prompt, max_new, Sampling(*sampling), seed, gamma, max_gamma=max_gamma, coupled=coupled,
-                  on_step=lambda tokens, accepted: self.put(("step", key, tokens, accepted)),
-                  on_done=lambda j: self._done(key, j))
+                  on_step=on_step, on_done=lambda j: self._done(key, j, stream))
         self.jobs[key] = job
         try:
             self.scheduler.submit(job)
         except Exception as exc:  # noqa: BLE001 - a request the scheduler refuses fails alone
             job._fail(exc, f"{job.mode} decoding")
 
-    def _done(self, key: int, job: Job) -> None:
+    def _done(self, key: int, job: Job, stream: bool) -> None:
         self.jobs.pop(key, None)
         fault = self.scheduler.fault
         self.put(("done", key, {
+            "out": None if stream else job.out, "first_token": None if stream else job.first_token,
             "steps": job.steps, "batch_size": job.batch_size, "stats": job.stats, "cancelled": job.cancelled,
             "error": None if job.error is None else _portable(job.error),
             "failure": None if job.failure is None else job.failure.model_dump(),
@@ -242,7 +247,7 @@ class EngineProcess:
             self._jobs[key], self._keys[id(job)] = job, key
             try:
                 self._conn.send(("submit", key, job.prompt, job.max_new, (s.temperature, s.top_k, s.top_p), job.seed,
-                                 job.gamma, job.max_gamma, job.coupled))
+                                 job.gamma, job.max_gamma, job.coupled, job.on_step is not None))
                 return job
             except (OSError, ValueError):  # the child is gone: the reader fails the rest
                 self._jobs.pop(key, None)
@@ -341,6 +346,10 @@ class EngineProcess:
                 logger.error("decoding process: %s", result["fault"])
             if job is None:
                 return
+            if result["out"] is not None:  # a row without a stream: its tokens come now
+                job.out.extend(result["out"])
+                if job.first_token is None:
+                    job.first_token = result["first_token"]
             job.steps, job.batch_size, job.stats = result["steps"], result["batch_size"], result["stats"]
             job.cancelled = job.cancelled or result["cancelled"]
             if result["error"] is not None:
