@@ -70,8 +70,13 @@ def mixed_jobs() -> list[Job]:
 def test_every_request_gets_the_tokens_stream_and_acceptance_the_thread_gives_it(engine, debug_exports, monkeypatch):
     stepped: list[int] = []  # the keys of the step messages the replica read
     handle = engine._handle
-    monkeypatch.setattr(engine, "_handle", lambda item: (stepped.append(item[1]) if item[0] == "step" else None,
-                                                         handle(item)))
+
+    def counting(item):
+        if item[0] == "step":
+            stepped.append(item[1])
+        handle(item)
+
+    monkeypatch.setattr(engine, "_handle", counting)
     remote = finished(engine, mixed_jobs())
     assert not engine._jobs  # every job ended
     target, draft = (load_export(debug_exports[role])[0] for role in ("target", "draft"))

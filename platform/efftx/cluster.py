@@ -266,11 +266,16 @@ def kill_node(marker: str | Callable[[str], bool]) -> list[int]:
 SESSION_TIME = "%Y-%m-%d_%H-%M-%S_%f"  # Ray's session dirs: session_<local time in this format>_<pid>
 
 
+def _session_name(pid: int) -> str:
+    """A regex of the session dir name of a head node that process ``pid`` started (group 1: its start time)."""
+    return rf"session_(\d{{4}}-\d\d-\d\d_\d\d-\d\d-\d\d_\d+)_{pid}(?![0-9])"
+
+
 def session_of(pid: int, since: datetime.datetime | None = None) -> Callable[[str], bool]:
     """Whether a command-line part names the session dir of a head node started by the process ``pid`` (Ray
     names it ``session_<date>_<time>_<microseconds>_<pid>``), and, with ``since``, one started at ``since`` or
     later: a process that starts a node again keeps its pid, and an earlier cluster of its own may still run."""
-    pattern = re.compile(rf"session_(\d{{4}}-\d\d-\d\d_\d\d-\d\d-\d\d_\d+)_{pid}(?![0-9])")
+    pattern = re.compile(_session_name(pid))
 
     def names(part: str) -> bool:
         return any(since is None or datetime.datetime.strptime(m.group(1), SESSION_TIME) >= since
@@ -342,7 +347,7 @@ def session_dir(pid: int) -> Path | None:
     lines (the raylet's name it); None while none is found."""
     import psutil
 
-    pattern = re.compile(rf"(/\S*?/session_\d{{4}}-\d\d-\d\d_\d\d-\d\d-\d\d_\d+_{pid})(?![0-9])")
+    pattern = re.compile(rf"(/\S*?/{_session_name(pid)})")
     for proc in psutil.process_iter(["cmdline"]):
         try:
             for part in proc.info["cmdline"] or []:
@@ -397,10 +402,9 @@ def up(ns: argparse.Namespace) -> int:
             wait_for_jobs(address, ns.wait, check=agent_port_check(pid))
             break
         except AgentPortTaken as exc:
+            killed = kill_node(session_of(pid))  # a head that can take no job: none is left running
             if agent_given or attempt == ns.attempts:
-                kill_node(session_of(pid))
                 raise
-            killed = kill_node(session_of(pid))
             agent_port = free_port()
             print(f"[efftx] {exc}; stopped the head's {len(killed)} processes, starting it again with the agent on "
                   f"port {agent_port} ({attempt + 1} of {ns.attempts})", file=sys.stderr)

@@ -50,7 +50,8 @@ class PollFailures:
     from worker output batches (:func:`filter_worker_logs`' data dicts), following a traceback across batches per
     process. Only lines of that actor are touched, and of them only that warning and the traceback after it."""
 
-    CHAIN = ("During handling of the above exception", "The above exception was the direct cause")
+    # lines that begin a traceback, or the next one of a chain
+    STARTS = ("Traceback (", "During handling of the above exception", "The above exception was the direct cause")
 
     def __init__(self):
         self._state: dict = {}  # pid -> "traceback" (inside one) or "raised" (after its exception line)
@@ -65,14 +66,13 @@ class PollFailures:
             state = self._state.get(pid)
             if POLL_FAILED.search(text):
                 self._state[pid] = "traceback"
-            elif state == "traceback" and (not text or text[0].isspace() or text.startswith(("Traceback (",
-                                                                                          *self.CHAIN))):
+            elif state == "traceback" and (not text or text[0].isspace() or text.startswith(self.STARTS)):
                 pass
             elif state == "traceback" and EXCEPTION_LINE.match(text):
                 self._state[pid] = "raised"  # the end, unless a chained exception follows
             elif state == "raised" and not text:
                 pass
-            elif state == "raised" and text.startswith(("Traceback (", *self.CHAIN)):
+            elif state == "raised" and text.startswith(self.STARTS):
                 self._state[pid] = "traceback"
             else:
                 self._state.pop(pid, None)
