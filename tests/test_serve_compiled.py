@@ -324,16 +324,12 @@ def test_a_compiled_app_answers_as_the_library_decodes(ray_cluster, debug_export
     keeps the replica's graphs few (each takes seconds to compile on a CPU); the tests above run buckets of more
     rows in-process."""
     import json
-    from concurrent.futures import ThreadPoolExecutor
 
     import requests
     from ray import serve
 
-    from efftx.export import load_export
-    from efftx.generation.decode import decode_bytes, generate
-    from efftx.generation.speculative import speculative_generate
     from efftx.serving.text import build
-    from netutil import free_port
+    from netutil import concurrent_requests_decode_as_the_library, free_port
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -347,21 +343,8 @@ def test_a_compiled_app_answers_as_the_library_decodes(ray_cluster, debug_export
         # row each with a prompt of up to 16 tokens and one with 32 (the compiled prefills' shapes)
         assert (info["compile"], info["compile_rows"], info["warm_up_rows"]) == ("on", 1, 4 * 2 * 1)
         assert info["steps_per_round"] == 4  # rows take up to four steps a round while nothing waits
-        target, draft = load_export(debug_exports["target"])[0], load_export(debug_exports["draft"])[0]
-        bodies = [{"prompt": p, "max_new_tokens": 12, "temperature": 1.0, "top_k": 20, "seed": i, "mode": "both"}
-                  for i, p in enumerate(["x = ", "def f(", "import os"])]  # gamma 5, as the warm-up: no new graph
-        with ThreadPoolExecutor(3) as pool:
-            answers = list(pool.map(lambda b: requests.post(f"{url}/generate", json=b, timeout=120), bodies))
-        for body, res in zip(bodies, answers):
-            assert res.status_code == 200, res.text
-            got = res.json()["results"]
-            prompt = [list(body["prompt"].encode())]
-            base = generate(target, prompt, 12, temperature=1.0, top_k=20, seed=body["seed"])[0].tolist()
-            spec, stats = speculative_generate(target, draft, prompt, 12, gamma=5, temperature=1.0, top_k=20,
-                                               seed=body["seed"])
-            assert got["base"]["text"] == decode_bytes(base)
-            assert got["speculative"]["text"] == decode_bytes(spec[0])
-            assert got["speculative"]["acceptance_histogram"] == stats.histogram
+        # gamma 5, as the warm-up: no new graph
+        bodies, answers = concurrent_requests_decode_as_the_library(url, debug_exports, 12)
         with requests.post(f"{url}/generate/stream", json={**bodies[0], "mode": "speculative"}, stream=True,
                            timeout=120) as r:
             blocks = [b for b in "\n".join(r.iter_lines(decode_unicode=True)).split("\n\n") if b.strip()]

@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -20,8 +19,9 @@ import requests
 
 from efftx.errors import ConfigError
 from efftx.serving import ingress
+from efftx.cluster import port_free
 from efftx.serving.ingress import Ingress
-from netutil import free_port
+from netutil import concurrent_requests_decode_as_the_library, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -56,14 +56,24 @@ serve.shutdown()
 """
 
 
-def test_the_ingress_env_names_its_variables_and_clears_the_other_ingress():
+def test_the_ingress_env_names_its_variables_and_clears_the_other_ingress(monkeypatch):
+    for var in ingress.PORT_ENVS:
+        monkeypatch.delenv(var, raising=False)
     assert Ingress("proxy").env() == {}
-    assert Ingress("haproxy", drain_s=1.5).env() == {ingress.HAPROXY_ENV: "1", ingress.DRAIN_ENV: "1.5"}
-    env = {ingress.HAPROXY_ENV: "1", ingress.DRAIN_ENV: "30", "OTHER": "x"}
+    env = Ingress("haproxy", drain_s=1.5).env()
+    assert {k: env[k] for k in (ingress.HAPROXY_ENV, ingress.DRAIN_ENV)} == {ingress.HAPROXY_ENV: "1",
+                                                                             ingress.DRAIN_ENV: "1.5"}
+    # HAProxy's metrics and stats listeners: free ports of this cluster's own (not Ray's fixed 9101 and 8404, which a
+    # second cluster on the machine would fail to bind), or the ones the environment names
+    ports = [int(env[var]) for var in ingress.PORT_ENVS]
+    assert len(set(ports)) == 2 and not {9101, 8404} & set(ports)
+    assert all(port_free(p) for p in ports)
+    env = {ingress.HAPROXY_ENV: "1", ingress.DRAIN_ENV: "30", "OTHER": "x", ingress.PORT_ENVS[0]: "9200"}
     Ingress("proxy").apply(env)
-    assert env == {"OTHER": "x"}
+    assert env == {"OTHER": "x", ingress.PORT_ENVS[0]: "9200"}
     Ingress("haproxy").apply(env)
-    assert env == {"OTHER": "x", ingress.HAPROXY_ENV: "1", ingress.DRAIN_ENV: "2"}
+    assert env[ingress.PORT_ENVS[0]] == "9200" and env[ingress.DRAIN_ENV] == "2" and env[ingress.HAPROXY_ENV] == "1"
+    assert int(env[ingress.PORT_ENVS[1]]) not in (8404, 9200)
 
 
 @pytest.mark.parametrize("kwargs, says", [({"kind": "nginx"}, "unknown Serve ingress 'nginx': choose one of proxy, "
@@ -90,7 +100,8 @@ def test_haproxy_without_its_binary_is_a_clear_error(monkeypatch):
 def test_the_wrapper_runs_its_command_with_the_ingress_and_refuses_bad_input(tmp_path):
     show = [sys.executable, "-c", "import json, os; print(json.dumps({k: v for k, v in os.environ.items() "
                                   "if k.startswith('RAY_SERVE_')}))"]
-    env = {**os.environ, ingress.HAPROXY_ENV: "1", ingress.DRAIN_ENV: "30"}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}, ingress.HAPROXY_ENV: "1",
+           ingress.DRAIN_ENV: "30"}
 
     def run(*args):
         return subprocess.run([sys.executable, "-m", "efftx.serving.ingress", *args], env=env, capture_output=True,
@@ -98,8 +109,11 @@ def test_the_wrapper_runs_its_command_with_the_ingress_and_refuses_bad_input(tmp
 
     got = run("haproxy", "--drain-s", "3", "--", *show)
     assert got.returncode == 0, got.stderr
-    assert json.loads(got.stdout) == {ingress.HAPROXY_ENV: "1", ingress.DRAIN_ENV: "3"}
-    got = run("proxy", "--", *show)  # what the environment had set is cleared
+    got = json.loads(got.stdout)
+    assert {k: got.pop(k) for k in (ingress.HAPROXY_ENV, ingress.DRAIN_ENV)} == {ingress.HAPROXY_ENV: "1",
+                                                                                 ingress.DRAIN_ENV: "3"}
+    assert sorted(got) == sorted(ingress.PORT_ENVS)  # HAProxy's own listeners, on ports of their own
+    got = run("proxy", "--", *show)  # the switch the environment had set is cleared
     assert got.returncode == 0 and json.loads(got.stdout) == {}, got.stderr
     bad = run("nginx", "--", *show)
     assert bad.returncode == 2 and "unknown Serve ingress 'nginx'" in bad.stderr
@@ -121,6 +135,7 @@ def test_cluster_nodes_start_with_the_ingress_they_are_given(monkeypatch, comman
     assert cluster.main([command, *extra, "--serve-ingress", "haproxy"]) == 0
     assert ingress.HAPROXY_ENV not in seen[0]
     assert seen[1][ingress.HAPROXY_ENV] == "1" and seen[1][ingress.DRAIN_ENV] == "2"
+    assert all(seen[1][var].isdigit() for var in ingress.PORT_ENVS)
 
 
 def listener(port: int) -> str:
@@ -135,10 +150,6 @@ def listener(port: int) -> str:
 
 @pytest.mark.slow
 def test_the_text_app_behind_haproxy_answers_as_the_library_decodes_and_restarts(debug_exports):
-    from efftx.export import load_export
-    from efftx.generation.decode import decode_bytes, generate
-    from efftx.generation.speculative import speculative_generate
-
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}
     server = subprocess.Popen([sys.executable, "-m", "efftx.serving.ingress", "haproxy", "--", sys.executable, "-c",
@@ -158,21 +169,7 @@ def test_the_text_app_behind_haproxy_answers_as_the_library_decodes_and_restarts
         expect("ready")
         url = f"http://127.0.0.1:{port}"
         assert listener(port) == "haproxy"  # the app's port is HAProxy's, not Serve's Python proxy
-        target, draft = load_export(debug_exports["target"])[0], load_export(debug_exports["draft"])[0]
-        bodies = [{"prompt": p, "max_new_tokens": 10, "temperature": 1.0, "top_k": 20, "seed": i, "mode": "both"}
-                  for i, p in enumerate(["x = ", "def f(", "import os"])]
-        with ThreadPoolExecutor(3) as pool:
-            answers = list(pool.map(lambda b: requests.post(f"{url}/generate", json=b, timeout=120), bodies))
-        for body, res in zip(bodies, answers):
-            assert res.status_code == 200, res.text
-            got = res.json()["results"]
-            prompt = [list(body["prompt"].encode())]
-            base = generate(target, prompt, 10, temperature=1.0, top_k=20, seed=body["seed"])[0].tolist()
-            spec, stats = speculative_generate(target, draft, prompt, 10, gamma=5, temperature=1.0, top_k=20,
-                                               seed=body["seed"])
-            assert got["base"]["text"] == decode_bytes(base)
-            assert got["speculative"]["text"] == decode_bytes(spec[0])
-            assert got["speculative"]["acceptance_histogram"] == stats.histogram
+        bodies, answers = concurrent_requests_decode_as_the_library(url, debug_exports, 10)
         with requests.post(f"{url}/generate/stream", json={**bodies[0], "mode": "base"}, stream=True,
                            timeout=120) as r:
             blocks = [b for b in "\n".join(r.iter_lines(decode_unicode=True)).split("\n\n") if b.strip()]

@@ -30,6 +30,11 @@ from efftx.errors import ConfigError
 CHOICES = ("proxy", "haproxy")
 HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
 DRAIN_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
+# HAProxy's own listeners beside Serve's port: Prometheus metrics (Ray's default 9101) and stats (8404), on every
+# address. Two clusters on one machine (two local Serve apps, a test run beside one) would both take the defaults and
+# the second HAProxy would exit ("cannot bind socket"), leaving its Serve port closed: unless set, each cluster gets
+# free ports of its own.
+PORT_ENVS = ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT")
 
 
 @dataclass(frozen=True)
@@ -46,19 +51,23 @@ class Ingress:
             raise ConfigError(f"the ingress drain_s must be in [0, 25) seconds (serve shutdown waits 30 s), "
                               f"not {self.drain_s}")
 
-    def env(self) -> dict[str, str]:
-        """The variables a Ray cluster's processes need for this ingress (none for ``proxy``). Raises ConfigError
-        when ``haproxy`` has no HAProxy binary to run."""
+    def env(self, environ=os.environ) -> dict[str, str]:
+        """The variables a Ray cluster's processes need for this ingress (none for ``proxy``): for ``haproxy`` its
+        switch, the draining period and HAProxy's metrics and stats ports (those ``environ`` sets, else free ones).
+        Raises ConfigError when ``haproxy`` has no HAProxy binary to run."""
         if self.kind == "proxy":
             return {}
         haproxy_binary()
-        return {HAPROXY_ENV: "1", DRAIN_ENV: f"{self.drain_s:g}"}
+        from efftx.cluster import free_port
+
+        return {HAPROXY_ENV: "1", DRAIN_ENV: f"{self.drain_s:g}",
+                **{var: environ.get(var) or str(free_port()) for var in PORT_ENVS}}
 
     def apply(self, environ=os.environ) -> None:
-        """Set :meth:`env` in ``environ`` and clear what another ingress set there."""
+        """Set :meth:`env` in ``environ`` and clear the switch and draining period another ingress set there."""
         for key in (HAPROXY_ENV, DRAIN_ENV):
             environ.pop(key, None)
-        environ.update(self.env())
+        environ.update(self.env(environ))
 
 
 def haproxy_binary() -> str:
