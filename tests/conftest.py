@@ -45,7 +45,7 @@ FILE_SECONDS = {"test_train_ray.py": 255, "test_multinode.py": 250, "test_serve_
                 "test_image_streaming.py": 50, "test_gpu_check.py": 50, "test_kernels.py": 45,
                 "test_tracking_server.py": 40, "test_speculative.py": 35, "test_serve.py": 100,
                 "test_learning_parity.py": 30, "test_data_handoff.py": 30,
-                "test_serve_engine_process.py": 30}
+                "test_serve_engine_process.py": 30, "test_serve_ingress.py": 35}
 
 
 def pytest_collection_modifyitems(config, items):
