@@ -763,7 +763,7 @@ def main() -> None:
         if not ingresses:
             raise ConfigError("--ingress names none")
         for kind in ingresses:
-            Ingress(kind).env()  # an unknown name, or haproxy without its binary: refused before any work
+            Ingress(kind).check()  # an unknown name, or haproxy without its binary: refused before any work
     except ConfigError as exc:
         p.error(f"--ingress: {exc}")
     if args.inprocess and args.ingress != "proxy":
@@ -829,7 +829,6 @@ def main() -> None:
     from ray import serve
 
     from efftx.serving.app_args import TextAppArgs
-    from efftx.serving.ingress import Ingress
     from efftx.serving.schemas import Limits
     from efftx.serving.text import build
 

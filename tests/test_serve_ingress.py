@@ -117,7 +117,8 @@ def test_the_wrapper_runs_its_command_with_the_ingress_and_refuses_bad_input(tmp
     assert got.returncode == 0 and json.loads(got.stdout) == {}, got.stderr
     bad = run("nginx", "--", *show)
     assert bad.returncode == 2 and "unknown Serve ingress 'nginx'" in bad.stderr
-    assert run("haproxy").returncode == 2 and "no command" in run("haproxy").stderr
+    none = run("haproxy")
+    assert none.returncode == 2 and "no command" in none.stderr
     missing = run("haproxy", "--", str(tmp_path / "no-such-program"))
     assert missing.returncode == 127 and "cannot run" in missing.stderr
 

@@ -57,11 +57,16 @@ class Ingress:
         Raises ConfigError when ``haproxy`` has no HAProxy binary to run."""
         if self.kind == "proxy":
             return {}
-        haproxy_binary()
+        self.check()
         from efftx.cluster import free_port
 
         return {HAPROXY_ENV: "1", DRAIN_ENV: f"{self.drain_s:g}",
                 **{var: environ.get(var) or str(free_port()) for var in PORT_ENVS}}
+
+    def check(self) -> None:
+        """Raises ConfigError when this ingress cannot run here (``haproxy`` without its binary)."""
+        if self.kind == "haproxy":
+            haproxy_binary()
 
     def apply(self, environ=os.environ) -> None:
         """Set :meth:`env` in ``environ`` and clear the switch and draining period another ingress set there."""
