@@ -63,17 +63,20 @@ def test_the_ingress_env_names_its_variables_and_clears_the_other_ingress(monkey
     env = Ingress("haproxy", drain_s=1.5).env()
     assert {k: env[k] for k in (ingress.HAPROXY_ENV, ingress.DRAIN_ENV)} == {ingress.HAPROXY_ENV: "1",
                                                                              ingress.DRAIN_ENV: "1.5"}
-    # HAProxy's metrics and stats listeners: free ports of this cluster's own (not Ray's fixed 9101 and 8404, which a
-    # second cluster on the machine would fail to bind), or the ones the environment names
+    # HAProxy's metrics and stats listeners and the fallback proxy's HTTP and gRPC ports: free ports of this cluster's
+    # own (not Ray's fixed 9101, 8404, 8500 and 9500, which a second cluster on the machine would fail to bind or, the
+    # fallback proxy, share), or the ones the environment names
+    assert set(ingress.PORT_ENVS) == {"RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT",
+                                      "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT"}
     ports = [int(env[var]) for var in ingress.PORT_ENVS]
-    assert len(set(ports)) == 2 and not {9101, 8404} & set(ports)
+    assert len(set(ports)) == 4 and not {9101, 8404, 8500, 9500} & set(ports)
     assert all(port_free(p) for p in ports)
     env = {ingress.HAPROXY_ENV: "1", ingress.DRAIN_ENV: "30", "OTHER": "x", ingress.PORT_ENVS[0]: "9200"}
     Ingress("proxy").apply(env)
     assert env == {"OTHER": "x", ingress.PORT_ENVS[0]: "9200"}
     Ingress("haproxy").apply(env)
     assert env[ingress.PORT_ENVS[0]] == "9200" and env[ingress.DRAIN_ENV] == "2" and env[ingress.HAPROXY_ENV] == "1"
-    assert int(env[ingress.PORT_ENVS[1]]) not in (8404, 9200)
+    assert not {int(env[var]) for var in ingress.PORT_ENVS[1:]} & {8404, 8500, 9500, 9200}
 
 
 @pytest.mark.parametrize("kwargs, says", [({"kind": "nginx"}, "unknown Serve ingress 'nginx': choose one of proxy, "
@@ -112,7 +115,7 @@ def test_the_wrapper_runs_its_command_with_the_ingress_and_refuses_bad_input(tmp
     got = json.loads(got.stdout)
     assert {k: got.pop(k) for k in (ingress.HAPROXY_ENV, ingress.DRAIN_ENV)} == {ingress.HAPROXY_ENV: "1",
                                                                                  ingress.DRAIN_ENV: "3"}
-    assert sorted(got) == sorted(ingress.PORT_ENVS)  # HAProxy's own listeners, on ports of their own
+    assert sorted(got) == sorted(ingress.PORT_ENVS)  # HAProxy's listeners and its fallback proxy, ports of their own
     got = run("proxy", "--", *show)  # the switch the environment had set is cleared
     assert got.returncode == 0 and json.loads(got.stdout) == {}, got.stderr
     bad = run("nginx", "--", *show)
@@ -201,3 +204,103 @@ def test_the_text_app_behind_haproxy_answers_as_the_library_decodes_and_restarts
             except subprocess.TimeoutExpired:
                 server.kill()
                 server.wait()
+
+
+# A light server for two clusters side by side: a cluster of its own under the ingress, an application at "/" that
+# answers its name (TAG + version), "ready" once it answers; then per stdin line "redeploy" a new version of the
+# application (a new replica, which takes a second to start: while none is up, HAProxy sends requests to its backup
+# server, the cluster's fallback proxy), "redeployed" once it answers; "quit".
+TAGGED = """
+import sys, time
+from ray import serve
+from efftx.cluster import start_local
+
+tag, port = sys.argv[1], int(sys.argv[2])
+start_local(num_cpus=1, include_dashboard=False, log_to_driver=False)
+
+def app(version):
+    @serve.deployment(name="Tagged", ray_actor_options={"num_cpus": 0.1})
+    class Tagged:
+        def __init__(self):
+            time.sleep(1)
+
+        async def __call__(self, request):
+            return f"{tag}{version}"
+    return Tagged.bind()
+
+serve.start(http_options={"host": "127.0.0.1", "port": port})
+serve.run(app(0), route_prefix="/")
+print("ready", flush=True)
+version = 0
+for line in sys.stdin:
+    if line.strip() != "redeploy":
+        break
+    version += 1
+    serve.run(app(version), route_prefix="/")
+    print("redeployed", flush=True)
+serve.shutdown()
+"""
+
+
+@pytest.mark.slow
+def test_a_redeploy_behind_haproxy_is_answered_by_its_own_cluster_never_by_another_on_the_machine():
+    """Two clusters on one machine, each behind its HAProxy with an application at the same route: while one
+    redeploys (HAProxy's backup, the fallback proxy, takes the requests in between), every answer comes from that
+    cluster. With Ray's fixed fallback port both clusters' fallback proxies bound it (SO_REUSEPORT) and requests in a
+    redeploy were answered by the other cluster's application (149 of 785 when first seen)."""
+    import threading
+    import time
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}
+    ports = {tag: free_port() for tag in "AB"}
+    servers = {tag: subprocess.Popen([sys.executable, "-m", "efftx.serving.ingress", "haproxy", "--", sys.executable,
+                                      "-c", TAGGED, tag, str(port)], cwd=REPO, env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for tag, port in ports.items()}
+
+    def expect(tag: str, word: str) -> None:
+        lines = []
+        for line in servers[tag].stdout:
+            lines.append(line)
+            if line.startswith(word):
+                return
+        raise AssertionError(f"server {tag} ended before {word!r}:\n{''.join(lines)[-4000:]}")
+
+    answers, stop = [], threading.Event()
+
+    def ask():
+        while not stop.is_set():
+            try:
+                res = requests.get(f"http://127.0.0.1:{ports['B']}/", timeout=30)
+                answers.append(res.text if res.status_code == 200 else f"HTTP {res.status_code}")
+            except requests.RequestException as exc:
+                answers.append(repr(exc))
+            time.sleep(0.01)
+
+    asker = threading.Thread(target=ask, daemon=True)
+    try:
+        for tag in servers:
+            expect(tag, "ready")
+        assert listener(ports["A"]) == listener(ports["B"]) == "haproxy"
+        asker.start()
+        for _ in range(3):
+            servers["B"].stdin.write("redeploy\n")
+            servers["B"].stdin.flush()
+            expect("B", "redeployed")
+            time.sleep(1)
+    finally:
+        stop.set()
+        if asker.is_alive():
+            asker.join(timeout=60)
+        for server in servers.values():
+            if server.poll() is None:
+                server.stdin.write("quit\n")
+                server.stdin.flush()
+        for server in servers.values():
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+    seen = {answer: answers.count(answer) for answer in answers}
+    assert set(seen) <= {"B0", "B1", "B2", "B3"} and {"B1", "B2", "B3"} <= set(seen), seen

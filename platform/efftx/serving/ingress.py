@@ -30,11 +30,16 @@ from efftx.errors import ConfigError
 CHOICES = ("proxy", "haproxy")
 HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
 DRAIN_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
-# HAProxy's own listeners beside Serve's port: Prometheus metrics (Ray's default 9101) and stats (8404), on every
-# address. Two clusters on one machine (two local Serve apps, a test run beside one) would both take the defaults and
-# the second HAProxy would exit ("cannot bind socket"), leaving its Serve port closed: unless set, each cluster gets
-# free ports of its own.
-PORT_ENVS = ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT")
+# Fixed ports Ray gives every HAProxy cluster, which two clusters on one machine (two local Serve apps, a test run beside
+# one) must not share, so unless set each cluster gets free ones of its own:
+# * HAProxy's own listeners beside Serve's port, Prometheus metrics (Ray's default 9101) and stats (8404), on every
+#   address: the second HAProxy would exit ("cannot bind socket"), leaving its Serve port closed;
+# * the fallback Serve proxy behind HAProxy (HTTP 8500, gRPC 9500), HAProxy's backup server while an application has
+#   no replica up (a redeploy, a replica restarting): it binds with SO_REUSEPORT, so the second cluster's proxy binds
+#   the same port and the kernel spreads connections over both clusters' proxies: requests in a redeploy of one
+#   cluster's application were answered by the other cluster's application at the same route.
+PORT_ENVS = ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT",
+             "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT")
 
 
 @dataclass(frozen=True)
@@ -53,7 +58,7 @@ class Ingress:
 
     def env(self, environ=os.environ) -> dict[str, str]:
         """The variables a Ray cluster's processes need for this ingress (none for ``proxy``): for ``haproxy`` its
-        switch, the draining period and HAProxy's metrics and stats ports (those ``environ`` sets, else free ones).
+        switch, the draining period and the ports of :data:`PORT_ENVS` (those ``environ`` sets, else free ones).
         Raises ConfigError when ``haproxy`` has no HAProxy binary to run."""
         if self.kind == "proxy":
             return {}
