@@ -11,6 +11,10 @@ to sqlite in the test home (on the disk every node shares).
 3. Node loss, elastic (``scaling.min_workers=1``): the run restarts on the remaining node alone, without any capacity
    coming back, and finishes; the world_size metric drops from 2 to 1.
 
+0. Before those, a cluster of its own whose nodes start with ``--serve-ingress haproxy``: through HAProxy on the head's
+   Serve port, an application's replicas on both worker nodes answer, straight from HAProxy (its stats), never
+   through its backup, Serve's fallback proxy.
+
 The drivers of 2 and 3 run as subprocesses (`python jobs/train_lm.py` with RAY_ADDRESS), never in this process,
 whose own Ray cluster starts after these tests (conftest orders ``own_cluster`` tests first).
 """
@@ -53,8 +57,8 @@ def kill_node(temp_dir: str) -> list[int]:
 class Cluster:
     """The head (``python -m efftx.cluster up --num-cpus 0``: jobs, no training) and its worker nodes."""
 
-    def __init__(self, root: Path, env: dict[str, str]):
-        self.root, self.env = root, env
+    def __init__(self, root: Path, env: dict[str, str], ingress: str = "proxy"):
+        self.root, self.env, self.ingress = root, env, ingress
         self.gcs_port, self.dash_port = free_port(), free_port()
         self.workers: dict[str, str] = {}  # name -> temp dir
 
@@ -66,13 +70,14 @@ class Cluster:
     def jobs_address(self) -> str:
         return f"http://127.0.0.1:{self.dash_port}"
 
-    def start_head(self) -> None:
+    def start_head(self, **env: str) -> None:
         cmd = [str(BIN / "python"), "-m", "efftx.cluster", "up", "--num-cpus", "0", "--port", str(self.gcs_port),
                "--dashboard-port", str(self.dash_port), "--temp-dir", str(self.root / "head"),
-               "--ray-client-server-port", str(free_port()), "--metrics-export-port", str(free_port())]
+               "--ray-client-server-port", str(free_port()), "--metrics-export-port", str(free_port()),
+               "--serve-ingress", self.ingress]
         # no --dashboard-agent-listen-port: `up` picks a free one and, when another process takes it before the
         # agent binds it (seen in `make test`: no job was ever accepted), starts the head again on another
-        proc = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=400)
+        proc = subprocess.run(cmd, env={**self.env, **env}, capture_output=True, text=True, timeout=400)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
 
     def add_workers(self, *names: str) -> None:
@@ -83,9 +88,12 @@ class Cluster:
             temp_dir = str(self.root / name)
             cmd = [str(BIN / "python"), "-m", "efftx.cluster", "join", "--address", self.address, "--num-cpus", "1",
                    "--temp-dir", temp_dir, "--dashboard-agent-listen-port", str(free_port()),
-                   "--metrics-export-port", str(free_port())]
-            procs[name] = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                           text=True)
+                   "--metrics-export-port", str(free_port()), "--serve-ingress", self.ingress]
+            # behind HAProxy every node's HAProxy binds Serve's HTTP port: nodes sharing one machine's ports need
+            # Ray's per-worker-node port (a cluster of machines keeps the one port on every node)
+            env = {**self.env, **({"RAY_SERVE_WORKER_PROXY_HTTP_PORT": str(free_port())}
+                                  if self.ingress == "haproxy" else {})}
+            procs[name] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             self.workers[name] = temp_dir
         for name, proc in procs.items():
             out, _ = proc.communicate(timeout=400)
@@ -108,6 +116,73 @@ class Cluster:
     def stop(self) -> None:
         for temp_dir in [*self.workers.values(), str(self.root / "head")]:
             kill_node(temp_dir)
+
+
+# A deployment answering with the id of the node its replica runs on: two replicas, one on each worker node.
+WHERE = """
+import sys, ray
+from ray import serve
+
+ray.init(logging_level="ERROR")
+
+
+@serve.deployment(num_replicas=2, max_replicas_per_node=1, ray_actor_options={"num_cpus": 0.5})
+class Where:
+    async def __call__(self, request):
+        return ray.get_runtime_context().get_node_id()
+
+
+serve.start(http_options={"host": "127.0.0.1", "port": int(sys.argv[1])})
+serve.run(Where.bind(), route_prefix="/")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.own_cluster
+def test_0_behind_haproxy_the_heads_address_serves_the_replicas_of_both_worker_nodes(tmp_path):
+    """A cluster whose nodes start with ``python -m efftx.cluster up|join --serve-ingress haproxy``: an application
+    with one replica on each worker node answers through HAProxy on the head's Serve port from both nodes (HAProxy
+    passes requests straight to replicas on other nodes). Runs before, and apart from, the module's cluster below."""
+    import requests
+
+    from test_serve_ingress import listener
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN")
+           and not k.startswith("RAY_SERVE_")}
+    c = Cluster(Path(tempfile.mkdtemp(prefix="efftx-haproxy-nodes-", dir="/tmp")),
+                {**env, "PATH": f"{BIN}:{env['PATH']}"}, ingress="haproxy")
+    port, stats, seen = free_port(), free_port(), {}
+    try:
+        c.start_head(RAY_SERVE_HAPROXY_STATS_PORT=str(stats))  # the head's HAProxy reports what it sent where
+        c.add_workers("w1", "w2")
+        proc = subprocess.run([sys.executable, "-c", WHERE, str(port)], cwd=REPO,
+                              env={**c.env, "RAY_ADDRESS": c.address}, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+        url, deadline = f"http://127.0.0.1:{port}/", time.time() + 120
+        while time.time() < deadline:  # up once HAProxy has the application's replicas
+            try:
+                if requests.get(url, timeout=10).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(0.2)
+        for _ in range(40):  # then every answer is a replica's
+            res = requests.get(url, timeout=10)
+            key = res.text if res.status_code == 200 else f"HTTP {res.status_code}: {res.text[:100]}"
+            seen[key] = seen.get(key, 0) + 1
+        assert listener(port) == "haproxy"
+        nodes = c.node_ids()
+        assert set(seen) == {nodes["w1"], nodes["w2"]}, (seen, nodes)
+        # HAProxy sent them to the replicas themselves, not to its backup (Serve's fallback proxy on the head)
+        table = requests.get(f"http://127.0.0.1:{stats}/stats;csv", timeout=10).text.lstrip("# ").splitlines()
+        rows = [dict(zip(table[0].split(","), line.split(","))) for line in table[1:]]
+        sent = {row["svname"]: int(row["stot"] or 0) for row in rows if row["pxname"] == "http-default"}
+        replicas = {name: n for name, n in sent.items() if name.startswith("SERVE_REPLICA")}
+        assert len(replicas) == 2 and all(n > 0 for n in replicas.values()), sent
+        assert sum(replicas.values()) >= 40 and not [n for name, n in sent.items() if "fallback" in name and n], sent
+    finally:
+        c.stop()
+        time.sleep(1)
 
 
 @pytest.fixture(scope="module")
