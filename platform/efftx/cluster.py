@@ -32,7 +32,9 @@ be submitted. ``up`` reads that in the agent's log, stops the head and starts it
 
 ``--serve-ingress haproxy`` starts the node's Ray processes with Serve's HAProxy ingress on
 (:mod:`efftx.serving.ingress`): HTTP goes from HAProxy straight to the replicas, without Serve's Python proxy. Give
-every node of a cluster the same choice.
+every node of a cluster the same choice. Each replica then serves HTTP itself on the application's
+``http_options.host``: on a cluster of several machines that host must be one the other nodes reach (``0.0.0.0``),
+not ``127.0.0.1``, or a node's HAProxy cannot reach the replicas of the others.
 """
 
 from __future__ import annotations
