@@ -139,10 +139,12 @@ serve.run(Where.bind(), route_prefix="/")
 
 @pytest.mark.slow
 @pytest.mark.own_cluster
-def test_0_behind_haproxy_the_heads_address_serves_the_replicas_of_both_worker_nodes(tmp_path):
+def test_0_behind_haproxy_the_heads_address_serves_the_replicas_of_both_worker_nodes():
     """A cluster whose nodes start with ``python -m efftx.cluster up|join --serve-ingress haproxy``: an application
     with one replica on each worker node answers through HAProxy on the head's Serve port from both nodes (HAProxy
     passes requests straight to replicas on other nodes). Runs before, and apart from, the module's cluster below."""
+    from collections import Counter
+
     import requests
 
     from test_serve_ingress import listener
@@ -151,7 +153,7 @@ def test_0_behind_haproxy_the_heads_address_serves_the_replicas_of_both_worker_n
            and not k.startswith("RAY_SERVE_")}
     c = Cluster(Path(tempfile.mkdtemp(prefix="efftx-haproxy-nodes-", dir="/tmp")),
                 {**env, "PATH": f"{BIN}:{env['PATH']}"}, ingress="haproxy")
-    port, stats, seen = free_port(), free_port(), {}
+    port, stats, seen = free_port(), free_port(), Counter()
     try:
         c.start_head(RAY_SERVE_HAPROXY_STATS_PORT=str(stats))  # the head's HAProxy reports what it sent where
         c.add_workers("w1", "w2")
@@ -168,8 +170,7 @@ def test_0_behind_haproxy_the_heads_address_serves_the_replicas_of_both_worker_n
             time.sleep(0.2)
         for _ in range(40):  # then every answer is a replica's
             res = requests.get(url, timeout=10)
-            key = res.text if res.status_code == 200 else f"HTTP {res.status_code}: {res.text[:100]}"
-            seen[key] = seen.get(key, 0) + 1
+            seen[res.text if res.status_code == 200 else f"HTTP {res.status_code}: {res.text[:100]}"] += 1
         assert listener(port) == "haproxy"
         nodes = c.node_ids()
         assert set(seen) == {nodes["w1"], nodes["w2"]}, (seen, nodes)

@@ -152,25 +152,47 @@ def listener(port: int) -> str:
     return ""
 
 
-@pytest.mark.slow
-def test_the_text_app_behind_haproxy_answers_as_the_library_decodes_and_restarts(debug_exports):
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}
-    server = subprocess.Popen([sys.executable, "-m", "efftx.serving.ingress", "haproxy", "--", sys.executable, "-c",
-                               SERVER, debug_exports["target"], debug_exports["draft"], str(port)],
-                              cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+class Server:
+    """``python -m efftx.serving.ingress haproxy -- python -c SCRIPT ARGS`` (without the RAY_SERVE_ variables of this
+    process): its output read line by line, commands sent one per stdin line, "quit" to stop."""
 
-    def expect(word: str) -> str:
+    def __init__(self, script: str, *args: str):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}
+        self.proc = subprocess.Popen([sys.executable, "-m", "efftx.serving.ingress", "haproxy", "--", sys.executable,
+                                      "-c", script, *args], cwd=REPO, env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def expect(self, word: str) -> str:
+        """The next output line starting with ``word``."""
         lines = []
-        for line in server.stdout:
+        for line in self.proc.stdout:
             lines.append(line)
             if line.startswith(word):
                 return line
         raise AssertionError(f"the server ended before {word!r}:\n{''.join(lines)[-4000:]}")
 
+    def send(self, command: str) -> None:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+
+    def quit(self) -> None:
+        if self.proc.poll() is None:
+            self.send("quit")
+
+    def wait(self) -> None:
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.mark.slow
+def test_the_text_app_behind_haproxy_answers_as_the_library_decodes_and_restarts(debug_exports):
+    port = free_port()
+    server = Server(SERVER, debug_exports["target"], debug_exports["draft"], str(port))
     try:
-        expect("ready")
+        server.expect("ready")
         url = f"http://127.0.0.1:{port}"
         assert listener(port) == "haproxy"  # the app's port is HAProxy's, not Serve's Python proxy
         bodies, answers = concurrent_requests_decode_as_the_library(url, debug_exports, 10)
@@ -184,11 +206,10 @@ def test_the_text_app_behind_haproxy_answers_as_the_library_decodes_and_restarts
         assert bad.status_code == 422 and "max_new_tokens" in bad.text
         assert requests.get(f"{url}/healthz", timeout=30).json()["status"] == "ok"
 
-        server.stdin.write("restart\n")
-        server.stdin.flush()
-        took = float(expect("shutdown").split()[1])
+        server.send("restart")
+        took = float(server.expect("shutdown").split()[1])
         assert took < 25, took  # shut down, not given up on after Serve's 30 s
-        expect("ready")
+        server.expect("ready")
         again = requests.post(f"{url}/generate", json=bodies[1], timeout=120)
         assert again.status_code == 200, again.text
         first, second = answers[1].json()["results"], again.json()["results"]
@@ -196,14 +217,8 @@ def test_the_text_app_behind_haproxy_answers_as_the_library_decodes_and_restarts
         assert second["speculative"]["acceptance_histogram"] == first["speculative"]["acceptance_histogram"]
         assert listener(port) == "haproxy"
     finally:
-        if server.poll() is None:
-            server.stdin.write("quit\n")
-            server.stdin.flush()
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
+        server.quit()
+        server.wait()
 
 
 # A light server for two clusters side by side: a cluster of its own under the ingress, an application at "/" that
@@ -250,21 +265,10 @@ def test_a_redeploy_behind_haproxy_is_answered_by_its_own_cluster_never_by_anoth
     redeploy were answered by the other cluster's application (149 of 785 when first seen)."""
     import threading
     import time
+    from collections import Counter
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}
     ports = {tag: free_port() for tag in "AB"}
-    servers = {tag: subprocess.Popen([sys.executable, "-m", "efftx.serving.ingress", "haproxy", "--", sys.executable,
-                                      "-c", TAGGED, tag, str(port)], cwd=REPO, env=env, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-               for tag, port in ports.items()}
-
-    def expect(tag: str, word: str) -> None:
-        lines = []
-        for line in servers[tag].stdout:
-            lines.append(line)
-            if line.startswith(word):
-                return
-        raise AssertionError(f"server {tag} ended before {word!r}:\n{''.join(lines)[-4000:]}")
+    servers = {tag: Server(TAGGED, tag, str(port)) for tag, port in ports.items()}
 
     answers, stop = [], threading.Event()
 
@@ -279,28 +283,21 @@ def test_a_redeploy_behind_haproxy_is_answered_by_its_own_cluster_never_by_anoth
 
     asker = threading.Thread(target=ask, daemon=True)
     try:
-        for tag in servers:
-            expect(tag, "ready")
+        for server in servers.values():
+            server.expect("ready")
         assert listener(ports["A"]) == listener(ports["B"]) == "haproxy"
         asker.start()
         for _ in range(3):
-            servers["B"].stdin.write("redeploy\n")
-            servers["B"].stdin.flush()
-            expect("B", "redeployed")
+            servers["B"].send("redeploy")
+            servers["B"].expect("redeployed")
             time.sleep(1)
     finally:
         stop.set()
         if asker.is_alive():
             asker.join(timeout=60)
         for server in servers.values():
-            if server.poll() is None:
-                server.stdin.write("quit\n")
-                server.stdin.flush()
+            server.quit()
         for server in servers.values():
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
-    seen = {answer: answers.count(answer) for answer in answers}
+            server.wait()
+    seen = Counter(answers)
     assert set(seen) <= {"B0", "B1", "B2", "B3"} and {"B1", "B2", "B3"} <= set(seen), seen
